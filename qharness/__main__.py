@@ -1,0 +1,3 @@
+from qharness.cli import main
+
+main()

@@ -1,0 +1,132 @@
+"""Every import that moves between releases of torchao / ExecuTorch / transformers lives here.
+
+When upstream moves a symbol, this is the one file to edit. Each workaround names the upstream
+issue it works around and has a test (tests/test_compat.py) that fails once upstream changes.
+
+Imports are done inside functions: ``import executorch`` and the quantizers take seconds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+# --- PT2E (torchao.quantization.pt2e; torch.ao.quantization was the old home) -------------------
+def pt2e():
+    """The PT2E entry points as a namespace: prepare_pt2e, prepare_qat_pt2e, convert_pt2e, ..."""
+    import types
+
+    from torchao.quantization import pt2e as _pt2e
+    from torchao.quantization.pt2e import quantize_pt2e
+
+    return types.SimpleNamespace(
+        prepare_pt2e=quantize_pt2e.prepare_pt2e,
+        prepare_qat_pt2e=quantize_pt2e.prepare_qat_pt2e,
+        convert_pt2e=quantize_pt2e.convert_pt2e,
+        move_to_train=_pt2e.move_exported_model_to_train,
+        move_to_eval=_pt2e.move_exported_model_to_eval,
+        allow_train_eval=_pt2e.allow_exported_model_train_eval,
+        FakeQuantize=_pt2e.FakeQuantize,
+        FakeQuantizeBase=_pt2e.FakeQuantizeBase,
+        MovingAverageMinMaxObserver=_pt2e.MovingAverageMinMaxObserver,
+        MovingAveragePerChannelMinMaxObserver=_pt2e.MovingAveragePerChannelMinMaxObserver,
+    )
+
+
+# --- XNNPACK quantizer ----------------------------------------------------------------------------
+def _lift_scalars_keeping_dtype(model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Lift scalar operands of aten.add/mul into buffers of the node's own dtype.
+
+    ExecuTorch 1.5.1's ``_convert_scalars_to_attrs`` lifts them as float32, which turns HF Llama's
+    int64 ``arange(n) + 0`` into a float index ("tensors used as indices must be long ...").
+    Upstream: pytorch/executorch issue #22062, fixed by PR #22065 (after 1.5.1).
+    """
+    from torchao.quantization.pt2e.utils import get_new_attr_name_with_prefix
+
+    for node in model.graph.nodes:
+        if node.op != "call_function" or node.target not in (torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor):
+            continue
+        new_args = []
+        for arg in node.args:
+            if isinstance(arg, torch.fx.Node):
+                new_args.append(arg)
+                continue
+            name = get_new_attr_name_with_prefix("_tensor_constant_")(model)
+            value = torch.tensor(arg, dtype=node.meta["val"].dtype)
+            model.register_buffer(name, value)
+            with model.graph.inserting_before(node):
+                get_attr = model.graph.create_node("get_attr", name, (), {})
+                get_attr.meta["val"] = node.meta["val"].fake_mode.from_tensor(value, static_shapes=True)
+            new_args.append(get_attr)
+        node.args = tuple(new_args)
+    model.recompile()
+    return model
+
+
+def xnnpack_quantizer_cls():
+    """``XNNPACKQuantizer`` with the scalar-lifting fix applied (see ``_lift_scalars_keeping_dtype``)."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import XNNPACKQuantizer
+
+    class FixedXNNPACKQuantizer(XNNPACKQuantizer):
+        def transform_for_annotation(self, model):
+            return _lift_scalars_keeping_dtype(model)
+
+    return FixedXNNPACKQuantizer
+
+
+def xnnpack_symmetric_config(**kwargs):
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import get_symmetric_quantization_config
+
+    return get_symmetric_quantization_config(**kwargs)
+
+
+def upstream_xnnpack_scalar_lifting():
+    """The unpatched upstream function, for the test that tells when the workaround can go."""
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer_utils import _convert_scalars_to_attrs
+
+    return _convert_scalars_to_attrs
+
+
+# --- Partitioners ---------------------------------------------------------------------------------
+def xnnpack_partitioner(dynamic_quant: bool):
+    """An XNNPACK partitioner. Dynamically quantized graphs need the dynamic-quant partitioner placed
+    before the plain one, or lowering fails with "Invalid partition, found dependency cycles"."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+        XnnpackDynamicallyQuantizedPartitioner,
+        XnnpackPartitioner,
+    )
+
+    return XnnpackDynamicallyQuantizedPartitioner() if dynamic_quant else XnnpackPartitioner()
+
+
+# --- ExecuTorch lowering and runtime --------------------------------------------------------------
+def to_edge_transform_and_lower(*args, **kwargs):
+    from executorch.exir import to_edge_transform_and_lower as _lower
+
+    return _lower(*args, **kwargs)
+
+
+def edge_compile_config(**kwargs):
+    from executorch.exir import EdgeCompileConfig
+
+    return EdgeCompileConfig(**kwargs)
+
+
+def executorch_runtime():
+    from executorch.runtime import Runtime
+
+    return Runtime.get()
+
+
+# --- transformers ---------------------------------------------------------------------------------
+def hf_static_cache_exportable(model, batch_size: int, max_cache_len: int):
+    """HF's static-KV-cache wrapper whose forward is ``(input_ids, cache_position) -> logits``."""
+    from transformers import GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model.generation_config = GenerationConfig(
+        use_cache=True,
+        cache_implementation="static",
+        cache_config={"batch_size": batch_size, "max_cache_len": max_cache_len},
+    )
+    return TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch_size, max_cache_len=max_cache_len).model

@@ -1,0 +1,45 @@
+"""Small typed configs for the stages after training. Their docstrings become ``--help`` text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class ExportConfig:
+    """Deployment: static-KV-cache export, lowering with the recipe's partitioners, ``.pte``.
+
+    Args:
+        enabled: Export, lower and check the ``.pte`` at the end of fit/calibrate.
+        max_seq_len: KV-cache length of the ``.pte`` (prompt + generated tokens); above data.seq_len and at most the model's context.
+        filename: Name of the ``.pte`` inside the run directory.
+        calibration_blocks: Training blocks run through the deploy graph's observers before convert_pt2e.
+    """
+
+    enabled: bool = True
+    max_seq_len: int = 256
+    filename: str = "model.pte"
+    calibration_blocks: int = 4
+
+
+@dataclass
+class ParityConfig:
+    """Parity gate: the ``.pte`` (ExecuTorch runtime) against the converted PyTorch model.
+
+    Args:
+        prompts: Held-out prompts (validation blocks) run through prefill + decode in both.
+        prompt_len: Tokens per prompt (prefill length).
+        decode_steps: Greedy decode steps after the prefill, one token at a time through the KV cache.
+        eval_blocks: Validation blocks (at most) scored for perplexity by every model (FP, fake-quant, converted, .pte).
+        max_ppl_rel_diff: Fail when |ppl(.pte) - ppl(converted)| / ppl(converted) exceeds this.
+        min_argmax_agreement: Fail when the .pte and converted model pick the same next token less often than this.
+        max_abs_diff: Fail when the largest logit difference exceeds this (null: report only).
+    """
+
+    prompts: int = 4
+    prompt_len: int = 32
+    decode_steps: int = 8
+    eval_blocks: int = 32
+    max_ppl_rel_diff: float = 0.02
+    min_argmax_agreement: float = 0.9
+    max_abs_diff: float | None = None

@@ -1,0 +1,156 @@
+"""Text data: load with ``datasets``, tokenize, pack into fixed-length blocks, split deterministically.
+
+``source`` is ``embedded`` (the Python documentation text the default model was pretrained on), a
+local ``.txt`` / ``.json`` / ``.jsonl`` / ``.parquet`` / ``.csv`` file (or a directory of them), or a hub
+dataset id when online. The token stream is cut into non-overlapping blocks of ``seq_len`` inputs
+(targets are the next tokens); the last ``val_fraction`` of the stream is the validation split.
+
+Example::
+
+    dm = TextDataModule(source="../shared/data/tinyshakespeare/input.txt", seq_len=64, batch_size=8)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from qharness.errors import UserError
+
+_BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_texts(source: str, text_field: str = "text", split: str = "train") -> list[str]:
+    """The documents of a data source, as a list of strings."""
+    from qharness.models import EMBEDDED, embedded_corpus
+
+    if source == EMBEDDED:
+        return embedded_corpus()
+    import datasets
+
+    path = Path(source).expanduser()
+    if path.exists():
+        files = sorted(p for p in path.rglob("*") if p.suffix in _BUILDERS) if path.is_dir() else [path]
+        if not files:
+            raise UserError(f"data.source {path} holds no {'/'.join(_BUILDERS)} files")
+        builder = _BUILDERS.get(files[0].suffix)
+        if builder is None:
+            raise UserError(f"data.source {path}: unsupported file type {files[0].suffix!r}", fix=f"use one of {', '.join(_BUILDERS)}")
+        if any(f.stat().st_size == 0 for f in files):
+            raise UserError(f"data.source {next(f for f in files if f.stat().st_size == 0)} is empty")
+        kwargs = {"sample_by": "document"} if builder == "text" else {}
+        ds = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **kwargs)
+    elif source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise UserError(f"data.source {path} does not exist", fix="give an existing file or directory, or a hub dataset id")
+    else:
+        try:
+            ds = datasets.load_dataset(source, split=split)
+        except Exception as e:  # offline, unknown id, ...
+            raise UserError(
+                f"could not load dataset {source!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                fix="use a local file (data.source: path/to/file.txt) or go online",
+            ) from e
+    if text_field not in ds.column_names:
+        raise UserError(f"data.text_field {text_field!r} is not a column of {source}", fix=f"columns: {', '.join(ds.column_names)}")
+    return [t for t in ds[text_field] if t]
+
+
+def tokenize_stream(texts: list[str], tokenizer) -> torch.Tensor:
+    """All documents as one 1-D token stream, documents separated by EOS."""
+    ids: list[int] = []
+    eos = tokenizer.eos_token_id
+    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        if eos is not None:
+            ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def pack(stream: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-overlapping blocks: inputs ``[n, seq_len]`` and next-token targets ``[n, seq_len]``."""
+    n = (len(stream) - 1) // seq_len
+    x = stream[: n * seq_len].view(n, seq_len)
+    y = stream[1 : n * seq_len + 1].view(n, seq_len)
+    return x, y
+
+
+class TextDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        source: str = "embedded",
+        text_field: str = "text",
+        tokenizer: str = "embedded",
+        seq_len: int = 128,
+        batch_size: int = 8,
+        val_fraction: float = 0.1,
+        seed: int = 1234,
+        trust_remote_code: bool = False,
+    ):
+        """Language-modelling data packed into fixed-length blocks.
+
+        Args:
+            source: ``embedded`` (Python's documentation text), a local .txt/.json/.jsonl/.parquet/.csv file or
+                directory, or a hub dataset id (online only).
+            text_field: Column holding the text (json/parquet/csv/hub sources).
+            tokenizer: Where the tokenizer comes from; linked to ``model.checkpoint`` (you rarely set it).
+            seq_len: Tokens per block: the sequence length the model is trained and evaluated on.
+            batch_size: Blocks per batch. Training graphs are exported with this static batch size.
+            val_fraction: Fraction of the token stream (its end) held out for validation and parity checks.
+            seed: Seed of the training-batch shuffle.
+            trust_remote_code: Allow the tokenizer's own code from the hub (off by default; only for sources you trust).
+        """
+        super().__init__()
+        if seq_len < 2:
+            raise UserError(f"data.seq_len must be at least 2 (got {seq_len})")
+        if batch_size < 1:
+            raise UserError(f"data.batch_size must be positive (got {batch_size})")
+        if not 0.0 < val_fraction < 1.0:
+            raise UserError(f"data.val_fraction must lie in (0, 1) (got {val_fraction})")
+        self.save_hyperparameters()
+        self.source, self.text_field, self.tokenizer_source = source, text_field, tokenizer
+        self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
+        self.trust_remote_code = trust_remote_code
+        self.train_x = self.train_y = self.val_x = self.val_y = None
+        self.tokenizer = None
+
+    def load_tokenizer(self):
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from qharness.models import resolve_checkpoint
+
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                resolve_checkpoint(self.tokenizer_source), trust_remote_code=self.trust_remote_code
+            )
+        return self.tokenizer
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_x is not None:
+            return
+        stream = tokenize_stream(load_texts(self.source, self.text_field), self.load_tokenizer())
+        n_val = int(len(stream) * self.val_fraction)
+        train, val = stream[: len(stream) - n_val], stream[len(stream) - n_val :]
+        self.train_x, self.train_y = pack(train, self.seq_len)
+        self.val_x, self.val_y = pack(val, self.seq_len)
+        for name, x in (("training", self.train_x), ("validation", self.val_x)):
+            if len(x) < self.batch_size:
+                raise UserError(
+                    f"data.source {self.source}: the {name} split has {len(x)} blocks of seq_len={self.seq_len}, "
+                    f"fewer than one batch (batch_size={self.batch_size})",
+                    fix="use more text, a smaller seq_len/batch_size, or another val_fraction",
+                )
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            TensorDataset(self.train_x, self.train_y), batch_size=self.batch_size, shuffle=True, drop_last=True, generator=gen
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.val_x, self.val_y), batch_size=self.batch_size, drop_last=True)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

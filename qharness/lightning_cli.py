@@ -1,0 +1,160 @@
+"""The LightningCLI behind ``qharness fit|validate|test|export``: typed config groups and hooks.
+
+Config groups: ``model`` (QuantLM), ``data`` (TextDataModule), ``trainer`` (Lightning), ``checkpoint``
+(ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``export`` (ExportConfig) and
+``parity`` (ParityConfig). The run directory is ``trainer.default_root_dir``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from qharness.config import ExportConfig, ParityConfig
+from qharness.data import TextDataModule
+from qharness.errors import UserError
+from qharness.module import QuantLM
+
+log = logging.getLogger("qharness")
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def resolve_ckpt(ckpt_path: str | None, run_dir: str) -> str | None:
+    """``last`` -> ``<run_dir>/checkpoints/last.ckpt``; a missing file is a clear error."""
+    if ckpt_path is None:
+        return None
+    path = Path(checkpoint_dir(run_dir)) / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist", fix="train first (qharness fit) or pass --ckpt_path PATH")
+    return str(path)
+
+
+def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None:
+    """Rebuild the prepared graph and load trained weights/observer state (``weights_only=True``)."""
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    saved = ckpt.get("hyper_parameters", {})
+    for key in ("checkpoint", "recipe", "mode"):
+        if key in saved and saved[key] != module.hparams[key]:
+            raise UserError(
+                f"checkpoint {ckpt_path} was trained with model.{key}={saved[key]!r}, this config has {module.hparams[key]!r}",
+                fix="use the config the checkpoint was trained with",
+            )
+    module.build(dm.batch_size, dm.seq_len)
+    try:
+        module.load_state_dict(ckpt["state_dict"])
+    except RuntimeError as e:
+        raise UserError(f"checkpoint {ckpt_path} does not fit this model: {str(e).splitlines()[0]}") from e
+
+
+class QTrainer(Trainer):
+    """Lightning's Trainer plus ``export``. The CLI hands it the export and parity configs."""
+
+    export_config: ExportConfig = ExportConfig()
+    parity_config: ParityConfig = ParityConfig()
+
+    def deploy(self, model: QuantLM, datamodule: TextDataModule) -> dict:
+        from qharness.pipeline import deploy_and_check
+
+        return deploy_and_check(model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config)
+
+    def export(self, model: QuantLM, datamodule: TextDataModule, ckpt_path: str = "last") -> dict:
+        """Export a trained checkpoint to ``.pte`` (static KV cache), run the parity gate, write summary.json.
+
+        Args:
+            ckpt_path: Checkpoint to export: ``last`` (the run's latest) or a path.
+        """
+        datamodule.setup("fit")
+        load_checkpoint(model, datamodule, resolve_ckpt(ckpt_path, self.default_root_dir))
+        return self.deploy(model, datamodule)
+
+
+class QHarnessCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        base = LightningCLI.subcommands()
+        return {k: base[k] for k in ("fit", "validate", "test")} | {"export": {"model", "datamodule"}}
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_class_arguments(ExportConfig, "deploy", help="Deployment to .pte")
+        parser.add_class_arguments(ParityConfig, "parity", help="Parity gate of the .pte")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.save_last": True,
+                "checkpoint.every_n_train_steps": 50,
+                "checkpoint.save_top_k": 0,
+                "trainer.default_root_dir": "runs/default",
+                "trainer.max_steps": 100,
+                "trainer.val_check_interval": 50,
+                "trainer.limit_val_batches": 8,
+                "trainer.num_sanity_val_steps": 0,
+                "trainer.log_every_n_steps": 10,
+                "trainer.deterministic": True,
+            }
+        )
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
+        parser.link_arguments("model.checkpoint", "data.tokenizer")
+        parser.link_arguments("model.trust_remote_code", "data.trust_remote_code")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config[self.subcommand]
+        if cfg.trainer.max_steps is not None and cfg.trainer.max_steps == 0:
+            raise UserError("trainer.max_steps must be positive (or -1 for max_epochs)")
+        if cfg.trainer.max_steps is not None and cfg.trainer.max_steps < -1:
+            raise UserError(f"trainer.max_steps must be positive (got {cfg.trainer.max_steps})")
+        root = Path(cfg.trainer.default_root_dir)
+        if root.exists() and not root.is_dir():
+            raise UserError(f"trainer.default_root_dir {root} is a file", fix="point it at a directory")
+
+    def _attach_configs(self) -> None:
+        cfg = self.config_init[self.subcommand]
+        self.trainer.export_config = cfg["deploy"]
+        self.trainer.parity_config = cfg["parity"]
+
+    def before_fit(self) -> None:
+        self._attach_configs()
+
+    def after_fit(self) -> None:
+        if self.trainer.interrupted:
+            return
+        final = Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"
+        self.trainer.save_checkpoint(final)  # the finished run is safe before export starts
+        if self.trainer.export_config.enabled and self.trainer.is_global_zero:
+            self.trainer.deploy(self.model, self.datamodule)
+
+    def before_export(self) -> None:
+        self._attach_configs()
+
+    def before_validate(self) -> None:
+        self._resolve_ckpt_arg()
+
+    before_test = before_validate
+
+    def _resolve_ckpt_arg(self) -> None:
+        cfg = self.config_init[self.subcommand]
+        if cfg.get("ckpt_path"):
+            cfg["ckpt_path"] = resolve_ckpt(cfg["ckpt_path"], self.trainer.default_root_dir)
+
+
+def run_lightning_cli(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.argv = [sys.argv[0], *argv]  # LightningCLI reads sys.argv (passing args= as well makes it warn)
+    QHarnessCLI(
+        QuantLM,
+        TextDataModule,
+        trainer_class=QTrainer,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"default_env": False},
+        auto_configure_optimizers=False,
+        seed_everything_default=1234,
+    )

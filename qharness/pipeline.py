@@ -1,0 +1,122 @@
+"""The tail of every run: deploy (export -> quantize -> lower -> ``.pte``), parity gate, summary.
+
+Example::
+
+    summary = deploy_and_check(module, datamodule, Path("runs/x"), ExportConfig(), ParityConfig())
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from qharness.config import ExportConfig, ParityConfig
+from qharness.errors import UserError
+from qharness.io import write_bytes_atomic, write_json_atomic
+from qharness.parity import compare_decoding, gate, score_batched, score_deployed
+
+log = logging.getLogger(__name__)
+
+
+class ParityError(RuntimeError):
+    """The ``.pte`` disagrees with the converted model past the configured tolerance."""
+
+
+def check_export_config(cfg: ExportConfig, seq_len: int, context: int | None) -> None:
+    if cfg.max_seq_len <= seq_len:
+        raise UserError(f"deploy.max_seq_len={cfg.max_seq_len} must exceed data.seq_len={seq_len}", fix=f"set deploy.max_seq_len >= {seq_len + 1}")
+    if context is not None and cfg.max_seq_len > context:
+        raise UserError(f"deploy.max_seq_len={cfg.max_seq_len} exceeds the model's context ({context})", fix=f"set deploy.max_seq_len <= {context}")
+
+
+def deploy_and_check(module, dm, run_dir: Path, export_cfg: ExportConfig, parity_cfg: ParityConfig) -> dict:
+    """Write ``model.pte``, the tokenizer and ``summary.json`` into ``run_dir``; raise ParityError on failure."""
+    from qharness.lower import export_static_cache, lower_to_pte, quantize_for_deploy
+    from qharness.runtime import PteModel
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    recipe = module.recipe
+    timings = {}
+    fp_model, tokenizer = module.load_fp()
+    check_export_config(export_cfg, dm.seq_len, getattr(fp_model.config.get_text_config(), "max_position_embeddings", None))
+
+    n_eval = min(parity_cfg.eval_blocks, len(dm.val_x)) // dm.batch_size * dm.batch_size
+    vx, vy = dm.val_x[:n_eval], dm.val_y[:n_eval]
+    metrics = {"fp": score_batched(lambda x: fp_model(input_ids=x).logits, vx, vy, dm.batch_size)}
+    module._to_eval()
+    metrics["fake_quant"] = score_batched(module.graph, vx, vy, dm.batch_size)
+
+    trained = copy.deepcopy(fp_model)
+    module.load_into(trained)
+    t = time.perf_counter()
+    ep = export_static_cache(trained, export_cfg.max_seq_len)
+    timings["export_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    calibration = [b[None] for b in dm.train_x[: export_cfg.calibration_blocks]]
+    deployed = quantize_for_deploy(ep.module(), recipe, calibration)
+    timings["quantize_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    log.warning("lowering to ExecuTorch (%s) ...", recipe.name)
+    pte_bytes = lower_to_pte(deployed, recipe, export_cfg.max_seq_len)
+    timings["lower_s"] = time.perf_counter() - t
+    pte_path = write_bytes_atomic(run_dir / export_cfg.filename, pte_bytes)
+    tokenizer.save_pretrained(run_dir / "tokenizer")
+
+    def ref(tokens, start):
+        return deployed(tokens, torch.tensor([start], dtype=torch.long))
+
+    pte = PteModel(pte_path)
+    metrics["converted"] = score_deployed(ref, vx, vy)
+    metrics["pte"] = score_deployed(pte, vx, vy)
+    prompts = dm.val_x[: parity_cfg.prompts, : parity_cfg.prompt_len]
+    figures = compare_decoding(pte, ref, prompts, parity_cfg.decode_steps)
+    figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
+    reasons = gate(figures, parity_cfg)
+    figures["passed"] = not reasons
+    figures["reasons"] = reasons
+    if reasons:  # keep the file for inspection, under a name no one ships by mistake
+        failed = pte_path.with_name(pte_path.stem + ".FAILED_PARITY.pte")
+        os.replace(pte_path, failed)
+        pte_path = failed
+
+    summary = {
+        "run_dir": str(run_dir),
+        "model": module.hparams.checkpoint,
+        "recipe": recipe.name,
+        "backend": recipe.backend,
+        "mode": module.hparams.mode,
+        "seq_len": dm.seq_len,
+        "eval_blocks": n_eval,
+        "metrics": metrics,
+        "parity": figures,
+        "pte": {"path": str(pte_path), "size_bytes": pte_path.stat().st_size, "max_seq_len": export_cfg.max_seq_len},
+        "timings": timings,
+    }
+    write_json_atomic(run_dir / "summary.json", summary)
+    print(format_table(summary))
+    if reasons:
+        raise ParityError(f"parity gate failed for {pte_path}: " + "; ".join(reasons))
+    return summary
+
+
+def format_table(summary: dict) -> str:
+    m, p = summary["metrics"], summary["parity"]
+    rows = [("model", "val loss", "val ppl")]
+    for key, label in (("fp", "FP (before)"), ("fake_quant", "fake-quant (trained)"), ("converted", "converted (PyTorch)"), ("pte", ".pte (ExecuTorch)")):
+        if key in m:
+            rows.append((label, f"{m[key]['loss']:.4f}", f"{m[key]['ppl']:.3f}"))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{summary['recipe']} ({summary['mode']}) on {summary['eval_blocks']} validation blocks of {summary['seq_len']} tokens"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
+    lines.append(
+        f".pte: {summary['pte']['path']} ({summary['pte']['size_bytes'] / 1e6:.2f} MB); parity "
+        f"{'PASSED' if p['passed'] else 'FAILED'}: max|Δlogit|={p['max_abs_diff']:.4g}, "
+        f"argmax agreement={p['argmax_agreement']:.3f}, ppl diff={p['ppl_rel_diff']:.2%}"
+    )
+    return "\n".join(lines)

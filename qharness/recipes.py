@@ -1,0 +1,210 @@
+"""Backend recipes: one YAML file per recipe under ``recipes/``; code builders behind a registry.
+
+A recipe says everything backend-specific: which quantizer (and its settings) to use for QAT and for
+PTQ, and which partitioners lower the graph. Users name a recipe; backend authors add a YAML file
+(and, for a new backend, a builder registered with ``@register_quantizer`` / ``@register_partitioner``).
+
+Example::
+
+    recipe = load_recipe("xnnpack_int8_dynamic")
+    quantizer = recipe.quantizer(is_qat=True)       # for prepare_qat_pt2e
+    partitioners = recipe.partitioners()            # for to_edge_transform_and_lower
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from qharness.errors import UserError
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+MODES = ("qat", "ptq")
+
+_QUANTIZERS: dict[str, Callable[..., Any]] = {}
+_PARTITIONERS: dict[str, Callable[..., Any]] = {}
+
+
+def register_quantizer(name: str):
+    """Register ``builder(settings: dict, is_qat: bool) -> Quantizer`` under ``name``."""
+
+    def wrap(builder):
+        _QUANTIZERS[name] = builder
+        return builder
+
+    return wrap
+
+
+def register_partitioner(name: str):
+    """Register ``builder() -> Partitioner`` under ``name``."""
+
+    def wrap(builder):
+        _PARTITIONERS[name] = builder
+        return builder
+
+    return wrap
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A backend recipe, as read from ``recipes/<name>.yaml``."""
+
+    name: str
+    description: str
+    backend: str
+    modes: tuple[str, ...] = MODES
+    quantizer: dict[str, Any] | None = None  # {"name": registered quantizer, **settings}; None: no quantization
+    partitioners: tuple[str, ...] = ()
+
+    @property
+    def quantized(self) -> bool:
+        return self.quantizer is not None
+
+    def make_quantizer(self, is_qat: bool):
+        """The PT2E quantizer for QAT (fake-quant training) or PTQ/deploy (observers, then convert)."""
+        if self.quantizer is None:
+            return None
+        settings = dict(self.quantizer)
+        return _QUANTIZERS[settings.pop("name")](settings, is_qat=is_qat)
+
+    def make_partitioners(self) -> list:
+        return [_PARTITIONERS[p]() for p in self.partitioners]
+
+    def check_mode(self, mode: str) -> None:
+        if mode not in self.modes:
+            raise UserError(
+                f"recipe {self.name!r} does not support mode {mode!r}; it supports {', '.join(self.modes)}",
+                fix="pick another recipe (qharness recipes) or mode",
+            )
+
+
+_FIELDS = {f.name for f in dataclasses.fields(Recipe)} - {"name"}
+
+
+def known_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def _read(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = RECIPES_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        raise UserError(
+            f"unknown recipe {name_or_path!r}",
+            fix=f"use one of: {', '.join(known_recipes())} (or a path to a recipe .yaml)",
+        )
+    if str(path) in seen:
+        raise UserError(f"recipe {path} extends itself through {' -> '.join(seen)}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise UserError(f"recipe file {path} must hold a mapping of fields")
+    unknown = set(raw) - _FIELDS - {"base"}
+    if unknown:
+        raise UserError(
+            f"recipe {path.name}: unknown field(s) {', '.join(sorted(unknown))}",
+            fix=f"known fields: base, {', '.join(sorted(_FIELDS))}",
+        )
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    merged = _read(base, seen + (str(path),))
+    for key, value in raw.items():  # a mapping overrides key by key, anything else replaces
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    """Read a recipe by name (``recipes/<name>.yaml``) or path, following ``base:`` chains."""
+    raw = _read(name_or_path)
+    name = Path(name_or_path).stem
+    _register_builtins()
+    q = raw.get("quantizer")
+    if q is not None and q.get("name") not in _QUANTIZERS:
+        raise UserError(
+            f"recipe {name!r}: unknown quantizer {q.get('name')!r}", fix=f"known quantizers: {', '.join(sorted(_QUANTIZERS))}"
+        )
+    for p in raw.get("partitioners", ()):
+        if p not in _PARTITIONERS:
+            raise UserError(
+                f"recipe {name!r}: unknown partitioner {p!r}", fix=f"known partitioners: {', '.join(sorted(_PARTITIONERS))}"
+            )
+    for m in raw.get("modes", MODES):
+        if m not in MODES:
+            raise UserError(f"recipe {name!r}: unknown mode {m!r}", fix=f"modes are {', '.join(MODES)}")
+    missing = {"description", "backend"} - set(raw)
+    if missing:
+        raise UserError(f"recipe {name!r} lacks field(s) {', '.join(sorted(missing))}")
+    return Recipe(
+        name=name,
+        description=raw["description"],
+        backend=raw["backend"],
+        modes=tuple(raw.get("modes", MODES)),
+        quantizer=q,
+        partitioners=tuple(raw.get("partitioners", ())),
+    )
+
+
+# --- built-in builders ----------------------------------------------------------------------------
+_BUILTINS_DONE = False
+
+
+def _register_builtins() -> None:
+    global _BUILTINS_DONE
+    if _BUILTINS_DONE:
+        return
+    _BUILTINS_DONE = True
+
+    @register_quantizer("xnnpack")
+    def _xnnpack(settings: dict, is_qat: bool):
+        """XNNPACK PT2E quantizer. settings: per_channel (bool), dynamic (bool), weight_bits (4 or 8)."""
+        from qharness import compat
+
+        allowed = {"per_channel", "dynamic", "weight_bits"}
+        unknown = set(settings) - allowed
+        if unknown:
+            raise UserError(f"xnnpack quantizer: unknown setting(s) {sorted(unknown)}", fix=f"known: {sorted(allowed)}")
+        bits = int(settings.get("weight_bits", 8))
+        qmax = 2 ** (bits - 1) - 1
+        config = compat.xnnpack_symmetric_config(
+            is_per_channel=bool(settings.get("per_channel", True)),
+            is_dynamic=bool(settings.get("dynamic", True)),
+            is_qat=is_qat,
+            weight_qmin=-qmax,
+            weight_qmax=qmax,
+        )
+        if is_qat:
+            config = _deploy_matched_weight_fake_quant(config)
+        return compat.xnnpack_quantizer_cls()().set_global(config)
+
+    from qharness import compat
+
+    register_partitioner("xnnpack")(lambda: compat.xnnpack_partitioner(dynamic_quant=False))
+    register_partitioner("xnnpack_dynamic_quant")(lambda: compat.xnnpack_partitioner(dynamic_quant=True))
+
+
+def _deploy_matched_weight_fake_quant(config):
+    """Make QAT weight fake-quant compute the scale ``convert_pt2e`` will use at deploy time.
+
+    The stock QAT config uses ``FusedMovingAvgObsFakeQuantize`` whose moving-average range (and fused
+    kernel) gives scales that differ from the min-max observer used when converting, so the trained
+    model and the ``.pte`` disagree. A plain ``FakeQuantize`` with a min-max observer that tracks the
+    current weights (``averaging_constant=1``) gives exactly the deploy-time ``amax / qmax``.
+    """
+    import torch
+
+    from qharness import compat
+
+    ns = compat.pt2e()
+    w = config.weight
+    per_channel = w.qscheme in (torch.per_channel_symmetric, torch.per_channel_affine)
+    observer = ns.MovingAveragePerChannelMinMaxObserver if per_channel else ns.MovingAverageMinMaxObserver
+    ctr = ns.FakeQuantize.with_args(observer=observer.with_args(averaging_constant=1.0), eps=2**-12)
+    return dataclasses.replace(config, weight=dataclasses.replace(w, observer_or_fake_quant_ctr=ctr))

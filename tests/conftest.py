@@ -1,0 +1,68 @@
+"""Shared fixtures: offline environment, a private cache, a tiny Llama + BPE tokenizer on Tiny Shakespeare."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.update(
+    HF_HUB_OFFLINE="1",
+    HF_DATASETS_OFFLINE="1",
+    WANDB_MODE="offline",
+    HF_HUB_DISABLE_TELEMETRY="1",
+    TOKENIZERS_PARALLELISM="false",
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory):
+    os.environ["QHARNESS_CACHE"] = str(tmp_path_factory.mktemp("qharness_cache"))
+    os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf_datasets"))
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> Path:
+    if not SHAKESPEARE.is_file():
+        pytest.skip(f"{SHAKESPEARE} is not here (it lies beside the project in CI)")
+    return SHAKESPEARE
+
+
+def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, **overrides) -> Path:
+    """A random-init tiny LlamaForCausalLM + BPE tokenizer saved with save_pretrained."""
+    import torch
+
+    from qharness.models import EmbeddedSpec, new_llama, train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer([text], vocab_size)
+    spec = EmbeddedSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    model = new_llama(spec, len(tok))
+    for k, v in overrides.items():
+        setattr(model.config, k, v)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, shakespeare) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), shakespeare.read_text()[:200_000])
+
+
+def run_cli(*args: str, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run the real ``qharness`` CLI in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "qharness", *map(str, args)],
+        cwd=cwd or ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )

@@ -1,0 +1,53 @@
+import time
+
+from conftest import ROOT, run_cli
+
+
+def test_top_level_help_is_fast_and_lists_subcommands():
+    t = time.perf_counter()
+    r = run_cli("--help")
+    elapsed = time.perf_counter() - t
+    assert r.returncode == 0
+    for sub in ("fit", "validate", "test", "export", "recipes"):
+        assert sub in r.stdout
+    assert elapsed < 30  # generous: heavy imports would take well over a minute on this machine
+
+
+def test_unknown_subcommand_exits_2_with_the_known_ones():
+    r = run_cli("fitt")
+    assert r.returncode == 2
+    assert "unknown subcommand 'fitt'" in r.stderr and "fit" in r.stderr
+
+
+def test_fit_help_documents_fields():
+    r = run_cli("fit", "--help")
+    assert r.returncode == 0, r.stderr
+    for text in ("--model.recipe", "Backend recipe name", "--data.seq_len", "Tokens per block", "--deploy.max_seq_len", "--parity.max_ppl_rel_diff"):
+        assert text in r.stdout, text
+
+
+def test_positional_config_and_print_config():
+    r = run_cli("fit", ROOT / "configs" / "qat_xnnpack.yaml", "--trainer.max_steps", "50", "--print_config")
+    assert r.returncode == 0, r.stderr
+    assert "max_steps: 50" in r.stdout
+    assert "recipe: xnnpack_int8_dynamic" in r.stdout
+    assert "dirpath: runs/qat_xnnpack/checkpoints" in r.stdout
+
+
+def test_recipes_lists_known_recipes():
+    r = run_cli("recipes")
+    assert r.returncode == 0, r.stderr
+    assert "xnnpack_int8_dynamic" in r.stdout and "qat/ptq" in r.stdout
+
+
+def test_unknown_recipe_is_one_line_exit_2(tmp_path):
+    r = run_cli("fit", "--model.recipe", "nope", "--trainer.default_root_dir", tmp_path)
+    assert r.returncode == 2
+    assert "unknown recipe 'nope'" in r.stderr and "xnnpack_int8_dynamic" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_configs_start_with_the_command_that_runs_them():
+    for cfg in (ROOT / "configs").glob("*.yaml"):
+        first = cfg.read_text().splitlines()[0]
+        assert first.startswith("# qharness ") and cfg.name in first, cfg

@@ -1,0 +1,54 @@
+import pytest
+import torch
+
+from qharness.data import TextDataModule, pack, tokenize_stream
+from qharness.errors import UserError
+
+
+def test_pack_blocks_and_next_token_targets():
+    x, y = pack(torch.arange(23), seq_len=5)
+    assert x.shape == y.shape == (4, 5)
+    assert torch.equal(x[1], torch.tensor([5, 6, 7, 8, 9]))
+    assert torch.equal(y[1], torch.tensor([6, 7, 8, 9, 10]))
+
+
+def test_datamodule_split_is_deterministic_and_disjoint(tiny_llama, shakespeare):
+    a = TextDataModule(source=str(shakespeare), tokenizer=str(tiny_llama), seq_len=32, batch_size=4)
+    b = TextDataModule(source=str(shakespeare), tokenizer=str(tiny_llama), seq_len=32, batch_size=4)
+    a.setup(), b.setup()
+    assert torch.equal(a.val_x, b.val_x) and torch.equal(a.train_x, b.train_x)
+    stream = tokenize_stream([shakespeare.read_text()], a.tokenizer)
+    n_val = int(len(stream) * 0.1)
+    assert torch.equal(a.val_x[0], stream[len(stream) - n_val :][:32])
+    first_a = next(iter(a.train_dataloader()))[0]
+    first_b = next(iter(b.train_dataloader()))[0]
+    assert torch.equal(first_a, first_b)
+
+
+def test_too_small_dataset_is_a_clear_error(tiny_llama, tmp_path):
+    small = tmp_path / "small.txt"
+    small.write_text("to be or not to be " * 10)
+    dm = TextDataModule(source=str(small), tokenizer=str(tiny_llama), seq_len=64, batch_size=4)
+    with pytest.raises(UserError, match="fewer than one batch"):
+        dm.setup()
+
+
+def test_missing_and_empty_files(tiny_llama, tmp_path):
+    with pytest.raises(UserError, match="does not exist"):
+        TextDataModule(source=str(tmp_path / "nope.txt"), tokenizer=str(tiny_llama)).setup()
+    (tmp_path / "empty.txt").write_text("")
+    with pytest.raises(UserError, match="is empty"):
+        TextDataModule(source=str(tmp_path / "empty.txt"), tokenizer=str(tiny_llama)).setup()
+
+
+def test_jsonl_source_with_text_field(tiny_llama, tmp_path, shakespeare):
+    import json
+
+    lines = shakespeare.read_text()[:60_000].split("\n\n")
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps({"body": t}) for t in lines))
+    with pytest.raises(UserError, match="text_field 'text' is not a column"):
+        TextDataModule(source=str(path), tokenizer=str(tiny_llama), seq_len=16, batch_size=2).setup()
+    dm = TextDataModule(source=str(path), text_field="body", tokenizer=str(tiny_llama), seq_len=16, batch_size=2)
+    dm.setup()
+    assert dm.train_x.shape[1] == 16 and len(dm.val_x) >= 2
