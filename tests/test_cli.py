@@ -31,7 +31,7 @@ def test_positional_config_and_print_config():
     assert r.returncode == 0, r.stderr
     assert "max_steps: 50" in r.stdout
     assert "recipe: xnnpack_int8_dynamic" in r.stdout
-    assert "dirpath: runs/qat_xnnpack/checkpoints" in r.stdout
+    assert "default_root_dir: runs/qat_xnnpack" in r.stdout
 
 
 def test_recipes_lists_known_recipes():
