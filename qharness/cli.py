@@ -1,6 +1,7 @@
 """``qharness`` command line: subcommands map to plain functions; run configs are typed (LightningCLI).
 
     qharness fit configs/qat_xnnpack.yaml [--trainer.max_steps 50] [--print_config]
+    qharness calibrate configs/ptq_xnnpack.yaml   # PTQ: calibrate -> .pte + parity
     qharness validate|test CONFIG [--ckpt_path last]
     qharness export CONFIG [--ckpt_path last]      # .pte + parity + summary.json from a checkpoint
     qharness recipes                                # the known backend recipes
@@ -16,6 +17,7 @@ import sys
 
 SUBCOMMANDS = {
     "fit": "train with quantization-aware training, then export, lower and check the .pte",
+    "calibrate": "post-training quantization: calibrate, convert, export, lower and check the .pte",
     "validate": "validation loss/perplexity of the (fake-quant) model, optionally from --ckpt_path",
     "test": "same as validate, on the test dataloader",
     "export": "export a trained checkpoint (--ckpt_path, default last) to .pte, with the parity gate",
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     if argv[0] not in SUBCOMMANDS:
         _fail(f"unknown subcommand {argv[0]!r}. fix: use one of {', '.join(SUBCOMMANDS)}")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    from qharness.errors import UserError
+    from qharness.errors import ParityError, UserError
 
     try:
         if argv[0] == "recipes":
@@ -74,3 +76,6 @@ def main(argv: list[str] | None = None) -> None:
         run_lightning_cli(rewrite_argv(argv))
     except UserError as e:
         _fail(str(e))
+    except ParityError as e:  # the run finished; its .pte is not to be shipped
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None

@@ -13,7 +13,7 @@ class ExportConfig:
         enabled: Export, lower and check the ``.pte`` at the end of fit/calibrate.
         max_seq_len: KV-cache length of the ``.pte`` (prompt + generated tokens); above data.seq_len and at most the model's context.
         filename: Name of the ``.pte`` inside the run directory.
-        calibration_blocks: Training blocks run through the deploy graph's observers before convert_pt2e.
+        calibration_blocks: Training blocks prefilled through the deploy graph's observers before convert_pt2e (PTQ calibration set size).
     """
 
     enabled: bool = True

@@ -1,6 +1,6 @@
 """Text data: load with ``datasets``, tokenize, pack into fixed-length blocks, split deterministically.
 
-``source`` is ``embedded`` (the Python documentation text the default model was pretrained on), a
+``source`` is ``embedded`` (the text shipped with Python that the default model was pretrained on), a
 local ``.txt`` / ``.json`` / ``.jsonl`` / ``.parquet`` / ``.csv`` file (or a directory of them), or a hub
 dataset id when online. The token stream is cut into non-overlapping blocks of ``seq_len`` inputs
 (targets are the next tokens); the last ``val_fraction`` of the stream is the validation split.
@@ -92,8 +92,8 @@ class TextDataModule(L.LightningDataModule):
         """Language-modelling data packed into fixed-length blocks.
 
         Args:
-            source: ``embedded`` (Python's documentation text), a local .txt/.json/.jsonl/.parquet/.csv file or
-                directory, or a hub dataset id (online only).
+            source: ``embedded`` (text shipped with Python: documentation topics and stdlib sources), a local
+                .txt/.json/.jsonl/.parquet/.csv file or directory, or a hub dataset id (online only).
             text_field: Column holding the text (json/parquet/csv/hub sources).
             tokenizer: Where the tokenizer comes from; linked to ``model.checkpoint`` (you rarely set it).
             seq_len: Tokens per block: the sequence length the model is trained and evaluated on.

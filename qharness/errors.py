@@ -8,3 +8,7 @@ class UserError(Exception):
         self.what = what
         self.fix = fix
         super().__init__(f"{what}. fix: {fix}" if fix else what)
+
+
+class ParityError(RuntimeError):
+    """The ``.pte`` disagrees with the converted model past the configured tolerance (exit code 1)."""

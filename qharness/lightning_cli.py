@@ -78,11 +78,20 @@ class QTrainer(Trainer):
         return self.deploy(model, datamodule)
 
 
+    def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> dict:
+        """PTQ: calibrate the recipe's observers on training blocks (``deploy.calibration_blocks``), convert,
+        export, lower and check the ``.pte``; writes summary.json. Needs ``model.mode: ptq``."""
+        if model.hparams.mode != "ptq":
+            raise UserError(f"calibrate needs model.mode: ptq (got {model.hparams.mode!r})", fix="set --model.mode ptq, or use qharness fit for QAT")
+        datamodule.setup("fit")
+        return self.deploy(model, datamodule)
+
+
 class QHarnessCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         base = LightningCLI.subcommands()
-        return {k: base[k] for k in ("fit", "validate", "test")} | {"export": {"model", "datamodule"}}
+        return {k: base[k] for k in ("fit", "validate", "test")} | {"export": {"model", "datamodule"}, "calibrate": {"model", "datamodule"}}
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(ExportConfig, "deploy", help="Deployment to .pte")
@@ -134,6 +143,8 @@ class QHarnessCLI(LightningCLI):
 
     def before_export(self) -> None:
         self._attach_configs()
+
+    before_calibrate = before_export
 
     def before_validate(self) -> None:
         self._resolve_ckpt_arg()

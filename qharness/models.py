@@ -1,7 +1,7 @@
 """Model sources: an HF transformers directory or hub id, or the embedded default.
 
 ``resolve_checkpoint("embedded")`` returns a local directory holding a small Llama and its BPE
-tokenizer, pretrained in FP32 on text that ships with Python (``pydoc_data``) on first use and cached
+tokenizer, pretrained in FP32 on text that ships with Python (``pydoc_data`` + stdlib sources) on first use, cached
 under ``$QHARNESS_CACHE`` (default ``~/.cache/qharness``). Any other value is a local directory in
 ``save_pretrained`` format or, when online, a hub id.
 
@@ -41,7 +41,7 @@ class EmbeddedSpec:
     max_position_embeddings: int = 512
     seq_len: int = 128
     batch_size: int = 16
-    steps: int = 800
+    steps: int = 1000
     val_fraction: float = 0.1
     lr: float = 3e-3
     seed: int = 1234
@@ -51,11 +51,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("QHARNESS_CACHE", Path.home() / ".cache" / "qharness"))
 
 
-def embedded_corpus() -> list[str]:
-    """English documentation text that ships with CPython (``pydoc_data.topics``), one document per topic."""
+def embedded_corpus(max_chars: int = 2_500_000) -> list[str]:
+    """Text that ships with CPython, no download: the English documentation topics of ``pydoc_data``
+    and the source of the top-level standard-library modules, in a fixed pseudo-random order (so the
+    held-out tail mixes prose and code), capped at ``max_chars``."""
+    import sysconfig
     from pydoc_data.topics import topics
 
-    return [topics[k] for k in sorted(topics)]
+    docs = {f"topic:{k}": v for k, v in topics.items()}
+    for path in Path(sysconfig.get_paths()["stdlib"]).glob("*.py"):
+        docs[f"module:{path.name}"] = path.read_text(encoding="utf-8", errors="replace")
+    out, total = [], 0
+    for name in sorted(docs, key=lambda n: hashlib.sha1(n.encode()).hexdigest()):
+        if total >= max_chars:
+            break
+        out.append(docs[name])
+        total += len(docs[name])
+    return out
 
 
 def train_bpe_tokenizer(texts: list[str], vocab_size: int):
@@ -144,9 +156,11 @@ def pretrain_embedded(spec: EmbeddedSpec, out_dir: Path, texts: list[str] | None
 
 
 def embedded_dir(spec: EmbeddedSpec = EmbeddedSpec()) -> Path:
-    """The cached embedded default, pretrained on first use."""
-    key = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:12]
-    out = cache_dir() / f"embedded-llama-{key}"
+    """The cached embedded default, pretrained on first use (keyed by the spec and the corpus text)."""
+    h = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode())
+    for doc in embedded_corpus():
+        h.update(doc.encode())
+    out = cache_dir() / f"embedded-llama-{h.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
         log.warning("pretraining the embedded default model once (cached in %s)", out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -14,17 +14,14 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from qharness.config import ExportConfig, ParityConfig
-from qharness.errors import UserError
+from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
 from qharness.parity import compare_decoding, gate, score_batched, score_deployed
 
 log = logging.getLogger(__name__)
-
-
-class ParityError(RuntimeError):
-    """The ``.pte`` disagrees with the converted model past the configured tolerance."""
 
 
 def check_export_config(cfg: ExportConfig, seq_len: int, context: int | None) -> None:
@@ -49,16 +46,18 @@ def deploy_and_check(module, dm, run_dir: Path, export_cfg: ExportConfig, parity
     n_eval = min(parity_cfg.eval_blocks, len(dm.val_x)) // dm.batch_size * dm.batch_size
     vx, vy = dm.val_x[:n_eval], dm.val_y[:n_eval]
     metrics = {"fp": score_batched(lambda x: fp_model(input_ids=x).logits, vx, vy, dm.batch_size)}
-    module._to_eval()
-    metrics["fake_quant"] = score_batched(module.graph, vx, vy, dm.batch_size)
-
-    trained = copy.deepcopy(fp_model)
-    module.load_into(trained)
+    if module.graph is not None:  # QAT: the trained fake-quant graph and its weights
+        module._to_eval()
+        metrics["fake_quant"] = score_batched(module.graph, vx, vy, dm.batch_size)
+        trained = copy.deepcopy(fp_model)
+        module.load_into(trained)
+    else:  # PTQ: the FP weights, calibrated below
+        trained = fp_model
     t = time.perf_counter()
     ep = export_static_cache(trained, export_cfg.max_seq_len)
     timings["export_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    calibration = [b[None] for b in dm.train_x[: export_cfg.calibration_blocks]]
+    calibration = tqdm([b[None] for b in dm.train_x[: export_cfg.calibration_blocks]], desc="calibrating", unit="block")
     deployed = quantize_for_deploy(ep.module(), recipe, calibration)
     timings["quantize_s"] = time.perf_counter() - t
     t = time.perf_counter()
@@ -80,10 +79,12 @@ def deploy_and_check(module, dm, run_dir: Path, export_cfg: ExportConfig, parity
     reasons = gate(figures, parity_cfg)
     figures["passed"] = not reasons
     figures["reasons"] = reasons
+    failed = pte_path.with_name(pte_path.stem + ".FAILED_PARITY.pte")
     if reasons:  # keep the file for inspection, under a name no one ships by mistake
-        failed = pte_path.with_name(pte_path.stem + ".FAILED_PARITY.pte")
         os.replace(pte_path, failed)
         pte_path = failed
+    else:
+        failed.unlink(missing_ok=True)  # a stale failure from an earlier export of this run
 
     summary = {
         "run_dir": str(run_dir),

@@ -76,6 +76,11 @@ def test_resume_continues_from_the_checkpoint_and_export_finishes_from_it(tmp_pa
     assert "Restoring states from the checkpoint" in second.stdout + second.stderr
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
     assert not (run / "model.pte").exists()
+    strict = run_cli("export", cfg, "--parity.max_abs_diff", "1e-12")  # a gate no .pte can pass
+    assert strict.returncode == 1, strict.stderr[-3000:]
+    assert "parity gate failed" in strict.stderr and "parity.max_abs_diff" in strict.stderr
+    assert (run / "model.FAILED_PARITY.pte").is_file() and not (run / "model.pte").exists()
+    assert json.loads((run / "summary.json").read_text())["parity"]["passed"] is False
     export = run_cli("export", cfg, "--ckpt_path", "last")
     assert export.returncode == 0, export.stderr[-3000:]
     assert "parity PASSED" in export.stdout and (run / "model.pte").is_file()
@@ -86,3 +91,32 @@ def test_export_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_llama, shak
     r = run_cli("export", cfg)
     assert r.returncode == 2
     assert "last.ckpt does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_gate_names_each_failed_tolerance():
+    from qharness.config import ParityConfig
+    from qharness.parity import gate
+
+    ok = {"ppl_rel_diff": 0.001, "argmax_agreement": 0.99, "max_abs_diff": 0.1}
+    assert gate(ok, ParityConfig(max_abs_diff=0.2)) == []
+    bad = {"ppl_rel_diff": 0.05, "argmax_agreement": 0.5, "max_abs_diff": 0.3}
+    reasons = gate(bad, ParityConfig(max_abs_diff=0.2))
+    assert len(reasons) == 3
+    assert "parity.max_ppl_rel_diff" in reasons[0] and "parity.min_argmax_agreement" in reasons[1] and "parity.max_abs_diff" in reasons[2]
+
+
+def test_calibrate_ptq_writes_a_pte_that_passes_parity(tmp_path, tiny_llama, shakespeare):
+    run = tmp_path / "ptq"
+    cfg = write_config(tmp_path / "ptq.yaml", tiny_llama, shakespeare, run, model={"mode": "ptq"}, deploy={"max_seq_len": 64, "calibration_blocks": 8})
+    r = run_cli("calibrate", cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["mode"] == "ptq" and summary["parity"]["passed"]
+    assert "fake_quant" not in summary["metrics"]  # PTQ trains nothing: 'converted' is its quantized model
+    assert summary["metrics"]["converted"]["ppl"] != summary["metrics"]["fp"]["ppl"]  # quantization did something
+
+
+def test_calibrate_refuses_qat_mode(tmp_path, tiny_llama, shakespeare):
+    cfg = write_config(tmp_path / "q.yaml", tiny_llama, shakespeare, tmp_path / "q")
+    r = run_cli("calibrate", cfg)
+    assert r.returncode == 2 and "calibrate needs model.mode: ptq" in r.stderr
