@@ -132,6 +132,7 @@ class QHarnessCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._attach_configs()
+        self._resolve_ckpt_arg()
 
     def after_fit(self) -> None:
         if self.trainer.interrupted:
@@ -152,9 +153,12 @@ class QHarnessCLI(LightningCLI):
     before_test = before_validate
 
     def _resolve_ckpt_arg(self) -> None:
+        """``--ckpt_path last`` names the run's own last.ckpt; checkpoints load with ``weights_only=True``."""
         cfg = self.config_init[self.subcommand]
         if cfg.get("ckpt_path"):
             cfg["ckpt_path"] = resolve_ckpt(cfg["ckpt_path"], self.trainer.default_root_dir)
+        if cfg.get("weights_only") is None:
+            cfg["weights_only"] = True
 
 
 def run_lightning_cli(argv: list[str]) -> None:
