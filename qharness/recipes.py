@@ -153,6 +153,9 @@ def load_recipe(name_or_path: str) -> Recipe:
 
 
 # --- built-in builders ----------------------------------------------------------------------------
+# Weight ranges XNNPACK lowers natively: int8 symmetric [-127, 127] (its quantizer's default) and
+# int4 [-8, 7], the only range its partitioner maps to 4-bit weights (qc4w); [-7, 7] stays int8.
+_XNNPACK_WEIGHT_RANGES = {8: (-127, 127), 4: (-8, 7)}
 _BUILTINS_DONE = False
 
 
@@ -172,12 +175,14 @@ def _register_builtins() -> None:
         if unknown:
             raise UserError(f"xnnpack quantizer: unknown setting(s) {sorted(unknown)}", fix=f"known: {sorted(allowed)}")
         bits = int(settings.get("weight_bits", 8))
-        qmax = 2 ** (bits - 1) - 1
+        if bits not in _XNNPACK_WEIGHT_RANGES:
+            raise UserError(f"xnnpack quantizer: weight_bits={bits} is not supported", fix="use 4 or 8")
+        qmin, qmax = _XNNPACK_WEIGHT_RANGES[bits]
         config = compat.xnnpack_symmetric_config(
             is_per_channel=bool(settings.get("per_channel", True)),
             is_dynamic=bool(settings.get("dynamic", True)),
             is_qat=is_qat,
-            weight_qmin=-qmax,
+            weight_qmin=qmin,
             weight_qmax=qmax,
         )
         if is_qat:
