@@ -29,6 +29,8 @@ def pt2e():
         FakeQuantize=_pt2e.FakeQuantize,
         FakeQuantizeBase=_pt2e.FakeQuantizeBase,
         MovingAverageMinMaxObserver=_pt2e.MovingAverageMinMaxObserver,
+        MinMaxObserver=_pt2e.MinMaxObserver,
+        HistogramObserver=_pt2e.HistogramObserver,
         MovingAveragePerChannelMinMaxObserver=_pt2e.MovingAveragePerChannelMinMaxObserver,
     )
 
@@ -74,6 +76,48 @@ def xnnpack_quantizer_cls():
     return FixedXNNPACKQuantizer
 
 
+def vulkan_quantizer_cls():
+    """``VulkanQuantizer`` that leaves scalar operands in place.
+
+    Upstream's ``transform_for_annotation`` lifts every add/mul scalar into a buffer (same code as the
+    XNNPACK bug above); the Vulkan backend's RMSNorm fusion then reads ``eps`` from a fake tensor and
+    fails ("Could not guard on data-dependent expression", vulkan/patterns/rms_norm.py). Weight-only
+    recipes annotate no add/mul, so nothing needs lifting.
+    """
+    from executorch.backends.vulkan.quantizer.vulkan_quantizer import VulkanQuantizer
+
+    class NoLiftVulkanQuantizer(VulkanQuantizer):
+        def transform_for_annotation(self, model):
+            return model
+
+    return NoLiftVulkanQuantizer
+
+
+def vulkan_partitioner():
+    """``VulkanPartitioner`` that leaves buffer writes whose value only feeds the program output (HF's
+    static-cache ``cumulative_length`` counters) outside the delegate: upstream tags them into a
+    partition and serialization then fails ("Buffer output getitem does not point to a buffer")."""
+    from executorch.backends.vulkan.partitioner.vulkan_partitioner import VulkanPartitioner
+
+    class BufferSafeVulkanPartitioner(VulkanPartitioner):
+        def partition(self, exported_program):
+            result = super().partition(exported_program)
+            sig = exported_program.graph_signature
+            buffer_of_input = {v: k for k, v in sig.inputs_to_buffers.items()}
+            untag = set()
+            for node in exported_program.graph.nodes:
+                buffer = sig.buffers_to_mutate.get(node.name)
+                if buffer and all(u.op == "output" for u in node.users) and "delegation_tag" in node.meta:
+                    node.meta.pop("delegation_tag")
+                    untag.add(buffer_of_input.get(buffer))
+            for node in exported_program.graph.nodes:
+                if node.op == "placeholder" and node.name in untag:
+                    node.meta.pop("delegation_tag", None)
+            return result
+
+    return BufferSafeVulkanPartitioner()
+
+
 def xnnpack_symmetric_config(**kwargs):
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import get_symmetric_quantization_config
 
@@ -101,6 +145,7 @@ def xnnpack_partitioner(dynamic_quant: bool):
 
 # --- ExecuTorch lowering and runtime --------------------------------------------------------------
 def to_edge_transform_and_lower(*args, **kwargs):
+    import executorch.kernels.quantized  # noqa: F401  out variants of quantized ops (quantized embeddings)
     from executorch.exir import to_edge_transform_and_lower as _lower
 
     return _lower(*args, **kwargs)
@@ -112,7 +157,15 @@ def edge_compile_config(**kwargs):
     return EdgeCompileConfig(**kwargs)
 
 
+def executorch_backend_config(**kwargs):
+    from executorch.exir import ExecutorchBackendConfig
+
+    return ExecutorchBackendConfig(**kwargs)
+
+
 def executorch_runtime():
+    """The ExecuTorch Python runtime, with the quantized kernels (e.g. quantized embeddings) registered."""
+    import executorch.kernels.quantized  # noqa: F401  registers quantized_decomposed ops
     from executorch.runtime import Runtime
 
     return Runtime.get()

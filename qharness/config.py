@@ -13,13 +13,11 @@ class ExportConfig:
         enabled: Export, lower and check the ``.pte`` at the end of fit/calibrate.
         max_seq_len: KV-cache length of the ``.pte`` (prompt + generated tokens); above data.seq_len and at most the model's context.
         filename: Name of the ``.pte`` inside the run directory.
-        calibration_blocks: Training blocks prefilled through the deploy graph's observers before convert_pt2e (PTQ calibration set size).
     """
 
     enabled: bool = True
     max_seq_len: int = 256
     filename: str = "model.pte"
-    calibration_blocks: int = 4
 
 
 @dataclass
@@ -43,3 +41,18 @@ class ParityConfig:
     max_ppl_rel_diff: float = 0.02
     min_argmax_agreement: float = 0.9
     max_abs_diff: float | None = None
+
+
+@dataclass
+class CalibrationConfig:
+    """Calibration data for the deploy graph's observers (PTQ ranges; weight ranges for every recipe).
+
+    Args:
+        source: Text source like ``data.source`` (null: the training split of ``data.source``).
+        text_field: Column holding the text for json/parquet/csv/hub sources.
+        blocks: Blocks of ``data.seq_len`` tokens run through the observers (batch size 1, prefill at position 0).
+    """
+
+    source: str | None = None
+    text_field: str = "text"
+    blocks: int = 32

@@ -1,8 +1,8 @@
 """The LightningCLI behind ``qharness fit|validate|test|export``: typed config groups and hooks.
 
 Config groups: ``model`` (QuantLM), ``data`` (TextDataModule), ``trainer`` (Lightning), ``checkpoint``
-(ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``export`` (ExportConfig) and
-``parity`` (ParityConfig). The run directory is ``trainer.default_root_dir``.
+(ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``deploy`` (ExportConfig),
+``parity`` (ParityConfig) and ``calibration`` (CalibrationConfig). The run directory is ``trainer.default_root_dir``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from qharness.config import ExportConfig, ParityConfig
+from qharness.config import CalibrationConfig, ExportConfig, ParityConfig
 from qharness.data import TextDataModule
 from qharness.errors import UserError
 from qharness.module import QuantLM
@@ -61,11 +61,14 @@ class QTrainer(Trainer):
 
     export_config: ExportConfig = ExportConfig()
     parity_config: ParityConfig = ParityConfig()
+    calibration_config: CalibrationConfig = CalibrationConfig()
 
     def deploy(self, model: QuantLM, datamodule: TextDataModule) -> dict:
         from qharness.pipeline import deploy_and_check
 
-        return deploy_and_check(model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config)
+        return deploy_and_check(
+            model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config, self.calibration_config
+        )
 
     def export(self, model: QuantLM, datamodule: TextDataModule, ckpt_path: str = "last") -> dict:
         """Export a trained checkpoint to ``.pte`` (static KV cache), run the parity gate, write summary.json.
@@ -79,7 +82,7 @@ class QTrainer(Trainer):
 
 
     def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> dict:
-        """PTQ: calibrate the recipe's observers on training blocks (``deploy.calibration_blocks``), convert,
+        """PTQ: calibrate the recipe's observers (``calibration.*``: blocks of training or other data), convert,
         export, lower and check the ``.pte``; writes summary.json. Needs ``model.mode: ptq``."""
         if model.hparams.mode != "ptq":
             raise UserError(f"calibrate needs model.mode: ptq (got {model.hparams.mode!r})", fix="set --model.mode ptq, or use qharness fit for QAT")
@@ -96,6 +99,7 @@ class QHarnessCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(ExportConfig, "deploy", help="Deployment to .pte")
         parser.add_class_arguments(ParityConfig, "parity", help="Parity gate of the .pte")
+        parser.add_class_arguments(CalibrationConfig, "calibration", help="Calibration data")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
             {
@@ -129,6 +133,7 @@ class QHarnessCLI(LightningCLI):
         cfg = self.config_init[self.subcommand]
         self.trainer.export_config = cfg["deploy"]
         self.trainer.parity_config = cfg["parity"]
+        self.trainer.calibration_config = cfg["calibration"]
 
     def before_fit(self) -> None:
         self._attach_configs()

@@ -5,15 +5,14 @@ starting at cache position ``input_pos`` (prefill: many tokens at 0; decode: one
 
 Example::
 
-    ep = export_static_cache(model, max_seq_len=256)
-    deployed = quantize_for_deploy(ep.module(), recipe, calibration=[train_blocks[:1]])
+    deployed = quantize_for_deploy(model, recipe, max_seq_len=256, calibrate=lambda g: g(tokens, torch.tensor([0])))
     pte_bytes = lower_to_pte(deployed, recipe, max_seq_len=256)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable
 
 import torch
 from torch.export import Dim
@@ -32,33 +31,41 @@ def _dynamic_shapes(max_seq_len: int):
     return ({1: Dim("seq_len", min=1, max=max_seq_len - 1)}, None)
 
 
+class TokensAndPos(torch.nn.Module):
+    """``forward(tokens, input_pos) -> logits`` over a static-cache model taking keyword arguments."""
+
+    def __init__(self, cache_model):
+        super().__init__()
+        self.cache_model = cache_model
+
+    def forward(self, tokens, input_pos):
+        return self.cache_model(input_ids=tokens, cache_position=input_pos)
+
+
 def export_static_cache(model, max_seq_len: int) -> torch.export.ExportedProgram:
     """Export ``(tokens, input_pos) -> logits`` with a static KV cache of ``max_seq_len`` positions."""
-    wrapper = compat.hf_static_cache_exportable(model, batch_size=1, max_cache_len=max_seq_len)
-    tokens, pos = _example(max_seq_len)
-    return torch.export.export(
-        wrapper,
-        args=(),
-        kwargs={"input_ids": tokens, "cache_position": pos},
-        dynamic_shapes={"input_ids": _dynamic_shapes(max_seq_len)[0], "cache_position": None},
-        strict=True,
-    )
+    wrapper = TokensAndPos(compat.hf_static_cache_exportable(model, batch_size=1, max_cache_len=max_seq_len))
+    return torch.export.export(wrapper, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True)
 
 
-def quantize_for_deploy(graph: torch.fx.GraphModule, recipe, calibration: Iterable[torch.Tensor]) -> torch.fx.GraphModule:
-    """``prepare_pt2e`` with the recipe's (non-QAT) quantizer, run calibration prefills, ``convert_pt2e``.
+def quantize_for_deploy(model, recipe, max_seq_len: int, calibrate: Callable[[torch.fx.GraphModule], None]) -> torch.fx.GraphModule:
+    """The deployable graph ``(tokens, input_pos) -> logits`` of an FP HF model, quantized by the recipe.
 
-    ``calibration`` holds ``[1, n]`` token blocks, each prefilled at position 0. Returns the
-    graph unchanged for recipes without quantization.
+    PT2E recipes: static-cache export, ``prepare_pt2e`` with the recipe's (non-QAT) quantizer,
+    ``calibrate(prepared)`` (runs data through the observers), ``convert_pt2e``. Source-level recipes:
+    torchao ``quantize_`` on the model (in place), then the static-cache export.
     """
+    from qharness.recipes import SourceQuantizer
+
     quantizer = recipe.make_quantizer(is_qat=False)
-    if quantizer is None:
+    if isinstance(quantizer, SourceQuantizer):
+        quantizer.convert(model)
+    graph = export_static_cache(model, max_seq_len).module()
+    if quantizer is None or isinstance(quantizer, SourceQuantizer):
         return graph
     pt2e = compat.pt2e()
     prepared = pt2e.prepare_pt2e(graph, quantizer)
-    with torch.no_grad():
-        for block in calibration:
-            prepared(block, torch.tensor([0], dtype=torch.long))
+    calibrate(prepared)
     return pt2e.convert_pt2e(prepared)
 
 
@@ -69,4 +76,4 @@ def lower_to_pte(graph: torch.fx.GraphModule, recipe, max_seq_len: int) -> bytes
     ep = torch.export.export(graph, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True)
     ep = ep.run_decompositions({})
     edge = compat.to_edge_transform_and_lower(ep, partitioner=recipe.make_partitioners())
-    return edge.to_executorch().buffer
+    return edge.to_executorch(compat.executorch_backend_config(**recipe.executorch_config)).buffer

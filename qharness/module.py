@@ -1,7 +1,8 @@
 """The LightningModule that trains (QAT) or calibrates (PTQ) a PT2E-prepared exported graph.
 
 Stages: ``export_for_training`` (logits-only wrapper -> ``torch.export`` pre-dispatch graph) ->
-``prepare`` (the recipe's quantizer; ``prepare_qat_pt2e`` or ``prepare_pt2e``) -> ``QuantLM`` trains it.
+``prepare_for_training`` (the recipe's quantizer: ``prepare_qat_pt2e``/``prepare_pt2e``, or torchao QAT
+modules for source-level recipes) -> ``QuantLM`` trains it.
 
 Exported graphs ignore ``.train()/.eval()``; the validation/test hooks below switch them with
 ``move_exported_model_to_train/eval`` and freeze static observers so validation never moves
@@ -38,11 +39,23 @@ def export_for_training(model, batch_size: int, seq_len: int) -> torch.fx.GraphM
     return torch.export.export(LogitsOnly(model).eval(), (example,)).module()
 
 
-def prepare(graph: torch.fx.GraphModule, recipe, is_qat: bool) -> torch.fx.GraphModule:
-    pt2e = compat.pt2e()
+def prepare_for_training(model, recipe, batch_size: int, seq_len: int, is_qat: bool) -> torch.fx.GraphModule:
+    """Export the model and insert the recipe's fake-quant (QAT) or observers (PTQ).
+
+    PT2E recipes annotate the exported graph (``prepare_qat_pt2e`` / ``prepare_pt2e``); source-level
+    recipes (torchao ``quantize_``) swap in fake-quantized modules first and export the result.
+    """
+    from qharness.recipes import SourceQuantizer
+
     quantizer = recipe.make_quantizer(is_qat=is_qat)
+    if isinstance(quantizer, SourceQuantizer):
+        if is_qat:
+            quantizer.prepare_qat(model)
+        return export_for_training(model, batch_size, seq_len)
+    graph = export_for_training(model, batch_size, seq_len)
     if quantizer is None:
         return graph
+    pt2e = compat.pt2e()
     return (pt2e.prepare_qat_pt2e if is_qat else pt2e.prepare_pt2e)(graph, quantizer)
 
 
@@ -111,8 +124,7 @@ class QuantLM(L.LightningModule):
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if context is not None and seq_len > context:
             raise UserError(f"data.seq_len={seq_len} exceeds the model's context ({context})", fix=f"set data.seq_len <= {context}")
-        graph = export_for_training(model, batch_size, seq_len)
-        graph = prepare(graph, self.recipe, is_qat=self.hparams.mode == "qat")
+        graph = prepare_for_training(model, self.recipe, batch_size, seq_len, is_qat=self.hparams.mode == "qat")
         compat.pt2e().allow_train_eval(graph)
         self.graph = graph
 

@@ -2,7 +2,7 @@
 
 Example::
 
-    summary = deploy_and_check(module, datamodule, Path("runs/x"), ExportConfig(), ParityConfig())
+    summary = deploy_and_check(module, datamodule, Path("runs/x"), ExportConfig(), ParityConfig(), CalibrationConfig())
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from qharness.config import ExportConfig, ParityConfig
+from qharness.config import CalibrationConfig, ExportConfig, ParityConfig
 from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
 from qharness.parity import compare_decoding, gate, score_batched, score_deployed
@@ -31,9 +30,12 @@ def check_export_config(cfg: ExportConfig, seq_len: int, context: int | None) ->
         raise UserError(f"deploy.max_seq_len={cfg.max_seq_len} exceeds the model's context ({context})", fix=f"set deploy.max_seq_len <= {context}")
 
 
-def deploy_and_check(module, dm, run_dir: Path, export_cfg: ExportConfig, parity_cfg: ParityConfig) -> dict:
+def deploy_and_check(
+    module, dm, run_dir: Path, export_cfg: ExportConfig, parity_cfg: ParityConfig, calib_cfg: CalibrationConfig = CalibrationConfig()
+) -> dict:
     """Write ``model.pte``, the tokenizer and ``summary.json`` into ``run_dir``; raise ParityError on failure."""
-    from qharness.lower import export_static_cache, lower_to_pte, quantize_for_deploy
+    from qharness.calibration import calibrate, calibration_blocks
+    from qharness.lower import lower_to_pte, quantize_for_deploy
     from qharness.runtime import PteModel
 
     run_dir = Path(run_dir)
@@ -54,12 +56,9 @@ def deploy_and_check(module, dm, run_dir: Path, export_cfg: ExportConfig, parity
     else:  # PTQ: the FP weights, calibrated below
         trained = fp_model
     t = time.perf_counter()
-    ep = export_static_cache(trained, export_cfg.max_seq_len)
-    timings["export_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    calibration = tqdm([b[None] for b in dm.train_x[: export_cfg.calibration_blocks]], desc="calibrating", unit="block")
-    deployed = quantize_for_deploy(ep.module(), recipe, calibration)
-    timings["quantize_s"] = time.perf_counter() - t
+    blocks = calibration_blocks(calib_cfg, dm)
+    deployed = quantize_for_deploy(trained, recipe, export_cfg.max_seq_len, lambda graph: calibrate(graph, blocks))
+    timings["export_quantize_s"] = time.perf_counter() - t
     t = time.perf_counter()
     log.warning("lowering to ExecuTorch (%s) ...", recipe.name)
     pte_bytes = lower_to_pte(deployed, recipe, export_cfg.max_seq_len)
@@ -70,15 +69,20 @@ def deploy_and_check(module, dm, run_dir: Path, export_cfg: ExportConfig, parity
     def ref(tokens, start):
         return deployed(tokens, torch.tensor([start], dtype=torch.long))
 
-    pte = PteModel(pte_path)
     metrics["converted"] = score_deployed(ref, vx, vy)
-    metrics["pte"] = score_deployed(pte, vx, vy)
-    prompts = dm.val_x[: parity_cfg.prompts, : parity_cfg.prompt_len]
-    figures = compare_decoding(pte, ref, prompts, parity_cfg.decode_steps)
-    figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
-    reasons = gate(figures, parity_cfg)
-    figures["passed"] = not reasons
-    figures["reasons"] = reasons
+    reasons = []
+    if recipe.runs_here:
+        pte = PteModel(pte_path)
+        metrics["pte"] = score_deployed(pte, vx, vy)
+        prompts = dm.val_x[: parity_cfg.prompts, : parity_cfg.prompt_len]
+        figures = compare_decoding(pte, ref, prompts, parity_cfg.decode_steps)
+        figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
+        reasons = gate(figures, parity_cfg)
+        figures["passed"] = not reasons
+        figures["reasons"] = reasons
+    else:
+        figures = {"passed": None, "skipped": f"the {recipe.backend} backend cannot run on this machine (recipe runs_here: false)"}
+        log.warning("parity gate skipped: %s", figures["skipped"])
     failed = pte_path.with_name(pte_path.stem + ".FAILED_PARITY.pte")
     if reasons:  # keep the file for inspection, under a name no one ships by mistake
         os.replace(pte_path, failed)
@@ -115,9 +119,12 @@ def format_table(summary: dict) -> str:
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{summary['recipe']} ({summary['mode']}) on {summary['eval_blocks']} validation blocks of {summary['seq_len']} tokens"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
-    lines.append(
-        f".pte: {summary['pte']['path']} ({summary['pte']['size_bytes'] / 1e6:.2f} MB); parity "
-        f"{'PASSED' if p['passed'] else 'FAILED'}: max|Δlogit|={p['max_abs_diff']:.4g}, "
-        f"argmax agreement={p['argmax_agreement']:.3f}, ppl diff={p['ppl_rel_diff']:.2%}"
-    )
+    size = f".pte: {summary['pte']['path']} ({summary['pte']['size_bytes'] / 1e6:.2f} MB); parity "
+    if p["passed"] is None:
+        lines.append(size + f"SKIPPED: {p['skipped']}")
+    else:
+        lines.append(
+            size + f"{'PASSED' if p['passed'] else 'FAILED'}: max|Δlogit|={p['max_abs_diff']:.4g}, "
+            f"argmax agreement={p['argmax_agreement']:.3f}, ppl diff={p['ppl_rel_diff']:.2%}"
+        )
     return "\n".join(lines)

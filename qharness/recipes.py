@@ -59,13 +59,16 @@ class Recipe:
     modes: tuple[str, ...] = MODES
     quantizer: dict[str, Any] | None = None  # {"name": registered quantizer, **settings}; None: no quantization
     partitioners: tuple[str, ...] = ()
+    executorch_config: dict[str, Any] = field(default_factory=dict)  # ExecutorchBackendConfig(**...) for to_executorch
+    runs_here: bool = True  # False: the .pte needs a device backend this machine lacks; no runtime parity here
 
     @property
     def quantized(self) -> bool:
         return self.quantizer is not None
 
     def make_quantizer(self, is_qat: bool):
-        """The PT2E quantizer for QAT (fake-quant training) or PTQ/deploy (observers, then convert)."""
+        """The quantizer for QAT (fake-quant training) or PTQ/deploy: a PT2E ``Quantizer`` (graph level:
+        observers, then ``convert_pt2e``) or a ``SourceQuantizer`` (torchao ``quantize_`` on modules)."""
         if self.quantizer is None:
             return None
         settings = dict(self.quantizer)
@@ -80,6 +83,32 @@ class Recipe:
                 f"recipe {self.name!r} does not support mode {mode!r}; it supports {', '.join(self.modes)}",
                 fix="pick another recipe (qharness recipes) or mode",
             )
+
+
+@dataclass
+class SourceQuantizer:
+    """Source-level quantization with torchao's ``quantize_``: the same configs drive QAT fake-quant
+    (``QATConfig(config, step="prepare")`` swaps in fake-quantized modules) and deployment
+    (``quantize_(model, config)`` swaps weights for quantized tensor subclasses that lower to XNNPACK).
+
+    ``configs`` holds ``(torchao config, filter_fn)`` pairs applied in order.
+    """
+
+    configs: list
+
+    def prepare_qat(self, model) -> None:
+        from torchao.quantization import quantize_
+        from torchao.quantization.qat import QATConfig
+
+        for config, filter_fn in self.configs:
+            quantize_(model, QATConfig(config, step="prepare"), filter_fn=filter_fn)
+
+    def convert(self, model) -> None:
+        """Quantize the (trained, plain FP) model in place for deployment."""
+        from torchao.quantization import quantize_
+
+        for config, filter_fn in self.configs:
+            quantize_(model, config, filter_fn=filter_fn)
 
 
 _FIELDS = {f.name for f in dataclasses.fields(Recipe)} - {"name"}
@@ -149,6 +178,8 @@ def load_recipe(name_or_path: str) -> Recipe:
         modes=tuple(raw.get("modes", MODES)),
         quantizer=q,
         partitioners=tuple(raw.get("partitioners", ())),
+        executorch_config=dict(raw.get("executorch_config") or {}),
+        runs_here=bool(raw.get("runs_here", True)),
     )
 
 
@@ -170,7 +201,7 @@ def _register_builtins() -> None:
         """XNNPACK PT2E quantizer. settings: per_channel (bool), dynamic (bool), weight_bits (4 or 8)."""
         from qharness import compat
 
-        allowed = {"per_channel", "dynamic", "weight_bits"}
+        allowed = {"per_channel", "dynamic", "weight_bits", "activation_observer"}
         unknown = set(settings) - allowed
         if unknown:
             raise UserError(f"xnnpack quantizer: unknown setting(s) {sorted(unknown)}", fix=f"known: {sorted(allowed)}")
@@ -187,9 +218,64 @@ def _register_builtins() -> None:
         )
         if is_qat:
             config = _deploy_matched_weight_fake_quant(config)
+        elif not settings.get("dynamic", True):
+            config = _with_activation_observer(config, settings.get("activation_observer", "histogram"))
+        elif "activation_observer" in settings:
+            raise UserError("xnnpack quantizer: activation_observer applies to static activations only (dynamic: false)")
         return compat.xnnpack_quantizer_cls()().set_global(config)
 
+    @register_quantizer("torchao_8da4w")
+    def _torchao_8da4w(settings: dict, is_qat: bool):
+        """torchao int8 dynamic per-token activations + intN grouped weights on every nn.Linear, optionally
+        weight-only embedding quantization. settings: group_size (32), weight_bits (4), embedding_bits (null/4/8)."""
+        import torch
+        from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+        from torchao.quantization.granularity import PerAxis, PerGroup
+
+        allowed = {"group_size", "weight_bits", "embedding_bits"}
+        unknown = set(settings) - allowed
+        if unknown:
+            raise UserError(f"torchao_8da4w quantizer: unknown setting(s) {sorted(unknown)}", fix=f"known: {sorted(allowed)}")
+        bits = {4: torch.int4, 8: torch.int8}
+        weight_bits = int(settings.get("weight_bits", 4))
+        emb_bits = settings.get("embedding_bits")
+        if weight_bits not in bits or (emb_bits is not None and int(emb_bits) not in bits):
+            raise UserError("torchao_8da4w quantizer: weight_bits and embedding_bits must be 4 or 8")
+        group = int(settings.get("group_size", 32))
+        configs = [
+            (
+                Int8DynamicActivationIntxWeightConfig(weight_dtype=bits[weight_bits], weight_granularity=PerGroup(group)),
+                lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group == 0,
+            )
+        ]
+        if emb_bits is not None:
+            configs.append(
+                (
+                    IntxWeightOnlyConfig(weight_dtype=bits[int(emb_bits)], granularity=PerGroup(group)),
+                    lambda m, fqn: isinstance(m, torch.nn.Embedding),
+                )
+            )
+        return SourceQuantizer(configs)
+
+    @register_quantizer("vulkan")
+    def _vulkan(settings: dict, is_qat: bool):
+        """Vulkan PT2E quantizer. settings: weight_bits (4 or 8), dynamic (false: weight-only)."""
+        from executorch.backends.vulkan.quantizer.vulkan_quantizer import get_symmetric_quantization_config
+
+        from qharness import compat
+
+        allowed = {"weight_bits", "dynamic"}
+        unknown = set(settings) - allowed
+        if unknown:
+            raise UserError(f"vulkan quantizer: unknown setting(s) {sorted(unknown)}", fix=f"known: {sorted(allowed)}")
+        if settings.get("dynamic", False):
+            raise UserError("vulkan quantizer: dynamic activations are not supported yet", fix="use dynamic: false (weight-only)")
+        config = get_symmetric_quantization_config(is_dynamic=False, weight_bits=int(settings.get("weight_bits", 8)))
+        return compat.vulkan_quantizer_cls()().set_global(config)
+
     from qharness import compat
+
+    register_partitioner("vulkan")(compat.vulkan_partitioner)
 
     register_partitioner("xnnpack")(lambda: compat.xnnpack_partitioner(dynamic_quant=False))
     register_partitioner("xnnpack_dynamic_quant")(lambda: compat.xnnpack_partitioner(dynamic_quant=True))
@@ -213,3 +299,16 @@ def _deploy_matched_weight_fake_quant(config):
     observer = ns.MovingAveragePerChannelMinMaxObserver if per_channel else ns.MovingAverageMinMaxObserver
     ctr = ns.FakeQuantize.with_args(observer=observer.with_args(averaging_constant=1.0), eps=2**-12)
     return dataclasses.replace(config, weight=dataclasses.replace(w, observer_or_fake_quant_ctr=ctr))
+
+
+def _with_activation_observer(config, name: str):
+    """Static PTQ activations observed with ``histogram`` (XNNPACK's default), ``minmax`` or ``moving_average``."""
+    from qharness import compat
+
+    ns = compat.pt2e()
+    observers = {"histogram": ns.HistogramObserver, "minmax": ns.MinMaxObserver, "moving_average": ns.MovingAverageMinMaxObserver}
+    if name not in observers:
+        raise UserError(f"xnnpack quantizer: unknown activation_observer {name!r}", fix=f"use one of {', '.join(observers)}")
+    ctr = observers[name].with_args(eps=2**-12)
+    act = dataclasses.replace(config.input_activation, observer_or_fake_quant_ctr=ctr)
+    return dataclasses.replace(config, input_activation=act, output_activation=act)

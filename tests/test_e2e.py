@@ -13,10 +13,11 @@ def write_config(path, model_dir, data, run_dir, **sections):
     cfg = {
         "model": {"checkpoint": str(model_dir), "recipe": "xnnpack_int8_dynamic", "mode": "qat", "lr": 1e-3, "warmup_steps": 2},
         "data": {"source": str(data), "seq_len": 32, "batch_size": 4},
-        "trainer": {"default_root_dir": str(run_dir), "max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2, "enable_progress_bar": False},
+        "trainer": {"default_root_dir": str(run_dir), "max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2},
         "checkpoint": {"every_n_train_steps": 3},
         "deploy": {"max_seq_len": 64},
         "parity": {"eval_blocks": 8, "prompts": 2, "prompt_len": 16, "decode_steps": 4},
+        "calibration": {"blocks": 4},
     }
     for key, value in sections.items():
         cfg[key].update(value)
@@ -105,13 +106,19 @@ def test_gate_names_each_failed_tolerance():
     assert "parity.max_ppl_rel_diff" in reasons[0] and "parity.min_argmax_agreement" in reasons[1] and "parity.max_abs_diff" in reasons[2]
 
 
-def test_calibrate_ptq_writes_a_pte_that_passes_parity(tmp_path, tiny_llama, shakespeare):
+def test_calibrate_ptq_static_with_its_own_calibration_data(tmp_path, tiny_llama, shakespeare):
     run = tmp_path / "ptq"
-    cfg = write_config(tmp_path / "ptq.yaml", tiny_llama, shakespeare, run, model={"mode": "ptq"}, deploy={"max_seq_len": 64, "calibration_blocks": 8})
+    calib = tmp_path / "calib.txt"
+    calib.write_text(shakespeare.read_text()[300_000:340_000])
+    cfg = write_config(
+        tmp_path / "ptq.yaml", tiny_llama, shakespeare, run,
+        model={"mode": "ptq", "recipe": "xnnpack_int8_static"}, calibration={"source": str(calib), "blocks": 8},
+    )
     r = run_cli("calibrate", cfg)
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "Predicting" in r.stdout + r.stderr  # Lightning's progress bar over the calibration blocks
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["mode"] == "ptq" and summary["parity"]["passed"]
+    assert summary["mode"] == "ptq" and summary["recipe"] == "xnnpack_int8_static" and summary["parity"]["passed"]
     assert "fake_quant" not in summary["metrics"]  # PTQ trains nothing: 'converted' is its quantized model
     assert summary["metrics"]["converted"]["ppl"] != summary["metrics"]["fp"]["ppl"]  # quantization did something
 
