@@ -1,0 +1,54 @@
+"""Every recipe x mode on the tiny model: fake-quant vs converted vs .pte numerics (the parity gate).
+
+QAT runs train a few steps, then deploy through the same stages as ``qharness fit``. The fast subset
+runs by default; the rest are marked slow (``pytest -m slow``)."""
+
+import pytest
+import torch
+
+from qharness.config import CalibrationConfig, ExportConfig, ParityConfig
+from qharness.data import TextDataModule
+from qharness.module import QuantLM
+from qharness.pipeline import deploy_and_check
+from qharness.recipes import known_recipes, load_recipe
+
+FAST = {("xnnpack_int4w_dynamic", "qat"), ("xnnpack_8da4w", "qat")}
+CASES = [(r, m) for r in known_recipes() for m in load_recipe(r).modes]
+
+
+def run_recipe(recipe, mode, model_dir, data, run_dir, steps=4):
+    dm = TextDataModule(source=str(data), tokenizer=str(model_dir), seq_len=32, batch_size=4)
+    dm.setup()
+    module = QuantLM(checkpoint=str(model_dir), recipe=recipe, mode=mode, lr=1e-3)
+    if mode == "qat":
+        module.build(dm.batch_size, dm.seq_len)
+        module._to_train()
+        opt = torch.optim.AdamW(module.graph.parameters(), lr=1e-3)
+        for batch, _ in zip(dm.train_dataloader(), range(steps)):
+            loss = module.loss(batch)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return deploy_and_check(
+        module, dm, run_dir, ExportConfig(max_seq_len=64), ParityConfig(eval_blocks=8, prompts=2, prompt_len=16, decode_steps=4), CalibrationConfig(blocks=8)
+    )
+
+
+@pytest.mark.parametrize(
+    "recipe,mode", [pytest.param(r, m, marks=() if (r, m) in FAST else pytest.mark.slow, id=f"{r}-{m}") for r, m in CASES]
+)
+def test_recipe_numerics(recipe, mode, tiny_llama, shakespeare, tmp_path):
+    summary = run_recipe(recipe, mode, tiny_llama, shakespeare, tmp_path)
+    assert (tmp_path / "model.pte").is_file()
+    m = summary["metrics"]
+    if not load_recipe(recipe).runs_here:
+        assert summary["parity"]["passed"] is None and "pte" not in m
+        return
+    assert summary["parity"]["passed"], summary["parity"]
+    assert abs(m["pte"]["ppl"] - m["converted"]["ppl"]) / m["converted"]["ppl"] < 0.02
+    if mode == "qat":  # what was trained is what ships: fake-quant vs .pte perplexity within 1%
+        assert abs(m["fake_quant"]["ppl"] - m["pte"]["ppl"]) / m["pte"]["ppl"] < 0.01
+
+
+def test_every_recipe_is_covered():
+    assert len(CASES) >= 8 and {r for r, _ in CASES} == set(known_recipes())
