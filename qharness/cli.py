@@ -76,6 +76,9 @@ def main(argv: list[str] | None = None) -> None:
         run_lightning_cli(rewrite_argv(argv))
     except UserError as e:
         _fail(str(e))
+    except FloatingPointError as e:  # divergence: the last good checkpoint stays in <run>/checkpoints
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     except ParityError as e:  # the run finished; its .pte is not to be shipped
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None

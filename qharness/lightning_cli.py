@@ -39,21 +39,73 @@ def resolve_ckpt(ckpt_path: str | None, run_dir: str) -> str | None:
     return str(path)
 
 
-def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None:
-    """Rebuild the prepared graph and load trained weights/observer state (``weights_only=True``)."""
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    saved = ckpt.get("hyper_parameters", {})
+def read_checkpoint(ckpt_path: str, model_cfg) -> dict:
+    """Load a checkpoint (``weights_only=True``) and check it was trained for this model, recipe and mode
+    (``model_cfg``: the ``model`` config group, or a module's ``hparams``)."""
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise UserError(f"checkpoint {ckpt_path} cannot be read ({type(e).__name__})", fix="pass a Lightning .ckpt written by qharness") from e
+    saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
+    if "state_dict" not in ckpt or not saved:
+        raise UserError(f"checkpoint {ckpt_path} is not a qharness training checkpoint")
     for key in ("checkpoint", "recipe", "mode"):
-        if key in saved and saved[key] != module.hparams[key]:
+        if key in saved and saved[key] != model_cfg[key]:
             raise UserError(
-                f"checkpoint {ckpt_path} was trained with model.{key}={saved[key]!r}, this config has {module.hparams[key]!r}",
+                f"checkpoint {ckpt_path} was trained with model.{key}={saved[key]!r}, this config has {model_cfg[key]!r}",
                 fix="use the config the checkpoint was trained with",
             )
+    return ckpt
+
+
+def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None:
+    """Rebuild the prepared graph and load trained weights/observer state (``weights_only=True``)."""
+    ckpt = read_checkpoint(ckpt_path, module.hparams)
     module.build(dm.batch_size, dm.seq_len)
     try:
         module.load_state_dict(ckpt["state_dict"])
     except RuntimeError as e:
         raise UserError(f"checkpoint {ckpt_path} does not fit this model: {str(e).splitlines()[0]}") from e
+
+
+def preflight(cfg) -> None:
+    """Bad input found from the config alone: one clear error (exit 2) instead of a failure hours later."""
+    if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
+        raise UserError(f"data.seq_len must be at least 2 and data.batch_size positive (got {cfg.data.seq_len}, {cfg.data.batch_size})")
+    steps = cfg.trainer.max_steps
+    if steps is not None and (steps == 0 or steps < -1):
+        raise UserError(f"trainer.max_steps must be positive, or -1 to use trainer.max_epochs (got {steps})")
+    if cfg.trainer.max_epochs is not None and cfg.trainer.max_epochs == 0:
+        raise UserError("trainer.max_epochs must be positive")
+    if cfg.checkpoint.every_n_train_steps is not None and cfg.checkpoint.every_n_train_steps < 0:
+        raise UserError(f"checkpoint.every_n_train_steps must be >= 0 (got {cfg.checkpoint.every_n_train_steps})")
+    root = Path(cfg.trainer.default_root_dir)
+    for parent in (root, *root.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"trainer.default_root_dir {root}: {parent} is a file", fix="point it at a directory")
+            if not os.access(parent, os.W_OK):
+                raise UserError(f"trainer.default_root_dir {root}: {parent} is not writable", fix="choose a writable directory")
+            break
+    seq_len, deploy = cfg.data.seq_len, cfg.deploy
+    if deploy.max_seq_len <= seq_len:
+        raise UserError(f"deploy.max_seq_len={deploy.max_seq_len} must exceed data.seq_len={seq_len}", fix=f"set deploy.max_seq_len >= {seq_len + 1}")
+    par = cfg.parity
+    if par.prompts < 1 or par.prompt_len < 1 or par.decode_steps < 0 or par.eval_blocks < cfg.data.batch_size:
+        raise UserError(
+            "parity: prompts and prompt_len must be positive, decode_steps >= 0, eval_blocks >= data.batch_size "
+            f"(got prompts={par.prompts}, prompt_len={par.prompt_len}, decode_steps={par.decode_steps}, eval_blocks={par.eval_blocks})"
+        )
+    if par.prompt_len > seq_len or par.prompt_len + par.decode_steps >= deploy.max_seq_len:
+        raise UserError(
+            f"parity.prompt_len={par.prompt_len} (+ decode_steps={par.decode_steps}) must fit data.seq_len={seq_len} "
+            f"and deploy.max_seq_len={deploy.max_seq_len}"
+        )
+    if cfg.calibration.blocks < 1:
+        raise UserError(f"calibration.blocks must be positive (got {cfg.calibration.blocks})")
+    source = cfg.calibration.source
+    if source is not None and source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
+        raise UserError(f"calibration.source {source} does not exist")
 
 
 class QTrainer(Trainer):
@@ -120,14 +172,8 @@ class QHarnessCLI(LightningCLI):
         parser.link_arguments("model.trust_remote_code", "data.trust_remote_code")
 
     def before_instantiate_classes(self) -> None:
-        cfg = self.config[self.subcommand]
-        if cfg.trainer.max_steps is not None and cfg.trainer.max_steps == 0:
-            raise UserError("trainer.max_steps must be positive (or -1 for max_epochs)")
-        if cfg.trainer.max_steps is not None and cfg.trainer.max_steps < -1:
-            raise UserError(f"trainer.max_steps must be positive (got {cfg.trainer.max_steps})")
-        root = Path(cfg.trainer.default_root_dir)
-        if root.exists() and not root.is_dir():
-            raise UserError(f"trainer.default_root_dir {root} is a file", fix="point it at a directory")
+        """Check the config before any long work (model loading, pretraining, tokenization) starts."""
+        preflight(self.config[self.subcommand])
 
     def _attach_configs(self) -> None:
         cfg = self.config_init[self.subcommand]
@@ -157,11 +203,19 @@ class QHarnessCLI(LightningCLI):
 
     before_test = before_validate
 
+    def _parse_ckpt_path(self) -> None:
+        """``--ckpt_path last`` names the run's own last.ckpt; a checkpoint of another model/recipe/mode, or an
+        unreadable one, is a clear error before LightningCLI takes the checkpoint's hyperparameters."""
+        sub = self.config.get("subcommand")
+        if sub and self.config[sub].get("ckpt_path"):
+            cfg = self.config[sub]
+            cfg.ckpt_path = resolve_ckpt(cfg.ckpt_path, cfg.trainer.default_root_dir)
+            read_checkpoint(cfg.ckpt_path, cfg.model)
+        super()._parse_ckpt_path()
+
     def _resolve_ckpt_arg(self) -> None:
-        """``--ckpt_path last`` names the run's own last.ckpt; checkpoints load with ``weights_only=True``."""
+        """Checkpoints load with ``weights_only=True`` unless the user says otherwise."""
         cfg = self.config_init[self.subcommand]
-        if cfg.get("ckpt_path"):
-            cfg["ckpt_path"] = resolve_ckpt(cfg["ckpt_path"], self.trainer.default_root_dir)
         if cfg.get("weights_only") is None:
             cfg["weights_only"] = True
 

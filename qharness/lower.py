@@ -45,7 +45,8 @@ class TokensAndPos(torch.nn.Module):
 def export_static_cache(model, max_seq_len: int) -> torch.export.ExportedProgram:
     """Export ``(tokens, input_pos) -> logits`` with a static KV cache of ``max_seq_len`` positions."""
     wrapper = TokensAndPos(compat.hf_static_cache_exportable(model, batch_size=1, max_cache_len=max_seq_len))
-    return torch.export.export(wrapper, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True)
+    with torch.no_grad():  # with grad on, torchao weight subclasses export as parametrizations the quant fusion misses
+        return torch.export.export(wrapper, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True)
 
 
 def quantize_for_deploy(model, recipe, max_seq_len: int, calibrate: Callable[[torch.fx.GraphModule], None]) -> torch.fx.GraphModule:
@@ -57,6 +58,7 @@ def quantize_for_deploy(model, recipe, max_seq_len: int, calibrate: Callable[[to
     """
     from qharness.recipes import SourceQuantizer
 
+    model.requires_grad_(False)  # deployment: no leaf may require grad (to_executorch mutates buffers in place)
     quantizer = recipe.make_quantizer(is_qat=False)
     if isinstance(quantizer, SourceQuantizer):
         quantizer.convert(model)
@@ -73,7 +75,8 @@ def lower_to_pte(graph: torch.fx.GraphModule, recipe, max_seq_len: int) -> bytes
     """Re-export, decompose to core ATen, lower with the recipe's partitioners, serialize."""
     for p in graph.parameters():  # to_executorch fails on in-place ops over leaves that require grad
         p.requires_grad_(False)
-    ep = torch.export.export(graph, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True)
+    with torch.no_grad():
+        ep = torch.export.export(graph, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True)
     ep = ep.run_decompositions({})
     edge = compat.to_edge_transform_and_lower(ep, partitioner=recipe.make_partitioners())
     return edge.to_executorch(compat.executorch_backend_config(**recipe.executorch_config)).buffer

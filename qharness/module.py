@@ -102,6 +102,10 @@ class QuantLM(L.LightningModule):
             raise UserError(f"model.lr must be positive (got {lr})")
         if warmup_steps < 0:
             raise UserError(f"model.warmup_steps must be >= 0 (got {warmup_steps})")
+        if checkpoint != "embedded":
+            from qharness.models import resolve_checkpoint
+
+            resolve_checkpoint(checkpoint)  # a missing directory, config or weights fails here, before any work
         self.graph: torch.fx.GraphModule | None = None
         self._val_losses: list[float] = []
 

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 os.environ.update(
     HF_HUB_OFFLINE="1",
@@ -34,8 +35,9 @@ def shakespeare() -> Path:
     return SHAKESPEARE
 
 
-def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, **overrides) -> Path:
-    """A random-init tiny LlamaForCausalLM + BPE tokenizer saved with save_pretrained."""
+def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, vocab_size_override: int | None = None) -> Path:
+    """A random-init tiny LlamaForCausalLM + BPE tokenizer saved with save_pretrained
+    (``vocab_size_override``: a model vocabulary that does not fit the tokenizer, for error tests)."""
     import torch
 
     from qharness.models import EmbeddedSpec, new_llama, train_bpe_tokenizer
@@ -43,9 +45,7 @@ def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, **overrides) ->
     tok = train_bpe_tokenizer([text], vocab_size)
     spec = EmbeddedSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
-    model = new_llama(spec, len(tok))
-    for k, v in overrides.items():
-        setattr(model.config, k, v)
+    model = new_llama(spec, vocab_size_override or len(tok))
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
@@ -66,3 +66,20 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 900) -> subproce
         timeout=timeout,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
+
+
+def write_config(path, model_dir, data_source, run_dir, **sections):
+    """A tiny run config; ``sections`` update its groups, e.g. ``data={"seq_len": 16}``."""
+    cfg = {
+        "model": {"checkpoint": str(model_dir), "recipe": "xnnpack_int8_dynamic", "mode": "qat", "lr": 1e-3, "warmup_steps": 2},
+        "data": {"source": str(data_source), "seq_len": 32, "batch_size": 4},
+        "trainer": {"default_root_dir": str(run_dir), "max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2},
+        "checkpoint": {"every_n_train_steps": 3},
+        "deploy": {"max_seq_len": 64},
+        "parity": {"eval_blocks": 8, "prompts": 2, "prompt_len": 16, "decode_steps": 4},
+        "calibration": {"blocks": 4},
+    }
+    for key, value in sections.items():
+        cfg[key].update(value)
+    path.write_text("# qharness fit " + path.name + "\n" + yaml.safe_dump(cfg))
+    return path

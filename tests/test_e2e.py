@@ -4,25 +4,7 @@ import json
 
 import pytest
 import torch
-import yaml
-
-from conftest import run_cli
-
-
-def write_config(path, model_dir, data, run_dir, **sections):
-    cfg = {
-        "model": {"checkpoint": str(model_dir), "recipe": "xnnpack_int8_dynamic", "mode": "qat", "lr": 1e-3, "warmup_steps": 2},
-        "data": {"source": str(data), "seq_len": 32, "batch_size": 4},
-        "trainer": {"default_root_dir": str(run_dir), "max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2},
-        "checkpoint": {"every_n_train_steps": 3},
-        "deploy": {"max_seq_len": 64},
-        "parity": {"eval_blocks": 8, "prompts": 2, "prompt_len": 16, "decode_steps": 4},
-        "calibration": {"blocks": 4},
-    }
-    for key, value in sections.items():
-        cfg[key].update(value)
-    path.write_text("# qharness fit " + path.name + "\n" + yaml.safe_dump(cfg))
-    return path
+from conftest import run_cli, write_config
 
 
 @pytest.fixture(scope="module")

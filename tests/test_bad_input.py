@@ -1,0 +1,138 @@
+"""Bad input: one clear error line naming the field (and the fix), exit code 2, before any long work.
+
+Each case builds an argv from a valid tiny config plus one mistake and runs the CLI in-process.
+"""
+
+import json
+import shutil
+
+import pytest
+from conftest import make_tiny_llama, write_config
+
+from qharness.cli import main
+
+
+def _cfg(t, **sections):
+    return ["fit", str(write_config(t.tmp / "c.yaml", t.model, t.data, t.tmp / "run", **sections))]
+
+
+def _model_copy(t, drop=()):
+    d = t.tmp / "model_copy"
+    shutil.copytree(t.model, d)
+    for pattern in drop:
+        for f in d.glob(pattern):
+            f.unlink()
+    return d
+
+
+def _fake_ckpt(t, recipe):
+    import torch
+
+    path = t.tmp / "other.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {"checkpoint": str(t.model), "recipe": recipe, "mode": "qat"}}, path)
+    return path
+
+
+def _t5_dir(t):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    d = t.tmp / "t5"
+    T5ForConditionalGeneration(T5Config(vocab_size=400, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(d)
+    shutil.copy(t.model / "tokenizer.json", d)
+    shutil.copy(t.model / "tokenizer_config.json", d)
+    return d
+
+
+def _small_vocab_model(t):
+    return make_tiny_llama(t.tmp / "small_vocab", t.data.read_text()[:50_000], vocab_size=384, vocab_size_override=200)
+
+
+CASES = {
+    "unknown subcommand": (lambda t: ["fitt"], "unknown subcommand 'fitt'"),
+    "unknown recipe": (lambda t: [*_cfg(t), "--model.recipe", "xnnpack_int3"], "unknown recipe 'xnnpack_int3'"),
+    "unknown recipe field": (lambda t: [*_cfg(t), "--model.recipe", str(_write(t, "r.yaml", "base: xnnpack_fp32\nbackends: x\n"))], "unknown field(s) backends"),
+    "recipe without mode": (lambda t: [*_cfg(t), "--model.recipe", "xnnpack_fp32"], "does not support mode 'qat'"),
+    "unknown mode": (lambda t: [*_cfg(t), "--model.mode", "int8"], "does not support mode 'int8'"),
+    "unknown config field": (lambda t: [*_cfg(t), "--model.recipee", "x"], "model.recipee"),
+    "wrong type": (lambda t: [*_cfg(t), "--data.seq_len", "many"], "data.seq_len"),
+    "missing config file": (lambda t: ["fit", str(t.tmp / "nope.yaml")], "nope.yaml"),
+    "missing data file": (lambda t: _cfg(t, data={"source": str(t.tmp / "none.txt")}), "data.source"),
+    "empty data file": (lambda t: _cfg(t, data={"source": str(_write(t, "empty.txt", ""))}), "is empty"),
+    "data dir without text": (lambda t: _cfg(t, data={"source": str(_mkdir(t, "nodata"))}), "holds no"),
+    "unsupported data type": (lambda t: _cfg(t, data={"source": str(_write(t, "d.xml", "<a/>"))}), "unsupported file type '.xml'"),
+    "dataset too small": (lambda t: _cfg(t, data={"source": str(_write(t, "tiny.txt", "to be or not " * 20))}), "fewer than one batch"),
+    "missing text column": (lambda t: _cfg(t, data={"source": str(_write(t, "d.jsonl", json.dumps({"body": "x " * 2000})))}), "data.text_field 'text'"),
+    "seq_len above context": (lambda t: _cfg(t, data={"seq_len": 300}, deploy={"max_seq_len": 301}), "exceeds the model's context"),
+    "seq_len too small": (lambda t: _cfg(t, data={"seq_len": 1}), "data.seq_len must be at least 2"),
+    "zero batch size": (lambda t: _cfg(t, data={"batch_size": 0}), "data.batch_size positive"),
+    "val_fraction out of range": (lambda t: _cfg(t, data={"val_fraction": 1.5}), "data.val_fraction"),
+    "model dir missing": (lambda t: _cfg(t, model={"checkpoint": str(t.tmp / "no_model")}), "does not exist"),
+    "model path is a file": (lambda t: _cfg(t, model={"checkpoint": str(_write(t, "m.bin", "x"))}), "is a file"),
+    "model dir without config": (lambda t: _cfg(t, model={"checkpoint": str(_model_copy(t, ["config.json"]))}), "no config.json"),
+    "model dir without weights": (lambda t: _cfg(t, model={"checkpoint": str(_model_copy(t, ["*.safetensors"]))}), "has no weights"),
+    "unsupported architecture": (lambda t: _cfg(t, model={"checkpoint": str(_t5_dir(t))}), "unsupported model"),
+    "tokenizer/model vocab mismatch": (lambda t: _cfg(t, model={"checkpoint": str(_small_vocab_model(t))}), "vocab_size"),
+    "zero max_steps": (lambda t: _cfg(t, trainer={"max_steps": 0}), "trainer.max_steps must be positive"),
+    "negative max_steps": (lambda t: _cfg(t, trainer={"max_steps": -5}), "trainer.max_steps must be positive"),
+    "zero learning rate": (lambda t: _cfg(t, model={"lr": 0.0}), "model.lr must be positive"),
+    "negative warmup": (lambda t: _cfg(t, model={"warmup_steps": -1}), "model.warmup_steps"),
+    "negative checkpoint interval": (lambda t: _cfg(t, checkpoint={"every_n_train_steps": -1}), "checkpoint.every_n_train_steps"),
+    "output dir is a file": (lambda t: _cfg(t, trainer={"default_root_dir": str(_write(t, "runfile", "x"))}), "is a file"),
+    "output dir under a file": (lambda t: _cfg(t, trainer={"default_root_dir": str(_write(t, "f2", "x") / "run")}), "is a file"),
+    "max_seq_len not above seq_len": (lambda t: _cfg(t, deploy={"max_seq_len": 32}), "deploy.max_seq_len=32 must exceed"),
+    "max_seq_len above context": (lambda t: _cfg(t, deploy={"max_seq_len": 512}), "deploy.max_seq_len=512 exceeds the model's context"),
+    "zero calibration blocks": (lambda t: _cfg(t, calibration={"blocks": 0}), "calibration.blocks must be positive"),
+    "missing calibration file": (lambda t: _cfg(t, calibration={"source": str(t.tmp / "c.txt")}), "calibration.source"),
+    "parity prompt too long": (lambda t: _cfg(t, parity={"prompt_len": 64}), "parity.prompt_len=64"),
+    "missing checkpoint to resume": (lambda t: [*_cfg(t), "--ckpt_path", str(t.tmp / "x.ckpt")], "x.ckpt does not exist"),
+    "resume with no last.ckpt": (lambda t: [*_cfg(t), "--ckpt_path", "last"], "last.ckpt does not exist"),
+    "checkpoint of another recipe": (lambda t: [*_cfg(t), "--ckpt_path", str(_fake_ckpt(t, "xnnpack_8da4w"))], "model.recipe='xnnpack_8da4w'"),
+    "corrupt checkpoint": (lambda t: [*_cfg(t), "--ckpt_path", str(_write(t, "bad.ckpt", "not a checkpoint"))], "cannot be read"),
+    "export without checkpoint": (lambda t: ["export", *_cfg(t)[1:]], "last.ckpt does not exist"),
+    "calibrate in qat mode": (lambda t: ["calibrate", *_cfg(t)[1:]], "calibrate needs model.mode: ptq"),
+}
+
+
+def _write(t, name, text):
+    path = t.tmp / name
+    path.write_text(text)
+    return path
+
+
+def _mkdir(t, name):
+    (t.tmp / name).mkdir(exist_ok=True)
+    return t.tmp / name
+
+
+def _rebind_log_streams():
+    """Loggers configured by an earlier in-process run hold the stderr that pytest captured then."""
+    import logging
+    import sys
+
+    for logger in [logging.root, *logging.Logger.manager.loggerDict.values()]:
+        for h in getattr(logger, "handlers", []):
+            if type(h) is logging.StreamHandler:
+                h.stream = sys.stderr  # setStream would flush the closed old stream
+
+
+class Ctx:
+    def __init__(self, tmp, model, data):
+        self.tmp, self.model, self.data = tmp, model, data
+
+
+def test_there_are_at_least_30_cases():
+    assert len(CASES) >= 30
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input(name, tmp_path, tiny_llama, shakespeare, capsys):
+    make_argv, expected = CASES[name]
+    argv = make_argv(Ctx(tmp_path, tiny_llama, shakespeare))
+    _rebind_log_streams()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2, err[-2000:]
+    assert expected in err, err[-2000:]
+    assert "Traceback" not in err
+    assert not (tmp_path / "run" / "model.pte").exists()
