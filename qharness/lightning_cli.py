@@ -1,8 +1,8 @@
 """The LightningCLI behind ``qharness fit|validate|test|export``: typed config groups and hooks.
 
 Config groups: ``model`` (QuantLM), ``data`` (TextDataModule), ``trainer`` (Lightning), ``checkpoint``
-(ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``export`` (ExportConfig) and
-``parity`` (ParityConfig). The run directory is ``trainer.default_root_dir``.
+(ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``deploy`` (ExportConfig),
+``parity`` (ParityConfig) and ``bench`` (BenchConfig). The run directory is ``trainer.default_root_dir``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from qharness.config import ExportConfig, ParityConfig
+from qharness.config import BenchConfig, ExportConfig, ParityConfig
 from qharness.data import TextDataModule
 from qharness.errors import UserError
 from qharness.module import QuantLM
@@ -57,15 +57,16 @@ def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None
 
 
 class QTrainer(Trainer):
-    """Lightning's Trainer plus ``export``. The CLI hands it the export and parity configs."""
+    """Lightning's Trainer plus ``export`` and ``calibrate``. The CLI hands it the export, parity and bench configs."""
 
     export_config: ExportConfig = ExportConfig()
     parity_config: ParityConfig = ParityConfig()
+    bench_config: BenchConfig = BenchConfig()
 
     def deploy(self, model: QuantLM, datamodule: TextDataModule) -> dict:
         from qharness.pipeline import deploy_and_check
 
-        return deploy_and_check(model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config)
+        return deploy_and_check(model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config, self.bench_config)
 
     def export(self, model: QuantLM, datamodule: TextDataModule, ckpt_path: str = "last") -> dict:
         """Export a trained checkpoint to ``.pte`` (static KV cache), run the parity gate, write summary.json.
@@ -96,6 +97,7 @@ class QHarnessCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(ExportConfig, "deploy", help="Deployment to .pte")
         parser.add_class_arguments(ParityConfig, "parity", help="Parity gate of the .pte")
+        parser.add_class_arguments(BenchConfig, "bench", help="Benchmark of the .pte vs the eager FP model")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
             {
@@ -121,6 +123,10 @@ class QHarnessCLI(LightningCLI):
             raise UserError("trainer.max_steps must be positive (or -1 for max_epochs)")
         if cfg.trainer.max_steps is not None and cfg.trainer.max_steps < -1:
             raise UserError(f"trainer.max_steps must be positive (got {cfg.trainer.max_steps})")
+        if cfg.deploy.enabled and cfg.bench.enabled:  # fail before training, not after it
+            from qharness.bench import check_lengths
+
+            check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
         root = Path(cfg.trainer.default_root_dir)
         if root.exists() and not root.is_dir():
             raise UserError(f"trainer.default_root_dir {root} is a file", fix="point it at a directory")
@@ -129,6 +135,7 @@ class QHarnessCLI(LightningCLI):
         cfg = self.config_init[self.subcommand]
         self.trainer.export_config = cfg["deploy"]
         self.trainer.parity_config = cfg["parity"]
+        self.trainer.bench_config = cfg["bench"]
 
     def before_fit(self) -> None:
         self._attach_configs()

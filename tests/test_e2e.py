@@ -2,34 +2,9 @@
 
 import json
 
-import pytest
 import torch
-import yaml
 
-from conftest import run_cli
-
-
-def write_config(path, model_dir, data, run_dir, **sections):
-    cfg = {
-        "model": {"checkpoint": str(model_dir), "recipe": "xnnpack_int8_dynamic", "mode": "qat", "lr": 1e-3, "warmup_steps": 2},
-        "data": {"source": str(data), "seq_len": 32, "batch_size": 4},
-        "trainer": {"default_root_dir": str(run_dir), "max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2, "enable_progress_bar": False},
-        "checkpoint": {"every_n_train_steps": 3},
-        "deploy": {"max_seq_len": 64},
-        "parity": {"eval_blocks": 8, "prompts": 2, "prompt_len": 16, "decode_steps": 4},
-    }
-    for key, value in sections.items():
-        cfg[key].update(value)
-    path.write_text("# qharness fit " + path.name + "\n" + yaml.safe_dump(cfg))
-    return path
-
-
-@pytest.fixture(scope="module")
-def fitted(tmp_path_factory, tiny_llama, shakespeare):
-    tmp = tmp_path_factory.mktemp("e2e")
-    cfg = write_config(tmp / "run.yaml", tiny_llama, shakespeare, tmp / "run")
-    result = run_cli("fit", cfg)
-    return tmp / "run", cfg, result
+from conftest import run_cli, write_config
 
 
 def test_fit_writes_a_pte_that_passes_parity(fitted):
@@ -67,7 +42,7 @@ def test_the_pte_decodes_token_by_token_like_a_full_prefill(fitted):
 
 def test_resume_continues_from_the_checkpoint_and_export_finishes_from_it(tmp_path, tiny_llama, shakespeare):
     run = tmp_path / "run"
-    cfg = write_config(tmp_path / "r.yaml", tiny_llama, shakespeare, run, deploy={"enabled": False, "max_seq_len": 64})
+    cfg = write_config(tmp_path / "r.yaml", tiny_llama, shakespeare, run, deploy={"enabled": False, "max_seq_len": 64}, bench={"enabled": False})
     first = run_cli("fit", cfg, "--trainer.max_steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
@@ -107,7 +82,7 @@ def test_gate_names_each_failed_tolerance():
 
 def test_calibrate_ptq_writes_a_pte_that_passes_parity(tmp_path, tiny_llama, shakespeare):
     run = tmp_path / "ptq"
-    cfg = write_config(tmp_path / "ptq.yaml", tiny_llama, shakespeare, run, model={"mode": "ptq"}, deploy={"max_seq_len": 64, "calibration_blocks": 8})
+    cfg = write_config(tmp_path / "ptq.yaml", tiny_llama, shakespeare, run, model={"mode": "ptq"}, deploy={"max_seq_len": 64, "calibration_blocks": 8}, bench={"enabled": False})
     r = run_cli("calibrate", cfg)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
