@@ -47,7 +47,7 @@ def check_lengths(prompt_len: int, decode_tokens: int, reps: int, max_context_le
     if prompt_len + decode_tokens > max_context_len:
         raise UserError(
             f"bench prompt_len + decode_tokens = {prompt_len + decode_tokens} exceeds the .pte's KV cache ({max_context_len} positions)",
-            fix="lower bench.prompt_len / bench.decode_tokens or raise deploy.max_seq_len",
+            fix=f"keep prompt_len + decode_tokens <= {max_context_len} (bench.* options), or export with a larger deploy.max_seq_len",
         )
 
 
