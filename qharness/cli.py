@@ -5,6 +5,8 @@
     qharness validate|test CONFIG [--ckpt_path last]
     qharness export CONFIG [--ckpt_path last]      # .pte + parity + summary.json from a checkpoint
     qharness recipes                                # the known backend recipes
+    qharness generate --pte runs/x/model.pte --prompt "To be" [--temperature 0]
+    qharness bench --pte runs/x/model.pte          # latency/memory/size vs the eager FP model
 
 Heavy libraries (lightning, executorch, torchao) are imported only by the subcommands that use them,
 so ``qharness --help`` answers at once.
@@ -12,6 +14,7 @@ so ``qharness --help`` answers at once.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
@@ -22,6 +25,8 @@ SUBCOMMANDS = {
     "test": "same as validate, on the test dataloader",
     "export": "export a trained checkpoint (--ckpt_path, default last) to .pte, with the parity gate",
     "recipes": "list the backend recipes",
+    "generate": "stream text from a .pte (--pte PATH --prompt TEXT), with tokens/s",
+    "bench": "load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model",
 }
 
 USAGE = "usage: qharness {" + ",".join(SUBCOMMANDS) + "} [CONFIG.yaml] [--field value ...]\n"
@@ -52,6 +57,61 @@ def list_recipes() -> None:
         print(f"{r.name:<{width}}  {r.backend:<8} {'/'.join(r.modes):<8} {r.description}")
 
 
+def generate_cmd(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="qharness generate", description=SUBCOMMANDS["generate"])
+    p.add_argument("--pte", required=True, help="the .pte file")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max_new_tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--seed", type=int, default=None, help="fixed seed: the same text every run")
+    p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: tokenizer/ beside the .pte)")
+    a = p.parse_args(argv)
+    from pathlib import Path
+
+    from qharness.generate import generate, load_tokenizer
+    from qharness.runtime import PteModel
+
+    tokenizer = load_tokenizer(a.tokenizer or Path(a.pte).parent / "tokenizer")
+    pte = PteModel(a.pte)
+
+    def stream(piece: str) -> None:
+        print(piece, end="", flush=True)
+
+    stream(a.prompt)
+    out = generate(pte, tokenizer, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed, on_text=stream)
+    print()
+    print(f"[{out['prompt_tokens']} prompt tokens, {len(out['new_tokens'])} generated] prefill {out['prefill_tok_s']:.1f} tok/s, "
+          f"decode {out['decode_tok_s']:.1f} tok/s", file=sys.stderr)
+
+
+def bench_cmd(argv: list[str]) -> None:
+    p = argparse.ArgumentParser(prog="qharness bench", description=SUBCOMMANDS["bench"] + " (the eager model when a summary.json lies beside the .pte)")
+    p.add_argument("--pte", required=True, help="the .pte file")
+    p.add_argument("--prompt_len", type=int, default=128, help="tokens prefilled in one call")
+    p.add_argument("--decode_tokens", type=int, default=64, help="tokens decoded one at a time after the prefill")
+    p.add_argument("--reps", type=int, default=5, help="repetitions (median and min-max reported)")
+    a = p.parse_args(argv)
+    import json
+    from pathlib import Path
+
+    from qharness.bench import bench, format_bench
+    from qharness.io import write_json_atomic
+
+    summary_path = Path(a.pte).parent / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    model_dir = None
+    if summary is not None and summary.get("model"):
+        from qharness.models import resolve_checkpoint
+
+        model_dir = resolve_checkpoint(summary["model"])
+    result = bench(a.pte, model_dir, a.prompt_len, a.decode_tokens, a.reps)
+    print(format_bench(result))
+    if summary is not None:
+        write_json_atomic(summary_path, {**summary, "bench": result})
+        print(f"bench results added to {summary_path}")
+
+
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -70,6 +130,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if argv[0] == "recipes":
             list_recipes()
+            return
+        if argv[0] in ("generate", "bench"):
+            (generate_cmd if argv[0] == "generate" else bench_cmd)(argv[1:])
             return
         from qharness.lightning_cli import run_lightning_cli
 

@@ -56,3 +56,20 @@ class CalibrationConfig:
     source: str | None = None
     text_field: str = "text"
     blocks: int = 32
+
+
+@dataclass
+class BenchConfig:
+    """Benchmark of the ``.pte`` and the eager FP model (each in a fresh process) after a passed parity gate.
+
+    Args:
+        enabled: Measure load time, prefill/decode tokens/s, peak RSS and size; results go into summary.json.
+        prompt_len: Tokens prefilled in one call (prefill tokens/s).
+        decode_tokens: Tokens then decoded one at a time (decode tokens/s); prompt_len + decode_tokens <= deploy.max_seq_len.
+        reps: Repetitions (each loads the model, prefills, decodes) after one warm-up; the median and min-max are reported.
+    """
+
+    enabled: bool = True
+    prompt_len: int = 128
+    decode_tokens: int = 64
+    reps: int = 5

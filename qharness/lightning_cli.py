@@ -2,7 +2,7 @@
 
 Config groups: ``model`` (QuantLM), ``data`` (TextDataModule), ``trainer`` (Lightning), ``checkpoint``
 (ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``deploy`` (ExportConfig),
-``parity`` (ParityConfig) and ``calibration`` (CalibrationConfig). The run directory is ``trainer.default_root_dir``.
+``parity`` (ParityConfig), ``calibration`` (CalibrationConfig) and ``bench`` (BenchConfig). The run directory is ``trainer.default_root_dir``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from qharness.config import CalibrationConfig, ExportConfig, ParityConfig
+from qharness.config import BenchConfig, CalibrationConfig, ExportConfig, ParityConfig
 from qharness.data import TextDataModule
 from qharness.errors import UserError
 from qharness.module import QuantLM
@@ -101,6 +101,10 @@ def preflight(cfg) -> None:
             f"parity.prompt_len={par.prompt_len} (+ decode_steps={par.decode_steps}) must fit data.seq_len={seq_len} "
             f"and deploy.max_seq_len={deploy.max_seq_len}"
         )
+    if cfg.deploy.enabled and cfg.bench.enabled:
+        from qharness.bench import check_lengths
+
+        check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
     if cfg.calibration.blocks < 1:
         raise UserError(f"calibration.blocks must be positive (got {cfg.calibration.blocks})")
     source = cfg.calibration.source
@@ -109,17 +113,18 @@ def preflight(cfg) -> None:
 
 
 class QTrainer(Trainer):
-    """Lightning's Trainer plus ``export``. The CLI hands it the export and parity configs."""
+    """Lightning's Trainer plus ``export`` and ``calibrate``. The CLI hands it the export, parity and bench configs."""
 
     export_config: ExportConfig = ExportConfig()
     parity_config: ParityConfig = ParityConfig()
     calibration_config: CalibrationConfig = CalibrationConfig()
+    bench_config: BenchConfig = BenchConfig()
 
     def deploy(self, model: QuantLM, datamodule: TextDataModule) -> dict:
         from qharness.pipeline import deploy_and_check
 
         return deploy_and_check(
-            model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config, self.calibration_config
+            model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config, self.calibration_config, self.bench_config
         )
 
     def export(self, model: QuantLM, datamodule: TextDataModule, ckpt_path: str = "last") -> dict:
@@ -152,6 +157,7 @@ class QHarnessCLI(LightningCLI):
         parser.add_class_arguments(ExportConfig, "deploy", help="Deployment to .pte")
         parser.add_class_arguments(ParityConfig, "parity", help="Parity gate of the .pte")
         parser.add_class_arguments(CalibrationConfig, "calibration", help="Calibration data")
+        parser.add_class_arguments(BenchConfig, "bench", help="Benchmark of the .pte vs the eager FP model")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
             {
@@ -180,6 +186,7 @@ class QHarnessCLI(LightningCLI):
         self.trainer.export_config = cfg["deploy"]
         self.trainer.parity_config = cfg["parity"]
         self.trainer.calibration_config = cfg["calibration"]
+        self.trainer.bench_config = cfg["bench"]
 
     def before_fit(self) -> None:
         self._attach_configs()

@@ -2,7 +2,7 @@
 
 Example::
 
-    summary = deploy_and_check(module, datamodule, Path("runs/x"), ExportConfig(), ParityConfig(), CalibrationConfig())
+    summary = deploy_and_check(module, datamodule, Path("runs/x"), ExportConfig(), ParityConfig(), CalibrationConfig(), BenchConfig())
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qharness.config import CalibrationConfig, ExportConfig, ParityConfig
+from qharness.config import BenchConfig, CalibrationConfig, ExportConfig, ParityConfig
 from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
 from qharness.parity import compare_decoding, gate, score_batched, score_deployed
@@ -30,12 +30,29 @@ def check_export_config(cfg: ExportConfig, seq_len: int, context: int | None) ->
         raise UserError(f"deploy.max_seq_len={cfg.max_seq_len} exceeds the model's context ({context})", fix=f"set deploy.max_seq_len <= {context}")
 
 
+def eos_ids(model, tokenizer) -> list[int]:
+    """EOS ids of the tokenizer and of the model's generation config (an id or a list)."""
+    config_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = config_eos if isinstance(config_eos, list) else [config_eos]
+    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
+
+
 def deploy_and_check(
-    module, dm, run_dir: Path, export_cfg: ExportConfig, parity_cfg: ParityConfig, calib_cfg: CalibrationConfig = CalibrationConfig()
+    module,
+    dm,
+    run_dir: Path,
+    export_cfg: ExportConfig,
+    parity_cfg: ParityConfig,
+    calib_cfg: CalibrationConfig = CalibrationConfig(),
+    bench_cfg: BenchConfig = BenchConfig(enabled=False),
 ) -> dict:
-    """Write ``model.pte``, the tokenizer and ``summary.json`` into ``run_dir``; raise ParityError on failure."""
+    """Write ``model.pte``, the tokenizer and ``summary.json`` into ``run_dir``; raise ParityError on failure.
+
+    A ``.pte`` that passes the gate is benchmarked (``bench_cfg``) against the eager FP model.
+    """
+    from qharness.bench import bench, format_bench
     from qharness.calibration import calibrate, calibration_blocks
-    from qharness.lower import lower_to_pte, quantize_for_deploy
+    from qharness.lower import lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.runtime import PteModel
 
     run_dir = Path(run_dir)
@@ -43,7 +60,9 @@ def deploy_and_check(
     recipe = module.recipe
     timings = {}
     fp_model, tokenizer = module.load_fp()
-    check_export_config(export_cfg, dm.seq_len, getattr(fp_model.config.get_text_config(), "max_position_embeddings", None))
+    text_config = fp_model.config.get_text_config()
+    check_export_config(export_cfg, dm.seq_len, getattr(text_config, "max_position_embeddings", None))
+    metadata = runner_metadata(export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, eos_ids(fp_model, tokenizer))
 
     n_eval = min(parity_cfg.eval_blocks, len(dm.val_x)) // dm.batch_size * dm.batch_size
     vx, vy = dm.val_x[:n_eval], dm.val_y[:n_eval]
@@ -61,7 +80,7 @@ def deploy_and_check(
     timings["export_quantize_s"] = time.perf_counter() - t
     t = time.perf_counter()
     log.warning("lowering to ExecuTorch (%s) ...", recipe.name)
-    pte_bytes = lower_to_pte(deployed, recipe, export_cfg.max_seq_len)
+    pte_bytes = lower_to_pte(deployed, recipe, export_cfg.max_seq_len, metadata)
     timings["lower_s"] = time.perf_counter() - t
     pte_path = write_bytes_atomic(run_dir / export_cfg.filename, pte_bytes)
     tokenizer.save_pretrained(run_dir / "tokenizer")
@@ -107,6 +126,11 @@ def deploy_and_check(
     print(format_table(summary))
     if reasons:
         raise ParityError(f"parity gate failed for {pte_path}: " + "; ".join(reasons))
+    if bench_cfg.enabled and recipe.runs_here:
+        log.warning("benchmarking %s and the eager FP model ...", pte_path)
+        summary["bench"] = bench(pte_path, module.model_source(), bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
+        write_json_atomic(run_dir / "summary.json", summary)
+        print(format_bench(summary["bench"]))
     return summary
 
 

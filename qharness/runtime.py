@@ -4,6 +4,7 @@ Example::
 
     pte = PteModel("runs/qat_xnnpack/model.pte")
     logits = pte(tokens, start=0)      # prefill; then pte(next_token, start=n) to decode
+    pte.metadata()["get_max_context_len"]
 """
 
 from __future__ import annotations
@@ -33,3 +34,11 @@ class PteModel:
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         out = self.method.execute([tokens.to(torch.long).contiguous(), torch.tensor([start], dtype=torch.long)])
         return out[0]
+
+    def metadata(self) -> dict:
+        """The program's constant methods, e.g. ``{"get_max_context_len": 256, "get_eos_ids": [0], ...}``."""
+        out = {}
+        for name in sorted(self.program.method_names - {"forward"}):
+            values = list(self.program.load_method(name).execute([]))
+            out[name] = values if name == "get_eos_ids" else values[0]
+        return out

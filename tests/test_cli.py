@@ -22,7 +22,7 @@ def test_unknown_subcommand_exits_2_with_the_known_ones():
 def test_fit_help_documents_fields():
     r = run_cli("fit", "--help")
     assert r.returncode == 0, r.stderr
-    for text in ("--model.recipe", "Backend recipe name", "--data.seq_len", "Tokens per block", "--deploy.max_seq_len", "--parity.max_ppl_rel_diff"):
+    for text in ("--model.recipe", "Backend recipe name", "--data.seq_len", "Tokens per block", "--deploy.max_seq_len", "--parity.max_ppl_rel_diff", "--bench.prompt_len", "Tokens prefilled in one call"):
         assert text in r.stdout, text
 
 
@@ -51,3 +51,9 @@ def test_configs_start_with_the_command_that_runs_them():
     for cfg in (ROOT / "configs").glob("*.yaml"):
         first = cfg.read_text().splitlines()[0]
         assert first.startswith("# qharness ") and cfg.name in first, cfg
+
+
+def test_a_bench_longer_than_the_kv_cache_fails_before_training(tmp_path):
+    r = run_cli("fit", "--bench.prompt_len", "250", "--trainer.default_root_dir", tmp_path)
+    assert r.returncode == 2
+    assert "bench prompt_len + decode_tokens = 314 exceeds" in r.stderr and "Traceback" not in r.stderr

@@ -2,17 +2,9 @@
 
 import json
 
-import pytest
 import torch
+
 from conftest import run_cli, write_config
-
-
-@pytest.fixture(scope="module")
-def fitted(tmp_path_factory, tiny_llama, shakespeare):
-    tmp = tmp_path_factory.mktemp("e2e")
-    cfg = write_config(tmp / "run.yaml", tiny_llama, shakespeare, tmp / "run")
-    result = run_cli("fit", cfg)
-    return tmp / "run", cfg, result
 
 
 def test_fit_writes_a_pte_that_passes_parity(fitted):
@@ -50,7 +42,7 @@ def test_the_pte_decodes_token_by_token_like_a_full_prefill(fitted):
 
 def test_resume_continues_from_the_checkpoint_and_export_finishes_from_it(tmp_path, tiny_llama, shakespeare):
     run = tmp_path / "run"
-    cfg = write_config(tmp_path / "r.yaml", tiny_llama, shakespeare, run, deploy={"enabled": False, "max_seq_len": 64})
+    cfg = write_config(tmp_path / "r.yaml", tiny_llama, shakespeare, run, deploy={"enabled": False, "max_seq_len": 64}, bench={"enabled": False})
     first = run_cli("fit", cfg, "--trainer.max_steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
@@ -94,7 +86,7 @@ def test_calibrate_ptq_static_with_its_own_calibration_data(tmp_path, tiny_llama
     calib.write_text(shakespeare.read_text()[300_000:340_000])
     cfg = write_config(
         tmp_path / "ptq.yaml", tiny_llama, shakespeare, run,
-        model={"mode": "ptq", "recipe": "xnnpack_int8_static"}, calibration={"source": str(calib), "blocks": 8},
+        model={"mode": "ptq", "recipe": "xnnpack_int8_static"}, calibration={"source": str(calib), "blocks": 8}, bench={"enabled": False},
     )
     r = run_cli("calibrate", cfg)
     assert r.returncode == 0, r.stderr[-3000:]

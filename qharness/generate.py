@@ -1,0 +1,89 @@
+"""Text generation from a ``.pte``: our own decode loop over ``executorch.runtime`` (``PteModel``).
+
+The prompt is encoded with the ``tokenizer.json`` written beside the ``.pte`` (its post-processor adds
+BOS, as in training), prefilled in one call, then tokens are sampled one at a time until an EOS id of
+the ``.pte``'s metadata, ``max_new_tokens`` or the end of the KV cache.
+
+Example::
+
+    out = generate(PteModel("runs/x/model.pte"), load_tokenizer("runs/x/tokenizer"), "To be", temperature=0)
+    print(out["text"], out["prefill_tok_s"], out["decode_tok_s"])
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from qharness.errors import UserError
+
+
+def load_tokenizer(path: str | Path):
+    """A ``tokenizers.Tokenizer`` from a directory holding ``tokenizer.json`` (or the file itself)."""
+    from tokenizers import Tokenizer
+
+    path = Path(path)
+    file = path / "tokenizer.json" if path.is_dir() else path
+    if not file.is_file():
+        raise UserError(f"no tokenizer at {file}", fix="pass --tokenizer DIR (the run's tokenizer/ directory)")
+    return Tokenizer.from_file(str(file))
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    """Next token from ``logits[vocab]``: argmax when ``temperature`` is 0, else softmax sampling of the top ``top_k`` (0: all)."""
+    if temperature == 0:
+        return int(logits.argmax())
+    logits = logits.float() / temperature
+    if top_k:
+        kth = logits.topk(min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
+
+
+def generate(pte, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 0,
+             seed: int | None = None, on_text: Callable[[str], None] = lambda s: None) -> dict:
+    """Generate from ``prompt``; ``on_text`` receives each new piece of text as soon as it decodes cleanly."""
+    if max_new_tokens < 1 or temperature < 0 or top_k < 0:
+        raise UserError(f"need max_new_tokens >= 1, temperature >= 0, top_k >= 0 (got {max_new_tokens}, {temperature}, {top_k})")
+    meta = pte.metadata()
+    if "get_max_context_len" not in meta:
+        raise UserError(f"{pte.path} carries no runner metadata (get_max_context_len)", fix="re-export it with qharness export")
+    context, eos = meta["get_max_context_len"], set(meta.get("get_eos_ids", []))
+    ids = tokenizer.encode(prompt).ids
+    if not 0 < len(ids) < context:
+        raise UserError(f"the prompt is {len(ids)} tokens; the .pte's KV cache holds {context}", fix=f"give 1 to {context - 1} tokens")
+    gen = torch.Generator()
+    if seed is None:
+        gen.seed()  # a fresh random seed (torch's default one is fixed)
+    else:
+        gen.manual_seed(seed)
+    steps = min(max_new_tokens, context - len(ids))
+    new, text, calls = [], "", 0
+    t0 = time.perf_counter()
+    logits = pte(torch.tensor([ids]), 0)[0, -1]
+    t1 = time.perf_counter()
+    for i in range(steps):
+        token = sample(logits, temperature, top_k, gen)
+        if token in eos:
+            break
+        new.append(token)
+        decoded = tokenizer.decode(new)
+        if not decoded.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
+            on_text(decoded[len(text):])
+            text = decoded
+        if i + 1 < steps:
+            logits = pte(torch.tensor([[token]]), len(ids) + i)[0, -1]
+            calls += 1
+    t2 = time.perf_counter()
+    final = tokenizer.decode(new)
+    on_text(final[len(text):])  # whatever was held back
+    return {
+        "text": final,
+        "prompt_tokens": len(ids),
+        "new_tokens": new,
+        "prefill_tok_s": len(ids) / (t1 - t0),
+        "decode_tok_s": calls / (t2 - t1) if calls else 0.0,
+    }
