@@ -63,6 +63,9 @@ def quantize_for_deploy(model, recipe, max_seq_len: int, calibrate: Callable[[to
     from qharness.recipes import SourceQuantizer
 
     model.requires_grad_(False)  # deployment: no leaf may require grad (to_executorch mutates buffers in place)
+    for m in model.modules():  # padding_idx only masks gradients; exported as aten.embedding(w, idx, 0) it
+        if isinstance(m, torch.nn.Embedding):  # defeats ExecuTorch's quantized-embedding fusion pattern
+            m.padding_idx = None
     quantizer = recipe.make_quantizer(is_qat=False)
     if isinstance(quantizer, SourceQuantizer):
         quantizer.convert(model)

@@ -52,3 +52,15 @@ def test_recipe_numerics(recipe, mode, tiny_llama, shakespeare, tmp_path):
 
 def test_every_recipe_is_covered():
     assert len(CASES) >= 8 and {r for r, _ in CASES} == set(known_recipes())
+
+
+def test_8da4w_with_4bit_embeddings_qat(tiny_llama, shakespeare, tmp_path):
+    """Optional embedding quantization: QAT fake-quantizes the table, the .pte packs it as 4-bit."""
+    recipe = tmp_path / "emb4.yaml"
+    recipe.write_text("base: xnnpack_8da4w\ndescription: 8da4w + 4-bit embeddings\nquantizer:\n  embedding_bits: 4\n")
+    summary = run_recipe(str(recipe), "qat", tiny_llama, shakespeare, tmp_path / "emb4")
+    plain = run_recipe("xnnpack_8da4w", "ptq", tiny_llama, shakespeare, tmp_path / "plain")
+    m = summary["metrics"]
+    assert summary["parity"]["passed"], summary["parity"]
+    assert abs(m["fake_quant"]["ppl"] - m["pte"]["ppl"]) / m["pte"]["ppl"] < 0.01
+    assert summary["pte"]["size_bytes"] < 0.8 * plain["pte"]["size_bytes"]
