@@ -16,7 +16,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from qharness.errors import UserError
 
@@ -75,6 +75,28 @@ def pack(stream: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor
     x = stream[: n * seq_len].view(n, seq_len)
     y = stream[1 : n * seq_len + 1].view(n, seq_len)
     return x, y
+
+
+class ResumableShuffle(Sampler):
+    """Batches of a fresh seeded permutation per pass over the blocks, starting at any batch.
+
+    Batch ``k`` of the run is always the same blocks, so a run resumed at step ``k`` sees exactly the
+    batches an uninterrupted run would (a plain shuffled DataLoader restarts the epoch on resume).
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0):
+        self.n, self.batch_size, self.seed, self.next = n, batch_size, seed, start
+        self.per_pass = n // batch_size
+
+    def __len__(self) -> int:
+        return self.per_pass
+
+    def __iter__(self):
+        pass_index, first = divmod(self.next, self.per_pass)
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + pass_index))
+        for b in range(first, self.per_pass):
+            self.next += 1
+            yield perm[b * self.batch_size : (b + 1) * self.batch_size].tolist()
 
 
 class TextDataModule(L.LightningDataModule):
@@ -148,10 +170,11 @@ class TextDataModule(L.LightningDataModule):
                 )
 
     def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
-            TensorDataset(self.train_x, self.train_y), batch_size=self.batch_size, shuffle=True, drop_last=True, generator=gen
-        )
+        done = 0  # batches already trained on (a resumed run continues where it stopped)
+        if self.trainer is not None:
+            done = self.trainer.global_step * self.trainer.accumulate_grad_batches
+        sampler = ResumableShuffle(len(self.train_x), self.batch_size, self.seed, start=done)
+        return DataLoader(TensorDataset(self.train_x, self.train_y), batch_sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(self.val_x, self.val_y), batch_size=self.batch_size, drop_last=True)

@@ -191,6 +191,16 @@ class QuantLM(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True)
         return loss
 
+    def optimizer_step(self, *args, **kwargs):
+        """Stop before a diverged step reaches a checkpoint: NaN/inf weights end the run (last good one kept)."""
+        super().optimizer_step(*args, **kwargs)
+        bad = next((n for n, p in self.graph.named_parameters() if not torch.isfinite(p).all()), None)
+        if bad is not None:
+            raise FloatingPointError(
+                f"training diverged at step {self.global_step}: {bad} became NaN/inf; stopping "
+                "(the last checkpoint is kept: lower model.lr or check the data)"
+            )
+
     def validation_step(self, batch, batch_idx):
         loss = self.loss(batch)
         self._val_losses.append(loss.item())

@@ -101,3 +101,66 @@ def test_calibrate_refuses_qat_mode(tmp_path, tiny_llama, shakespeare):
     cfg = write_config(tmp_path / "q.yaml", tiny_llama, shakespeare, tmp_path / "q")
     r = run_cli("calibrate", cfg)
     assert r.returncode == 2 and "calibrate needs model.mode: ptq" in r.stderr
+
+
+def test_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, shakespeare):
+    """A run killed right after its step-3 checkpoint (mid-epoch) and resumed with ``--ckpt_path last``
+    ends with the same weights and observer state as the uninterrupted 8-step run.
+
+    Tolerance: 1e-6 absolute on every tensor (CPU, deterministic kernels, same seed)."""
+    import shutil
+
+    off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
+    a_cfg = write_config(tmp_path / "a.yaml", tiny_llama, shakespeare, tmp_path / "a", trainer={"max_steps": 8}, checkpoint={"save_top_k": -1}, **off)
+    b_cfg = write_config(tmp_path / "b.yaml", tiny_llama, shakespeare, tmp_path / "b", trainer={"max_steps": 8}, **off)
+    assert run_cli("fit", a_cfg).returncode == 0
+    step3 = next((tmp_path / "a" / "checkpoints").glob("*step=3.ckpt"))
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copy(step3, tmp_path / "b" / "checkpoints" / "last.ckpt")  # what a killed run leaves behind
+    r = run_cli("fit", b_cfg, "--ckpt_path", "last")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=True)
+    s3 = torch.load(step3, weights_only=True)
+    assert a["global_step"] == b["global_step"] == 8 and s3["global_step"] == 3
+
+    def max_diff(x, y):
+        return max((x["state_dict"][k].float() - y["state_dict"][k].float()).abs().max().item() for k in x["state_dict"])
+
+    assert max_diff(a, b) < 1e-6
+    assert max_diff(a, s3) > 1e-4  # the comparison can tell different training states apart
+
+
+def _final_val_loss(run):
+    import csv
+
+    rows = list(csv.DictReader(open(next(run.glob("lightning_logs/version_*/metrics.csv")))))
+    return [float(r["val/loss"]) for r in rows if r.get("val/loss")][-1]
+
+
+def test_same_config_and_seed_give_the_same_final_validation_loss(tmp_path, tiny_llama, shakespeare):
+    off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
+    losses = []
+    for name in ("x", "y"):
+        cfg = write_config(tmp_path / f"{name}.yaml", tiny_llama, shakespeare, tmp_path / name, trainer={"max_steps": 6}, **off)
+        assert run_cli("fit", cfg).returncode == 0
+        losses.append(_final_val_loss(tmp_path / name))
+    assert losses[0] == losses[1]
+    other = write_config(tmp_path / "z.yaml", tiny_llama, shakespeare, tmp_path / "z", trainer={"max_steps": 6}, data={"seed": 7}, **off)
+    assert run_cli("fit", other).returncode == 0
+    assert _final_val_loss(tmp_path / "z") != losses[0]  # another shuffle seed is another run
+
+
+def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, tiny_llama, shakespeare):
+    cfg = write_config(
+        tmp_path / "nan.yaml", tiny_llama, shakespeare, tmp_path / "nan",
+        model={"lr": 1.0e30, "warmup_steps": 0}, trainer={"max_steps": 30}, checkpoint={"every_n_train_steps": 1},
+        bench={"enabled": False},
+    )
+    r = run_cli("fit", cfg)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert "error: training" in r.stderr and "the last checkpoint is kept" in r.stderr and "Traceback" not in r.stderr
+    last = torch.load(tmp_path / "nan" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert 0 < last["global_step"] < 30
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values() if v.is_floating_point())
+    assert not (tmp_path / "nan" / "model.pte").exists()
