@@ -136,7 +136,13 @@ def main(argv: list[str] | None = None) -> None:
             return
         from qharness.lightning_cli import run_lightning_cli
 
-        run_lightning_cli(rewrite_argv(argv))
+        try:
+            run_lightning_cli(rewrite_argv(argv))
+        except SystemExit as e:  # Lightning stops on SIGTERM with SIGTERMException (a SystemExit of code None)
+            if type(e).__name__ == "SIGTERMException":
+                print("error: stopped by SIGTERM; the run's last.ckpt holds the last finished step. fix: resume with --ckpt_path last", file=sys.stderr)
+                raise SystemExit(143) from None
+            raise
     except UserError as e:
         _fail(str(e))
     except FloatingPointError as e:  # divergence: the last good checkpoint stays in <run>/checkpoints

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from qharness.config import BenchConfig, CalibrationConfig, ExportConfig, ParityConfig
 from qharness.data import TextDataModule
@@ -112,6 +113,18 @@ def preflight(cfg) -> None:
         raise UserError(f"calibration.source {source} does not exist")
 
 
+class SaveOnSigterm(Callback):
+    """On SIGTERM (a scheduler's pre-emption), save ``last.ckpt`` at the batch boundary where Lightning stops,
+    so nothing since the last periodic checkpoint is lost; ``--ckpt_path last`` resumes from it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if isinstance(exception, SIGTERMException) and trainer.global_step > 0:
+            trainer.save_checkpoint(self.path)
+
+
 class QTrainer(Trainer):
     """Lightning's Trainer plus ``export`` and ``calibrate``. The CLI hands it the export, parity and bench configs."""
 
@@ -190,6 +203,7 @@ class QHarnessCLI(LightningCLI):
 
     def before_fit(self) -> None:
         self._attach_configs()
+        self.trainer.callbacks.append(SaveOnSigterm(Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"))
         self._resolve_ckpt_arg()
 
     def after_fit(self) -> None:

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 import torch
 
 from conftest import run_cli, write_config
@@ -164,3 +166,63 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_p
     assert 0 < last["global_step"] < 30
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values() if v.is_floating_point())
     assert not (tmp_path / "nan" / "model.pte").exists()
+
+
+def _kill_after_first_checkpoint(cfg, run, sig):
+    """Start ``qharness fit``, send ``sig`` once its first periodic checkpoint exists; return the step reached."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import ROOT
+
+    proc = subprocess.Popen([sys.executable, "-m", "qharness", "fit", str(cfg)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    deadline = time.time() + 300
+    while not (run / "checkpoints" / "last.ckpt").exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    assert proc.returncode != 0, "the run finished before it could be killed"
+    time.sleep(0.5)
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+
+
+@pytest.mark.parametrize("sig_name", ["SIGTERM", "SIGKILL"])
+def test_killed_run_resumes_to_the_uninterrupted_result(sig_name, tmp_path, tiny_llama, shakespeare):
+    import signal
+
+    off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
+    sections = dict(trainer={"max_steps": 40, "val_check_interval": 20}, checkpoint={"every_n_train_steps": 5}, **off)
+    straight = write_config(tmp_path / "a.yaml", tiny_llama, shakespeare, tmp_path / "a", **sections)
+    killed = write_config(tmp_path / "b.yaml", tiny_llama, shakespeare, tmp_path / "b", **sections)
+    assert run_cli("fit", straight).returncode == 0
+    step = _kill_after_first_checkpoint(killed, tmp_path / "b", getattr(signal, sig_name))
+    assert 0 < step < 40
+    r = run_cli("fit", killed, "--ckpt_path", "last")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert a["global_step"] == b["global_step"] == 40
+    assert max((a["state_dict"][k].float() - b["state_dict"][k].float()).abs().max().item() for k in a["state_dict"]) < 1e-6
+
+
+def test_a_crash_while_lowering_keeps_the_checkpoint_and_export_finishes(tmp_path, tiny_llama, shakespeare, monkeypatch):
+    import qharness.lower
+    from qharness.cli import main
+
+    cfg = write_config(tmp_path / "c.yaml", tiny_llama, shakespeare, tmp_path / "c", bench={"enabled": False})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("forced failure while lowering")
+
+    monkeypatch.setattr(qharness.lower, "lower_to_pte", broken)
+    with pytest.raises(RuntimeError, match="forced failure while lowering"):
+        main(["fit", str(cfg)])
+    assert torch.load(tmp_path / "c" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert not (tmp_path / "c" / "model.pte").exists()
+    monkeypatch.undo()
+    r = run_cli("export", cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "parity PASSED" in r.stdout and (tmp_path / "c" / "model.pte").is_file()
