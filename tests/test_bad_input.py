@@ -90,6 +90,9 @@ CASES = {
     "corrupt checkpoint": (lambda t: [*_cfg(t), "--ckpt_path", str(_write(t, "bad.ckpt", "not a checkpoint"))], "cannot be read"),
     "export without checkpoint": (lambda t: ["export", *_cfg(t)[1:]], "last.ckpt does not exist"),
     "calibrate in qat mode": (lambda t: ["calibrate", *_cfg(t)[1:]], "calibrate needs model.mode: ptq"),
+    "generate: corrupt .pte": (lambda t: ["generate", "--pte", str(_write(t, "bad.pte", "not a program")), "--prompt", "x", "--tokenizer", str(t.model)], "is not a loadable ExecuTorch program"),
+    "generate: missing .pte": (lambda t: ["generate", "--pte", str(t.tmp / "none.pte"), "--prompt", "x", "--tokenizer", str(t.model)], "none.pte does not exist"),
+    "bench: corrupt .pte": (lambda t: ["bench", "--pte", str(_write(t, "bad.pte", "not a program"))], "is not a loadable ExecuTorch program"),
 }
 
 
