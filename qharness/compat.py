@@ -151,12 +151,6 @@ def to_edge_transform_and_lower(*args, **kwargs):
     return _lower(*args, **kwargs)
 
 
-def edge_compile_config(**kwargs):
-    from executorch.exir import EdgeCompileConfig
-
-    return EdgeCompileConfig(**kwargs)
-
-
 def executorch_backend_config(**kwargs):
     from executorch.exir import ExecutorchBackendConfig
 

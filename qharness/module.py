@@ -67,10 +67,6 @@ def set_static_observers(graph: torch.nn.Module, enabled: bool) -> None:
             (m.enable_observer if enabled else m.disable_observer)()
 
 
-def graph_param_name(hf_name: str) -> str:
-    return f"model.{hf_name}"
-
-
 class QuantLM(L.LightningModule):
     def __init__(
         self,
