@@ -145,9 +145,6 @@ def main(argv: list[str] | None = None) -> None:
             raise
     except UserError as e:
         _fail(str(e))
-    except FloatingPointError as e:  # divergence: the last good checkpoint stays in <run>/checkpoints
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
-    except ParityError as e:  # the run finished; its .pte is not to be shipped
+    except (FloatingPointError, ParityError) as e:  # divergence (last good checkpoint kept) or a .pte not to ship
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -204,7 +204,7 @@ class QHarnessCLI(LightningCLI):
     def before_fit(self) -> None:
         self._attach_configs()
         self.trainer.callbacks.append(SaveOnSigterm(Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"))
-        self._resolve_ckpt_arg()
+        self._default_weights_only()
 
     def after_fit(self) -> None:
         if self.trainer.interrupted:
@@ -220,7 +220,7 @@ class QHarnessCLI(LightningCLI):
     before_calibrate = before_export
 
     def before_validate(self) -> None:
-        self._resolve_ckpt_arg()
+        self._default_weights_only()
 
     before_test = before_validate
 
@@ -234,7 +234,7 @@ class QHarnessCLI(LightningCLI):
             read_checkpoint(cfg.ckpt_path, cfg.model)
         super()._parse_ckpt_path()
 
-    def _resolve_ckpt_arg(self) -> None:
+    def _default_weights_only(self) -> None:
         """Checkpoints load with ``weights_only=True`` unless the user says otherwise."""
         cfg = self.config_init[self.subcommand]
         if cfg.get("weights_only") is None:
