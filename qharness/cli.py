@@ -4,6 +4,7 @@
     qharness calibrate configs/ptq_xnnpack.yaml   # PTQ: calibrate -> .pte + parity
     qharness validate|test CONFIG [--ckpt_path last]
     qharness export CONFIG [--ckpt_path last]      # .pte + parity + summary.json from a checkpoint
+    qharness evaluate CONFIG [--tasks qharness_ppl,hellaswag] [--limit 32]   # lm-eval: FP / fake-quant / .pte
     qharness recipes                                # the known backend recipes
     qharness generate --pte runs/x/model.pte --prompt "To be" [--temperature 0]
     qharness bench --pte runs/x/model.pte          # latency/memory/size vs the eager FP model
@@ -24,6 +25,7 @@ SUBCOMMANDS = {
     "validate": "validation loss/perplexity of the (fake-quant) model, optionally from --ckpt_path",
     "test": "same as validate, on the test dataloader",
     "export": "export a trained checkpoint (--ckpt_path, default last) to .pte, with the parity gate",
+    "evaluate": "lm-eval table of a run: FP vs fake-quant vs .pte [--pte PATH --ckpt PATH --tasks a,b --limit N --num_fewshot K]",
     "recipes": "list the backend recipes",
     "generate": "stream text from a .pte (--pte PATH --prompt TEXT), with tokens/s",
     "bench": "load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model",
@@ -41,11 +43,51 @@ def _print_help() -> None:
 
 
 def rewrite_argv(argv: list[str]) -> list[str]:
-    """Accept a positional config: ``fit x.yaml`` -> ``fit --config x.yaml``."""
+    """Accept a positional config: ``fit x.yaml`` -> ``fit --config x.yaml``; ``evaluate --ckpt`` = ``--ckpt_path``."""
     out = list(argv)
     if len(out) >= 2 and out[1].endswith((".yaml", ".yml")) and not out[1].startswith("-"):
         out[1:2] = ["--config", out[1]]
+    if out and out[0] == "evaluate":
+        out = ["--ckpt_path" if a == "--ckpt" else "--ckpt_path=" + a[7:] if a.startswith("--ckpt=") else a for a in out]
     return out
+
+
+def _option(argv: list[str], name: str):
+    """The last value given to ``--name VALUE`` or ``--name=VALUE`` (None if absent)."""
+    value = None
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif a.startswith(name + "="):
+            value = a[len(name) + 1 :]
+    return value
+
+
+def check_tasks_early(argv: list[str]) -> None:
+    """lm-eval task names (and whether their data can be reached) checked before Lightning is even imported,
+    so a typo or an offline machine fails in a second or two; the full config check follows in preflight."""
+    if argv[0] not in ("fit", "calibrate", "export", "evaluate"):
+        return
+    import yaml
+
+    ev = {}
+    config = _option(argv, "--config")
+    if config and os.path.isfile(config):
+        try:
+            ev = (yaml.safe_load(open(config)) or {}).get("eval") or {}
+        except (yaml.YAMLError, AttributeError):
+            return  # LightningCLI reports a broken config
+    if not isinstance(ev, dict):
+        return
+    tasks = _option(argv, "--tasks" if argv[0] == "evaluate" else "--eval.tasks") or _option(argv, "--eval.tasks") or ev.get("tasks")
+    enabled = str(_option(argv, "--eval.enabled") or ev.get("enabled", True)).lower() not in ("false", "0", "no")
+    if tasks is None or (argv[0] != "evaluate" and not enabled):
+        return
+    if isinstance(tasks, str):
+        tasks = [t.strip() for t in tasks.strip("[]").split(",") if t.strip()]
+    from qharness.tasks import check_tasks
+
+    check_tasks([str(t) for t in tasks], _option(argv, "--eval.include_path") or ev.get("include_path"))
 
 
 def list_recipes() -> None:
@@ -134,10 +176,12 @@ def main(argv: list[str] | None = None) -> None:
         if argv[0] in ("generate", "bench"):
             (generate_cmd if argv[0] == "generate" else bench_cmd)(argv[1:])
             return
+        argv = rewrite_argv(argv)
+        check_tasks_early(argv)
         from qharness.lightning_cli import run_lightning_cli
 
         try:
-            run_lightning_cli(rewrite_argv(argv))
+            run_lightning_cli(argv)
         except SystemExit as e:  # Lightning stops on SIGTERM with SIGTERMException (a SystemExit of code None)
             if type(e).__name__ == "SIGTERMException":
                 print("error: stopped by SIGTERM; the run's last.ckpt holds the last finished step. fix: resume with --ckpt_path last", file=sys.stderr)

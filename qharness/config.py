@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -73,3 +73,38 @@ class BenchConfig:
     prompt_len: int = 128
     decode_tokens: int = 64
     reps: int = 5
+
+
+@dataclass
+class EvalConfig:
+    """lm-eval evaluation of the FP model, the fake-quant model and the ``.pte`` (one table, saved as eval.json).
+
+    Args:
+        enabled: Evaluate at the end of fit/calibrate/export (after the parity gate and the benchmark).
+        tasks: lm-eval task names: the offline tasks qharness_ppl (rolling perplexity), qharness_mc (multiple
+            choice) and qharness_gen (generation), built from the run's validation text or ``eval.source``;
+            or standard lm-eval tasks (wikitext, hellaswag, arc_easy, ...) where their data is reachable.
+        models: Models to evaluate: fp (the FP model), fake_quant (the trained QAT graph; for PTQ the converted
+            model stands in), converted (the quantized PyTorch model that was lowered), pte (ExecuTorch runtime).
+        limit: Documents per task (null: all; the offline tasks have up to 256).
+        num_fewshot: Few-shot examples per prompt (null: each task's default).
+        source: Text for the offline tasks, like ``data.source`` (null: the run's held-out validation text).
+        text_field: Column holding the text for json/parquet/csv sources.
+        max_length: Tokens each model sees at once (rolling-perplexity window, context + generation);
+            null: data.seq_len (the fake-quant graph's length). The same for every model.
+        include_path: A directory of your own lm-eval task YAMLs (names usable in ``tasks``).
+        bootstrap_iters: Bootstrap resamples for the standard errors of non-mean metrics (0: none).
+        seed: Seed of the offline documents and of sampled generation.
+    """
+
+    enabled: bool = True
+    tasks: list[str] = field(default_factory=lambda: ["qharness_ppl", "qharness_mc", "qharness_gen"])
+    models: list[str] = field(default_factory=lambda: ["fp", "fake_quant", "pte"])
+    limit: int | None = 32
+    num_fewshot: int | None = None
+    source: str | None = None
+    text_field: str = "text"
+    max_length: int | None = None
+    include_path: str | None = None
+    bootstrap_iters: int = 100
+    seed: int = 1234

@@ -41,3 +41,7 @@ def to_jsonable(obj):
 
 def write_json_atomic(path: Path, obj) -> Path:
     return write_bytes_atomic(path, (json.dumps(to_jsonable(obj), indent=2) + "\n").encode())
+
+
+def write_text_atomic(path: Path, text: str) -> Path:
+    return write_bytes_atomic(path, text.encode())

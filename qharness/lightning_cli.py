@@ -2,7 +2,7 @@
 
 Config groups: ``model`` (QuantLM), ``data`` (TextDataModule), ``trainer`` (Lightning), ``checkpoint``
 (ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``deploy`` (ExportConfig),
-``parity`` (ParityConfig), ``calibration`` (CalibrationConfig) and ``bench`` (BenchConfig). The run directory is ``trainer.default_root_dir``.
+``parity`` (ParityConfig), ``calibration`` (CalibrationConfig), ``bench`` (BenchConfig) and ``eval`` (EvalConfig). The run directory is ``trainer.default_root_dir``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from qharness.config import BenchConfig, CalibrationConfig, ExportConfig, ParityConfig
+from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.data import TextDataModule
 from qharness.errors import UserError
 from qharness.module import QuantLM
@@ -69,7 +69,7 @@ def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None
         raise UserError(f"checkpoint {ckpt_path} does not fit this model: {str(e).splitlines()[0]}") from e
 
 
-def preflight(cfg) -> None:
+def preflight(cfg, subcommand: str | None = None) -> None:
     """Bad input found from the config alone: one clear error (exit 2) instead of a failure hours later."""
     if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
         raise UserError(f"data.seq_len must be at least 2 and data.batch_size positive (got {cfg.data.seq_len}, {cfg.data.batch_size})")
@@ -111,6 +111,10 @@ def preflight(cfg) -> None:
     source = cfg.calibration.source
     if source is not None and source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
         raise UserError(f"calibration.source {source} does not exist")
+    if cfg.eval.enabled or subcommand == "evaluate":
+        from qharness.evaluation import check_eval_config
+
+        check_eval_config(cfg.eval, seq_len, deploy.max_seq_len)
 
 
 class SaveOnSigterm(Callback):
@@ -132,12 +136,14 @@ class QTrainer(Trainer):
     parity_config: ParityConfig = ParityConfig()
     calibration_config: CalibrationConfig = CalibrationConfig()
     bench_config: BenchConfig = BenchConfig()
+    eval_config: EvalConfig = EvalConfig()
 
     def deploy(self, model: QuantLM, datamodule: TextDataModule) -> dict:
         from qharness.pipeline import deploy_and_check
 
         return deploy_and_check(
-            model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config, self.calibration_config, self.bench_config
+            model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config, self.calibration_config,
+            self.bench_config, self.eval_config,
         )
 
     def export(self, model: QuantLM, datamodule: TextDataModule, ckpt_path: str = "last") -> dict:
@@ -150,6 +156,60 @@ class QTrainer(Trainer):
         load_checkpoint(model, datamodule, resolve_ckpt(ckpt_path, self.default_root_dir))
         return self.deploy(model, datamodule)
 
+
+    def evaluate(
+        self, model: QuantLM, datamodule: TextDataModule, pte: str | None = None, ckpt_path: str | None = None,
+        tasks: str | None = None, limit: int | None = None, num_fewshot: int | None = None, models: str | None = None,
+    ) -> dict:
+        """lm-eval of a finished run: the FP model, the fake-quant model (QAT: the trained checkpoint; PTQ: the
+        converted model, re-calibrated as at export) and the ``.pte``. Prints the table, writes eval.json and
+        adds it to summary.json. ``eval.*`` in the config sets the defaults of the options below.
+
+        Args:
+            pte: The ``.pte`` to evaluate (default: ``deploy.filename`` in the run directory).
+            ckpt_path: QAT checkpoint for the fake-quant model: ``last`` (default) or a path (also ``--ckpt``).
+            tasks: Comma-separated task names (overrides eval.tasks), e.g. ``qharness_ppl,hellaswag``.
+            limit: Documents per task (overrides eval.limit).
+            num_fewshot: Few-shot examples (overrides eval.num_fewshot).
+            models: Comma-separated models among fp, fake_quant, converted, pte (overrides eval.models).
+        """
+        import json
+
+        from qharness.lower import quantize_for_deploy
+        from qharness.pipeline import evaluate_run
+
+        cfg = self.eval_config
+        run_dir = Path(self.default_root_dir)
+        pte_path = Path(pte) if pte else run_dir / self.export_config.filename
+        if "pte" in cfg.models:
+            from qharness.runtime import PteModel
+
+            if not pte_path.is_file():
+                raise UserError(f"no .pte at {pte_path}", fix="run qharness export (or fit/calibrate) first, or pass --pte PATH")
+            PteModel(pte_path)  # a corrupt file fails here, before the other models are evaluated
+        datamodule.setup("fit")
+        fp_model, tokenizer = model.load_fp()
+        qat = model.hparams.mode == "qat"
+        if qat and ("fake_quant" in cfg.models or "converted" in cfg.models):
+            load_checkpoint(model, datamodule, resolve_ckpt(ckpt_path or "last", self.default_root_dir))
+        converted = None
+        if "converted" in cfg.models or (not qat and "fake_quant" in cfg.models):
+            import copy
+
+            from qharness.calibration import calibrate, calibration_blocks
+
+            trained = copy.deepcopy(fp_model)
+            if qat:
+                model.load_into(trained)
+            blocks = calibration_blocks(self.calibration_config, datamodule)
+            converted = quantize_for_deploy(trained, model.recipe, self.export_config.max_seq_len, lambda g: calibrate(g, blocks))
+        result = evaluate_run(model, datamodule, fp_model, tokenizer, converted, pte_path if "pte" in cfg.models else None, run_dir, cfg)
+        summary_path = run_dir / "summary.json"
+        if summary_path.is_file():
+            from qharness.io import write_json_atomic
+
+            write_json_atomic(summary_path, {**json.loads(summary_path.read_text()), "eval": result})
+        return result
 
     def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> dict:
         """PTQ: calibrate the recipe's observers (``calibration.*``: blocks of training or other data), convert,
@@ -164,13 +224,18 @@ class QHarnessCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         base = LightningCLI.subcommands()
-        return {k: base[k] for k in ("fit", "validate", "test")} | {"export": {"model", "datamodule"}, "calibrate": {"model", "datamodule"}}
+        return {k: base[k] for k in ("fit", "validate", "test")} | {
+            "export": {"model", "datamodule"},
+            "calibrate": {"model", "datamodule"},
+            "evaluate": {"model", "datamodule"},
+        }
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.add_class_arguments(ExportConfig, "deploy", help="Deployment to .pte")
         parser.add_class_arguments(ParityConfig, "parity", help="Parity gate of the .pte")
         parser.add_class_arguments(CalibrationConfig, "calibration", help="Calibration data")
         parser.add_class_arguments(BenchConfig, "bench", help="Benchmark of the .pte vs the eager FP model")
+        parser.add_class_arguments(EvalConfig, "eval", help="lm-eval evaluation of the FP, fake-quant and .pte models")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
             {
@@ -192,7 +257,13 @@ class QHarnessCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """Check the config before any long work (model loading, pretraining, tokenization) starts."""
-        preflight(self.config[self.subcommand])
+        cfg = self.config[self.subcommand]
+        if self.subcommand == "evaluate":
+            overrides = {"tasks": cfg.get("tasks"), "limit": cfg.get("limit"), "num_fewshot": cfg.get("num_fewshot"), "models": cfg.get("models")}
+            for key, value in overrides.items():
+                if value is not None:
+                    cfg.eval[key] = [t for t in value.split(",") if t] if key in ("tasks", "models") else value
+        preflight(cfg, self.subcommand)
 
     def _attach_configs(self) -> None:
         cfg = self.config_init[self.subcommand]
@@ -200,6 +271,7 @@ class QHarnessCLI(LightningCLI):
         self.trainer.parity_config = cfg["parity"]
         self.trainer.calibration_config = cfg["calibration"]
         self.trainer.bench_config = cfg["bench"]
+        self.trainer.eval_config = cfg["eval"]
 
     def before_fit(self) -> None:
         self._attach_configs()
@@ -218,6 +290,9 @@ class QHarnessCLI(LightningCLI):
         self._attach_configs()
 
     before_calibrate = before_export
+
+    def before_evaluate(self) -> None:
+        self._attach_configs()
 
     def before_validate(self) -> None:
         self._default_weights_only()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qharness.config import BenchConfig, CalibrationConfig, ExportConfig, ParityConfig
+from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
 from qharness.parity import compare_decoding, gate, score_batched, score_deployed
@@ -45,10 +45,12 @@ def deploy_and_check(
     parity_cfg: ParityConfig,
     calib_cfg: CalibrationConfig = CalibrationConfig(),
     bench_cfg: BenchConfig = BenchConfig(enabled=False),
+    eval_cfg: EvalConfig = EvalConfig(enabled=False),
 ) -> dict:
     """Write ``model.pte``, the tokenizer and ``summary.json`` into ``run_dir``; raise ParityError on failure.
 
-    A ``.pte`` that passes the gate is benchmarked (``bench_cfg``) against the eager FP model.
+    A ``.pte`` that passes the gate is benchmarked (``bench_cfg``) against the eager FP model, then the FP,
+    fake-quant and ``.pte`` models are evaluated with lm-eval (``eval_cfg``; ``eval.json``, summary ``eval``).
     """
     from qharness.bench import bench, format_bench
     from qharness.calibration import calibrate, calibration_blocks
@@ -72,8 +74,11 @@ def deploy_and_check(
         metrics["fake_quant"] = score_batched(module.graph, vx, vy, dm.batch_size)
         trained = copy.deepcopy(fp_model)
         module.load_into(trained)
-    else:  # PTQ: the FP weights, calibrated below
-        trained = fp_model
+    else:  # PTQ: the FP weights, calibrated below (source-level recipes quantize the model in place)
+        from qharness.recipes import SourceQuantizer
+
+        source_level = isinstance(recipe.make_quantizer(is_qat=False), SourceQuantizer)
+        trained = copy.deepcopy(fp_model) if source_level and eval_cfg.enabled else fp_model
     t = time.perf_counter()
     blocks = calibration_blocks(calib_cfg, dm)
     deployed = quantize_for_deploy(trained, recipe, export_cfg.max_seq_len, lambda graph: calibrate(graph, blocks))
@@ -131,7 +136,30 @@ def deploy_and_check(
         summary["bench"] = bench(pte_path, module.model_source(), bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
         write_json_atomic(run_dir / "summary.json", summary)
         print(format_bench(summary["bench"]))
+    if eval_cfg.enabled:
+        summary["eval"] = evaluate_run(module, dm, fp_model, tokenizer, deployed, pte_path if recipe.runs_here else None, run_dir, eval_cfg)
+        write_json_atomic(run_dir / "summary.json", summary)
     return summary
+
+
+def evaluate_run(module, dm, fp_model, tokenizer, converted, pte_path, run_dir: Path, cfg: EvalConfig) -> dict:
+    """lm-eval of what a run has: the FP model, the QAT graph (``module.graph``), the converted model and the
+    ``.pte``; prints the table and writes ``eval.json``."""
+    from qharness.evaluation import eval_texts, evaluate_models, format_eval_table, max_length
+    from qharness.lm_eval_adapter import BatchedForward, CachedStep, hf_backend, pte_backend
+
+    length = max_length(cfg, dm.seq_len)
+    backends = {"fp": lambda: hf_backend(fp_model, length, dm.batch_size)}
+    if module.graph is not None:
+        module._to_eval()
+        backends["fake_quant"] = lambda: BatchedForward(module.graph, length, dm.batch_size, shape=(dm.batch_size, dm.seq_len))
+    if converted is not None:
+        backends["converted"] = lambda: CachedStep(lambda tokens, start: converted(tokens, torch.tensor([start], dtype=torch.long)), length)
+    if pte_path is not None:
+        backends["pte"] = lambda: pte_backend(pte_path, length)
+    result = evaluate_models(backends, tokenizer, cfg, eval_texts(cfg, dm), run_dir, {"max_length": length, "pte": str(pte_path) if pte_path else None})
+    print(format_eval_table(result))
+    return result
 
 
 def format_table(summary: dict) -> str:

@@ -1,0 +1,198 @@
+"""lm-eval adapters against references computed directly, the offline tasks, and ``qharness evaluate``."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+
+from conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def fp(tiny_llama):
+    from qharness.models import load_model_and_tokenizer
+
+    return load_model_and_tokenizer(str(tiny_llama))
+
+
+def _req(*args):
+    return SimpleNamespace(args=args)
+
+
+def _direct_loglikelihood(model, ids: list[int], n_cont: int) -> float:
+    """log p(last n_cont tokens | the ones before) from one plain forward."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids[:-1]])).logits[0]
+    logp = F.log_softmax(logits.float(), -1)
+    return sum(logp[i - 1, ids[i]].item() for i in range(len(ids) - n_cont, len(ids)))
+
+
+def _adapters(model, tok, max_length=64):
+    from qharness.lm_eval_adapter import BatchedForward, QHarnessLM, hf_backend
+    from qharness.module import export_for_training
+
+    graph = export_for_training(model, 3, max_length)  # a fixed [3, T] graph, like the fake-quant one
+    return {
+        "hf": QHarnessLM(hf_backend(model, max_length, batch_size=2), tok),
+        "fixed_shape_graph": QHarnessLM(BatchedForward(graph, max_length, 3, shape=(3, max_length)), tok),
+    }
+
+
+def test_loglikelihood_equals_log_softmax_of_a_direct_forward(fp):
+    model, tok = fp
+    long_ctx = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 3
+    pairs = [("First Citizen:\nBefore we proceed", " any further, hear me speak."), ("All:\nSpeak,", " speak."), ("", "You are all resolved"), (long_ctx.rstrip(), "\nFirst Citizen:")]
+    L = 32
+    for name, lm in _adapters(model, tok, L).items():
+        got = lm.loglikelihood([_req(*p) for p in pairs])
+        for (ctx, cont), (score, greedy) in zip(pairs, got):
+            ctx_ids = tok(ctx, add_special_tokens=False)["input_ids"] if ctx else [tok.bos_token_id]
+            whole = tok(ctx + cont, add_special_tokens=False)["input_ids"] if ctx else ctx_ids + tok(cont, add_special_tokens=False)["input_ids"]
+            # the model sees the last L tokens (the long context is cut on the left)
+            ref = _direct_loglikelihood(model, whole[-(L + 1) :], len(whole) - len(ctx_ids))
+            assert score == pytest.approx(ref, abs=1e-3), name
+            assert isinstance(greedy, bool)
+        # lm-eval's convention: a context's trailing space belongs to the continuation
+        assert lm.loglikelihood([_req("All:\nSpeak, ", "speak.")])[0][0] == pytest.approx(got[1][0], abs=1e-4)
+
+
+def test_rolling_loglikelihood_matches_a_direct_window_by_window_computation(fp, shakespeare):
+    model, tok = fp
+    text = shakespeare.read_text()[5000:5600]
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    L = 24
+    assert len(ids) > 3 * L
+    # Tokens are predicted in disjoint runs of L, each from the L tokens before its end (the first run from BOS;
+    # the last, shorter run with earlier text as extra context), as lm-eval's rolling windows define it.
+    full = [tok.bos_token_id, *ids]
+    ref = 0.0
+    for s in range(0, len(ids), L):
+        e = min(s + L, len(ids))
+        ref += _direct_loglikelihood(model, full[max(0, e - L) : e + 1], e - s)
+    for name, lm in _adapters(model, tok, L).items():
+        (got,) = lm.loglikelihood_rolling([_req(text)])
+        assert got == pytest.approx(ref, rel=1e-4), name
+
+
+def test_generate_until_greedy_stop_sequences_and_seeded_sampling(fp):
+    model, tok = fp
+    prompt = "KING RICHARD III:\nNow is the winter of"
+    ids = tok(prompt, add_special_tokens=False)["input_ids"]
+    direct = list(ids)
+    with torch.no_grad():
+        for _ in range(10):
+            direct.append(int(model(input_ids=torch.tensor([direct])).logits[0, -1].argmax()))
+    direct_text = tok.decode(direct[len(ids) :], skip_special_tokens=True)
+    for name, lm in _adapters(model, tok).items():
+        (greedy,) = lm.generate_until([_req(prompt, {"until": [], "max_gen_toks": 10, "do_sample": False})])
+        assert greedy == direct_text, name
+        stop = direct_text[4:6]
+        (cut,) = lm.generate_until([_req(prompt, {"until": [stop], "max_gen_toks": 10})])
+        assert cut == direct_text.split(stop)[0], name
+    lm = _adapters(model, tok)["hf"]
+    sampled = {"until": [], "max_gen_toks": 12, "do_sample": True, "temperature": 1.5, "top_k": 50}
+    runs = []
+    for _ in range(2):
+        lm.generator.manual_seed(7)
+        runs.append(lm.generate_until([_req(prompt, sampled), _req("To be", sampled)]))
+    assert runs[0] == runs[1]
+    (greedy12,) = lm.generate_until([_req(prompt, {**sampled, "do_sample": False})])
+    assert runs[0][0] != greedy12  # temperature 1.5 over a random model: sampling leaves the greedy path
+
+
+def test_offline_documents_are_deterministic_and_well_formed(shakespeare, tmp_path):
+    from qharness.tasks import build_documents, write_offline_tasks
+
+    text = shakespeare.read_text()[-60_000:]
+    docs = build_documents([text], seed=3)
+    assert docs == build_documents([text], seed=3)
+    assert len(docs["qharness_ppl"]) >= 8 and all(len(d["text"]) <= 2000 for d in docs["qharness_ppl"])
+    for d in docs["qharness_mc"]:
+        assert len(d["choices"]) == 4 and len(set(d["choices"])) == 4
+        gold = d["choices"][d["label"]]
+        assert d["context"] + gold in text  # the right answer is the text's real next line
+    for d in docs["qharness_gen"]:
+        assert d["context"] + d["target"] + "\n" in text
+    out = write_offline_tasks([text], tmp_path / "tasks")
+    for name in ("qharness_ppl", "qharness_mc", "qharness_gen"):
+        cfg = yaml.safe_load((out / f"{name}.yaml").read_text())
+        assert cfg["task"] == name and (out / "data" / f"{name}.jsonl").is_file()
+
+
+def test_offline_tasks_run_through_lm_eval(fp, shakespeare, tmp_path):
+    from qharness.config import EvalConfig
+    from qharness.evaluation import format_eval_table, run_eval
+    from qharness.lm_eval_adapter import QHarnessLM, hf_backend
+
+    model, tok = fp
+    result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, EvalConfig(limit=3, bootstrap_iters=0), [shakespeare.read_text()[-40_000:]], tmp_path, {"max_length": 32})
+    metrics = result["tasks"]
+    assert set(metrics) == {"qharness_ppl", "qharness_mc", "qharness_gen"}
+    assert metrics["qharness_ppl"]["fp"]["bits_per_byte"] > 0 and math.isfinite(metrics["qharness_ppl"]["fp"]["word_perplexity"])
+    assert 0.0 <= metrics["qharness_mc"]["fp"]["acc"] <= 1.0
+    assert 0.0 <= metrics["qharness_gen"]["fp"]["chrf"] <= 100.0
+    assert result["documents"] == {"qharness_ppl": 3, "qharness_mc": 3, "qharness_gen": 3}
+    assert json.loads((tmp_path / "eval.json").read_text())["tasks"] == json.loads(json.dumps(metrics))
+    assert "qharness_mc" in format_eval_table(result)
+
+
+def test_fit_ends_with_the_three_way_table(fitted):
+    run_dir, _cfg, result = fitted
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ev = summary["eval"]
+    assert ev["models"] == ["fp", "fake_quant", "pte"]
+    for task in ("qharness_ppl", "qharness_mc", "qharness_gen"):
+        assert set(ev["tasks"][task]) == {"fp", "fake_quant", "pte"}
+    assert re.search(r"qharness_ppl\s+word_perplexity", result.stdout)
+    fq, pte = ev["tasks"]["qharness_ppl"]["fake_quant"], ev["tasks"]["qharness_ppl"]["pte"]
+    assert pte["word_perplexity"] == pytest.approx(fq["word_perplexity"], rel=0.02)  # parity tolerance
+
+
+def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted):
+    from qharness.runtime import PteModel
+    from transformers import AutoTokenizer
+
+    run_dir, cfg, _ = fitted
+    r = run_cli("evaluate", cfg, "--tasks", "qharness_ppl", "--limit", "2", "--models", "converted,pte")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"word_perplexity\s+\S+\s+\S+", r.stdout)
+    ev = json.loads((run_dir / "eval.json").read_text())
+    L = ev["max_length"]
+    docs = [json.loads(line)["text"] for line in (run_dir / "eval" / "tasks" / "data" / "qharness_ppl.jsonl").read_text().splitlines()[:2]]
+    tok = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
+    pte = PteModel(run_dir / "model.pte")
+    total, words = 0.0, 0
+    for text in docs:
+        full = [tok.bos_token_id, *tok(text, add_special_tokens=False)["input_ids"]]
+        n = len(full) - 1
+        for s in range(0, n, L):  # runs of L predicted tokens, each from the L tokens before its end
+            e = min(s + L, n)
+            window = full[max(0, e - L) : e + 1]
+            logp = F.log_softmax(pte(torch.tensor([window[:-1]]), 0)[0].float(), -1)
+            targets = torch.tensor(window[1:])
+            total += logp[torch.arange(len(targets)), targets][-(e - s) :].sum().item()
+        words += len(re.split(r"\s+", text))
+    got = ev["tasks"]["qharness_ppl"]
+    assert got["pte"]["word_perplexity"] == pytest.approx(math.exp(-total / words), rel=1e-4)
+    assert got["pte"]["word_perplexity"] == pytest.approx(got["converted"]["word_perplexity"], rel=0.02)
+    assert "eval" in json.loads((run_dir / "summary.json").read_text())
+
+
+def test_standard_task_offline_fails_fast_with_how_to_provide_the_data(fitted):
+    _run_dir, cfg, _ = fitted
+    start = time.perf_counter()
+    r = run_cli("evaluate", cfg, "--tasks", "wikitext")
+    elapsed = time.perf_counter() - start
+    assert r.returncode == 2
+    assert "wikitext" in r.stderr and "cannot be reached" in r.stderr and "eval.source" in r.stderr
+    assert "Traceback" not in r.stderr
+    print(f"offline wikitext refused in {elapsed:.1f} s")
