@@ -94,7 +94,7 @@ def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from qharness.tasks import OFFLINE_TASKS, write_offline_tasks
+    from qharness.tasks import OFFLINE_TASKS, scan_task_names, write_offline_tasks
 
     from datasets.utils.logging import disable_progress_bar
 
@@ -103,7 +103,8 @@ def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra:
     include = [str(write_offline_tasks(texts, run_dir / "eval" / "tasks", cfg.seed))] if any(t in OFFLINE_TASKS for t in cfg.tasks) else []
     if cfg.include_path:
         include.append(cfg.include_path)
-    standard = any(t not in OFFLINE_TASKS for t in cfg.tasks) and not cfg.include_path
+    own = scan_task_names(cfg.include_path) if cfg.include_path else {}
+    standard = any(t not in OFFLINE_TASKS and t not in own for t in cfg.tasks)
     manager = TaskManager(include_path=include or None, include_defaults=standard, verbosity="ERROR")
     result = {"tasks": {}, "models": list(lms), "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "seconds": {}, **(extra or {})}
     for kind, lm in lms.items():

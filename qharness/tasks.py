@@ -112,7 +112,7 @@ def write_offline_tasks(texts: list[str], out_dir: Path, seed: int = 1234) -> Pa
 _NAME = re.compile(rb"^(?:task|group|tag):[ \t]*(.*)$((?:\n[ \t]+-.*)*)", re.M)
 
 
-def _scan(root: str) -> dict[str, str]:
+def scan_task_names(root: str) -> dict[str, str]:
     """Task, group and tag names declared in the YAML files under ``root`` -> the file declaring each."""
     names: dict[str, str] = {}
     for dirpath, _dirs, files in os.walk(root):
@@ -137,7 +137,7 @@ def _scan(root: str) -> dict[str, str]:
 def standard_task_index() -> dict[str, str]:
     """Every task/group/tag name in lm-eval's bundled task files -> its YAML."""
     spec = importlib.util.find_spec("lm_eval")
-    return _scan(os.path.join(spec.submodule_search_locations[0], "tasks"))
+    return scan_task_names(os.path.join(spec.submodule_search_locations[0], "tasks"))
 
 
 def _lenient_yaml(path: str) -> dict:
@@ -187,7 +187,7 @@ def check_tasks(names: list[str], include_path: str | None = None) -> None:
     """Fail early (UserError) on an unknown task name, or a standard task whose data cannot be reached."""
     if not names:
         raise UserError("eval.tasks is empty", fix=f"name at least one task, e.g. {', '.join(OFFLINE_TASKS)}")
-    own = _scan(include_path) if include_path else {}
+    own = scan_task_names(include_path) if include_path else {}
     if include_path and not Path(include_path).is_dir():
         raise UserError(f"eval.include_path {include_path} is not a directory")
     offline_fix = (

@@ -92,6 +92,14 @@ CASES = {
     "calibrate in qat mode": (lambda t: ["calibrate", *_cfg(t)[1:]], "calibrate needs model.mode: ptq"),
     "generate: corrupt .pte": (lambda t: ["generate", "--pte", str(_write(t, "bad.pte", "not a program")), "--prompt", "x", "--tokenizer", str(t.model)], "is not a loadable ExecuTorch program"),
     "generate: missing .pte": (lambda t: ["generate", "--pte", str(t.tmp / "none.pte"), "--prompt", "x", "--tokenizer", str(t.model)], "none.pte does not exist"),
+    "unknown lm-eval task": (lambda t: _cfg(t, eval={"enabled": True, "tasks": ["hellawag"]}), "unknown lm-eval task 'hellawag' (did you mean hellaswag"),
+    "unknown lm-eval task (evaluate)": (lambda t: ["evaluate", *_cfg(t)[1:], "--tasks", "qharness_ppl,arc_eazy"], "unknown lm-eval task 'arc_eazy'"),
+    "hub task offline": (lambda t: _cfg(t, eval={"enabled": True, "tasks": ["hellaswag"]}), "needs dataset Rowan/hellaswag from the Hugging Face hub"),
+    "unknown eval model": (lambda t: _cfg(t, eval={"enabled": True, "models": ["fp", "gguf"]}), "eval.models: unknown ['gguf']"),
+    "eval window above seq_len": (lambda t: _cfg(t, eval={"enabled": True, "max_length": 48}), "eval.max_length=48"),
+    "zero eval limit": (lambda t: _cfg(t, eval={"enabled": True, "limit": 0}), "eval.limit must be positive"),
+    "evaluate: missing .pte": (lambda t: ["evaluate", *_cfg(t)[1:], "--pte", str(t.tmp / "none.pte")], "no .pte at"),
+    "evaluate: corrupt .pte": (lambda t: ["evaluate", *_cfg(t)[1:], "--pte", str(_write(t, "bad.pte", "not a program"))], "is not a loadable ExecuTorch program"),
     "bench: corrupt .pte": (lambda t: ["bench", "--pte", str(_write(t, "bad.pte", "not a program"))], "is not a loadable ExecuTorch program"),
 }
 

@@ -142,6 +142,11 @@ def test_offline_tasks_run_through_lm_eval(fp, shakespeare, tmp_path):
     assert result["documents"] == {"qharness_ppl": 3, "qharness_mc": 3, "qharness_gen": 3}
     assert json.loads((tmp_path / "eval.json").read_text())["tasks"] == json.loads(json.dumps(metrics))
     assert "qharness_mc" in format_eval_table(result)
+    from lm_eval.api.registry import get_model
+
+    from qharness.lm_eval_adapter import RegisteredQHarnessLM
+
+    assert get_model("qharness") is RegisteredQHarnessLM  # lm-eval's registry knows the adapter
 
 
 def test_fit_ends_with_the_three_way_table(fitted):
@@ -196,3 +201,22 @@ def test_standard_task_offline_fails_fast_with_how_to_provide_the_data(fitted):
     assert "wikitext" in r.stderr and "cannot be reached" in r.stderr and "eval.source" in r.stderr
     assert "Traceback" not in r.stderr
     print(f"offline wikitext refused in {elapsed:.1f} s")
+
+
+def test_own_task_yaml_through_include_path(fp, tmp_path):
+    from qharness.config import EvalConfig
+    from qharness.evaluation import run_eval
+    from qharness.lm_eval_adapter import QHarnessLM, hf_backend
+    from qharness.tasks import TEMPLATES, check_tasks
+
+    model, tok = fp
+    (tmp_path / "mine").mkdir()
+    data = tmp_path / "mine" / "docs.jsonl"
+    data.write_text(json.dumps({"text": "To be, or not to be, that is the question."}) + "\n")
+    cfg = yaml.safe_load((TEMPLATES / "qharness_ppl.yaml").read_text())
+    cfg.update(task="my_ppl", dataset_kwargs={"data_files": {"test": str(data)}})
+    (tmp_path / "mine" / "my_ppl.yaml").write_text(yaml.safe_dump(cfg))
+    check_tasks(["my_ppl"], str(tmp_path / "mine"))
+    result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, EvalConfig(tasks=["my_ppl"], include_path=str(tmp_path / "mine"), bootstrap_iters=0), [], tmp_path / "run")
+    (ll,) = QHarnessLM(hf_backend(model, 32, 4), tok).loglikelihood_rolling([_req("To be, or not to be, that is the question.")])
+    assert result["tasks"]["my_ppl"]["fp"]["word_perplexity"] == pytest.approx(math.exp(-ll / 10), rel=1e-6)
