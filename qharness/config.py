@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -73,3 +74,26 @@ class BenchConfig:
     prompt_len: int = 128
     decode_tokens: int = 64
     reps: int = 5
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging through Lightning's WandbLogger, into ``<run dir>/wandb`` beside the CSV logs
+    (used when ``trainer.logger`` is left unset; ``trainer.logger: false`` turns every logger off).
+
+    Args:
+        enabled: Log the config, train/val curves and the run's final row (metrics, parity, .pte size, tokens/s).
+        mode: ``offline`` (no account needed; upload later with ``wandb sync``) or ``online``; null: WANDB_MODE
+            if set, else online when you have logged in (``wandb login`` / WANDB_API_KEY), else offline.
+        project: wandb project.
+        name: Run name (null: ``<recipe>-<mode>``).
+        group: Group of runs (``qharness sweep`` sets the sweep's name).
+        tags: Tags of the run.
+    """
+
+    enabled: bool = True
+    mode: Literal["offline", "online"] | None = None
+    project: str = "qharness"
+    name: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)

@@ -2,7 +2,9 @@
 
 Config groups: ``model`` (QuantLM), ``data`` (TextDataModule), ``trainer`` (Lightning), ``checkpoint``
 (ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``deploy`` (ExportConfig),
-``parity`` (ParityConfig), ``calibration`` (CalibrationConfig) and ``bench`` (BenchConfig). The run directory is ``trainer.default_root_dir``.
+``parity`` (ParityConfig), ``calibration`` (CalibrationConfig), ``bench`` (BenchConfig) and ``wandb`` (WandbConfig).
+The run directory is ``trainer.default_root_dir``. With ``trainer.logger`` unset, runs log to CSV and to wandb
+(offline unless you have logged in; ``qharness.tracking``), and every ``.pte`` adds its final row to the wandb run.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from qharness.config import BenchConfig, CalibrationConfig, ExportConfig, ParityConfig
+from qharness.config import BenchConfig, CalibrationConfig, ExportConfig, ParityConfig, WandbConfig
 from qharness.data import TextDataModule
 from qharness.errors import UserError
 from qharness.module import QuantLM
@@ -134,11 +136,21 @@ class QTrainer(Trainer):
     bench_config: BenchConfig = BenchConfig()
 
     def deploy(self, model: QuantLM, datamodule: TextDataModule) -> dict:
-        from qharness.pipeline import deploy_and_check
+        """``deploy_and_check``, then the run's final row to wandb (a failed parity gate's row too)."""
+        import json
 
-        return deploy_and_check(
-            model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config, self.calibration_config, self.bench_config
-        )
+        from qharness.errors import ParityError
+        from qharness.pipeline import deploy_and_check
+        from qharness.tracking import log_final_row
+
+        run_dir = Path(self.default_root_dir)
+        try:
+            summary = deploy_and_check(model, datamodule, run_dir, self.export_config, self.parity_config, self.calibration_config, self.bench_config)
+        except ParityError:
+            log_final_row(self.loggers, json.loads((run_dir / "summary.json").read_text()))
+            raise
+        log_final_row(self.loggers, summary)
+        return summary
 
     def export(self, model: QuantLM, datamodule: TextDataModule, ckpt_path: str = "last") -> dict:
         """Export a trained checkpoint to ``.pte`` (static KV cache), run the parity gate, write summary.json.
@@ -171,6 +183,7 @@ class QHarnessCLI(LightningCLI):
         parser.add_class_arguments(ParityConfig, "parity", help="Parity gate of the .pte")
         parser.add_class_arguments(CalibrationConfig, "calibration", help="Calibration data")
         parser.add_class_arguments(BenchConfig, "bench", help="Benchmark of the .pte vs the eager FP model")
+        parser.add_class_arguments(WandbConfig, "wandb", help="Weights & Biases logging (offline by default)")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
             {
@@ -193,6 +206,21 @@ class QHarnessCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         """Check the config before any long work (model loading, pretraining, tokenization) starts."""
         preflight(self.config[self.subcommand])
+
+    def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:
+        """``trainer.logger`` unset: Lightning's CSV logs plus, with ``wandb.enabled``, a WandbLogger, both in the run dir."""
+        if config.get("logger") in (None, True):
+            from lightning.pytorch.loggers import CSVLogger
+
+            root = config.get("default_root_dir") or os.getcwd()
+            config["logger"] = [CSVLogger(save_dir=root)]
+            cfg = self.config[self.subcommand]
+            if cfg.wandb.enabled:
+                from qharness.tracking import make_wandb_logger, run_config
+
+                name = f"{Path(cfg.model.recipe).stem}-{cfg.model.mode}"
+                config["logger"].append(make_wandb_logger(root, cfg.wandb, name, run_config(cfg.as_dict()), job_type=self.subcommand))
+        return super()._instantiate_trainer(config, callbacks)
 
     def _attach_configs(self) -> None:
         cfg = self.config_init[self.subcommand]

@@ -69,8 +69,8 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 900) -> subproce
 
 
 def write_config(path, model_dir, data_source, run_dir, **sections):
-    """A tiny fit/calibrate config (6 QAT steps, a 64-position .pte, a short benchmark); ``sections`` update
-    its groups, e.g. ``data={"seq_len": 16}``."""
+    """A tiny fit/calibrate config (6 QAT steps, a 64-position .pte, a short benchmark, no wandb: its start
+    costs seconds); ``sections`` update its groups, e.g. ``data={"seq_len": 16}``."""
     cfg = {
         "model": {"checkpoint": str(model_dir), "recipe": "xnnpack_int8_dynamic", "mode": "qat", "lr": 1e-3, "warmup_steps": 2},
         "data": {"source": str(data_source), "seq_len": 32, "batch_size": 4},
@@ -80,6 +80,7 @@ def write_config(path, model_dir, data_source, run_dir, **sections):
         "parity": {"eval_blocks": 8, "prompts": 2, "prompt_len": 16, "decode_steps": 4},
         "calibration": {"blocks": 4},
         "bench": {"prompt_len": 16, "decode_tokens": 8, "reps": 2},
+        "wandb": {"enabled": False},
     }
     for key, value in sections.items():
         cfg[key].update(value)
@@ -89,8 +90,8 @@ def write_config(path, model_dir, data_source, run_dir, **sections):
 
 @pytest.fixture(scope="session")
 def fitted(tmp_path_factory, tiny_llama, shakespeare):
-    """``qharness fit`` of the tiny Llama: (run dir, config, CompletedProcess)."""
+    """``qharness fit`` of the tiny Llama, logged to wandb offline: (run dir, config, CompletedProcess)."""
     tmp = tmp_path_factory.mktemp("e2e")
-    cfg = write_config(tmp / "run.yaml", tiny_llama, shakespeare, tmp / "run")
+    cfg = write_config(tmp / "run.yaml", tiny_llama, shakespeare, tmp / "run", trainer={"log_every_n_steps": 2}, wandb={"enabled": True})
     result = run_cli("fit", cfg)
     return tmp / "run", cfg, result
