@@ -94,10 +94,13 @@ def log_final_row(loggers, summary: dict) -> dict | None:
         return None
     row = summary_row(summary)
     for lg in wandb_loggers:
-        lg.log_table(TABLE_KEY, columns=list(row), data=[list(row.values())])
-        run = lg.experiment
-        run.summary.update({f"final/{k}": v for k, v in row.items() if v is not None})
-        run.finish()
+        try:
+            lg.log_table(TABLE_KEY, columns=list(row), data=[list(row.values())])
+            run = lg.experiment
+            run.summary.update({f"final/{k}": v for k, v in row.items() if v is not None})
+            run.finish()
+        except Exception as e:  # the .pte and summary.json are written: a logging failure must not fail the run
+            log.warning("could not log the final row to wandb (%s: %s); summary.json has it", type(e).__name__, e)
     return row
 
 
