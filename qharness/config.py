@@ -68,12 +68,14 @@ class BenchConfig:
         prompt_len: Tokens prefilled in one call (prefill tokens/s).
         decode_tokens: Tokens then decoded one at a time (decode tokens/s); prompt_len + decode_tokens <= deploy.max_seq_len.
         reps: Repetitions (each loads the model, prefills, decodes) after one warm-up; the median and min-max are reported.
+        eager: Also measure the eager FP model (``qharness sweep`` measures it once, in its FP baseline run).
     """
 
     enabled: bool = True
     prompt_len: int = 128
     decode_tokens: int = 64
     reps: int = 5
+    eager: bool = True
 
 
 @dataclass

@@ -130,7 +130,7 @@ def deploy_and_check(
     if reasons:
         raise ParityError(f"parity gate failed for {pte_path}: " + "; ".join(reasons))
     if bench_cfg.enabled and recipe.runs_here:
-        summary["bench"] = bench(pte_path, module.model_source(), bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
+        summary["bench"] = bench(pte_path, module.model_source() if bench_cfg.eager else None, bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
         write_json_atomic(run_dir / "summary.json", summary)
         print(format_bench(summary["bench"]))
     return summary
