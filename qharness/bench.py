@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from qharness.errors import UserError
+from qharness.progress import stage
 
 
 def memory_bandwidth(mib: int = 256, reps: int = 5) -> float:
@@ -150,7 +151,8 @@ def bench(pte_path: str | Path, model_dir: str | None = None, prompt_len: int = 
     result = {**args, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "bandwidth_gb_s": memory_bandwidth()}
     models = {"pte": str(pte_path)} | ({"eager": str(model_dir)} if model_dir else {})
     for kind, path in models.items():
-        m = measure_in_fresh_process(kind=kind, path=path, **args)
+        with stage(f"benchmarking the {'.pte' if kind == 'pte' else 'eager FP model'} ({reps} reps + warm-up, fresh process)"):
+            m = measure_in_fresh_process(kind=kind, path=path, **args)
         m["bandwidth_fraction"] = m["decode_tok_s"]["median"] * m["weight_bytes"] / (result["bandwidth_gb_s"] * 1e9)
         result[kind] = m
     if model_dir:

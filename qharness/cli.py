@@ -8,6 +8,8 @@
     qharness recipes                                # the known backend recipes
     qharness generate --pte runs/x/model.pte --prompt "To be" [--temperature 0]
     qharness bench --pte runs/x/model.pte          # latency/memory/size vs the eager FP model
+    qharness report runs/ [--max_latency_ms 2]      # accuracy vs latency table + Pareto plot of every run
+    qharness sweep configs/sweep_xnnpack.yaml       # FP baseline + recipes x modes, then the report
 
 Heavy libraries (lightning, executorch, torchao) are imported only by the subcommands that use them,
 so ``qharness --help`` answers at once.
@@ -29,6 +31,8 @@ SUBCOMMANDS = {
     "recipes": "list the backend recipes",
     "generate": "stream text from a .pte (--pte PATH --prompt TEXT), with tokens/s",
     "bench": "load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model",
+    "report": "accuracy vs latency of every run under a directory: table, Pareto plot, best under a budget",
+    "sweep": "run the FP baseline and recipes x modes (PTQ, QAT) from one sweep config, then the report",
 }
 
 USAGE = "usage: qharness {" + ",".join(SUBCOMMANDS) + "} [CONFIG.yaml] [--field value ...]\n"
@@ -175,6 +179,11 @@ def main(argv: list[str] | None = None) -> None:
             return
         if argv[0] in ("generate", "bench"):
             (generate_cmd if argv[0] == "generate" else bench_cmd)(argv[1:])
+            return
+        if argv[0] in ("report", "sweep"):
+            from qharness import report, sweep
+
+            (report.report_cmd if argv[0] == "report" else sweep.sweep_cmd)(argv[1:])
             return
         argv = rewrite_argv(argv)
         check_tasks_early(argv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 
 @dataclass
@@ -67,12 +68,37 @@ class BenchConfig:
         prompt_len: Tokens prefilled in one call (prefill tokens/s).
         decode_tokens: Tokens then decoded one at a time (decode tokens/s); prompt_len + decode_tokens <= deploy.max_seq_len.
         reps: Repetitions (each loads the model, prefills, decodes) after one warm-up; the median and min-max are reported.
+        eager: Also measure the eager FP model (``qharness sweep`` measures it once, in its FP baseline run).
     """
 
     enabled: bool = True
     prompt_len: int = 128
     decode_tokens: int = 64
     reps: int = 5
+    eager: bool = True
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases logging through Lightning's WandbLogger, into ``<run dir>/wandb`` beside the CSV logs
+    (used when ``trainer.logger`` is left unset; ``trainer.logger: false`` turns every logger off).
+
+    Args:
+        enabled: Log the config, train/val curves and the run's final row (metrics, parity, .pte size, tokens/s).
+        mode: ``offline`` (no account needed; upload later with ``wandb sync``) or ``online``; null: WANDB_MODE
+            if set, else online when you have logged in (``wandb login`` / WANDB_API_KEY), else offline.
+        project: wandb project.
+        name: Run name (null: ``<recipe>-<mode>``).
+        group: Group of runs (``qharness sweep`` sets the sweep's name).
+        tags: Tags of the run.
+    """
+
+    enabled: bool = True
+    mode: Literal["offline", "online"] | None = None
+    project: str = "qharness"
+    name: str | None = None
+    group: str | None = None
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass

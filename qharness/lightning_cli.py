@@ -2,7 +2,10 @@
 
 Config groups: ``model`` (QuantLM), ``data`` (TextDataModule), ``trainer`` (Lightning), ``checkpoint``
 (ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``deploy`` (ExportConfig),
-``parity`` (ParityConfig), ``calibration`` (CalibrationConfig), ``bench`` (BenchConfig) and ``eval`` (EvalConfig). The run directory is ``trainer.default_root_dir``.
+``parity`` (ParityConfig), ``calibration`` (CalibrationConfig), ``bench`` (BenchConfig), ``eval`` (EvalConfig) and
+``wandb`` (WandbConfig). The run directory is ``trainer.default_root_dir``. With ``trainer.logger`` unset, runs log
+to CSV and to wandb (offline unless you have logged in; ``qharness.tracking``), and every ``.pte`` adds its final
+row to the wandb run.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig
+from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig, WandbConfig
 from qharness.data import TextDataModule
 from qharness.errors import UserError
 from qharness.module import QuantLM
@@ -139,12 +142,24 @@ class QTrainer(Trainer):
     eval_config: EvalConfig = EvalConfig()
 
     def deploy(self, model: QuantLM, datamodule: TextDataModule) -> dict:
-        from qharness.pipeline import deploy_and_check
+        """``deploy_and_check``, then the run's final row to wandb (a failed parity gate's row too)."""
+        import json
 
-        return deploy_and_check(
-            model, datamodule, Path(self.default_root_dir), self.export_config, self.parity_config, self.calibration_config,
-            self.bench_config, self.eval_config,
-        )
+        from qharness.errors import ParityError
+        from qharness.pipeline import deploy_and_check
+        from qharness.tracking import log_final_row
+
+        run_dir = Path(self.default_root_dir)
+        try:
+            summary = deploy_and_check(
+                model, datamodule, run_dir, self.export_config, self.parity_config, self.calibration_config,
+                self.bench_config, self.eval_config,
+            )
+        except ParityError:
+            log_final_row(self.loggers, json.loads((run_dir / "summary.json").read_text()))
+            raise
+        log_final_row(self.loggers, summary)
+        return summary
 
     def export(self, model: QuantLM, datamodule: TextDataModule, ckpt_path: str = "last") -> dict:
         """Export a trained checkpoint to ``.pte`` (static KV cache), run the parity gate, write summary.json.
@@ -236,6 +251,7 @@ class QHarnessCLI(LightningCLI):
         parser.add_class_arguments(CalibrationConfig, "calibration", help="Calibration data")
         parser.add_class_arguments(BenchConfig, "bench", help="Benchmark of the .pte vs the eager FP model")
         parser.add_class_arguments(EvalConfig, "eval", help="lm-eval evaluation of the FP, fake-quant and .pte models")
+        parser.add_class_arguments(WandbConfig, "wandb", help="Weights & Biases logging (offline by default)")
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
         parser.set_defaults(
             {
@@ -264,6 +280,21 @@ class QHarnessCLI(LightningCLI):
                 if value is not None:
                     cfg.eval[key] = [t for t in value.split(",") if t] if key in ("tasks", "models") else value
         preflight(cfg, self.subcommand)
+
+    def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:
+        """``trainer.logger`` unset: Lightning's CSV logs plus, with ``wandb.enabled``, a WandbLogger, both in the run dir."""
+        if config.get("logger") in (None, True):
+            from lightning.pytorch.loggers import CSVLogger
+
+            root = config.get("default_root_dir") or os.getcwd()
+            config["logger"] = [CSVLogger(save_dir=root)]
+            cfg = self.config[self.subcommand]
+            if cfg.wandb.enabled:
+                from qharness.tracking import make_wandb_logger, run_config
+
+                name = f"{Path(cfg.model.recipe).stem}-{cfg.model.mode}"
+                config["logger"].append(make_wandb_logger(root, cfg.wandb, name, run_config(cfg.as_dict()), job_type=self.subcommand))
+        return super()._instantiate_trainer(config, callbacks)
 
     def _attach_configs(self) -> None:
         cfg = self.config_init[self.subcommand]

@@ -19,6 +19,7 @@ from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportCo
 from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
 from qharness.parity import compare_decoding, gate, score_batched, score_deployed
+from qharness.progress import stage
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +69,10 @@ def deploy_and_check(
 
     n_eval = min(parity_cfg.eval_blocks, len(dm.val_x)) // dm.batch_size * dm.batch_size
     vx, vy = dm.val_x[:n_eval], dm.val_y[:n_eval]
-    metrics = {"fp": score_batched(lambda x: fp_model(input_ids=x).logits, vx, vy, dm.batch_size)}
+    metrics = {"fp": score_batched(lambda x: fp_model(input_ids=x).logits, vx, vy, dm.batch_size, desc="scoring the FP model")}
     if module.graph is not None:  # QAT: the trained fake-quant graph and its weights
         module._to_eval()
-        metrics["fake_quant"] = score_batched(module.graph, vx, vy, dm.batch_size)
+        metrics["fake_quant"] = score_batched(module.graph, vx, vy, dm.batch_size, desc="scoring the fake-quant model")
         trained = copy.deepcopy(fp_model)
         module.load_into(trained)
     else:  # PTQ: the FP weights, calibrated below (source-level recipes quantize the model in place)
@@ -81,11 +82,12 @@ def deploy_and_check(
         trained = copy.deepcopy(fp_model) if source_level and eval_cfg.enabled else fp_model
     t = time.perf_counter()
     blocks = calibration_blocks(calib_cfg, dm)
-    deployed = quantize_for_deploy(trained, recipe, export_cfg.max_seq_len, lambda graph: calibrate(graph, blocks))
+    with stage(f"static-KV-cache export + quantization ({recipe.name})"):
+        deployed = quantize_for_deploy(trained, recipe, export_cfg.max_seq_len, lambda graph: calibrate(graph, blocks))
     timings["export_quantize_s"] = time.perf_counter() - t
     t = time.perf_counter()
-    log.warning("lowering to ExecuTorch (%s) ...", recipe.name)
-    pte_bytes = lower_to_pte(deployed, recipe, export_cfg.max_seq_len, metadata)
+    with stage(f"lowering to ExecuTorch ({recipe.name}, {recipe.backend})"):
+        pte_bytes = lower_to_pte(deployed, recipe, export_cfg.max_seq_len, metadata)
     timings["lower_s"] = time.perf_counter() - t
     pte_path = write_bytes_atomic(run_dir / export_cfg.filename, pte_bytes)
     tokenizer.save_pretrained(run_dir / "tokenizer")
@@ -93,13 +95,13 @@ def deploy_and_check(
     def ref(tokens, start):
         return deployed(tokens, torch.tensor([start], dtype=torch.long))
 
-    metrics["converted"] = score_deployed(ref, vx, vy)
+    metrics["converted"] = score_deployed(ref, vx, vy, desc="scoring the converted model")
     reasons = []
     if recipe.runs_here:
         pte = PteModel(pte_path)
-        metrics["pte"] = score_deployed(pte, vx, vy)
+        metrics["pte"] = score_deployed(pte, vx, vy, desc="scoring the .pte")
         prompts = dm.val_x[: parity_cfg.prompts, : parity_cfg.prompt_len]
-        figures = compare_decoding(pte, ref, prompts, parity_cfg.decode_steps)
+        figures = compare_decoding(pte, ref, prompts, parity_cfg.decode_steps, desc="parity: .pte vs converted decoding")
         figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
         reasons = gate(figures, parity_cfg)
         figures["passed"] = not reasons
@@ -120,6 +122,7 @@ def deploy_and_check(
         "recipe": recipe.name,
         "backend": recipe.backend,
         "mode": module.hparams.mode,
+        "quantized": recipe.quantized,
         "seq_len": dm.seq_len,
         "eval_blocks": n_eval,
         "metrics": metrics,
@@ -132,8 +135,7 @@ def deploy_and_check(
     if reasons:
         raise ParityError(f"parity gate failed for {pte_path}: " + "; ".join(reasons))
     if bench_cfg.enabled and recipe.runs_here:
-        log.warning("benchmarking %s and the eager FP model ...", pte_path)
-        summary["bench"] = bench(pte_path, module.model_source(), bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
+        summary["bench"] = bench(pte_path, module.model_source() if bench_cfg.eager else None, bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
         write_json_atomic(run_dir / "summary.json", summary)
         print(format_bench(summary["bench"]))
     if eval_cfg.enabled:

@@ -69,8 +69,8 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 900) -> subproce
 
 
 def write_config(path, model_dir, data_source, run_dir, **sections):
-    """A tiny fit/calibrate config (6 QAT steps, a 64-position .pte, a short benchmark, no lm-eval); ``sections`` update
-    its groups, e.g. ``data={"seq_len": 16}``."""
+    """A tiny fit/calibrate config (6 QAT steps, a 64-position .pte, a short benchmark, no lm-eval, no wandb: its
+    start costs seconds); ``sections`` update its groups, e.g. ``data={"seq_len": 16}``."""
     cfg = {
         "model": {"checkpoint": str(model_dir), "recipe": "xnnpack_int8_dynamic", "mode": "qat", "lr": 1e-3, "warmup_steps": 2},
         "data": {"source": str(data_source), "seq_len": 32, "batch_size": 4},
@@ -81,6 +81,7 @@ def write_config(path, model_dir, data_source, run_dir, **sections):
         "calibration": {"blocks": 4},
         "bench": {"prompt_len": 16, "decode_tokens": 8, "reps": 2},
         "eval": {"enabled": False, "limit": 4},
+        "wandb": {"enabled": False},
     }
     for key, value in sections.items():
         cfg[key].update(value)
@@ -90,8 +91,8 @@ def write_config(path, model_dir, data_source, run_dir, **sections):
 
 @pytest.fixture(scope="session")
 def fitted(tmp_path_factory, tiny_llama, shakespeare):
-    """``qharness fit`` of the tiny Llama: (run dir, config, CompletedProcess)."""
+    """``qharness fit`` of the tiny Llama, logged to wandb offline: (run dir, config, CompletedProcess)."""
     tmp = tmp_path_factory.mktemp("e2e")
-    cfg = write_config(tmp / "run.yaml", tiny_llama, shakespeare, tmp / "run", eval={"enabled": True})
+    cfg = write_config(tmp / "run.yaml", tiny_llama, shakespeare, tmp / "run", trainer={"log_every_n_steps": 2}, wandb={"enabled": True}, eval={"enabled": True})
     result = run_cli("fit", cfg)
     return tmp / "run", cfg, result

@@ -226,3 +226,25 @@ def test_a_crash_while_lowering_keeps_the_checkpoint_and_export_finishes(tmp_pat
     r = run_cli("export", cfg)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "parity PASSED" in r.stdout and (tmp_path / "c" / "model.pte").is_file()
+
+
+@pytest.mark.slow
+def test_a_crash_while_evaluating_keeps_the_run_and_evaluate_finishes(tmp_path, tiny_llama, shakespeare, monkeypatch):
+    import qharness.evaluation
+    from qharness.cli import main
+
+    cfg = write_config(tmp_path / "c.yaml", tiny_llama, shakespeare, tmp_path / "c", bench={"enabled": False}, eval={"enabled": True})
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("forced failure while evaluating")
+
+    monkeypatch.setattr(qharness.evaluation, "run_eval", broken)
+    with pytest.raises(RuntimeError, match="forced failure while evaluating"):
+        main(["fit", str(cfg)])
+    run = tmp_path / "c"
+    assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert (run / "model.pte").is_file() and "eval" not in json.loads((run / "summary.json").read_text())
+    monkeypatch.undo()
+    r = run_cli("evaluate", cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert set(json.loads((run / "summary.json").read_text())["eval"]["tasks"]) == {"qharness_ppl", "qharness_mc", "qharness_gen"}

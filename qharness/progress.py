@@ -1,0 +1,49 @@
+"""Progress on long stages: a tqdm bar where there are iterations, a start/finish line with the elapsed
+time where there are none (export, lowering). Both go to stderr, so stdout keeps the tables.
+
+Example::
+
+    with stage("lowering to ExecuTorch (xnnpack_int8_dynamic)"):
+        pte_bytes = lower_to_pte(...)
+    for x in bar(blocks, "scoring the .pte"):
+        ...
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+
+def _say(text: str) -> None:
+    print(f"[qharness] {text}", file=sys.stderr, flush=True)
+
+
+def format_seconds(seconds: float) -> str:
+    """``75.3`` -> ``1m15s``; below a minute, ``12.3s``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}h{minutes % 60:02d}m{secs:02d}s" if minutes >= 60 else f"{minutes}m{secs:02d}s"
+
+
+@contextmanager
+def stage(name: str) -> Iterator[None]:
+    """Print ``name ...`` now and ``name: done in 12.3s`` (or ``failed after``) when the block ends."""
+    _say(f"{name} ...")
+    t = time.perf_counter()
+    try:
+        yield
+    except BaseException:
+        _say(f"{name}: failed after {format_seconds(time.perf_counter() - t)}")
+        raise
+    _say(f"{name}: done in {format_seconds(time.perf_counter() - t)}")
+
+
+def bar(iterable: Iterable, desc: str, total: int | None = None, unit: str = "it"):
+    """A tqdm progress bar on stderr (it stays when done, with its elapsed time)."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)

@@ -1,0 +1,137 @@
+"""``qharness report`` on synthetic summary.json files: table, CSV, Pareto front, PNG, best under a budget, wandb."""
+
+import csv
+import json
+
+import pytest
+
+from conftest import run_cli
+from qharness.io import write_json_atomic
+from qharness.report import best_under, pareto_front, resolve_metric, summary_row, write_report
+
+# name: (recipe, mode, quantized, .pte ppl, decode ms/token, .pte MB, parity passed, toy/acc of the .pte)
+RUNS = {
+    "fp": ("xnnpack_fp32", "ptq", False, 98.0, 4.0, 4.20, True, 0.50),
+    "int8-ptq": ("xnnpack_int8_dynamic", "ptq", True, 98.1, 1.0, 2.27, True, 0.49),
+    "int8-qat": ("xnnpack_int8_dynamic", "qat", True, 98.6, 1.2, 2.27, True, 0.47),
+    "int4-ptq": ("xnnpack_int4w_dynamic", "ptq", True, 105.0, 0.8, 1.60, True, 0.40),
+    "8da4w-qat": ("xnnpack_8da4w", "qat", True, 99.0, 0.9, 1.77, True, 0.45),
+    "broken": ("xnnpack_int4w_dynamic", "qat", True, 90.0, 0.5, 1.60, False, 0.60),  # failed parity: never picked
+}
+# Hand-computed front (lower latency, lower ppl): int8-qat is dominated by int8-ptq (faster and better);
+# broken failed the gate; the rest trade latency for perplexity.
+FRONT = ["int4-ptq", "8da4w-qat", "int8-ptq", "fp"]
+
+
+def summary(name, recipe, mode, quantized, ppl, ms, mb, passed, acc):
+    out = {
+        "run_dir": f"runs/s/{name}", "model": "embedded", "recipe": recipe, "backend": "xnnpack", "mode": mode,
+        "quantized": quantized, "seq_len": 128, "eval_blocks": 32,
+        "metrics": {"fp": {"loss": 4.58, "ppl": 98.0}, "converted": {"loss": 4.6, "ppl": ppl}, "pte": {"loss": 4.6, "ppl": ppl}},
+        "parity": {"max_abs_diff": 0.3, "argmax_agreement": 0.97 if passed else 0.5, "positions": 160, "ppl_rel_diff": 0.001, "passed": passed, "reasons": []},
+        "pte": {"path": f"runs/s/{name}/model.pte", "size_bytes": int(mb * 1e6), "max_seq_len": 256},
+        "eval": {"tasks": {"toy": {"fp": {"acc,none": 0.5, "acc_stderr,none": 0.01}, "pte": {"acc,none": acc, "acc_stderr,none": 0.01}}}},
+    }
+    if passed:
+        out["bench"] = {"pte": {"decode_tok_s": {"median": 1000.0 / ms, "min": 1.0, "max": 1.0}, "prefill_tok_s": {"median": 5000.0},
+                                "bandwidth_fraction": 0.1, "peak_rss_mb": 300.0}}
+    return out
+
+
+@pytest.fixture
+def runs_dir(tmp_path):
+    root = tmp_path / "sweep"
+    for name, spec in RUNS.items():
+        write_json_atomic(root / name / "summary.json", summary(name, *spec))
+    (root / "half_written").mkdir()
+    (root / "half_written" / "summary.json").write_text("{not json")  # skipped with a warning
+    return root
+
+
+def test_pareto_front_and_budget_on_a_hand_computed_example(runs_dir):
+    result = write_report(runs_dir, wandb=False)
+    assert result["metric"] == "ppl_pte" and result["lower_is_better"]
+    assert result["front"] == FRONT
+    rows = {r["run"]: r for r in result["rows"]}
+    assert rows["fp"]["mode"] == "fp" and rows["int8-qat"]["mode"] == "qat"  # the unquantized recipe is the FP baseline
+    assert result["best"]["run"] == "fp"  # no budget: the lowest perplexity that passed parity
+    assert best_under(result["rows"], "ppl_pte", True, max_latency_ms=0.95)["run"] == "8da4w-qat"
+    assert best_under(result["rows"], "ppl_pte", True, max_latency_ms=0.85)["run"] == "int4-ptq"
+    assert best_under(result["rows"], "ppl_pte", True, max_latency_ms=2.0, max_size_mb=2.0)["run"] == "8da4w-qat"
+    assert best_under(result["rows"], "ppl_pte", True, max_size_mb=2.3)["run"] == "int8-ptq"
+    assert best_under(result["rows"], "ppl_pte", True, max_latency_ms=0.6) is None  # only the failed run is that fast
+
+
+def test_higher_is_better_metric_from_lm_eval_results(runs_dir):
+    result = write_report(runs_dir, metric="toy/acc", wandb=False)
+    assert result["metric"] == "eval/toy/acc/pte" and not result["lower_is_better"]
+    # (ms, acc): int4-ptq (0.8, .40), 8da4w-qat (0.9, .45), int8-ptq (1.0, .49), int8-qat (1.2, .47), fp (4.0, .50)
+    assert result["front"] == ["int4-ptq", "8da4w-qat", "int8-ptq", "fp"]
+    assert best_under(result["rows"], result["metric"], False, max_latency_ms=1.5)["run"] == "int8-ptq"
+    assert resolve_metric("toy/acc/fp", result["rows"]) == ("eval/toy/acc/fp", False)
+    from qharness.errors import UserError
+
+    with pytest.raises(UserError, match="toy/acc"):
+        resolve_metric("nope/acc", result["rows"])
+
+
+def test_pareto_front_unit_cases():
+    assert pareto_front([(1, 10), (2, 8), (3, 9), (4, 5)], lower_is_better=True) == [0, 1, 3]
+    assert pareto_front([(1, 10), (2, 8), (3, 9), (4, 5)], lower_is_better=False) == [0]
+    assert pareto_front([(2, 5), (1, 5)], lower_is_better=True) == [1]  # equal metric: the faster one dominates
+    assert pareto_front([], lower_is_better=True) == []
+
+
+def test_table_csv_and_png_are_written(runs_dir):
+    import matplotlib.pyplot as plt
+
+    result = write_report(runs_dir, runs_dir / "out", max_latency_ms=0.95, wandb=False)
+    md = (runs_dir / "out" / "report.md").read_text()
+    lines = [line for line in md.splitlines() if line.startswith("| ")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    body = {cells[0]: dict(zip(header, cells)) for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])}
+    assert set(body) == set(RUNS)  # the unreadable summary is skipped
+    assert {n for n, r in body.items() if r["Pareto"] == "*"} == set(FRONT)
+    assert body["broken"]["parity"] == "FAILED" and body["int8-ptq"]["parity"] == "passed"
+    assert body["8da4w-qat"][".pte ppl"] == "99.000" and body["8da4w-qat"]["decode ms/tok"] == "0.900"
+    assert body["8da4w-qat"]["toy/acc"] == "0.450" and body["int8-ptq"]["vs FP"] == "+0.1%"
+    assert "Best under decode <= 0.95 ms/token: xnnpack_8da4w/qat (8da4w-qat)" in md
+    with open(runs_dir / "out" / "report.csv") as f:
+        rows = {r["run"]: r for r in csv.DictReader(f)}
+    assert float(rows["int4-ptq"]["ppl_pte"]) == 105.0 and float(rows["int4-ptq"]["pte_size_mb"]) == 1.6
+    assert rows["fp"]["pareto"] == "True" and rows["int8-qat"]["pareto"] == "False"
+    assert json.loads((runs_dir / "out" / "report.json").read_text())["front"] == FRONT
+    png = runs_dir / "out" / "pareto.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = plt.imread(png)[..., :3]
+    assert img.shape[:2] == (720, 1080)
+    crimson = ((abs(img[..., 0] - 220 / 255) < 0.08) & (abs(img[..., 1] - 20 / 255) < 0.08) & (abs(img[..., 2] - 60 / 255) < 0.08)).sum()
+    assert crimson > 200  # the front's line and labels are drawn
+
+
+def test_report_cli_and_its_wandb_table(runs_dir):
+    from wandb_offline import offline_run, tables
+
+    r = run_cli("report", runs_dir, "--max_size_mb", "2", "--out", runs_dir / "rep")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Best under .pte <= 2 MB: xnnpack_8da4w/qat (8da4w-qat)" in r.stdout
+    assert f"Pareto plot: {runs_dir / 'rep' / 'pareto.png'}" in r.stdout
+    table = tables(offline_run(runs_dir / "rep"), "report/table")
+    assert len(table) == 1
+    logged = [dict(zip(table[0]["columns"], row)) for row in table[0]["data"]]
+    assert {row["run"]: row["ppl_pte"] for row in logged} == {n: spec[3] for n, spec in RUNS.items()}
+    assert {row["run"] for row in logged if row["pareto"]} == set(FRONT)
+
+
+def test_report_of_a_directory_without_runs_is_a_clear_error(tmp_path):
+    r = run_cli("report", tmp_path, "--no_wandb")
+    assert r.returncode == 2 and "no summary.json under" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_summary_row_of_a_real_summary_layout():
+    s = summary("x", "xnnpack_int8_dynamic", "qat", True, 98.6, 1.25, 2.27, True, 0.47)
+    row = summary_row(s)
+    assert row["run"] == "x" and row["decode_ms_per_token"] == pytest.approx(1.25) and row["decode_tok_s"] == 800.0
+    assert row["eval/toy/acc/pte"] == 0.47 and row["eval/toy/acc/fp"] == 0.5 and not any("stderr" in k for k in row)
+    del s["quantized"]  # an older summary: the recipe says whether it quantizes
+    assert summary_row(s)["mode"] == "qat" and summary_row({**s, "recipe": "xnnpack_fp32", "mode": "ptq"})["mode"] == "fp"

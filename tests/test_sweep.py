@@ -1,0 +1,155 @@
+"""``qharness sweep``: plan, skip-on-rerun, failure recording and the report (a stand-in runner writes the
+summaries); one real tiny sweep is marked slow."""
+
+import json
+import sys
+
+import pytest
+import yaml
+
+from conftest import ROOT, run_cli, write_config
+from qharness.errors import UserError
+from qharness.io import write_json_atomic
+from qharness.sweep import is_done, load_sweep, plan, run_logged, run_sweep
+
+PPL = {"xnnpack_fp32-ptq": 98.0, "xnnpack_int8_dynamic-ptq": 98.1, "xnnpack_int8_dynamic-qat": 98.6, "xnnpack_int4w_dynamic-ptq": 101.0}
+MS = {"xnnpack_fp32-ptq": 3.0, "xnnpack_int8_dynamic-ptq": 1.0, "xnnpack_int8_dynamic-qat": 1.1, "xnnpack_int4w_dynamic-ptq": 0.9}
+
+
+def sweep_yaml(tmp_path, max_steps=5, **extra):
+    spec = {
+        "sweep_dir": str(tmp_path / "sweep"),
+        "runs": [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq", "qat"]}, {"recipe": "xnnpack_int4w_dynamic", "mode": "ptq"}],
+        "config": {"model": {"checkpoint": str(tmp_path / "some_model")}, "trainer": {"max_steps": max_steps}},
+        "report": {"max_latency_ms": 1.05, "wandb": False},
+        **extra,
+    }
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+class FakeRunner:
+    """Stands in for ``python -m qharness fit|calibrate``: writes the run's summary.json from its config."""
+
+    def __init__(self, fail=()):
+        self.calls, self.fail = [], set(fail)
+
+    def __call__(self, cmd, log_path):
+        cfg = yaml.safe_load(open(cmd[cmd.index("--config") + 1]))
+        run_dir = cfg["trainer"]["default_root_dir"]
+        name = f"{cfg['model']['recipe']}-{cfg['model']['mode']}"
+        self.calls.append((cmd[3], name))
+        log_path.write_text("log of " + name)
+        if name in self.fail:
+            return 1
+        write_json_atomic(f"{run_dir}/summary.json", {
+            "run_dir": run_dir, "model": "m", "recipe": cfg["model"]["recipe"], "backend": "xnnpack", "mode": cfg["model"]["mode"],
+            "quantized": cfg["model"]["recipe"] != "xnnpack_fp32", "metrics": {"fp": {"ppl": 98.0}, "pte": {"ppl": PPL[name]}},
+            "parity": {"passed": True}, "pte": {"size_bytes": 2_000_000},
+            "bench": {"pte": {"decode_tok_s": {"median": 1000 / MS[name]}}},
+        })
+        return 0
+
+
+def test_plan_puts_the_baseline_first_with_one_run_dir_each(tmp_path):
+    runs = plan(load_sweep(sweep_yaml(tmp_path)))
+    assert [(r.name, r.subcommand) for r in runs] == [
+        ("xnnpack_fp32-ptq", "calibrate"), ("xnnpack_int8_dynamic-ptq", "calibrate"), ("xnnpack_int8_dynamic-qat", "fit"), ("xnnpack_int4w_dynamic-ptq", "calibrate"),
+    ]
+    qat = runs[2]
+    assert qat.run_dir == tmp_path / "sweep" / "xnnpack_int8_dynamic-qat"
+    assert qat.config["trainer"] == {"max_steps": 5, "default_root_dir": str(qat.run_dir)}
+    assert qat.config["model"] == {"checkpoint": str(tmp_path / "some_model"), "recipe": "xnnpack_int8_dynamic", "mode": "qat"}
+    assert qat.config["wandb"] == {"group": "sweep"}
+    assert "bench" not in runs[0].config and qat.config["bench"] == {"eager": False}  # the eager FP model is measured once
+
+
+def test_rerun_skips_finished_runs_retries_failed_ones_and_reruns_changed_configs(tmp_path):
+    path = sweep_yaml(tmp_path)
+    first = FakeRunner(fail={"xnnpack_int8_dynamic-qat"})
+    result = run_sweep(path, runner=first)
+    assert [c[1] for c in first.calls] == list(PPL)  # every run, in order, although one failed
+    assert {r["name"]: r["state"] for r in result["runs"]}["xnnpack_int8_dynamic-qat"] == "failed"
+    assert [c[0] for c in first.calls] == ["calibrate", "calibrate", "fit", "calibrate"]
+    rep = result["report"]
+    assert {r["run"] for r in rep["rows"]} == {"xnnpack_fp32-ptq", "xnnpack_int8_dynamic-ptq", "xnnpack_int4w_dynamic-ptq"}
+    assert rep["best"]["run"] == "xnnpack_int8_dynamic-ptq"  # <= 1.05 ms/token: int8 (98.1) beats int4 (101)
+    assert "Failed run: xnnpack_int8_dynamic-qat (exit 1)" in rep["text"]
+    assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())["runs"][2]["returncode"] == 1
+
+    second = FakeRunner()
+    result = run_sweep(path, runner=second)
+    assert second.calls == [("fit", "xnnpack_int8_dynamic-qat")]  # only the failed run runs again
+    assert [r["state"] for r in result["runs"]] == ["skipped", "skipped", "done", "skipped"]
+    assert len(result["report"]["rows"]) == 4
+
+    third = FakeRunner()
+    run_sweep(sweep_yaml(tmp_path, max_steps=7), runner=third)  # another shared config: every run is stale
+    assert len(third.calls) == 4
+    fourth = FakeRunner()
+    run_sweep(sweep_yaml(tmp_path, max_steps=7), runner=fourth, force=True)
+    assert len(fourth.calls) == 4
+
+
+def test_a_stale_summary_does_not_count_as_done(tmp_path):
+    path = sweep_yaml(tmp_path)
+    run_sweep(path, runner=FakeRunner(), report=False)
+    runs = plan(load_sweep(path))
+    assert all(is_done(r) for r in runs)
+    (runs[1].run_dir / "summary.json").unlink()
+    assert not is_done(runs[1])
+    failing = FakeRunner(fail={"xnnpack_fp32-ptq"})
+    run_sweep(sweep_yaml(tmp_path, max_steps=9), runner=failing, report=False)
+    assert not (runs[0].run_dir / "summary.json").exists()  # the old config's result is gone, not reported as this one
+
+
+@pytest.mark.parametrize("spec, message", [
+    ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["qat"]}]}, "does not support mode 'qat'"),
+    ({"runs": [{"recipe": "nope", "modes": ["ptq"]}]}, "unknown recipe 'nope'"),
+    ({"runs": []}, "needs runs"),
+    ({"runs": [{"recipe": "xnnpack_fp32"}]}, "names no modes"),
+    ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "extra": 1}, "unknown keys ['extra']"),
+])
+def test_bad_sweep_configs_fail_before_any_run(tmp_path, spec, message):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        plan(load_sweep(path))
+
+
+def test_sweep_cli_bad_config_is_one_line_exit_2(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"runs": [{"recipe": "xnnpack_fp32", "modes": ["qat"]}]}))
+    r = run_cli("sweep", path)
+    assert r.returncode == 2 and "does not support mode 'qat'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_run_logged_tees_output_and_returns_the_exit_code(tmp_path, capfdbinary):
+    code = run_logged([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], tmp_path / "x.log")
+    assert code == 3
+    log = (tmp_path / "x.log").read_text()
+    assert "out" in log and "err" in log
+    assert b"out" in capfdbinary.readouterr().out
+
+
+def test_the_shipped_sweep_covers_fp_ptq_and_qat():
+    runs = plan(load_sweep(ROOT / "configs" / "sweep_xnnpack.yaml"))
+    assert runs[0].name == "xnnpack_fp32-ptq" and len(runs) >= 5
+    assert {r.mode for r in runs} == {"ptq", "qat"} and all(r.config["model"]["checkpoint"] == "embedded" for r in runs)
+
+
+@pytest.mark.slow
+def test_a_real_tiny_sweep_and_its_rerun(tmp_path, tiny_llama, shakespeare):
+    base = yaml.safe_load(write_config(tmp_path / "base.yaml", tiny_llama, shakespeare, tmp_path / "unused").read_text())
+    del base["trainer"]["default_root_dir"]
+    spec = {"sweep_dir": str(tmp_path / "sweep"), "runs": [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"]}], "config": base,
+            "report": {"wandb": False}}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    r = run_cli("sweep", tmp_path / "s.yaml")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "Pareto plot:" in r.stdout and (tmp_path / "sweep" / "pareto.png").is_file()
+    rows = json.loads((tmp_path / "sweep" / "report.json").read_text())["rows"]
+    assert {(x["recipe"], x["mode"]) for x in rows} == {("xnnpack_fp32", "fp"), ("xnnpack_int8_dynamic", "ptq")}
+    again = run_cli("sweep", tmp_path / "s.yaml")
+    assert again.returncode == 0 and again.stdout.count("finished earlier with the same config, skipped") == 2
