@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from conftest import run_cli
+from conftest import run_cli, write_config
 
 
 @pytest.fixture(scope="module")
@@ -162,11 +162,15 @@ def test_fit_ends_with_the_three_way_table(fitted):
     assert pte["word_perplexity"] == pytest.approx(fq["word_perplexity"], rel=0.02)  # parity tolerance
 
 
-def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted):
+def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, tiny_llama, shakespeare, tmp_path):
+    import shutil
+
     from qharness.runtime import PteModel
     from transformers import AutoTokenizer
 
-    run_dir, cfg, _ = fitted
+    run_dir = tmp_path / "run"  # a copy: evaluate rewrites summary.json's eval, which other tests read
+    shutil.copytree(fitted[0], run_dir)
+    cfg = write_config(tmp_path / "run.yaml", tiny_llama, shakespeare, run_dir)
     r = run_cli("evaluate", cfg, "--tasks", "qharness_ppl", "--limit", "2", "--models", "converted,pte")
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"word_perplexity\s+\S+\s+\S+", r.stdout)
