@@ -50,7 +50,11 @@ def prepare_for_training(model, recipe, batch_size: int, seq_len: int, is_qat: b
     quantizer = recipe.make_quantizer(is_qat=is_qat)
     if isinstance(quantizer, SourceQuantizer):
         if is_qat:
+            # torchao's fake quantizers pass gradients straight through in autograd.Functions, which
+            # torch.export decomposes into round/clamp (zero gradient: nothing would train). Train the eager
+            # modules instead; deployment re-exports the trained weights anyway.
             quantizer.prepare_qat(model)
+            return LogitsOnly(model).train()
         return export_for_training(model, batch_size, seq_len)
     graph = export_for_training(model, batch_size, seq_len)
     if quantizer is None:
@@ -102,7 +106,7 @@ class QuantLM(L.LightningModule):
             from qharness.models import resolve_checkpoint
 
             resolve_checkpoint(checkpoint)  # a missing directory, config or weights fails here, before any work
-        self.graph: torch.fx.GraphModule | None = None
+        self.graph: torch.nn.Module | None = None  # the prepared exported graph (eager modules for torchao QAT)
         self._val_losses: list[float] = []
 
     # --- building -------------------------------------------------------------------------------
@@ -125,7 +129,8 @@ class QuantLM(L.LightningModule):
         if context is not None and seq_len > context:
             raise UserError(f"data.seq_len={seq_len} exceeds the model's context ({context})", fix=f"set data.seq_len <= {context}")
         graph = prepare_for_training(model, self.recipe, batch_size, seq_len, is_qat=self.hparams.mode == "qat")
-        compat.pt2e().allow_train_eval(graph)
+        if isinstance(graph, torch.fx.GraphModule):
+            compat.pt2e().allow_train_eval(graph)
         self.graph = graph
 
     def configure_model(self) -> None:
@@ -156,11 +161,17 @@ class QuantLM(L.LightningModule):
 
     # --- modes ----------------------------------------------------------------------------------
     def _to_eval(self) -> None:
-        compat.pt2e().move_to_eval(self.graph)
+        if isinstance(self.graph, torch.fx.GraphModule):
+            compat.pt2e().move_to_eval(self.graph)
+        else:  # eager torchao QAT modules
+            self.graph.eval()
         set_static_observers(self.graph, enabled=False)
 
     def _to_train(self) -> None:
-        compat.pt2e().move_to_train(self.graph)
+        if isinstance(self.graph, torch.fx.GraphModule):
+            compat.pt2e().move_to_train(self.graph)
+        else:
+            self.graph.train()
         set_static_observers(self.graph, enabled=True)
 
     def on_fit_start(self) -> None:
