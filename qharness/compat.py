@@ -8,6 +8,11 @@ Imports are done inside functions: ``import executorch`` and the quantizers take
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import os
+import types
+
 import torch
 
 
@@ -141,6 +146,301 @@ def xnnpack_partitioner(dynamic_quant: bool):
     )
 
     return XnnpackDynamicallyQuantizedPartitioner() if dynamic_quant else XnnpackPartitioner()
+
+
+# --- Lowering speed -------------------------------------------------------------------------------
+# Lowering a 2-layer HF Llama took 25-150 s here. The time went into three upstream costs, each removed
+# below without changing the program: the .pte comes out byte for byte the same (scripts/lower_speed.py
+# checks it). QHARNESS_UPSTREAM_LOWERING=1 turns them off.
+def _shallow_node_provenance():
+    """torch.fx.traceback.NodeSource.__init__ deep-copies the node's whole provenance chain
+    (``meta["from_node"]``) each time a pass re-creates a node. Every retrace adds a level, and
+    lowering runs hundreds of retraces (run_decompositions, edge passes, 17 XNNPACK passes per
+    partition), so the copies grow quadratically (a third of lowering time). The chain is read-only
+    history (debug handles come from its oldest entry); sharing it gives the same result."""
+    from torch.fx import traceback as fx_traceback
+
+    cls = fx_traceback.NodeSource
+    upstream_init = cls.__init__
+
+    def init(self, node, pass_name="", action=None):
+        upstream_init(self, None, pass_name, action)
+        if node:
+            self.node_info = self.NodeInfo(name=node.name, target=str(node.target), graph_id=id(node.graph))
+            self.from_node = list(node.meta.get("from_node", ()))
+
+    return _patched(cls, "__init__", init)
+
+
+def _aten(op):
+    """An Edge op's ATen overload (an ``EdgeOpOverload`` wraps it in ``_op``); anything else as is."""
+    return op if isinstance(op, torch._ops.OpOverload) else getattr(op, "_op", op)
+
+
+def _skip_noop_decompositions():
+    """``to_edge_transform_and_lower`` runs ``run_decompositions`` twice per partitioner (ExecuTorch's
+    EDGE_DO_NOT_DECOMP path), plus once to functionalize, each a full re-trace of the program even when
+    nothing in the graph is left to decompose. A program that already came out of ``run_decompositions``
+    (functional ATen) and uses no op of the table is returned as is; upstream does the same check on its
+    other path (``contains_any_call_fn_target_op`` in ``_gen_edge_manager_for_partitioners``)."""
+    import weakref
+
+    from torch.export import ExportedProgram
+
+    upstream = ExportedProgram.run_decompositions
+    decomposed = weakref.WeakSet()
+
+    def run_decompositions(self, decomp_table=None, decompose_custom_triton_ops=False):
+        if self in decomposed and decomp_table is not None and not decompose_custom_triton_ops:
+            # sym_size.int is in the table (a CompositeImplicitAutograd op) but traces back to itself
+            if not (_called_ops(self.graph_module) & (set(dict(decomp_table)) - {torch.ops.aten.sym_size.int})):
+                return self
+        out = upstream(self, decomp_table, decompose_custom_triton_ops)
+        decomposed.add(out)
+        return out
+
+    return _patched(ExportedProgram, "run_decompositions", run_decompositions)
+
+
+# Ops every subgraph pattern of ConvertToSDPAPass holds (backends/xnnpack/partition/graphs/sdpa.py; the
+# matcher maps each pattern op onto a graph node with the same target, so a partition lacking one of
+# them cannot match). tests/test_compat.py checks them against the patterns.
+_SDPA_PATTERN_OPS = (
+    "aten._softmax.default", "aten.add.Tensor", "aten.any.dim", "aten.bmm.default", "aten.eq.Scalar",
+    "aten.expand_copy.default", "aten.full_like.default", "aten.logical_not.default", "aten.mul.Scalar",
+    "aten.permute_copy.default", "aten.view_copy.default", "aten.where.self", "dim_order_ops._clone_dim_order.default",
+)
+
+
+def _op(name: str):
+    namespace, op, overload = name.split(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+
+
+def _xnnpack_pass_triggers() -> dict:
+    """XNNPACK preprocess pass -> ``applies(ops)``: whether it can act on a partition calling ``ops``
+    (ATen overloads). Otherwise the pass would only re-trace the partition. Read from ExecuTorch 1.5.1's
+    ``backends/xnnpack/_passes``; tests/test_compat.py checks the pass list and the patterns. Passes not
+    named here always run."""
+    from executorch.backends.xnnpack._passes.convert_to_linear import ConvertToLinearPass
+    from executorch.backends.xnnpack._passes.decompose_batch_norm import DecomposeBatchNorm
+    from executorch.backends.xnnpack._passes.fuse_activation_pass import FuseActivationPass
+    from executorch.exir.passes.memory_format_ops_pass import MemoryFormatOpsMap
+
+    def any_of(*ops):
+        wanted = {_aten(op) for op in ops}
+        return lambda present: bool(wanted & present)
+
+    aten = torch.ops.aten
+    batch_norm = any_of(*DecomposeBatchNorm.BATCH_NORM_OPS)
+    sdpa = {_op(name) for name in _SDPA_PATTERN_OPS}
+    return {
+        "DimOrderOpsRevertPass": any_of(*MemoryFormatOpsMap),
+        "ConvertToUpsampleBilinear2d": any_of(aten.upsample_bilinear2d.vec),  # its patterns are this one op
+        "ConvertToLinearPass": any_of(*ConvertToLinearPass.targets),  # [add]mm / bmm from a linear
+        "ConvertToSDPAPass": lambda present: sdpa <= present,
+        "FuseBatchNormPass": batch_norm,
+        "DecomposeBatchNorm": batch_norm,
+        "FuseActivationPass": any_of(*FuseActivationPass.FUSEABLE_ACTIVATIONS),
+        "DecomposeConcatenate": any_of(aten.cat.default),
+        "RemoveGetItemPass": any_of(aten.max_pool2d_with_indices.default, aten.max.dim),
+        "InsertPadQDQPass": any_of(aten.constant_pad_nd.default),
+        "Conv1dUnsqueezePass": any_of(aten.convolution.default),
+        "PReLUReshapePass": any_of(aten._prelu_kernel.default),
+        "RemoveRedundantCopyPass": any_of(aten._to_copy.default),
+    }
+
+
+def _called_ops(gm: torch.fx.GraphModule) -> set:
+    """ATen overloads ``gm`` (and its control-flow subgraphs) call; Edge ops count as their ATen op."""
+    from executorch.exir.graph_module import get_control_flow_submodules
+
+    ops, queue = set(), [gm]
+    while queue:
+        g = queue.pop()
+        ops.update(_aten(n.target) for n in g.graph.nodes if n.op == "call_function")
+        queue.extend(sub for _, sub, _ in get_control_flow_submodules(g))
+    return ops
+
+
+def _skip_inapplicable_xnnpack_passes():
+    """``XnnpackBackend.preprocess`` runs 17 passes on every partition, each a full fake-tensor re-trace
+    (an HF Llama layer splits into ~12 partitions: 200 re-traces per layer). Passes that cannot act on
+    the partition are skipped (``_xnnpack_pass_triggers``); ``PropagateCustomMetaPass`` runs only when a
+    node carries ``meta["custom"]``, the one thing it copies. The rest run as upstream runs them
+    (``XNNPACKPassManager.transform``)."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager, XNNPACKPass
+    from executorch.exir.pass_base import ExportPass
+    from executorch.exir.program._program import _transform
+
+    triggers = _xnnpack_pass_triggers()
+
+    def applies(pass_, gm) -> bool:
+        if pass_.__name__ == "PropagateCustomMetaPass":
+            return any("custom" in n.meta for n in gm.graph.nodes)
+        trigger = triggers.get(pass_.__name__)
+        return trigger is None or trigger(_called_ops(gm))
+
+    def transform(self):
+        ep = self.exported_program
+        for pass_ in self.passes:
+            if not applies(pass_, ep.graph_module):
+                continue
+            if issubclass(pass_, XNNPACKPass):
+                ep = _transform(ep, pass_(ep))
+            elif issubclass(pass_, ExportPass):
+                ep = _transform(ep, pass_())
+            else:
+                raise RuntimeError(f"Expecting ExportPass or ExportPass(), but got pass: {pass_} with type: {type(pass_)}")
+        return ep
+
+    return _patched(XNNPACKPassManager, "transform", transform)
+
+
+# torch/fx/passes/tools_common.py legalize_graph's PRIORITIZED_OPS (torch 2.13)
+_LEGALIZE_FIRST = None
+
+
+def legalize_graph_in_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``torch.fx.passes.tools_common.legalize_graph`` without copying the graph or recompiling.
+
+    Upstream topologically sorts with Kahn's algorithm into a new graph (``node_copy`` of every node)
+    and sets it on ``gm`` (a recompile). This computes the same order with the same queue rules, then
+    relinks the nodes and rebuilds what the copy would have rebuilt (users in creation order, the name
+    space, the find-nodes table), so the graph is indistinguishable from upstream's result.
+    ``gm``'s generated code is left stale: recompile before running it.
+    """
+    import collections
+    import operator
+
+    from torch.fx.graph import _FindNodesLookupTable, _Namespace
+
+    global _LEGALIZE_FIRST
+    if _LEGALIZE_FIRST is None:
+        _LEGALIZE_FIRST = (operator.add, operator.mul, operator.sub, operator.floordiv, operator.truediv, operator.mod,
+                           operator.le, operator.lt, operator.ge, operator.gt, operator.eq, operator.ne,
+                           torch.ops.aten.sym_constrain_range.default, torch.ops.aten.sym_constrain_range_for_size.default,
+                           torch.ops.aten._assert_async.msg, torch.ops.aten.scalar_tensor.default, torch.ops.aten._assert_scalar.default)
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    indeg = dict.fromkeys(nodes, 0)
+    for node in nodes:
+        for user in node.users:
+            indeg[user] += 1
+    queue = collections.deque(n for n in nodes if indeg[n] == 0)
+    order = []
+    while queue:
+        cur = queue.popleft()
+        order.append(cur)
+        for user in cur.users:
+            indeg[user] -= 1
+            if indeg[user] == 0:
+                if user.op == "call_function" and user.target in _LEGALIZE_FIRST:
+                    queue.appendleft(user)
+                else:
+                    queue.append(user)
+    if len(order) < len(nodes):
+        from torch.fx.passes.tools_common import legalize_graph
+
+        return legalize_graph(gm)  # raises upstream's cycle error
+    users = {n: {} for n in order}
+    for n in order:
+        for inp in n._input_nodes:
+            users[inp][n] = None
+    namespace, table = _Namespace(), _FindNodesLookupTable()
+    for n in order:
+        graph._root._prepend(n)  # moves n to the end
+        n.users.clear()
+        n.users.update(users[n])
+        if namespace.create_name(n.name, None) != n.name:
+            raise AssertionError(f"node name {n.name} is not reproducible")
+        namespace.associate_name_with_obj(n.name, n)
+        table.insert(n)
+        n.meta = copy.copy(n.meta)
+    graph._graph_namespace, graph._find_nodes_lookup_table = namespace, table
+    graph._tracer_cls = graph._tracer_extras = None
+    graph._co_fields = {}
+    return gm
+
+
+def _one_recompile_per_partitioning():
+    """ExecuTorch's ``create_submodule_from_nodes`` re-sorts the whole program graph after cutting out
+    each partition (``legalize_graph``: a copy of every node, then the whole program's Python code is
+    regenerated and compiled): O(partitions x nodes), the largest cost of lowering a 30-layer model.
+    The sort is done in place (``legalize_graph_in_place``), the code regenerated once, after the last
+    partition (``_create_partitions_in_graph_module``). Nothing runs the program in between."""
+    import executorch.exir.backend.backend_api as backend_api
+    import executorch.exir.lowered_backend_module as lbm
+
+    upstream_create = backend_api._create_partitions_in_graph_module
+
+    def create_partitions_in_graph_module(tagged_graph_module, *args, **kwargs):
+        out = upstream_create(tagged_graph_module, *args, **kwargs)
+        tagged_graph_module.recompile()
+        return out
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(lbm, "legalize_graph", legalize_graph_in_place))
+    stack.enter_context(_patched(backend_api, "_create_partitions_in_graph_module", create_partitions_in_graph_module))
+    return stack
+
+
+def _reuse_delegate_modules():
+    """Every re-trace of a lowered program (``to_executorch``'s passes) runs each delegate call on fake
+    tensors through ``call_delegate_cpu``, which rebuilds the delegate's module each time
+    (``ExportedProgram.module()``: unlifting, a graph copy, a recompile). The module is built once per
+    delegate here; delegates that mutate buffers keep upstream's fresh module per call."""
+    import weakref
+
+    import importlib
+
+    from torch.fx import immutable_collections
+    from torch.utils import _pytree as pytree
+
+    ecd = importlib.import_module("torch._higher_order_ops.executorch_call_delegate")  # the package shadows it
+    upstream = ecd.call_delegate_cpu
+    modules = weakref.WeakKeyDictionary()
+
+    def call_delegate_cpu(lowered_module, *args):  # upstream's body, with the module built once
+        program = lowered_module.original_module
+        if program.graph_signature.buffers_to_mutate:
+            return upstream(lowered_module, *args)
+        if lowered_module not in modules:
+            modules[lowered_module] = program.module()
+        immutable = {immutable_collections.immutable_dict: dict, immutable_collections.immutable_list: list}
+        args = pytree.tree_map_only(tuple(immutable), lambda a: immutable[type(a)](a), args, lambda a: isinstance(a, tuple(immutable)))
+        return modules[lowered_module](*args)
+
+    return _patched(ecd, "call_delegate_cpu", call_delegate_cpu)
+
+
+@contextlib.contextmanager
+def _patched(owner, name: str, value):
+    saved = getattr(owner, name) if isinstance(owner, types.ModuleType) else owner.__dict__[name]
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
+
+
+@contextlib.contextmanager
+def fast_lowering():
+    """Within this context, lowering skips the upstream costs above (same .pte, a fraction of the time).
+
+    Example::
+
+        with compat.fast_lowering():
+            pte = to_edge_transform_and_lower(ep, partitioner=[...]).to_executorch().buffer
+    """
+    if os.environ.get("QHARNESS_UPSTREAM_LOWERING") == "1":
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for workaround in (_shallow_node_provenance, _skip_noop_decompositions, _skip_inapplicable_xnnpack_passes,
+                           _one_recompile_per_partitioning, _reuse_delegate_modules):
+            stack.enter_context(workaround())
+        yield
 
 
 # --- ExecuTorch lowering and runtime --------------------------------------------------------------

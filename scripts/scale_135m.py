@@ -1,0 +1,193 @@
+"""Scale check (issue 7): a model with SmolLM2-135M's configuration through PTQ, export, lowering and benchmark.
+
+The model is random-init (the shapes are what matter for time and memory), saved with ``save_pretrained``
+with a byte-level BPE tokenizer trained on the embedded corpus, under ``--work`` (built once). The stages
+then run in one fresh process, as ``qharness calibrate`` runs them: load, static-KV-cache export +
+``prepare_pt2e`` + calibration + ``convert_pt2e`` (``quantize_for_deploy``), lowering to ``.pte``
+(``lower_to_pte``), then the ``.pte`` benchmark (``qharness.bench``, its own processes). Per stage: wall
+time and the process's peak RSS during the stage (Linux ``VmHWM``, reset before each stage through
+``/proc/self/clear_refs``). Targets: export + lowering <= 2 minutes, peak RSS <= 4x the FP32 model size.
+
+Usage::
+
+    python scripts/scale_135m.py [--recipe xnnpack_int8_dynamic] [--max-seq-len 512] [--work /tmp/qharness-135m]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
+SMOLLM2_135M = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    hidden_act="silu",
+    initializer_range=0.041666666666666664,
+    bos_token_id=0,
+    eos_token_id=0,
+)
+
+
+def make_model(out: Path) -> None:
+    """Random-init SmolLM2-135M-shaped Llama + a BPE tokenizer of (at most) the same vocabulary."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qharness.models import embedded_corpus, train_bpe_tokenizer
+
+    tokenizer = train_bpe_tokenizer(embedded_corpus(), SMOLLM2_135M["vocab_size"])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_135M, pad_token_id=tokenizer.pad_token_id))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM (Linux only)")
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS (Linux only)")
+
+
+class Stages:
+    """Times each ``with stages("name"):`` block and records the process's peak RSS inside it."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, name):
+        stages = self
+
+        class _Stage:
+            def __enter__(self):
+                Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+                self.rss0, self.t = _rss_mb(), time.perf_counter()
+
+            def __exit__(self, *exc):
+                if exc[0] is None:
+                    stages.rows.append({"stage": name, "wall_s": time.perf_counter() - self.t, "rss_start_mb": self.rss0, "peak_rss_mb": _peak_rss_mb()})
+
+        return _Stage()
+
+
+def run_stages(model_dir: Path, recipe_name: str, max_seq_len: int, calib_blocks: int, calib_len: int, out: Path) -> dict:
+    """The measured stages, in this process (call it in a fresh one)."""
+    stages = Stages()
+    with stages("import libraries"):
+        import torch
+        import transformers  # noqa: F401
+
+        from qharness import compat
+        from qharness.calibration import calibrate
+        from qharness.data import tokenize_stream
+        from qharness.lower import lower_to_pte, quantize_for_deploy, runner_metadata
+        from qharness.models import embedded_corpus, load_model_and_tokenizer
+        from qharness.pipeline import eos_ids
+        from qharness.recipes import load_recipe
+
+        compat.pt2e(), compat.xnnpack_quantizer_cls(), compat.executorch_backend_config()
+    torch.manual_seed(0)
+    recipe = load_recipe(recipe_name)
+    with stages("load model"):
+        model, tokenizer = load_model_and_tokenizer(str(model_dir))
+        fp32_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        stream = tokenize_stream(embedded_corpus(max_chars=200_000)[:50], tokenizer)
+        blocks = stream[: calib_blocks * calib_len].view(calib_blocks, calib_len)
+    with stages("export + PTQ calibrate + convert"):
+        deployed = quantize_for_deploy(model, recipe, max_seq_len, lambda graph: calibrate(graph, blocks))
+    meta = runner_metadata(max_seq_len, model.config.vocab_size, tokenizer.bos_token_id, eos_ids(model, tokenizer))
+    del model
+    with stages("lower to .pte"):
+        pte = lower_to_pte(deployed, recipe, max_seq_len, meta)
+        pte_path = out / f"{recipe_name}.pte"
+        pte_path.write_bytes(pte)
+    return {"stages": stages.rows, "fp32_bytes": fp32_bytes, "pte_path": str(pte_path), "pte_bytes": len(pte), "params": fp32_bytes // 4}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="xnnpack_int8_dynamic")
+    ap.add_argument("--max-seq-len", type=int, default=512)
+    ap.add_argument("--calib-blocks", type=int, default=8)
+    ap.add_argument("--calib-len", type=int, default=128)
+    ap.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qharness-135m")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    model_dir = args.work / "smollm2-135m-random"
+    if args.child:
+        result = run_stages(model_dir, args.recipe, args.max_seq_len, args.calib_blocks, args.calib_len, args.work)
+        print("RESULT " + json.dumps(result))
+        return
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    args.work.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    if not (model_dir / "config.json").is_file():
+        print(f"building the random-init SmolLM2-135M-shaped model in {model_dir} ...", flush=True)
+        subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import scale_135m; "
+                        f"scale_135m.make_model(__import__('pathlib').Path({str(model_dir)!r}))"], check=True, env=env)
+    make_s = time.perf_counter() - t
+    cmd = [sys.executable, __file__, "--child", "--recipe", args.recipe, "--max-seq-len", str(args.max_seq_len),
+           "--calib-blocks", str(args.calib_blocks), "--calib-len", str(args.calib_len), "--work", str(args.work)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode != 0 or not lines:
+        sys.exit(f"stages failed:\n{r.stderr[-4000:]}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    rows = result["stages"]
+    if not args.no_bench:
+        from qharness.bench import bench
+
+        t = time.perf_counter()
+        b = bench(result["pte_path"], str(model_dir), prompt_len=64, decode_tokens=32, reps=2)
+        rows.append({"stage": ".pte benchmark (own processes)", "wall_s": time.perf_counter() - t, "rss_start_mb": b["pte"]["base_rss_mb"], "peak_rss_mb": b["pte"]["peak_rss_mb"]})
+        result["bench"] = b
+
+    fp32_mb = result["fp32_bytes"] / 2**20
+    print(f"\nSmolLM2-135M shape, random init: {result['params'] / 1e6:.1f}M parameters, FP32 {fp32_mb:.0f} MiB; "
+          f"recipe {args.recipe}, max_seq_len {args.max_seq_len}, calibration {args.calib_blocks}x{args.calib_len} tokens; "
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    if make_s > 1:
+        print(f"(building the model and tokenizer once: {make_s:.0f} s, not counted)")
+    print(f"{'stage':36s} {'wall s':>8s} {'RSS at start MiB':>17s} {'peak RSS MiB':>13s} {'peak / FP32':>12s}")
+    for row in rows:
+        print(f"{row['stage']:36s} {row['wall_s']:8.1f} {row['rss_start_mb']:17.0f} {row['peak_rss_mb']:13.0f} {row['peak_rss_mb'] / fp32_mb:11.2f}x")
+    export_lower = sum(r["wall_s"] for r in rows if r["stage"] in ("export + PTQ calibrate + convert", "lower to .pte"))
+    peak = max(r["peak_rss_mb"] for r in rows)
+    print(f".pte: {result['pte_path']} ({result['pte_bytes'] / 1e6:.1f} MB)")
+    if "bench" in result:
+        p = result["bench"]["pte"]
+        print(f".pte decode {p['decode_tok_s']['median']:.1f} tok/s, prefill {p['prefill_tok_s']['median']:.1f} tok/s "
+              f"(eager FP32: decode {result['bench']['eager']['decode_tok_s']['median']:.1f} tok/s)")
+    ok1, ok2 = export_lower <= 120, peak <= 4 * fp32_mb
+    print(f"target export + lower <= 120 s: {export_lower:.0f} s {'MET' if ok1 else 'MISSED'}")
+    print(f"target peak RSS <= 4x FP32 ({4 * fp32_mb:.0f} MiB): {peak:.0f} MiB = {peak / fp32_mb:.2f}x {'MET' if ok2 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()
