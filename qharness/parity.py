@@ -1,6 +1,7 @@
 """Scoring and the parity gate: the ``.pte`` against the converted PyTorch model it was lowered from.
 
-Both deploy models are stateful (a static KV cache), called as ``model(tokens[1, n], start) -> logits``.
+Both deploy models are stateful (a static KV cache), called as ``model(tokens[1, n], start) -> logits``:
+``logits[1, n, vocab]`` (generic export) or ``logits[1, 1, vocab]`` of the last token (fast path).
 """
 
 from __future__ import annotations
@@ -19,12 +20,23 @@ def perplexity(losses_sum: float, count: int) -> dict:
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
 
 
+def block_logits(step: StepFn, block: torch.Tensor) -> torch.Tensor:
+    """``logits[n, vocab]`` of every position of ``block[n]``, leaving the KV cache as a prefill of the
+    block at position 0 leaves it. A model that returns the last position only (the fast path) is fed
+    the block one token at a time for positions ``0 .. n-2``, then prefilled with it again."""
+    logits = step(block[None], 0)[0]
+    if logits.shape[0] == block.numel():
+        return logits
+    rows = [step(block[i : i + 1][None], i)[0, -1] for i in range(block.numel() - 1)]
+    return torch.stack([*rows, step(block[None], 0)[0, -1]])
+
+
 def score_deployed(step: StepFn, x: torch.Tensor, y: torch.Tensor) -> dict:
-    """Validation loss/perplexity of a cache model: each block prefilled at position 0."""
+    """Validation loss/perplexity of a cache model over every position of each block (``block_logits``)."""
     total, count = 0.0, 0
     with torch.no_grad():
         for xi, yi in zip(x, y):
-            logits = step(xi[None], 0)[0]
+            logits = block_logits(step, xi)
             total += F.cross_entropy(logits.float(), yi, reduction="sum").item()
             count += yi.numel()
     return perplexity(total, count)
@@ -45,12 +57,12 @@ def compare_decoding(pte: StepFn, ref: StepFn, prompts: torch.Tensor, decode_ste
     """Prefill each prompt in both models, then decode greedily (the ``.pte``'s tokens fed to both).
 
     Returns the largest absolute logit difference and how often both pick the same next token,
-    over every prefill position and decode step.
+    over every prompt position (``block_logits``) and decode step.
     """
     max_diff, agree, total = 0.0, 0, 0
     with torch.no_grad():
         for prompt in prompts:
-            a, b = pte(prompt[None], 0)[0], ref(prompt[None], 0)[0]
+            a, b = block_logits(pte, prompt), block_logits(ref, prompt)
             pos = prompt.numel()
             for step in range(decode_steps + 1):
                 max_diff = max(max_diff, (a - b).abs().max().item())

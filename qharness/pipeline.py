@@ -52,7 +52,7 @@ def deploy_and_check(
     """
     from qharness.bench import bench, format_bench
     from qharness.calibration import calibrate, calibration_blocks
-    from qharness.lower import lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.lower import export_path, fallback_reason, lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.runtime import PteModel
 
     run_dir = Path(run_dir)
@@ -119,7 +119,8 @@ def deploy_and_check(
         "eval_blocks": n_eval,
         "metrics": metrics,
         "parity": figures,
-        "pte": {"path": str(pte_path), "size_bytes": pte_path.stat().st_size, "max_seq_len": export_cfg.max_seq_len},
+        "pte": {"path": str(pte_path), "size_bytes": pte_path.stat().st_size, "max_seq_len": export_cfg.max_seq_len,
+                "export_path": export_path(deployed), "fallback_reason": fallback_reason(deployed)},
         "timings": timings,
     }
     write_json_atomic(run_dir / "summary.json", summary)
