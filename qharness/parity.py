@@ -20,6 +20,67 @@ def perplexity(losses_sum: float, count: int) -> dict:
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
 
 
+def fold_constants(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``graph`` in which everything computed from constants alone (dequantizing the quantized
+    weights, mostly) was computed once: the same values, ahead of the calls instead of in every call.
+
+    Converted graphs keep weights quantized and dequantize them on every call; scoring a model that
+    returns last-token logits takes one call per token, where that dominates. KV-cache buffers (written
+    by mutating ops) are not constants.
+
+    Example::
+
+        ref = fold_constants(deployed)     # ref(tokens, input_pos) == deployed(tokens, input_pos), faster
+    """
+    import copy
+    import operator
+
+    gm = copy.deepcopy(graph)
+    mutated = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
+                    mutated.add(value)
+
+    def pure(node) -> bool:
+        if node.op != "call_function":
+            return False
+        if node.target is operator.getitem:
+            return True
+        schema = getattr(node.target, "_schema", None)
+        return schema is not None and not schema.is_mutable and torch.Tag.nondeterministic_seeded not in node.target.tags
+
+    values: dict[torch.fx.Node, object] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node not in mutated:
+            values[node] = _attr(gm, node.target)
+        elif pure(node) and node.all_input_nodes and all(a in values for a in node.all_input_nodes):
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: values[a])
+            values[node] = node.target(*args, **kwargs)
+    for i, node in enumerate(list(gm.graph.nodes)):
+        if node.op == "get_attr" or node not in values or not isinstance(values[node], torch.Tensor):
+            continue
+        if all(u in values for u in node.users):
+            continue  # used by constant computations only: those are folded (or dropped) themselves
+        name = f"_qharness_folded_{i}"
+        gm.register_buffer(name, values[node])
+        with gm.graph.inserting_before(node):
+            attr = gm.graph.get_attr(name)
+        node.replace_all_uses_with(attr, delete_user_cb=lambda u: u not in values)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _attr(module, target: str):
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
+
+
 def block_logits(step: StepFn, block: torch.Tensor) -> torch.Tensor:
     """``logits[n, vocab]`` of every position of ``block[n]``, leaving the KV cache as a prefill of the
     block at position 0 leaves it. A model that returns the last position only (the fast path) is fed

@@ -102,3 +102,28 @@ def test_an_unsupported_architecture_falls_back_to_the_generic_export(caplog):
     assert export_path(graph) == "generic" and fallback_reason(graph).startswith("GPT2LMHeadModel: not a supported architecture")
     assert "falling back to the generic HF static-cache export" in caplog.text and "GPT2LMHeadModel" in caplog.text
     torch.testing.assert_close(graph(x, torch.tensor([0])), ref)  # all-position logits, as before
+
+
+def test_fold_constants_computes_weight_math_once_and_keeps_the_cache_state():
+    from qharness.parity import fold_constants
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w_int", torch.randint(-8, 8, (4, 4), dtype=torch.int8))
+            self.register_buffer("scale", torch.rand(4))
+            self.register_buffer("cache", torch.zeros(4))
+
+        def forward(self, x):
+            w = self.w_int.to(torch.float32) * self.scale  # constants only: folded
+            self.cache.add_(x.sum(0))  # a mutated buffer: never folded
+            return x @ w + self.cache
+
+    graph = torch.export.export(M(), (torch.randn(2, 4),)).module()
+    folded = fold_constants(graph)
+    def count(g, op):
+        return sum(n.target == op for n in g.graph.nodes)
+    assert count(graph, torch.ops.aten.mul.Tensor) == 1 and count(folded, torch.ops.aten.mul.Tensor) == 0
+    for _ in range(3):  # the caches of both advance alike
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(folded(x), graph(x), rtol=0, atol=0)
