@@ -71,8 +71,9 @@ class FastDecoder(torch.nn.Module):
     """``forward(tokens[1, n], input_pos[1]) -> logits[1, 1, vocab]`` over the HF model's own modules,
     a KV cache of ``max_seq_len`` positions written by ``llama::update_cache``, ``llama::custom_sdpa``."""
 
-    def __init__(self, model, max_seq_len: int):
+    def __init__(self, model, max_seq_len: int, all_logits: bool = False):
         super().__init__()
+        self.all_logits = all_logits  # True: logits[1, n, vocab] of every position (the final norm + lm_head on all n)
         compat.llm_custom_ops()
         config = model.config.get_text_config()
         base = model.model
@@ -122,7 +123,7 @@ class FastDecoder(torch.nn.Module):
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), start, cos, sin)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.norm(h[:, -1:, :]))
+        return self.lm_head(self.norm(h if self.all_logits else h[:, -1:, :]))
 
 
 def example_inputs(max_seq_len: int):
@@ -134,9 +135,10 @@ def dynamic_shapes(max_seq_len: int):
     return ({1: Dim("seq_len", min=1, max=max_seq_len - 1)}, None)
 
 
-def export_fast(model, max_seq_len: int) -> torch.export.ExportedProgram:
-    """Export ``FastDecoder(model)``: ``(tokens[1, n], input_pos[1]) -> logits[1, 1, vocab]``, ``n`` dynamic."""
+def export_fast(model, max_seq_len: int, all_logits: bool = False) -> torch.export.ExportedProgram:
+    """Export ``FastDecoder(model)``: ``(tokens[1, n], input_pos[1]) -> logits[1, 1, vocab]`` (``all_logits``:
+    ``[1, n, vocab]``), ``n`` dynamic."""
     with torch.no_grad():  # with grad on, torchao weight subclasses export as parametrizations the quant fusion misses
         return torch.export.export(
-            FastDecoder(model, max_seq_len), example_inputs(max_seq_len), dynamic_shapes=dynamic_shapes(max_seq_len), strict=True
+            FastDecoder(model, max_seq_len, all_logits), example_inputs(max_seq_len), dynamic_shapes=dynamic_shapes(max_seq_len), strict=True
         )

@@ -70,10 +70,29 @@ def export_ours(model, recipe_name: str, max_seq_len: int, path: Path, bos_id, e
     return {"export_s": time.perf_counter() - t, "export_path": export_path(deployed)}
 
 
+def export_ours_all_logits(model, max_seq_len: int, path: Path, bos_id, eos_ids) -> None:
+    """Our fp32 fast path returning every position's logits (``FastDecoder(all_logits=True)``): what keeping
+    all-position logits would cost in prefill."""
+    from qharness import compat
+    from qharness.fastpath import export_fast
+    from qharness.lower import runner_metadata
+    from qharness.recipes import load_recipe
+
+    recipe = load_recipe("xnnpack_fp32")
+    m = copy.deepcopy(model).requires_grad_(False)
+    ep = export_fast(m, max_seq_len, all_logits=True).run_decompositions({})
+    meta = runner_metadata(max_seq_len, model.config.vocab_size, bos_id, eos_ids, use_sdpa_with_kv_cache=True)
+    edge = compat.to_edge_transform_and_lower(ep, partitioner=recipe.make_partitioners(), constant_methods=meta)
+    path.write_bytes(edge.to_executorch(compat.executorch_backend_config()).buffer)
+
+
 def hf_to_meta(model) -> tuple[dict, dict]:
     """ExecuTorch Llama ``(state_dict, params)`` from an HF Llama: keys renamed, q/k rows permuted from
     HF's rotate-half layout to Meta's interleaved rotary layout, the tied embedding copied to ``output``."""
     c = model.config
+    rope = getattr(c, "rope_parameters", None) or {}
+    if type(model).__name__ != "LlamaForCausalLM" or rope.get("rope_type", "default") != "default" or c.attention_bias or c.mlp_bias:
+        raise SystemExit(f"bench_fastpath maps plain Llamas only (default rotary, no biases); got {type(model).__name__} {rope}")
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
     def unpermute(w, heads):  # inverse of transformers' convert_llama_weights_to_hf permute
@@ -96,7 +115,7 @@ def hf_to_meta(model) -> tuple[dict, dict]:
         }
     params = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
               "n_kv_heads": c.num_key_value_heads, "vocab_size": c.vocab_size, "hidden_dim": c.intermediate_size,
-              "norm_eps": c.rms_norm_eps, "rope_theta": float(c.rope_parameters["rope_theta"])}
+              "head_dim": head_dim, "norm_eps": c.rms_norm_eps, "rope_theta": float(rope["rope_theta"])}
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}, params
 
 
@@ -169,8 +188,10 @@ def time_both(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps
     return {name: {k: {"median": statistics.median(v), "best": min(v)} for k, v in d.items()} for name, d in per.items()}
 
 
-def run(model_source: str, kinds: list[str], out_dir: Path, max_seq_len: int, prompt_len: int, decode_tokens: int, reps: int, rounds: int) -> list[dict]:
-    """Build both ``.pte``s per kind, check they agree, time them; one result row per kind."""
+def run(model_source: str, kinds: list[str], out_dir: Path, max_seq_len: int, prompt_len: int, decode_tokens: int, reps: int, rounds: int,
+        all_logits: bool = True) -> list[dict]:
+    """Build both ``.pte``s per kind, check they agree, time them; one result row per kind (``all_logits``: for
+    fp32 also time our fast path returning every position's logits)."""
     model, bos_id, eos_ids = load_model(model_source)
     vocab = model.config.vocab_size
     rows = []
@@ -181,11 +202,16 @@ def run(model_source: str, kinds: list[str], out_dir: Path, max_seq_len: int, pr
         ours = export_ours(model, recipe, max_seq_len, kdir / "ours.pte", bos_id, eos_ids)
         theirs = export_theirs(model, quant, max_seq_len, kdir / "export_llm", bos_id, eos_ids)
         paths = {"ours": kdir / "ours.pte", "theirs": Path(theirs["path"])}
+        if kind == "fp32" and all_logits:
+            export_ours_all_logits(model, max_seq_len, kdir / "ours_all_logits.pte", bos_id, eos_ids)
+            paths["ours_all_logits"] = kdir / "ours_all_logits.pte"
         row = {"kind": kind, "recipe": recipe, "export_path": ours["export_path"], "export_s": {"ours": ours["export_s"], "theirs": theirs["export_s"]},
                "size_mb": {n: p.stat().st_size / 1e6 for n, p in paths.items()}, "agreement": agreement(paths["ours"], paths["theirs"], vocab)}
         row["ms_per_token"] = t = time_both(paths, vocab, prompt_len, decode_tokens, reps, rounds)
         row["ratio"] = {k: t["ours"][k]["median"] / t["theirs"][k]["median"] for k in ("prefill", "decode")}
         row["ratio_best"] = {k: t["ours"][k]["best"] / t["theirs"][k]["best"] for k in ("prefill", "decode")}
+        if "ours_all_logits" in t:
+            row["all_logits_prefill_ratio"] = t["ours_all_logits"]["prefill"]["median"] / t["ours"]["prefill"]["median"]
         rows.append(row)
         print(format_rows([row]), flush=True)
     return rows
@@ -201,12 +227,18 @@ def format_rows(rows: list[dict]) -> str:
                       f"{r['ratio_best']['prefill']:.2f}/{r['ratio_best']['decode']:.2f}", f"{r['size_mb']['ours']:.2f}/{r['size_mb']['theirs']:.2f}",
                       f"{r['agreement']['max_abs_diff']:.3g}", f"{r['agreement']['argmax_agreement']:.2f}"))
     width = [max(len(row[i]) for row in table) for i in range(len(head))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, width)) for row in table)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in table]
+    for r in rows:
+        if "all_logits_prefill_ratio" in r:
+            t = r["ms_per_token"]["ours_all_logits"]
+            lines.append(f"{r['kind']}: ours with all-position logits: prefill {t['prefill']['median']:.3f} ms/tok "
+                         f"(x{r['all_logits_prefill_ratio']:.2f} of last-token logits), decode {t['decode']['median']:.3f} ms/tok")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="embedded", help="embedded, random (4 layers, dim 256) or an HF Llama directory")
+    p.add_argument("--model", default="embedded", help="embedded, random (4 layers, dim 256) or an HF LlamaForCausalLM directory")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--out", default="runs/bench_fastpath", help="directory for the .pte files and results.json")
     p.add_argument("--max_seq_len", type=int, default=256)
@@ -214,9 +246,10 @@ def main(argv=None) -> None:
     p.add_argument("--decode_tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=5, help="repetitions per fresh process (after a warm-up)")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per model, alternating ours/theirs")
+    p.add_argument("--no_all_logits", action="store_true", help="skip timing the fp32 fast path with all-position logits")
     a = p.parse_args(argv)
     out = Path(a.out)
-    rows = run(a.model, a.kinds, out, a.max_seq_len, a.prompt_len, a.decode_tokens, a.reps, a.rounds)
+    rows = run(a.model, a.kinds, out, a.max_seq_len, a.prompt_len, a.decode_tokens, a.reps, a.rounds, not a.no_all_logits)
     print(f"\nmodel {a.model}: HF weights mapped into ExecuTorch's Llama for export_llm; prompt {a.prompt_len} tokens, "
           f"{a.decode_tokens} decode steps, {a.reps} reps x {a.rounds} alternating fresh-process rounds (median of round medians); "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
