@@ -107,7 +107,7 @@ def measure(kind: str, path: str, vocab_size: int, prompt_len: int, decode_token
             prefill_s = time.perf_counter() - t
             t = time.perf_counter()
             for i in range(decode_tokens):
-                logits = step(logits[:, -1:].argmax(-1), prompt_len + i)
+                logits = step(logits.reshape(1, -1, logits.shape[-1])[:, -1:].argmax(-1), prompt_len + i)  # [1, vocab] too
             decode_s = time.perf_counter() - t
             if rep > 0:
                 loads.append(load_s)

@@ -462,6 +462,8 @@ def executorch_runtime():
     import executorch.kernels.quantized  # noqa: F401  registers quantized_decomposed ops
     from executorch.runtime import Runtime
 
+    llm_custom_ops()  # llama::update_cache / custom_sdpa kernels of fast-path programs
+
     return Runtime.get()
 
 
@@ -477,3 +479,48 @@ def hf_static_cache_exportable(model, batch_size: int, max_cache_len: int):
         cache_config={"batch_size": batch_size, "max_cache_len": max_cache_len},
     )
     return TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch_size, max_cache_len=max_cache_len).model
+
+
+# --- ExecuTorch LLM custom ops ------------------------------------------------------------------
+_CPU_SDPA_LIB = None
+
+
+def llm_custom_ops() -> None:
+    """Register ``llama::update_cache`` / ``llama::custom_sdpa`` (eager kernels, export meta functions and,
+    in the Python runtime, their ExecuTorch kernels), with ``custom_sdpa``'s eager CPU kernel replaced.
+
+    Workaround: ExecuTorch 1.5.1's eager (AOT) ``custom_sdpa`` runs its kernel with a context that has no
+    temp allocator and logs ``No temp allocator provided`` to stderr on every call (every layer of every
+    calibration or scoring step). ``_custom_sdpa_cpu`` computes the same attention with PyTorch's SDPA
+    for CPU tensors; export (Meta kernel) and the ``.pte`` (ExecuTorch's kernel) are unaffected.
+    Test: tests/test_compat.py (fails once upstream stops logging).
+    """
+    global _CPU_SDPA_LIB
+    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401
+
+    if _CPU_SDPA_LIB is None:
+        _CPU_SDPA_LIB = torch.library.Library("llama", "IMPL")
+        _CPU_SDPA_LIB.impl("custom_sdpa", _custom_sdpa_cpu, "CPU")
+
+
+def _custom_sdpa_cpu(query, key, value, start_pos, attn_mask=None, drpout_p=0.0, is_causal=False, scale=None):
+    """``llama::custom_sdpa`` in PyTorch: ``query [B, n, H, D]`` over caches ``[B, S, H_kv, D]``. Causal:
+    query ``i`` sees cache positions ``<= start_pos + i``; with ``attn_mask`` (additive, ``[n, S]``) every
+    position under the mask; otherwise positions ``< start_pos + n``."""
+    n = query.shape[1]
+    if attn_mask is None:
+        end = start_pos + n
+        key, value = key[:, :end], value[:, :end]
+        if is_causal:
+            attn_mask = torch.arange(end)[None, :] <= (start_pos + torch.arange(n))[:, None]
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.transpose(1, 2).contiguous()
+
+
+def upstream_custom_sdpa(*args):
+    """ExecuTorch's own eager ``custom_sdpa`` kernel (bypassing ``_custom_sdpa_cpu``), for the workaround's test."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    return torch.ops.llama.custom_sdpa.default.redispatch(keys, *args)

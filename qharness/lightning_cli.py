@@ -191,6 +191,7 @@ class QTrainer(Trainer):
         import json
 
         from qharness.lower import quantize_for_deploy
+        from qharness.parity import fold_constants
         from qharness.pipeline import evaluate_run
 
         cfg = self.eval_config
@@ -217,7 +218,7 @@ class QTrainer(Trainer):
             if qat:
                 model.load_into(trained)
             blocks = calibration_blocks(self.calibration_config, datamodule)
-            converted = quantize_for_deploy(trained, model.recipe, self.export_config.max_seq_len, lambda g: calibrate(g, blocks))
+            converted = fold_constants(quantize_for_deploy(trained, model.recipe, self.export_config.max_seq_len, lambda g: calibrate(g, blocks)))
         result = evaluate_run(model, datamodule, fp_model, tokenizer, converted, pte_path if "pte" in cfg.models else None, run_dir, cfg)
         summary_path = run_dir / "summary.json"
         if summary_path.is_file():

@@ -82,8 +82,11 @@ class CachedStep:
         self.step, self.max_length, self.batch_size = step, max_length, 1
 
     def logits(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+        """Every position's logits (a model returning last-token logits only is fed one token at a time)."""
+        from qharness.parity import block_logits
+
         with torch.no_grad():
-            return [self.step(torch.tensor([s], dtype=torch.long), 0)[0].float() for s in seqs]
+            return [block_logits(self.step, torch.tensor(s, dtype=torch.long)).float() for s in seqs]
 
     def generate(self, contexts: list[list[int]], max_new: int, choose: Choose, stop: Stop) -> list[list[int]]:
         results = []

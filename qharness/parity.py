@@ -1,6 +1,7 @@
 """Scoring and the parity gate: the ``.pte`` against the converted PyTorch model it was lowered from.
 
-Both deploy models are stateful (a static KV cache), called as ``model(tokens[1, n], start) -> logits``.
+Both deploy models are stateful (a static KV cache), called as ``model(tokens[1, n], start) -> logits``:
+``logits[1, n, vocab]`` (generic export) or ``logits[1, 1, vocab]`` of the last token (fast path).
 """
 
 from __future__ import annotations
@@ -21,16 +22,89 @@ def perplexity(losses_sum: float, count: int) -> dict:
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
 
 
+def fold_constants(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``graph`` in which everything computed from constants alone (dequantizing the quantized
+    weights, mostly) was computed once: the same values, ahead of the calls instead of in every call.
+
+    Converted graphs keep weights quantized and dequantize them on every call; scoring a model that
+    returns last-token logits takes one call per token, where that dominates. KV-cache buffers (written
+    by mutating ops) are not constants.
+
+    Example::
+
+        ref = fold_constants(deployed)     # ref(tokens, input_pos) == deployed(tokens, input_pos), faster
+    """
+    import copy
+    import operator
+
+    gm = copy.deepcopy(graph)
+    mutated = set()
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and schema.is_mutable:
+            for i, arg in enumerate(schema.arguments):
+                value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+                if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.fx.Node):
+                    mutated.add(value)
+
+    def pure(node) -> bool:
+        if node.op != "call_function":
+            return False
+        if node.target is operator.getitem:
+            return True
+        schema = getattr(node.target, "_schema", None)
+        return schema is not None and not schema.is_mutable and torch.Tag.nondeterministic_seeded not in node.target.tags
+
+    values: dict[torch.fx.Node, object] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node not in mutated:
+            values[node] = _attr(gm, node.target)
+        elif pure(node) and node.all_input_nodes and all(a in values for a in node.all_input_nodes):
+            args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: values[a])
+            values[node] = node.target(*args, **kwargs)
+    for i, node in enumerate(list(gm.graph.nodes)):
+        if node.op == "get_attr" or node not in values or not isinstance(values[node], torch.Tensor):
+            continue
+        if all(u in values for u in node.users):
+            continue  # used by constant computations only: those are folded (or dropped) themselves
+        name = f"_qharness_folded_{i}"
+        gm.register_buffer(name, values[node])
+        with gm.graph.inserting_before(node):
+            attr = gm.graph.get_attr(name)
+        node.replace_all_uses_with(attr, delete_user_cb=lambda u: u not in values)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _attr(module, target: str):
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def block_logits(step: StepFn, block: torch.Tensor) -> torch.Tensor:
+    """``logits[n, vocab]`` of every position of ``block[n]``, leaving the KV cache as a prefill of the
+    block at position 0 leaves it. A model that returns the last position only (the fast path) is fed
+    the block one token at a time for positions ``0 .. n-2``, then prefilled with it again."""
+    logits = step(block[None], 0)[0]
+    if logits.shape[0] == block.numel():
+        return logits
+    rows = [step(block[i : i + 1][None], i)[0, -1] for i in range(block.numel() - 1)]
+    return torch.stack([*rows, step(block[None], 0)[0, -1]])
+
+
 def _maybe_bar(iterable, desc: str | None, total: int, unit: str):
     return iterable if desc is None else bar(iterable, desc, total=total, unit=unit)
 
 
 def score_deployed(step: StepFn, x: torch.Tensor, y: torch.Tensor, desc: str | None = None) -> dict:
-    """Validation loss/perplexity of a cache model: each block prefilled at position 0 (``desc``: progress bar)."""
+    """Validation loss/perplexity of a cache model over every position of each block (``block_logits``;
+    ``desc``: progress bar)."""
     total, count = 0.0, 0
     with torch.no_grad():
         for xi, yi in _maybe_bar(zip(x, y), desc, len(x), "block"):
-            logits = step(xi[None], 0)[0]
+            logits = block_logits(step, xi)
             total += F.cross_entropy(logits.float(), yi, reduction="sum").item()
             count += yi.numel()
     return perplexity(total, count)
@@ -52,12 +126,12 @@ def compare_decoding(pte: StepFn, ref: StepFn, prompts: torch.Tensor, decode_ste
     """Prefill each prompt in both models, then decode greedily (the ``.pte``'s tokens fed to both).
 
     Returns the largest absolute logit difference and how often both pick the same next token,
-    over every prefill position and decode step (``desc``: progress bar).
+    over every prompt position (``block_logits``) and decode step (``desc``: progress bar).
     """
     max_diff, agree, total = 0.0, 0, 0
     with torch.no_grad():
         for prompt in _maybe_bar(prompts, desc, len(prompts), "prompt"):
-            a, b = pte(prompt[None], 0)[0], ref(prompt[None], 0)[0]
+            a, b = block_logits(pte, prompt), block_logits(ref, prompt)
             pos = prompt.numel()
             for step in range(decode_steps + 1):
                 max_diff = max(max_diff, (a - b).abs().max().item())

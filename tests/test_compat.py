@@ -1,5 +1,6 @@
 """Workarounds in qharness/compat.py, each with a test that fails once upstream changes."""
 
+import pytest
 import torch
 
 from qharness import compat
@@ -178,3 +179,27 @@ def test_legalize_in_place_matches_upstream_legalize():
         assert ours.code == theirs.code
         x, y = torch.randn(5, 4), torch.randn(5, 4)
         torch.testing.assert_close(ours(x, y), theirs(x, y))
+
+
+def _sdpa_inputs(start=5, n=3):
+    torch.manual_seed(0)
+    return torch.randn(1, n, 4, 16), torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16), start, None, 0.0, True, 0.25
+
+
+def test_upstream_eager_custom_sdpa_still_logs_on_every_call(capfd):
+    """When this fails, ExecuTorch's eager custom_sdpa stopped logging: drop compat._custom_sdpa_cpu."""
+    compat.llm_custom_ops()
+    capfd.readouterr()
+    compat.upstream_custom_sdpa(*_sdpa_inputs())
+    assert "No temp allocator provided" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("start, n", [(0, 1), (0, 9), (5, 3), (31, 1)])
+def test_our_eager_custom_sdpa_is_quiet_and_equals_upstream(capfd, start, n):
+    compat.llm_custom_ops()
+    args = _sdpa_inputs(start, n)
+    expected = compat.upstream_custom_sdpa(*args)
+    capfd.readouterr()
+    out = torch.ops.llama.custom_sdpa(*args)
+    assert "No temp allocator" not in capfd.readouterr().err
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)

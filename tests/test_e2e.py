@@ -15,6 +15,8 @@ def test_fit_writes_a_pte_that_passes_parity(fitted):
     assert "parity PASSED" in r.stdout
     summary = json.loads((run / "summary.json").read_text())
     assert summary["parity"]["passed"] and summary["recipe"] == "xnnpack_int8_dynamic"
+    assert summary["pte"]["export_path"] == "fast" and summary["pte"]["fallback_reason"] is None
+    assert summary["parity"]["positions"] == 2 * (16 + 4)  # every prompt position and decode step
     m = summary["metrics"]
     assert set(m) == {"fp", "fake_quant", "converted", "pte"}
     assert abs(m["pte"]["ppl"] - m["converted"]["ppl"]) / m["converted"]["ppl"] < 0.02
@@ -33,7 +35,7 @@ def test_the_pte_decodes_token_by_token_like_a_full_prefill(fitted):
     prompt = torch.tensor([[5, 17, 42, 9, 100, 7]])
     tokens = prompt
     logits = pte(prompt, 0)
-    assert logits.shape == (1, 6, 384) and torch.isfinite(logits).all()
+    assert logits.shape == (1, 1, 384) and torch.isfinite(logits).all()  # the fast path: last-token logits
     for _ in range(5):
         nxt = logits[0, -1].argmax().view(1, 1)
         logits = pte(nxt, tokens.shape[1])

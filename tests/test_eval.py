@@ -186,7 +186,9 @@ def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, ti
         for s in range(0, n, L):  # runs of L predicted tokens, each from the L tokens before its end
             e = min(s + L, n)
             window = full[max(0, e - L) : e + 1]
-            logp = F.log_softmax(pte(torch.tensor([window[:-1]]), 0)[0].float(), -1)
+            # one token per call through the KV cache: the .pte returns the last position's logits
+            rows = [pte(torch.tensor([[t]]), i)[0, -1] for i, t in enumerate(window[:-1])]
+            logp = F.log_softmax(torch.stack(rows).float(), -1)
             targets = torch.tensor(window[1:])
             total += logp[torch.arange(len(targets)), targets][-(e - s) :].sum().item()
         words += len(re.split(r"\s+", text))

@@ -59,7 +59,7 @@ def test_the_pte_carries_the_runner_metadata(fit_run):
         "get_bos_id": [0],
         "get_eos_ids": [0],
         "use_kv_cache": [True],
-        "use_sdpa_with_kv_cache": [False],
+        "use_sdpa_with_kv_cache": [True],  # the fast path: ExecuTorch's custom SDPA over the KV cache
         "enable_dynamic_shape": [True],
     }
     assert (fit_run / "tokenizer" / "tokenizer.json").is_file()
