@@ -82,7 +82,11 @@ class QuantLM(L.LightningModule):
 
         Args:
             checkpoint: ``embedded`` (the built-in small Llama, pretrained on first use), a local
-                ``save_pretrained`` directory, or a hub id (online only).
+                ``save_pretrained`` directory of any decoder-only HF causal LM that transformers exports
+                with a static KV cache (Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3, ...), a hub id (online
+                only), or a torchtune builder: ``torchtune:llama3_2.llama3_2_1b`` or
+                ``torchtune:llama3_2.llama3_2(vocab_size=2048, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=128, max_seq_len=512)``
+                (random init; ``tokenizer=DIR`` picks an HF tokenizer; needs the torchtune extra).
             recipe: Backend recipe name (``qharness recipes`` lists them) or a path to a recipe YAML.
             mode: ``qat`` (train with fake quantization) or ``ptq`` (calibrate only).
             lr: Peak learning rate of AdamW.
@@ -99,9 +103,11 @@ class QuantLM(L.LightningModule):
         if warmup_steps < 0:
             raise UserError(f"model.warmup_steps must be >= 0 (got {warmup_steps})")
         if checkpoint != "embedded":
+            from qharness.architectures import check_architecture
             from qharness.models import resolve_checkpoint
 
-            resolve_checkpoint(checkpoint)  # a missing directory, config or weights fails here, before any work
+            # a missing directory, config or weights, or an architecture we cannot export, fails here, before any work
+            check_architecture(resolve_checkpoint(checkpoint), trust_remote_code)
         self.graph: torch.fx.GraphModule | None = None
         self._val_losses: list[float] = []
 
