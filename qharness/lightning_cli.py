@@ -106,6 +106,11 @@ def preflight(cfg) -> None:
         from qharness.bench import check_lengths
 
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
+    if cfg.model.mode == "qat" and str(cfg.trainer.precision or "32-true") not in ("32", "32-true"):
+        from qharness.module import check_precision
+        from qharness.recipes import load_recipe
+
+        check_precision(cfg.trainer.precision, load_recipe(cfg.model.recipe), cfg.model.mode)
     if cfg.calibration.blocks < 1:
         raise UserError(f"calibration.blocks must be positive (got {cfg.calibration.blocks})")
     source = cfg.calibration.source

@@ -59,12 +59,65 @@ def prepare_for_training(model, recipe, batch_size: int, seq_len: int, is_qat: b
     return (pt2e.prepare_qat_pt2e if is_qat else pt2e.prepare_pt2e)(graph, quantizer)
 
 
+def _has_observed(fq) -> bool:
+    """Whether a fake-quant's observer has seen data (its scale is computed); min/max start empty or inf."""
+    obs = getattr(fq, "activation_post_process", None)
+    lo = getattr(obs, "min_val", None)
+    return lo is None or (lo.numel() > 0 and bool(torch.isfinite(lo).all()))
+
+
 def set_static_observers(graph: torch.nn.Module, enabled: bool) -> None:
-    """Enable/disable observers of static fake-quants (weights, static activations)."""
+    """Enable/disable observers of static fake-quants (weights, static activations).
+
+    One that has seen no data yet stays on (validation before the first training step, e.g. Lightning's
+    sanity check, would otherwise run with an uncomputed scale).
+    """
     pt2e = compat.pt2e()
     for m in graph.modules():
         if isinstance(m, pt2e.FakeQuantizeBase) and not getattr(m, "is_dynamic", False):
-            (m.enable_observer if enabled else m.disable_observer)()
+            (m.enable_observer if enabled or not _has_observed(m) else m.disable_observer)()
+
+
+def set_fake_quant(graph: torch.nn.Module, enabled: bool) -> None:
+    """Turn every PT2E fake-quant on or off. Off, the graph computes in floating point (observers still record).
+
+    Example::
+
+        set_fake_quant(prepared, False)   # prepared(x) == the exported FP graph's output
+    """
+    pt2e = compat.pt2e()
+    for m in graph.modules():
+        if isinstance(m, pt2e.FakeQuantizeBase):
+            (m.enable_fake_quant if enabled else m.disable_fake_quant)()
+
+
+# trainer.precision values a fake-quant graph trains with: float32 weights, optionally autocast to 16 bits.
+# "*-true" half precisions fail inside the fake-quant kernels ("Scale must be Float", dtype asserts).
+PRECISIONS_OK = {"32", "32-true", "bf16", "bf16-mixed", "16", "16-mixed"}
+
+
+def check_precision(precision, recipe, mode: str) -> None:
+    """Refuse a ``trainer.precision`` the recipe's QAT graph cannot train with (UserError, exit 2).
+
+    Checked on CPU with torch 2.13 / torchao 0.18: PT2E recipes train with ``32-true``, ``bf16-mixed`` and
+    ``16-mixed`` (the unfused ``FakeQuantize`` runs under autocast); torchao source-level recipes (8da4w) only
+    with ``32-true`` ("Tensor dtype mismatch! Expected: Float, Got: BFloat16" in torchao's fake quantizer).
+    """
+    from qharness.recipes import SourceQuantizer
+
+    p = str(precision) if precision is not None else "32-true"
+    if mode != "qat" or p in ("32", "32-true"):
+        return
+    if p not in PRECISIONS_OK:
+        raise UserError(
+            f"trainer.precision={p} does not work with fake quantization (weights, scales and observers must stay float32)",
+            fix="use 32-true, or bf16-mixed / 16-mixed (autocast) with a PT2E recipe",
+        )
+    if isinstance(recipe.make_quantizer(is_qat=True), SourceQuantizer):
+        raise UserError(
+            f"trainer.precision={p} does not work with recipe {recipe.name!r} (torchao's fake quantizer needs float32 inputs)",
+            fix="use trainer.precision 32-true with this recipe, or a PT2E recipe (xnnpack_int8_dynamic, xnnpack_int4w_dynamic) for mixed precision",
+        )
 
 
 class QuantLM(L.LightningModule):
@@ -77,6 +130,8 @@ class QuantLM(L.LightningModule):
         weight_decay: float = 0.0,
         warmup_steps: int = 10,
         trust_remote_code: bool = False,
+        fake_quant_after_n_steps: int = 0,
+        freeze_observers_after_n_steps: int | None = None,
     ):
         """A causal LM trained with quantization-aware training (or calibrated) for one backend recipe.
 
@@ -93,6 +148,13 @@ class QuantLM(L.LightningModule):
             weight_decay: AdamW weight decay.
             warmup_steps: Linear warm-up steps before the cosine decay.
             trust_remote_code: Run model code from the hub (off by default; only for models you trust).
+            fake_quant_after_n_steps: QAT: train in floating point for the first N optimizer steps (fake
+                quantization off, observers recording), then with fake quantization (torchtune's
+                ``fake_quant_after_n_steps``). Validation before step N measures the FP model. PT2E recipes only.
+            freeze_observers_after_n_steps: QAT: from step N on, weight (and static-activation) quantization
+                ranges stop following the weights; training goes on with the frozen scales. Deployment still
+                computes min-max scales from the final weights, so freeze late (small weight changes after N).
+                None: never. PT2E recipes only.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -102,6 +164,20 @@ class QuantLM(L.LightningModule):
             raise UserError(f"model.lr must be positive (got {lr})")
         if warmup_steps < 0:
             raise UserError(f"model.warmup_steps must be >= 0 (got {warmup_steps})")
+        if fake_quant_after_n_steps < 0 or (freeze_observers_after_n_steps is not None and freeze_observers_after_n_steps < 0):
+            raise UserError(
+                f"model.fake_quant_after_n_steps and model.freeze_observers_after_n_steps must be >= 0 "
+                f"(got {fake_quant_after_n_steps}, {freeze_observers_after_n_steps})"
+            )
+        if mode == "qat" and (fake_quant_after_n_steps or freeze_observers_after_n_steps is not None):
+            from qharness.recipes import SourceQuantizer
+
+            if isinstance(self.recipe.make_quantizer(is_qat=True), SourceQuantizer):
+                raise UserError(
+                    f"recipe {recipe!r} fake-quantizes inside its modules at export time: fake_quant_after_n_steps and "
+                    "freeze_observers_after_n_steps need a PT2E recipe",
+                    fix="leave them unset, or use xnnpack_int8_dynamic / xnnpack_int4w_dynamic",
+                )
         if checkpoint != "embedded":
             from qharness.architectures import check_architecture
             from qharness.models import resolve_checkpoint
@@ -161,16 +237,32 @@ class QuantLM(L.LightningModule):
                 hf_model.get_parameter(names[0]).copy_(weights[next(n for n in names if n in weights)])
 
     # --- modes ----------------------------------------------------------------------------------
+    def fake_quant_on(self, step: int) -> bool:
+        return step >= self.hparams.fake_quant_after_n_steps
+
+    def observers_on(self, step: int) -> bool:
+        n = self.hparams.freeze_observers_after_n_steps
+        return n is None or step < n
+
     def _to_eval(self) -> None:
         compat.pt2e().move_to_eval(self.graph)
         set_static_observers(self.graph, enabled=False)
 
     def _to_train(self) -> None:
         compat.pt2e().move_to_train(self.graph)
-        set_static_observers(self.graph, enabled=True)
+        set_static_observers(self.graph, enabled=self.observers_on(self.global_step))
 
     def on_fit_start(self) -> None:
         self._to_train()
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        """Fake quantization off before ``fake_quant_after_n_steps``; static observers frozen from
+        ``freeze_observers_after_n_steps``. The switches are buffers, so checkpoints (and evaluation after
+        training) keep the last training step's state."""
+        hp = self.hparams
+        if hp.mode == "qat" and (hp.fake_quant_after_n_steps or hp.freeze_observers_after_n_steps is not None):
+            set_fake_quant(self.graph, self.fake_quant_on(self.global_step))
+            set_static_observers(self.graph, enabled=self.observers_on(self.global_step))
 
     on_validation_model_eval = _to_eval
     on_validation_model_train = _to_train

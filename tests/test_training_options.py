@@ -1,0 +1,178 @@
+"""Training options on the prepared graph (no Trainer): fake quantization after N steps, observers frozen after
+M steps, mixed precision, the LR schedule, and data resumption with gradient accumulation."""
+
+import pytest
+import torch
+
+from qharness.errors import UserError
+from qharness.models import load_model_and_tokenizer
+from qharness.module import QuantLM, check_precision, export_for_training, set_fake_quant
+from qharness.recipes import load_recipe
+
+
+class FakeTrainer:
+    """What QuantLM reads from a Trainer: the step counter and the schedule length."""
+
+    def __init__(self, global_step=0, estimated_stepping_batches=100):
+        self.global_step, self.estimated_stepping_batches = global_step, estimated_stepping_batches
+
+
+@pytest.fixture(scope="module")
+def built(tiny_llama):
+    """One prepared QAT graph for the module (building costs seconds) and its initial state."""
+    m = QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_int8_dynamic", mode="qat")
+    m.build(2, 16)
+    return m, {k: v.clone() for k, v in m.state_dict().items()}
+
+
+@pytest.fixture
+def make(built):
+    """``make(**schedule)``: the shared module reset to its initial state, with these schedule fields."""
+
+    def reset(fake_quant_after_n_steps=0, freeze_observers_after_n_steps=None):
+        m, state = built
+        m.load_state_dict(state)
+        m.hparams.fake_quant_after_n_steps = fake_quant_after_n_steps
+        m.hparams.freeze_observers_after_n_steps = freeze_observers_after_n_steps
+        m.trainer = FakeTrainer()
+        set_fake_quant(m.graph, True)
+        m._to_train()
+        return m
+
+    return reset
+
+
+def _weight_scales(m):
+    return {k: v.clone() for k, v in m.graph.state_dict().items() if k.endswith(".scale") and v.numel() > 1}
+
+
+def _step(m, x, opt):
+    """One training step as Lightning runs it: batch-start hook, forward/backward, optimizer, step counter."""
+    m.on_train_batch_start((x, x), 0)
+    loss = m.loss((x, x))
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    m.trainer.global_step += 1
+    return loss
+
+
+def test_fake_quant_starts_after_n_steps_and_is_off_before(tiny_llama, make):
+    fp, _ = load_model_and_tokenizer(str(tiny_llama))
+    fp_graph = export_for_training(fp, 2, 16)
+    m = make(fake_quant_after_n_steps=2)
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    m.on_train_batch_start((x, x), 0)
+    with torch.no_grad():
+        torch.testing.assert_close(m.graph(x), fp_graph(x), rtol=0, atol=0)  # fake-quant off: the FP graph exactly
+    opt = torch.optim.SGD(m.graph.parameters(), lr=0.0)  # weights stay put: only the switch changes the output
+    _step(m, x, opt)
+    _step(m, x, opt)
+    m.on_train_batch_start((x, x), 0)  # step 2: fake quantization on
+    with torch.no_grad():
+        assert not torch.allclose(m.graph(x), fp_graph(x), atol=1e-4)
+        set_fake_quant(m.graph, False)
+        torch.testing.assert_close(m.graph(x), fp_graph(x), rtol=0, atol=0)
+
+
+def test_frozen_observers_keep_their_scales_while_weights_train(make):
+    m = make(freeze_observers_after_n_steps=2)
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(m.graph.parameters(), lr=1.0)  # large steps: min-max ranges move unless frozen
+    history = [None]
+    for _ in range(4):
+        _step(m, x, opt)
+        history.append(_weight_scales(m))
+    moved = lambda a, b: any(not torch.equal(a[k], b[k]) for k in a)  # noqa: E731
+    assert moved(history[1], history[2])  # steps 0 and 1 observe the changing weights
+    assert not moved(history[2], history[3]) and not moved(history[3], history[4])  # frozen from step 2 on
+    m._to_eval(), m._to_train()  # a validation round does not thaw them
+    _step(m, x, opt)
+    assert not moved(history[4], _weight_scales(m))
+
+
+def test_schedule_fields_are_refused_for_source_level_recipes(tiny_llama):
+    with pytest.raises(UserError, match="need a PT2E recipe"):
+        QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da4w", mode="qat", fake_quant_after_n_steps=10)
+    with pytest.raises(UserError, match="must be >= 0"):
+        QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_int8_dynamic", mode="qat", freeze_observers_after_n_steps=-1)
+
+
+def test_precision_policy():
+    pt2e, source = load_recipe("xnnpack_int8_dynamic"), load_recipe("xnnpack_8da4w")
+    for ok in ("32-true", 32, "bf16-mixed", "16-mixed", None):
+        check_precision(ok, pt2e, "qat")
+    check_precision("32-true", source, "qat")
+    for bad in ("bf16-true", "16-true", "64-true", "transformer-engine"):
+        with pytest.raises(UserError, match=f"trainer.precision={bad} does not work with fake quantization"):
+            check_precision(bad, pt2e, "qat")
+    with pytest.raises(UserError, match="does not work with recipe 'xnnpack_8da4w'"):
+        check_precision("bf16-mixed", source, "qat")
+
+
+def test_pt2e_qat_graph_trains_under_bf16_autocast(make):
+    """What trainer.precision=bf16-mixed does on CPU: the unfused FakeQuantize runs under autocast."""
+    m = make()
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = m.graph(x)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten())
+    loss.backward()
+    assert logits.dtype == torch.bfloat16 and torch.isfinite(loss)
+    assert all(p.dtype == torch.float32 and p.grad is not None and torch.isfinite(p.grad).all() for p in m.graph.parameters())
+
+
+@pytest.mark.slow
+def test_torchao_8da4w_still_fails_under_bf16_autocast(tiny_llama):
+    """When this fails, torchao's fake quantizer handles autocast: drop the refusal in check_precision."""
+    m = QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da4w", mode="qat")
+    m.build(2, 16)
+    x = torch.randint(0, 300, (2, 16))
+    with pytest.raises(RuntimeError, match="dtype mismatch"), torch.autocast("cpu", dtype=torch.bfloat16):
+        m.graph(x)
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth(tiny_llama):
+    m = QuantLM(checkpoint=str(tiny_llama), lr=1e-3, warmup_steps=4)
+    m.graph = torch.nn.Linear(2, 2)  # the schedule only needs parameters
+    m.trainer = FakeTrainer(estimated_stepping_batches=20)
+    sched = m.configure_optimizers()["lr_scheduler"]["scheduler"]
+    lrs = [sched.get_last_lr()[0]]
+    for _ in range(20):
+        sched.optimizer.step()
+        sched.step()
+        lrs.append(sched.get_last_lr()[0])
+    assert lrs[:4] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert all(a > b for a, b in zip(lrs[4:], lrs[5:])) and lrs[-1] == pytest.approx(1e-4)  # cosine down to 0.1 * lr
+
+
+def test_resumed_data_with_gradient_accumulation_continues_at_the_next_micro_batch():
+    """After k optimizer steps with accumulate_grad_batches=a, training data resumes at micro-batch k*a."""
+    from qharness.data import TextDataModule
+
+    class T:
+        def __init__(self, step, accumulate):
+            self.global_step, self.accumulate_grad_batches, self.global_rank, self.world_size = step, accumulate, 0, 1
+
+    dm = TextDataModule(seq_len=4, batch_size=2)
+    dm.train_x = dm.train_y = torch.arange(80).view(20, 4)
+    batches = lambda: [b[0][:, 0].tolist() for b in dm.train_dataloader()]  # noqa: E731
+    dm.trainer = T(0, 2)
+    whole = batches()
+    dm.trainer = T(3, 2)
+    assert batches() == whole[6:] and len(whole) == 10
+
+
+def test_validation_before_the_first_training_step_runs(make):
+    """Lightning's sanity check validates before any training: static observers that saw nothing stay on."""
+    m = make()
+    m._to_eval()
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(m.graph(x)).all()
+        scales = _weight_scales(m)
+        for p in m.graph.parameters():
+            p.mul_(2.0)
+        m._to_eval()
+        m.graph(x)
+    assert scales and all(torch.equal(v, _weight_scales(m)[k]) for k, v in scales.items())  # observed once, now frozen
