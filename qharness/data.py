@@ -82,11 +82,23 @@ class ResumableShuffle(Sampler):
 
     Batch ``k`` of the run is always the same blocks, so a run resumed at step ``k`` sees exactly the
     batches an uninterrupted run would (a plain shuffled DataLoader restarts the epoch on resume).
+    With ``world`` processes (DDP), batch ``k`` of rank ``r`` is slice ``k * world + r`` of the permutation:
+    together the ranks see the blocks one process would see with ``world`` times the batch size.
+
+    Example::
+
+        list(ResumableShuffle(n=8, batch_size=2, seed=0, rank=1, world=2))   # 2 batches of 2 block indices
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0):
+    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1):
         self.n, self.batch_size, self.seed, self.next = n, batch_size, seed, start
-        self.per_pass = n // batch_size
+        self.rank, self.world = rank, world
+        self.per_pass = n // (batch_size * world)
+        if self.per_pass == 0:
+            raise UserError(
+                f"the training split has {n} blocks, fewer than one batch on each of {world} processes (data.batch_size={batch_size})",
+                fix="use more text, a smaller data.seq_len/batch_size, or fewer trainer.devices",
+            )
 
     def __len__(self) -> int:
         return self.per_pass
@@ -96,7 +108,8 @@ class ResumableShuffle(Sampler):
         perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + pass_index))
         for b in range(first, self.per_pass):
             self.next += 1
-            yield perm[b * self.batch_size : (b + 1) * self.batch_size].tolist()
+            i = (b * self.world + self.rank) * self.batch_size
+            yield perm[i : i + self.batch_size].tolist()
 
 
 class TextDataModule(L.LightningDataModule):
@@ -170,10 +183,11 @@ class TextDataModule(L.LightningDataModule):
                 )
 
     def train_dataloader(self) -> DataLoader:
-        done = 0  # batches already trained on (a resumed run continues where it stopped)
+        done, rank, world = 0, 0, 1  # batches already trained on (a resumed run continues where it stopped)
         if self.trainer is not None:
             done = self.trainer.global_step * self.trainer.accumulate_grad_batches
-        sampler = ResumableShuffle(len(self.train_x), self.batch_size, self.seed, start=done)
+            rank, world = self.trainer.global_rank, self.trainer.world_size  # DDP: each rank its own share
+        sampler = ResumableShuffle(len(self.train_x), self.batch_size, self.seed, start=done, rank=rank, world=world)
         return DataLoader(TensorDataset(self.train_x, self.train_y), batch_sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:

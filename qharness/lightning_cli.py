@@ -189,6 +189,8 @@ class QHarnessCLI(LightningCLI):
                 "trainer.num_sanity_val_steps": 0,
                 "trainer.log_every_n_steps": 10,
                 "trainer.deterministic": True,
+                # TextDataModule shards training batches across DDP ranks itself (resumable, see data.py)
+                "trainer.use_distributed_sampler": False,
             }
         )
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)

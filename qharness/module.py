@@ -34,8 +34,9 @@ class LogitsOnly(torch.nn.Module):
 
 
 def export_for_training(model, batch_size: int, seq_len: int) -> torch.fx.GraphModule:
-    """Pre-dispatch ATen graph (autograd-safe) of the logits-only model, static ``[batch_size, seq_len]``."""
-    example = torch.zeros(batch_size, seq_len, dtype=torch.long)
+    """Pre-dispatch ATen graph (autograd-safe) of the logits-only model, static ``[batch_size, seq_len]``,
+    on the model's device (the graph bakes devices in: export where it will train)."""
+    example = torch.zeros(batch_size, seq_len, dtype=torch.long, device=next(model.parameters()).device)
     return torch.export.export(LogitsOnly(model).eval(), (example,)).module()
 
 
@@ -198,21 +199,36 @@ class QuantLM(L.LightningModule):
 
         return load_model_and_tokenizer(self.model_source(), self.hparams.trust_remote_code)
 
-    def build(self, batch_size: int, seq_len: int) -> None:
-        """Load the FP model, export it and prepare it with the recipe (deterministic, so checkpoints load)."""
+    def build(self, batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> None:
+        """Load the FP model, export it on ``device`` and prepare it with the recipe (deterministic, so
+        checkpoints load)."""
         if self.graph is not None:
             return
         model, _ = self.load_fp()
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if context is not None and seq_len > context:
             raise UserError(f"data.seq_len={seq_len} exceeds the model's context ({context})", fix=f"set data.seq_len <= {context}")
-        graph = prepare_for_training(model, self.recipe, batch_size, seq_len, is_qat=self.hparams.mode == "qat")
+        graph = prepare_for_training(model.to(device), self.recipe, batch_size, seq_len, is_qat=self.hparams.mode == "qat")
         compat.pt2e().allow_train_eval(graph)
         self.graph = graph
+        self._shape = (batch_size, seq_len)
 
     def configure_model(self) -> None:
         dm = self.trainer.datamodule
-        self.build(dm.batch_size, dm.seq_len)
+        self.build(dm.batch_size, dm.seq_len, device=self.trainer.strategy.root_device)  # e.g. cuda:<local rank>
+
+    def graph_to_cpu(self) -> None:
+        """Deployment runs on CPU. A graph trained on another device (its devices are baked in at export) is
+        re-exported on CPU and given the trained state (weights and observers; the rebuild is deterministic)."""
+        if self.graph is not None and any(t.device.type != "cpu" for t in self.graph.state_dict().values()):
+            self.rebuild_on("cpu")
+
+    def rebuild_on(self, device) -> None:
+        """Export and prepare the graph again on ``device`` and load the current state into it."""
+        state = {k: v.detach().to(device) for k, v in self.state_dict().items()}
+        self.graph = None
+        self.build(*self._shape, device=device)
+        self.load_state_dict(state)
 
     def trained_weights(self) -> dict[str, torch.Tensor]:
         """The trained FP weights keyed by the HF model's parameter names (tied weights under each name)."""
@@ -298,12 +314,12 @@ class QuantLM(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         loss = self.loss(batch)
         self._val_losses.append(loss.item())
-        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
     def on_validation_epoch_end(self) -> None:
         if self._val_losses:
             mean = sum(self._val_losses) / len(self._val_losses)
-            self.log("val/ppl", math.exp(min(mean, 50.0)))
+            self.log("val/ppl", math.exp(min(mean, 50.0)), sync_dist=True)
         self._val_losses = []
 
     test_step = validation_step

@@ -1,5 +1,6 @@
 """Training options on the prepared graph (no Trainer): fake quantization after N steps, observers frozen after
-M steps, mixed precision, the LR schedule, and data resumption with gradient accumulation."""
+M steps, mixed precision, the LR schedule, data resumption with gradient accumulation, and the rebuild on CPU
+that deploys a graph trained on a GPU."""
 
 import pytest
 import torch
@@ -176,3 +177,47 @@ def test_validation_before_the_first_training_step_runs(make):
         m._to_eval()
         m.graph(x)
     assert scales and all(torch.equal(v, _weight_scales(m)[k]) for k, v in scales.items())  # observed once, now frozen
+
+
+def test_rebuilding_the_graph_on_another_device_keeps_the_trained_state(make):
+    """What deployment does with a graph trained on a GPU (QuantLM.graph_to_cpu), run here CPU -> CPU."""
+    m = make()
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(m.graph.parameters(), lr=0.5)
+    _step(m, x, opt)
+    m.loss((x, x))  # observers see the updated weights
+    m._to_eval()
+    with torch.no_grad():
+        before = m.graph(x)
+    old = m.graph
+    m.rebuild_on("cpu")
+    m._to_eval()
+    with torch.no_grad():
+        assert m.graph is not old
+        torch.testing.assert_close(m.graph(x), before, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_resume_with_gradient_accumulation_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, shakespeare):
+    """accumulate_grad_batches=2: a run resumed from its step-3 checkpoint matches the uninterrupted 6-step run."""
+    import shutil
+
+    from conftest import run_cli, write_config
+
+    off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
+    trainer = {"max_steps": 6, "accumulate_grad_batches": 2}
+    a_cfg = write_config(tmp_path / "a.yaml", tiny_llama, shakespeare, tmp_path / "a", trainer=trainer, checkpoint={"save_top_k": -1}, **off)
+    b_cfg = write_config(tmp_path / "b.yaml", tiny_llama, shakespeare, tmp_path / "b", trainer=trainer, **off)
+    assert run_cli("fit", a_cfg).returncode == 0
+    step3 = next((tmp_path / "a" / "checkpoints").glob("*step=3.ckpt"))
+    (tmp_path / "b" / "checkpoints").mkdir(parents=True)
+    shutil.copy(step3, tmp_path / "b" / "checkpoints" / "last.ckpt")
+    r = run_cli("fit", b_cfg, "--ckpt_path", "last")
+    assert r.returncode == 0, r.stderr[-3000:]
+    a, b, s3 = (torch.load(p, weights_only=True) for p in (tmp_path / "a" / "checkpoints" / "last.ckpt", tmp_path / "b" / "checkpoints" / "last.ckpt", step3))
+    assert a["global_step"] == b["global_step"] == 6 and s3["global_step"] == 3
+
+    def max_diff(x, y):
+        return max((x["state_dict"][k].float() - y["state_dict"][k].float()).abs().max().item() for k in x["state_dict"])
+
+    assert max_diff(a, b) < 1e-6 < max_diff(a, s3)
