@@ -112,6 +112,19 @@ class ResumableShuffle(Sampler):
             yield perm[i : i + self.batch_size].tolist()
 
 
+def batches_done(global_step: int, accumulate: int, per_pass: int) -> int:
+    """Training batches consumed after ``global_step`` optimizer steps: Lightning steps after every
+    ``accumulate`` batches and at the end of each pass (epoch), also with fewer batches accumulated.
+
+    Example::
+
+        batches_done(5, accumulate=3, per_pass=10)   # 13: one pass (4 steps) + 1 step of 3 batches
+    """
+    steps_per_pass = -(-per_pass // accumulate)
+    passes, steps = divmod(global_step, steps_per_pass)
+    return passes * per_pass + steps * accumulate
+
+
 class TextDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -183,11 +196,12 @@ class TextDataModule(L.LightningDataModule):
                 )
 
     def train_dataloader(self) -> DataLoader:
-        done, rank, world = 0, 0, 1  # batches already trained on (a resumed run continues where it stopped)
+        step, accumulate, rank, world = 0, 1, 0, 1
         if self.trainer is not None:
-            done = self.trainer.global_step * self.trainer.accumulate_grad_batches
+            step, accumulate = self.trainer.global_step, self.trainer.accumulate_grad_batches
             rank, world = self.trainer.global_rank, self.trainer.world_size  # DDP: each rank its own share
-        sampler = ResumableShuffle(len(self.train_x), self.batch_size, self.seed, start=done, rank=rank, world=world)
+        sampler = ResumableShuffle(len(self.train_x), self.batch_size, self.seed, rank=rank, world=world)
+        sampler.next = batches_done(step, accumulate, len(sampler))  # a resumed run continues where it stopped
         return DataLoader(TensorDataset(self.train_x, self.train_y), batch_sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:

@@ -127,6 +127,10 @@ class SaveOnSigterm(Callback):
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if isinstance(exception, SIGTERMException) and trainer.global_step > 0:
+            if trainer.fit_loop.epoch_loop.batch_progress.current.completed % trainer.accumulate_grad_batches:
+                # mid gradient accumulation: a checkpoint here would resume out of step; keep the last one
+                log.warning("SIGTERM during gradient accumulation: keeping the last step-boundary checkpoint")
+                return
             trainer.save_checkpoint(self.path)
 
 

@@ -164,6 +164,13 @@ def test_resumed_data_with_gradient_accumulation_continues_at_the_next_micro_bat
     assert batches() == whole[6:] and len(whole) == 10
 
 
+def test_batches_done_counts_the_short_accumulation_at_the_end_of_each_pass():
+    from qharness.data import batches_done
+
+    assert [batches_done(s, 3, 10) for s in range(9)] == [0, 3, 6, 9, 10, 13, 16, 19, 20]  # 4 steps per pass of 10
+    assert batches_done(7, 2, 10) == 7 * 2 and batches_done(7, 1, 10) == 7
+
+
 def test_validation_before_the_first_training_step_runs(make):
     """Lightning's sanity check validates before any training: static observers that saw nothing stay on."""
     m = make()
@@ -199,15 +206,31 @@ def test_rebuilding_the_graph_on_another_device_keeps_the_trained_state(make):
 
 @pytest.mark.slow
 def test_resume_with_gradient_accumulation_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, shakespeare):
-    """accumulate_grad_batches=2: a run resumed from its step-3 checkpoint matches the uninterrupted 6-step run."""
+    """accumulate_grad_batches=2 over passes of an odd number of batches (Lightning also steps at each pass end):
+    a run resumed from its step-3 checkpoint matches the uninterrupted 6-step run."""
     import shutil
 
     from conftest import run_cli, write_config
 
+    from qharness.data import TextDataModule
+
+    text = shakespeare.read_text()
+    for chars in range(800, 4000, 100):  # a small text whose pass has an odd number of batches (steps cross it)
+        data = tmp_path / f"small{chars}.txt"  # a new name each time: datasets caches by path
+        data.write_text(text[:chars])
+        dm = TextDataModule(source=str(data), tokenizer=str(tiny_llama), seq_len=32, batch_size=4, val_fraction=0.3)
+        try:
+            dm.setup()
+        except Exception:  # too little text for one validation batch yet
+            continue
+        if len(dm.train_x) // 4 in (3, 5, 7):
+            break
+    assert len(dm.train_x) // 4 in (3, 5, 7)
     off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
-    trainer = {"max_steps": 6, "accumulate_grad_batches": 2}
-    a_cfg = write_config(tmp_path / "a.yaml", tiny_llama, shakespeare, tmp_path / "a", trainer=trainer, checkpoint={"save_top_k": -1}, **off)
-    b_cfg = write_config(tmp_path / "b.yaml", tiny_llama, shakespeare, tmp_path / "b", trainer=trainer, **off)
+    trainer = {"max_steps": 6, "accumulate_grad_batches": 2, "val_check_interval": None, "check_val_every_n_epoch": 1}
+    small = {"val_fraction": 0.3}
+    a_cfg = write_config(tmp_path / "a.yaml", tiny_llama, data, tmp_path / "a", trainer=trainer, data=small, checkpoint={"save_top_k": -1}, **off)
+    b_cfg = write_config(tmp_path / "b.yaml", tiny_llama, data, tmp_path / "b", trainer=trainer, data=small, **off)
     assert run_cli("fit", a_cfg).returncode == 0
     step3 = next((tmp_path / "a" / "checkpoints").glob("*step=3.ckpt"))
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)
@@ -221,3 +244,27 @@ def test_resume_with_gradient_accumulation_ends_where_an_uninterrupted_run_ends(
         return max((x["state_dict"][k].float() - y["state_dict"][k].float()).abs().max().item() for k in x["state_dict"])
 
     assert max_diff(a, b) < 1e-6 < max_diff(a, s3)
+
+
+def test_sigterm_mid_accumulation_keeps_the_last_step_boundary_checkpoint(tmp_path):
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from qharness.lightning_cli import SaveOnSigterm
+
+    saved = []
+
+    def trainer(completed, accumulate):
+        progress = SimpleNamespace(current=SimpleNamespace(completed=completed))
+        return SimpleNamespace(
+            global_step=3, accumulate_grad_batches=accumulate, save_checkpoint=saved.append,
+            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+        )
+
+    cb = SaveOnSigterm(tmp_path / "last.ckpt")
+    cb.on_exception(trainer(7, 2), None, SIGTERMException())  # killed after micro-batch 1 of 2
+    assert saved == []
+    cb.on_exception(trainer(8, 2), None, SIGTERMException())  # at a step boundary
+    cb.on_exception(trainer(7, 1), None, SIGTERMException())
+    assert saved == [tmp_path / "last.ckpt"] * 2
