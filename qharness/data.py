@@ -82,11 +82,23 @@ class ResumableShuffle(Sampler):
 
     Batch ``k`` of the run is always the same blocks, so a run resumed at step ``k`` sees exactly the
     batches an uninterrupted run would (a plain shuffled DataLoader restarts the epoch on resume).
+    With ``world`` processes (DDP), batch ``k`` of rank ``r`` is slice ``k * world + r`` of the permutation:
+    together the ranks see the blocks one process would see with ``world`` times the batch size.
+
+    Example::
+
+        list(ResumableShuffle(n=8, batch_size=2, seed=0, rank=1, world=2))   # 2 batches of 2 block indices
     """
 
-    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0):
+    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1):
         self.n, self.batch_size, self.seed, self.next = n, batch_size, seed, start
-        self.per_pass = n // batch_size
+        self.rank, self.world = rank, world
+        self.per_pass = n // (batch_size * world)
+        if self.per_pass == 0:
+            raise UserError(
+                f"the training split has {n} blocks, fewer than one batch on each of {world} processes (data.batch_size={batch_size})",
+                fix="use more text, a smaller data.seq_len/batch_size, or fewer trainer.devices",
+            )
 
     def __len__(self) -> int:
         return self.per_pass
@@ -96,7 +108,21 @@ class ResumableShuffle(Sampler):
         perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + pass_index))
         for b in range(first, self.per_pass):
             self.next += 1
-            yield perm[b * self.batch_size : (b + 1) * self.batch_size].tolist()
+            i = (b * self.world + self.rank) * self.batch_size
+            yield perm[i : i + self.batch_size].tolist()
+
+
+def batches_done(global_step: int, accumulate: int, per_pass: int) -> int:
+    """Training batches consumed after ``global_step`` optimizer steps: Lightning steps after every
+    ``accumulate`` batches and at the end of each pass (epoch), also with fewer batches accumulated.
+
+    Example::
+
+        batches_done(5, accumulate=3, per_pass=10)   # 13: one pass (4 steps) + 1 step of 3 batches
+    """
+    steps_per_pass = -(-per_pass // accumulate)
+    passes, steps = divmod(global_step, steps_per_pass)
+    return passes * per_pass + steps * accumulate
 
 
 class TextDataModule(L.LightningDataModule):
@@ -170,10 +196,12 @@ class TextDataModule(L.LightningDataModule):
                 )
 
     def train_dataloader(self) -> DataLoader:
-        done = 0  # batches already trained on (a resumed run continues where it stopped)
+        step, accumulate, rank, world = 0, 1, 0, 1
         if self.trainer is not None:
-            done = self.trainer.global_step * self.trainer.accumulate_grad_batches
-        sampler = ResumableShuffle(len(self.train_x), self.batch_size, self.seed, start=done)
+            step, accumulate = self.trainer.global_step, self.trainer.accumulate_grad_batches
+            rank, world = self.trainer.global_rank, self.trainer.world_size  # DDP: each rank its own share
+        sampler = ResumableShuffle(len(self.train_x), self.batch_size, self.seed, rank=rank, world=world)
+        sampler.next = batches_done(step, accumulate, len(sampler))  # a resumed run continues where it stopped
         return DataLoader(TensorDataset(self.train_x, self.train_y), batch_sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:

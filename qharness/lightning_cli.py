@@ -109,6 +109,11 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.bench import check_lengths
 
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
+    if cfg.model.mode == "qat" and str(cfg.trainer.precision or "32-true") not in ("32", "32-true"):
+        from qharness.module import check_precision
+        from qharness.recipes import load_recipe
+
+        check_precision(cfg.trainer.precision, load_recipe(cfg.model.recipe), cfg.model.mode)
     if cfg.calibration.blocks < 1:
         raise UserError(f"calibration.blocks must be positive (got {cfg.calibration.blocks})")
     source = cfg.calibration.source
@@ -129,6 +134,10 @@ class SaveOnSigterm(Callback):
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         if isinstance(exception, SIGTERMException) and trainer.global_step > 0:
+            if trainer.fit_loop.epoch_loop.batch_progress.current.completed % trainer.accumulate_grad_batches:
+                # mid gradient accumulation: a checkpoint here would resume out of step; keep the last one
+                log.warning("SIGTERM during gradient accumulation: keeping the last step-boundary checkpoint")
+                return
             trainer.save_checkpoint(self.path)
 
 
@@ -266,6 +275,8 @@ class QHarnessCLI(LightningCLI):
                 "trainer.num_sanity_val_steps": 0,
                 "trainer.log_every_n_steps": 10,
                 "trainer.deterministic": True,
+                # TextDataModule shards training batches across DDP ranks itself (resumable, see data.py)
+                "trainer.use_distributed_sampler": False,
             }
         )
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)

@@ -1,9 +1,10 @@
-"""Model sources: an HF transformers directory or hub id, or the embedded default.
+"""Model sources: an HF transformers directory or hub id, a torchtune builder, or the embedded default.
 
 ``resolve_checkpoint("embedded")`` returns a local directory holding a small Llama and its BPE
 tokenizer, pretrained in FP32 on text that ships with Python (``pydoc_data`` + stdlib sources) on first use, cached
 under ``$QHARNESS_CACHE`` (default ``~/.cache/qharness``). Any other value is a local directory in
-``save_pretrained`` format or, when online, a hub id.
+``save_pretrained`` format, ``torchtune:<builder>(...)`` (``qharness/torchtune_models.py``) or, when
+online, a hub id.
 
 Example::
 
@@ -169,9 +170,14 @@ def embedded_dir(spec: EmbeddedSpec = EmbeddedSpec()) -> Path:
 
 
 def resolve_checkpoint(checkpoint: str) -> str:
-    """Turn ``model.checkpoint`` into something ``from_pretrained`` loads: a local dir or a hub id."""
+    """Turn ``model.checkpoint`` into something ``from_pretrained`` loads: a local dir or a hub id
+    (``torchtune:...`` builders are converted once into a cached HF directory)."""
     if checkpoint == EMBEDDED:
         return str(embedded_dir())
+    from qharness.torchtune_models import is_torchtune, torchtune_dir
+
+    if is_torchtune(checkpoint):
+        return str(torchtune_dir(checkpoint))
     path = Path(checkpoint).expanduser()
     if path.exists():
         if not path.is_dir():

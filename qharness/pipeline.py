@@ -71,6 +71,7 @@ def deploy_and_check(
     vx, vy = dm.val_x[:n_eval], dm.val_y[:n_eval]
     metrics = {"fp": score_batched(lambda x: fp_model(input_ids=x).logits, vx, vy, dm.batch_size, desc="scoring the FP model")}
     if module.graph is not None:  # QAT: the trained fake-quant graph and its weights
+        module.graph_to_cpu()  # trained on a GPU: deployment and its checks run on CPU
         module._to_eval()
         metrics["fake_quant"] = score_batched(module.graph, vx, vy, dm.batch_size, desc="scoring the fake-quant model")
         trained = copy.deepcopy(fp_model)

@@ -51,6 +51,26 @@ def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, vocab_size_over
     return out
 
 
+def make_tiny_hf(out: Path, model_type: str, text: str, layers: int = 1, tie: bool | None = None, vocab_size: int = 384, **overrides) -> Path:
+    """A random-init tiny decoder of any HF ``model_type`` (GQA: 4 query heads, 2 KV heads) + BPE tokenizer,
+    saved with save_pretrained, the same form as a real checkpoint. ``tie``: None keeps the family's default."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from qharness.models import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer([text], vocab_size)
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    config = AutoConfig.for_model(model_type, vocab_size=len(tok), max_position_embeddings=256, **dims, **ids, **overrides)
+    if tie is not None:
+        config.tie_word_embeddings = tie
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, shakespeare) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), shakespeare.read_text()[:200_000])

@@ -43,6 +43,16 @@ def _t5_dir(t):
     return d
 
 
+def _mamba_dir(t):
+    from transformers import MambaConfig
+
+    d = t.tmp / "mamba"
+    MambaConfig(vocab_size=400, hidden_size=16, num_hidden_layers=1).save_pretrained(d)
+    for f in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(t.model / f, d)  # the check reads config.json before any weights
+    return d
+
+
 def _small_vocab_model(t):
     return make_tiny_llama(t.tmp / "small_vocab", t.data.read_text()[:50_000], vocab_size=384, vocab_size_override=200)
 
@@ -71,11 +81,16 @@ CASES = {
     "model dir without config": (lambda t: _cfg(t, model={"checkpoint": str(_model_copy(t, ["config.json"]))}), "no config.json"),
     "model dir without weights": (lambda t: _cfg(t, model={"checkpoint": str(_model_copy(t, ["*.safetensors"]))}), "has no weights"),
     "unsupported architecture": (lambda t: _cfg(t, model={"checkpoint": str(_t5_dir(t))}), "unsupported model"),
+    "recurrent architecture": (lambda t: _cfg(t, model={"checkpoint": str(_mamba_dir(t))}), "keeps a recurrent state, not a KV cache"),
+    "torchtune builder with positional args": (lambda t: _cfg(t, model={"checkpoint": "torchtune:llama3_2.llama3_2(2048)"}), "give builder arguments by keyword"),
     "tokenizer/model vocab mismatch": (lambda t: _cfg(t, model={"checkpoint": str(_small_vocab_model(t))}), "vocab_size"),
     "zero max_steps": (lambda t: _cfg(t, trainer={"max_steps": 0}), "trainer.max_steps must be positive"),
     "negative max_steps": (lambda t: _cfg(t, trainer={"max_steps": -5}), "trainer.max_steps must be positive"),
     "zero learning rate": (lambda t: _cfg(t, model={"lr": 0.0}), "model.lr must be positive"),
     "negative warmup": (lambda t: _cfg(t, model={"warmup_steps": -1}), "model.warmup_steps"),
+    "half-precision QAT": (lambda t: _cfg(t, trainer={"precision": "bf16-true"}), "trainer.precision=bf16-true does not work with fake quantization"),
+    "mixed precision with torchao 8da4w": (lambda t: _cfg(t, model={"recipe": "xnnpack_8da4w"}, trainer={"precision": "bf16-mixed"}), "does not work with recipe 'xnnpack_8da4w'"),
+    "negative fake-quant delay": (lambda t: _cfg(t, model={"fake_quant_after_n_steps": -1}), "model.fake_quant_after_n_steps"),
     "negative checkpoint interval": (lambda t: _cfg(t, checkpoint={"every_n_train_steps": -1}), "checkpoint.every_n_train_steps"),
     "output dir is a file": (lambda t: _cfg(t, trainer={"default_root_dir": str(_write(t, "runfile", "x"))}), "is a file"),
     "output dir under a file": (lambda t: _cfg(t, trainer={"default_root_dir": str(_write(t, "f2", "x") / "run")}), "is a file"),

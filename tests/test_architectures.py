@@ -1,0 +1,166 @@
+"""HF architectures beyond Llama: tiny random configs saved with save_pretrained, loaded like real checkpoints.
+
+Default suite: the architecture check, one train step + deploy quantization of Gemma2 (no lowering), and one
+CLI ``fit`` (Qwen2: untied embeddings, GQA, q/k/v biases) through to a parity-checked ``.pte``.
+``-m slow``: the same stage test for Qwen2 (tied) and Phi-3, and CLI ``fit``/``calibrate`` of Gemma2, Phi-3,
+Mistral, Qwen3 and Gemma with lowering and the runtime parity gate.
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_hf, run_cli, write_config
+
+from qharness.architectures import check_architecture, probe_config
+from qharness.errors import UserError
+from qharness.models import load_model_and_tokenizer
+from qharness.module import QuantLM
+
+# (model_type, tie_word_embeddings or None for the family's default, extra config)
+FAMILIES = {
+    "qwen2-tied": ("qwen2", True, {}),
+    "gemma2": ("gemma2", None, {"sliding_window": 8}),  # tied; alternating sliding/full attention, logit soft-capping
+    "phi3": ("phi3", False, {}),  # fused qkv and gate_up projections
+    "mistral": ("mistral", False, {}),
+    "qwen3": ("qwen3", False, {}),  # q/k norms
+}
+
+
+@pytest.fixture(scope="session")
+def text(shakespeare):
+    return shakespeare.read_text()[:200_000]
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory, text):
+    made = {}
+
+    def get(name, layers=1):
+        if (name, layers) not in made:
+            model_type, tie, extra = FAMILIES[name] if name in FAMILIES else (name, None, {})
+            made[name, layers] = make_tiny_hf(tmp_path_factory.mktemp(name), model_type, text, layers=layers, tie=tie, **extra)
+        return made[name, layers]
+
+    return get
+
+
+def test_probe_config_keeps_one_layer_of_each_type():
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gemma2", num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    assert config.layer_types == ["sliding_attention", "full_attention"] * 3
+    probe = probe_config(config)
+    assert probe.num_hidden_layers == 2 and probe.layer_types == ["sliding_attention", "full_attention"]
+    assert probe.hidden_size == 64 and config.num_hidden_layers == 6  # widths kept, original untouched
+    llama = probe_config(AutoConfig.for_model("llama", num_hidden_layers=5))
+    assert llama.num_hidden_layers == 1
+
+
+def _save_config_only(path, model_type, **kwargs):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, **kwargs).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "model_type, kwargs, reason",
+    [
+        ("t5", dict(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2), "it is an encoder-decoder"),
+        ("mamba", dict(vocab_size=64, hidden_size=16, num_hidden_layers=1), "keeps a recurrent state, not a KV cache"),
+        ("distilbert", dict(vocab_size=64, dim=16, n_layers=1, n_heads=2, hidden_dim=32), "has no causal-LM class"),
+    ],
+)
+def test_unsupported_architecture_is_refused_with_the_reason(tmp_path, model_type, kwargs, reason):
+    source = _save_config_only(tmp_path / model_type, model_type, **kwargs)
+    with pytest.raises(UserError, match=reason) as e:
+        check_architecture(source)
+    assert f"model_type '{model_type}'" in str(e.value)
+
+
+def test_a_failing_trace_is_refused_and_a_success_is_remembered(tmp_path, family_dir, monkeypatch):
+    import qharness.architectures as arch
+
+    monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
+    source = str(family_dir("mistral"))
+
+    def broken(model):
+        raise RuntimeError("Dynamo failed to run FX node")
+
+    monkeypatch.setattr(arch, "_trace", broken)
+    with pytest.raises(UserError, match="MistralForCausalLM cannot be exported with torch.export .RuntimeError: Dynamo failed"):
+        check_architecture(source)
+    monkeypatch.undo()
+    monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
+    check_architecture(source)
+    assert len(list((tmp_path / "cache" / "architectures").iterdir())) == 1
+    monkeypatch.setattr(arch, "_trace", broken)
+    check_architecture(source)  # remembered: not traced again
+
+
+@pytest.mark.parametrize("name", ["gemma2", pytest.param("qwen2-tied", marks=pytest.mark.slow), pytest.param("phi3", marks=pytest.mark.slow)])
+def test_family_trains_and_quantizes_for_deploy(name, family_dir):
+    """export_for_training + prepare_qat_pt2e + a train step, weights back into HF, static-cache deploy graph
+    (convert_pt2e) close to the trained fake-quant graph."""
+    from qharness.lower import quantize_for_deploy
+
+    source = str(family_dir(name))
+    fp, _ = load_model_and_tokenizer(source)
+    assert fp.config.num_key_value_heads < fp.config.num_attention_heads  # grouped-query attention
+    assert fp.config.tie_word_embeddings == (fp.lm_head.weight is fp.get_input_embeddings().weight)
+    m = QuantLM(checkpoint=source, recipe="xnnpack_int8_dynamic", mode="qat", lr=1e-3)
+    m.build(2, 16)
+    m._to_train()
+    x = torch.randint(0, fp.config.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(m.graph.parameters(), lr=1e-2)
+    loss = m.loss((x[:, :-1], x[:, 1:]))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in m.graph.parameters())
+    opt.step()
+    m._to_eval()
+    trained = copy.deepcopy(fp)
+    m.load_into(trained)
+    assert not torch.equal(trained.get_input_embeddings().weight, fp.get_input_embeddings().weight)
+    deployed = quantize_for_deploy(trained, m.recipe, 32, lambda g: g(x[:1, :16], torch.tensor([0])))
+    with torch.no_grad():
+        fq = m.graph(x[:, :16])[:1]
+        dep = deployed(x[:1, :16], torch.tensor([0]))
+        before, after = fp(input_ids=x[:1, :16]).logits, trained(input_ids=x[:1, :16]).logits
+    noise = (fq - after).abs().max()  # what fake quantization itself changes in the trained model's logits
+    assert (fq.argmax(-1) == dep.argmax(-1)).float().mean() >= 0.9
+    assert (fq - dep).abs().max() < 3 * noise < (after - before).abs().max()
+
+
+def test_qwen2_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, family_dir, shakespeare):
+    """Qwen2 (untied embeddings, GQA, q/k/v biases) end to end through the real CLI, like a real checkpoint dir."""
+    source = family_dir("qwen2")
+    config = json.loads((source / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and not config["tie_word_embeddings"] and config["num_key_value_heads"] == 2
+    cfg = write_config(
+        tmp_path / "q.yaml", source, shakespeare, tmp_path / "run",
+        data={"seq_len": 16, "batch_size": 2}, trainer={"max_steps": 2, "val_check_interval": 2, "limit_val_batches": 1},
+        checkpoint={"every_n_train_steps": 2}, deploy={"max_seq_len": 32}, bench={"enabled": False},
+        parity={"eval_blocks": 2, "prompts": 1, "prompt_len": 8, "decode_steps": 2},
+    )
+    r = run_cli("fit", cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["parity"]["passed"] and set(summary["metrics"]) == {"fp", "fake_quant", "converted", "pte"}
+    assert (tmp_path / "run" / "model.pte").is_file() and (tmp_path / "run" / "tokenizer" / "tokenizer.json").is_file()
+
+
+# --- slow: every family through the CLI, with lowering and the runtime parity gate -----------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("name, command", [("gemma2", "fit"), ("phi3", "fit"), ("mistral", "fit"), ("qwen3", "fit"), ("gemma", "calibrate")])
+def test_family_through_the_cli(name, command, tmp_path, family_dir, shakespeare):
+    source = family_dir(name, layers=2)
+    cfg = write_config(
+        tmp_path / "c.yaml", source, shakespeare, tmp_path / "run", model={"mode": "qat" if command == "fit" else "ptq"},
+        bench={"enabled": False}, trainer={"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1},
+    )
+    r = run_cli(command, cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["parity"]["passed"] and summary["parity"]["argmax_agreement"] >= 0.9
