@@ -133,6 +133,7 @@ def test_family_trains_and_quantizes_for_deploy(name, family_dir):
     assert (fq - dep).abs().max() < 3 * noise < (after - before).abs().max()
 
 
+@pytest.mark.slow  # ~100 s; the default suite keeps the Gemma2 stage test (export, QAT step, deploy graph)
 def test_qwen2_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, family_dir, shakespeare):
     """Qwen2 (untied embeddings, GQA, q/k/v biases) end to end through the real CLI, like a real checkpoint dir."""
     source = family_dir("qwen2")
