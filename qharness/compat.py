@@ -424,6 +424,43 @@ def _patched(owner, name: str, value):
         setattr(owner, name, saved)
 
 
+def export_for_lowering(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
+    """Re-export a deployable graph module (``torch.export.export``) for lowering.
+
+    Strict export traces with Dynamo, which clones every parameter and buffer into its real-value cache
+    (``cache_real_value_when_export`` in torch/_dynamo/variables/builder.py): a transient copy of all
+    weights, and the slower trace. The module here is already an exported graph, so non-strict export
+    traces the same program (the ``.pte`` is byte for byte the same); QHARNESS_UPSTREAM_LOWERING=1 keeps
+    strict export.
+    """
+    with torch.no_grad():
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=_upstream_lowering())
+
+
+def decompose_for_lowering(ep, partitioners: list):
+    """``ep.run_decompositions({})``: functional ATen for ``to_edge_transform_and_lower``.
+
+    Under ``fast_lowering`` the first partitioner's decomposition table is applied in the same re-trace
+    (what ``to_edge_transform_and_lower`` does next, in a re-trace of its own that
+    ``_skip_noop_decompositions`` then skips). Not for partitioners that transform the program before
+    decomposing (``transform_for_pre_decomposition``, e.g. Arm).
+    """
+    from executorch.exir.backend.partitioner import Partitioner
+    from executorch.exir.tracer import _default_decomposition_table
+
+    upstream_pre = Partitioner.transform_for_pre_decomposition
+    if _upstream_lowering() or not partitioners or any(type(p).transform_for_pre_decomposition is not upstream_pre for p in partitioners):
+        return ep.run_decompositions({})
+    table = _default_decomposition_table()
+    for op in partitioners[0].ops_to_not_decompose(ep)[0]:
+        table.pop(op, None)
+    return ep.run_decompositions(table)
+
+
+def _upstream_lowering() -> bool:
+    return os.environ.get("QHARNESS_UPSTREAM_LOWERING") == "1"
+
+
 @contextlib.contextmanager
 def fast_lowering():
     """Within this context, lowering skips the upstream costs above (same .pte, a fraction of the time).
@@ -433,7 +470,7 @@ def fast_lowering():
         with compat.fast_lowering():
             pte = to_edge_transform_and_lower(ep, partitioner=[...]).to_executorch().buffer
     """
-    if os.environ.get("QHARNESS_UPSTREAM_LOWERING") == "1":
+    if _upstream_lowering():
         yield
         return
     with contextlib.ExitStack() as stack:

@@ -148,9 +148,9 @@ def lower_to_pte(graph: torch.fx.GraphModule, recipe, max_seq_len: int, metadata
         metadata = {**metadata, "use_sdpa_with_kv_cache": export_path(graph) == "fast"}
     for p in graph.parameters():  # to_executorch fails on in-place ops over leaves that require grad
         p.requires_grad_(False)
-    with torch.no_grad():
-        ep = torch.export.export(graph, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True)
+    ep = compat.export_for_lowering(graph, _example(max_seq_len), _dynamic_shapes(max_seq_len))
+    partitioners = recipe.make_partitioners()
     with compat.fast_lowering():  # the same program without upstream's redundant work (see compat)
-        ep = ep.run_decompositions({})
-        edge = compat.to_edge_transform_and_lower(ep, partitioner=recipe.make_partitioners(), constant_methods=metadata)
+        ep = compat.decompose_for_lowering(ep, partitioners)
+        edge = compat.to_edge_transform_and_lower(ep, partitioner=partitioners, constant_methods=metadata)
         return edge.to_executorch(compat.executorch_backend_config(**recipe.executorch_config)).buffer
