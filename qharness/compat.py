@@ -543,18 +543,23 @@ def llm_custom_ops() -> None:
 def _custom_sdpa_cpu(query, key, value, start_pos, attn_mask=None, drpout_p=0.0, is_causal=False, scale=None):
     """``llama::custom_sdpa`` in PyTorch: ``query [B, n, H, D]`` over caches ``[B, S, H_kv, D]``. Causal:
     query ``i`` sees cache positions ``<= start_pos + i``; with ``attn_mask`` (additive, ``[n, S]``) every
-    position under the mask; otherwise positions ``< start_pos + n``."""
-    n = query.shape[1]
+    position under the mask; otherwise positions ``< start_pos + n``. Plain matmuls and softmax: torch's
+    fused CPU SDPA took milliseconds per call on tiny decode shapes on a busy machine."""
+    b, n, h, d = query.shape
     if attn_mask is None:
-        end = start_pos + n
-        key, value = key[:, :end], value[:, :end]
-        if is_causal:
-            attn_mask = torch.arange(end)[None, :] <= (start_pos + torch.arange(n))[:, None]
-    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-    )
-    return out.transpose(1, 2).contiguous()
+        key, value = key[:, : start_pos + n], value[:, : start_pos + n]
+    kv_heads, length = key.shape[2], key.shape[1]
+    q = query.reshape(b, n, kv_heads, h // kv_heads, d).permute(0, 2, 3, 1, 4)  # [B, H_kv, rep, n, D]
+    scores = q @ key.permute(0, 2, 3, 1).unsqueeze(2) * (d**-0.5 if scale is None else scale)  # [B, H_kv, rep, n, L]
+    if attn_mask is not None:
+        scores = scores + attn_mask
+    elif is_causal:
+        hidden = torch.arange(length)[None, :] > (start_pos + torch.arange(n))[:, None]
+        scores = scores.masked_fill(hidden, float("-inf"))
+    weights = (scores - scores.amax(-1, keepdim=True)).exp()  # softmax by hand: aten::softmax took ~1 ms on tiny
+    weights = weights / weights.sum(-1, keepdim=True)  # shapes (its parallel_for), busy machine
+    out = weights @ value.permute(0, 2, 1, 3).unsqueeze(2)  # [B, H_kv, rep, n, D]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, n, h, d).contiguous()
 
 
 def upstream_custom_sdpa(*args):

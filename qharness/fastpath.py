@@ -115,7 +115,7 @@ class FastDecoder(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[1]
         start = input_pos[0].item()
-        torch._check_is_size(start)
+        torch._check(start >= 0)
         torch._check(start + n <= self.max_seq_len)
         cos = self.rope_cos.narrow(0, start, n)[None, :, None, :]  # [1, n, 1, head_dim]
         sin = self.rope_sin.narrow(0, start, n)[None, :, None, :]

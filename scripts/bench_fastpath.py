@@ -189,9 +189,10 @@ def time_both(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps
 
 
 def run(model_source: str, kinds: list[str], out_dir: Path, max_seq_len: int, prompt_len: int, decode_tokens: int, reps: int, rounds: int,
-        all_logits: bool = True) -> list[dict]:
+        all_logits: bool = True, reuse: bool = False) -> list[dict]:
     """Build both ``.pte``s per kind, check they agree, time them; one result row per kind (``all_logits``: for
-    fp32 also time our fast path returning every position's logits)."""
+    fp32 also time our fast path returning every position's logits; ``reuse``: time the ``.pte``s an earlier
+    run left in ``out_dir`` instead of exporting again)."""
     model, bos_id, eos_ids = load_model(model_source)
     vocab = model.config.vocab_size
     rows = []
@@ -199,12 +200,18 @@ def run(model_source: str, kinds: list[str], out_dir: Path, max_seq_len: int, pr
         recipe, quant = KINDS[kind]
         kdir = out_dir / kind
         kdir.mkdir(parents=True, exist_ok=True)
-        ours = export_ours(model, recipe, max_seq_len, kdir / "ours.pte", bos_id, eos_ids)
-        theirs = export_theirs(model, quant, max_seq_len, kdir / "export_llm", bos_id, eos_ids)
-        paths = {"ours": kdir / "ours.pte", "theirs": Path(theirs["path"])}
+        paths = {"ours": kdir / "ours.pte", "theirs": kdir / "export_llm" / "theirs.pte"}
         if kind == "fp32" and all_logits:
-            export_ours_all_logits(model, max_seq_len, kdir / "ours_all_logits.pte", bos_id, eos_ids)
             paths["ours_all_logits"] = kdir / "ours_all_logits.pte"
+        if reuse and all(p.is_file() for p in paths.values()):
+            log = json.loads((kdir / "export.json").read_text())
+            ours, theirs = log["ours"], log["theirs"]
+        else:
+            ours = export_ours(model, recipe, max_seq_len, paths["ours"], bos_id, eos_ids)
+            theirs = export_theirs(model, quant, max_seq_len, paths["theirs"].parent, bos_id, eos_ids)
+            if "ours_all_logits" in paths:
+                export_ours_all_logits(model, max_seq_len, paths["ours_all_logits"], bos_id, eos_ids)
+            (kdir / "export.json").write_text(json.dumps({"ours": ours, "theirs": theirs}))
         row = {"kind": kind, "recipe": recipe, "export_path": ours["export_path"], "export_s": {"ours": ours["export_s"], "theirs": theirs["export_s"]},
                "size_mb": {n: p.stat().st_size / 1e6 for n, p in paths.items()}, "agreement": agreement(paths["ours"], paths["theirs"], vocab)}
         row["ms_per_token"] = t = time_both(paths, vocab, prompt_len, decode_tokens, reps, rounds)
@@ -247,9 +254,10 @@ def main(argv=None) -> None:
     p.add_argument("--reps", type=int, default=5, help="repetitions per fresh process (after a warm-up)")
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per model, alternating ours/theirs")
     p.add_argument("--no_all_logits", action="store_true", help="skip timing the fp32 fast path with all-position logits")
+    p.add_argument("--reuse", action="store_true", help="time the .pte files an earlier run of the same --model left in --out")
     a = p.parse_args(argv)
     out = Path(a.out)
-    rows = run(a.model, a.kinds, out, a.max_seq_len, a.prompt_len, a.decode_tokens, a.reps, a.rounds, not a.no_all_logits)
+    rows = run(a.model, a.kinds, out, a.max_seq_len, a.prompt_len, a.decode_tokens, a.reps, a.rounds, not a.no_all_logits, a.reuse)
     print(f"\nmodel {a.model}: HF weights mapped into ExecuTorch's Llama for export_llm; prompt {a.prompt_len} tokens, "
           f"{a.decode_tokens} decode steps, {a.reps} reps x {a.rounds} alternating fresh-process rounds (median of round medians); "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
