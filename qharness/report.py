@@ -88,6 +88,8 @@ def summary_row(summary: dict, run: str | None = None) -> dict:
         "bandwidth_fraction": pte_bench.get("bandwidth_fraction"),
         "peak_rss_mb": pte_bench.get("peak_rss_mb"),
         "decode_speedup_vs_eager": summary.get("bench", {}).get("pte_vs_eager", {}).get("decode_speedup"),
+        "bench_load_avg": summary.get("bench", {}).get("load_avg_1m"),
+        "bench_cpus": summary.get("bench", {}).get("cpus"),
     }
     for task, stages in sorted((summary.get("eval") or {}).get("tasks", {}).items()):
         for stage, values in sorted((stages or {}).items(), key=lambda kv: STAGES.index(kv[0]) if kv[0] in STAGES else 99):
@@ -259,7 +261,8 @@ def plot_pareto(rows: list[dict], column: str, lower_is_better: bool, front_runs
         ax.axhline(fp_ppl.pop(), ls=":", color="black", lw=1, label="FP model before quantization (PyTorch)")
     for r in pts:
         on = r["run"] in front_runs
-        ax.annotate(f"{r['recipe']}/{r['mode']}", (r["decode_ms_per_token"], r[column]), xytext=(6, 6), textcoords="offset points",
+        radius = math.sqrt(60 + 540 * (r.get("pte_size_mb") or 0) / biggest) / 2  # points: label beside the marker
+        ax.annotate(f"{r['recipe']}/{r['mode']}", (r["decode_ms_per_token"], r[column]), xytext=(radius + 2, radius / 2 + 2), textcoords="offset points",
                     fontsize=8, fontweight="bold" if on else "normal", color="crimson" if on else "dimgray")
     if max_latency_ms is not None:
         ax.axvline(max_latency_ms, ls="--", color="gray", lw=1, label=f"latency budget {max_latency_ms:g} ms")
@@ -329,6 +332,12 @@ def write_report(runs_dir: str | Path, out: str | Path | None = None, metric: st
     lines = [md, "", f"Pareto front ({'lower' if lower else 'higher'} {column} is better, lower latency is better): "
              + ("; ".join(f"{r['recipe']}/{r['mode']}" for r in front) or "no run with a passed parity gate and a benchmark"),
              f"Best under {budget}: {describe(best, column)}"]
+    loaded = [r for r in rows if _number(r.get("bench_load_avg")) and r.get("bench_cpus") and r["bench_load_avg"] > r["bench_cpus"]]
+    if loaded:
+        worst = max(loaded, key=lambda r: r["bench_load_avg"] / r["bench_cpus"])
+        lines.append(f"Note: {len(loaded)} of {len(rows)} benchmarks ran while other processes kept the CPUs busy (load average up to "
+                     f"{worst['bench_load_avg']:.1f} on {worst['bench_cpus']} CPUs): their latencies are noisy. Re-measure on a quiet "
+                     "machine with `qharness bench --pte RUN/model.pte` (it updates summary.json), then rerun `qharness report`.")
     lines += notes or []
     text = "\n".join(lines)
     png = plot_pareto(rows, column, lower, front_runs, title, max_latency_ms)

@@ -102,8 +102,3 @@ def log_final_row(loggers, summary: dict) -> dict | None:
         except Exception as e:  # the .pte and summary.json are written: a logging failure must not fail the run
             log.warning("could not log the final row to wandb (%s: %s); summary.json has it", type(e).__name__, e)
     return row
-
-
-def offline_runs(run_dir: str | os.PathLike) -> list[Path]:
-    """The offline wandb runs of a run directory, oldest first (what ``wandb sync`` uploads)."""
-    return sorted(Path(run_dir).glob("wandb/offline-run-*"))

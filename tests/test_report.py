@@ -109,6 +109,16 @@ def test_table_csv_and_png_are_written(runs_dir):
     assert crimson > 200  # the front's line and labels are drawn
 
 
+def test_a_busy_machine_during_benchmarks_is_noted(runs_dir):
+    assert "Note:" not in write_report(runs_dir, wandb=False)["text"]
+    path = runs_dir / "int8-ptq" / "summary.json"
+    busy = json.loads(path.read_text())
+    busy["bench"].update(load_avg_1m=5.5, cpus=2)
+    write_json_atomic(path, busy)
+    text = write_report(runs_dir, wandb=False)["text"]
+    assert "Note: 1 of 6 benchmarks ran while other processes kept the CPUs busy (load average up to 5.5 on 2 CPUs)" in text
+
+
 def test_report_cli_and_its_wandb_table(runs_dir):
     from wandb_offline import offline_run, tables
 
