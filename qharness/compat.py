@@ -483,6 +483,29 @@ def fast_lowering():
         yield
 
 
+# --- Memory ---------------------------------------------------------------------------------------
+def map_large_allocations_separately(threshold: int = 1 << 20) -> bool:
+    """Have glibc's malloc serve each allocation of ``threshold`` bytes or more from its own mapping.
+
+    By default glibc raises its mmap threshold (up to 32 MiB) after the first large free, so the many
+    weight-sized temporaries of export, ``convert_pt2e`` and lowering end up in the heap, which keeps
+    them (RSS stays at each stage's peak and fragments). A fixed threshold unmaps them on free: peak RSS
+    of export + lowering of a 12-layer, 70M-parameter Llama went from 1.86 to 1.38 GiB. Process-wide
+    and permanent; glibc only (returns False elsewhere).
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_MMAP_THRESHOLD = -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+
+
 # --- ExecuTorch lowering and runtime --------------------------------------------------------------
 def to_edge_transform_and_lower(*args, **kwargs):
     import executorch.kernels.quantized  # noqa: F401  out variants of quantized ops (quantized embeddings)

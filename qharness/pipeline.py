@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from qharness import compat
 from qharness.config import BenchConfig, CalibrationConfig, ExportConfig, ParityConfig
 from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
@@ -54,6 +55,7 @@ def deploy_and_check(
     from qharness.lower import lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.runtime import PteModel
 
+    compat.map_large_allocations_separately()  # freed weight-sized temporaries leave RSS (see compat)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe = module.recipe
