@@ -7,7 +7,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from qharness import compat
 from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
@@ -58,6 +58,7 @@ def deploy_and_check(
     from qharness.lower import export_path, fallback_reason, lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.runtime import PteModel
 
+    compat.map_large_allocations_separately()  # freed weight-sized temporaries leave RSS (see compat)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     recipe = module.recipe
@@ -67,6 +68,7 @@ def deploy_and_check(
     check_export_config(export_cfg, dm.seq_len, getattr(text_config, "max_position_embeddings", None))
     metadata = runner_metadata(export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, eos_ids(fp_model, tokenizer))
 
+    keep_fp = eval_cfg.enabled  # lm-eval scores the FP model after the .pte is written
     n_eval = min(parity_cfg.eval_blocks, len(dm.val_x)) // dm.batch_size * dm.batch_size
     vx, vy = dm.val_x[:n_eval], dm.val_y[:n_eval]
     metrics = {"fp": score_batched(lambda x: fp_model(input_ids=x).logits, vx, vy, dm.batch_size, desc="scoring the FP model")}
@@ -74,17 +76,20 @@ def deploy_and_check(
         module.graph_to_cpu()  # trained on a GPU: deployment and its checks run on CPU
         module._to_eval()
         metrics["fake_quant"] = score_batched(module.graph, vx, vy, dm.batch_size, desc="scoring the fake-quant model")
-        trained = copy.deepcopy(fp_model)
+        trained = copy.deepcopy(fp_model) if keep_fp else fp_model  # no copy unless lm-eval scores the FP model later
         module.load_into(trained)
     else:  # PTQ: the FP weights, calibrated below (source-level recipes quantize the model in place)
         from qharness.recipes import SourceQuantizer
 
         source_level = isinstance(recipe.make_quantizer(is_qat=False), SourceQuantizer)
-        trained = copy.deepcopy(fp_model) if source_level and eval_cfg.enabled else fp_model
+        trained = copy.deepcopy(fp_model) if source_level and keep_fp else fp_model
     t = time.perf_counter()
     blocks = calibration_blocks(calib_cfg, dm)
     with stage(f"static-KV-cache export + quantization ({recipe.name})"):
         deployed = quantize_for_deploy(trained, recipe, export_cfg.max_seq_len, lambda graph: calibrate(graph, blocks))
+    del trained  # the deployed graph holds the weights it uses; the FP copies of quantized ones go
+    if not keep_fp:
+        fp_model = None
     timings["export_quantize_s"] = time.perf_counter() - t
     t = time.perf_counter()
     with stage(f"lowering to ExecuTorch ({recipe.name}, {recipe.backend})"):

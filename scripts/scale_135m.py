@@ -110,6 +110,7 @@ def run_stages(model_dir: Path, recipe_name: str, max_seq_len: int, calib_blocks
 
         compat.pt2e(), compat.xnnpack_quantizer_cls(), compat.executorch_backend_config()
     torch.manual_seed(0)
+    compat.map_large_allocations_separately()  # as qharness.pipeline.deploy_and_check does
     recipe = load_recipe(recipe_name)
     with stages("load model"):
         model, tokenizer = load_model_and_tokenizer(str(model_dir))
