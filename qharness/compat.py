@@ -314,7 +314,7 @@ def legalize_graph_in_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     import collections
     import operator
 
-    from torch.fx.graph import _FindNodesLookupTable, _Namespace
+    from torch.fx.graph import _FindNodesLookupTable
 
     global _LEGALIZE_FIRST
     if _LEGALIZE_FIRST is None:
@@ -344,26 +344,65 @@ def legalize_graph_in_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         from torch.fx.passes.tools_common import legalize_graph
 
         return legalize_graph(gm)  # raises upstream's cycle error
-    users = {n: {} for n in order}
-    for n in order:
-        for inp in n._input_nodes:
-            users[inp][n] = None
-    namespace, table, metas = _Namespace(), _FindNodesLookupTable(), set()
+    position = {n: i for i, n in enumerate(order)}
+    table, metas = _FindNodesLookupTable(), set()
     for n in order:
         graph._root._prepend(n)  # moves n to the end
-        n.users.clear()
-        n.users.update(users[n])
-        if namespace.create_name(n.name, None) != n.name:
-            raise AssertionError(f"node name {n.name} is not reproducible")
-        namespace.associate_name_with_obj(n.name, n)
+        users = n.users
+        if len(users) > 1:  # the copy registers users as it creates them: in the new order
+            keys = list(users)
+            ordered = sorted(keys, key=position.__getitem__)
+            if ordered != keys:
+                users.clear()
+                users.update(dict.fromkeys(ordered))
         table.insert(n)
         if id(n.meta) in metas:  # the copy gives each node its own meta dict
             n.meta = copy.copy(n.meta)
         metas.add(id(n.meta))
-    graph._graph_namespace, graph._find_nodes_lookup_table = namespace, table
+    graph._graph_namespace, graph._find_nodes_lookup_table = _namespace_of(order), table
     graph._tracer_cls = graph._tracer_extras = None
     graph._co_fields = {}
     return gm
+
+
+_NAME_PARTS: dict = {}
+
+
+def _namespace_of(nodes: list):
+    """The ``torch.fx.graph._Namespace`` a new graph has after ``create_node(name=n.name)`` for each of
+    ``nodes`` in order (names already unique and legal): every name used, per base name the count
+    ``create_name`` leaves (the suffix of the last ``base_N``, else what it was)."""
+    from torch.fx.graph import _illegal_names, _name_regex, _Namespace
+
+    namespace = _Namespace()
+    used, counts = namespace._used_names, namespace._base_count
+    for n in nodes:
+        name = n.name
+        parts = _NAME_PARTS.get(name)
+        if parts is None:
+            match = _name_regex.match(name)
+            if match is None or name in _illegal_names or name in used:
+                return _namespace_by_create_name(nodes)
+            base, num = match.group(1, 2)
+            parts = _NAME_PARTS[name] = (base, None if num is None else int(num))
+        base, num = parts
+        if name in used:
+            return _namespace_by_create_name(nodes)
+        counts[base] = counts.get(base, 0) if num is None else num
+        used.add(name)
+        namespace._obj_to_name[n] = name
+    return namespace
+
+
+def _namespace_by_create_name(nodes: list):
+    from torch.fx.graph import _Namespace
+
+    namespace = _Namespace()
+    for n in nodes:
+        if namespace.create_name(n.name, None) != n.name:
+            raise AssertionError(f"node name {n.name} is not reproducible")
+        namespace.associate_name_with_obj(n.name, n)
+    return namespace
 
 
 def _one_recompile_per_partitioning():
@@ -385,6 +424,102 @@ def _one_recompile_per_partitioning():
     stack = contextlib.ExitStack()
     stack.enter_context(_patched(lbm, "legalize_graph", legalize_graph_in_place))
     stack.enter_context(_patched(backend_api, "_create_partitions_in_graph_module", create_partitions_in_graph_module))
+    return stack
+
+
+def _skip_inapplicable_edge_passes():
+    """``to_edge``'s ATen-to-Edge passes re-trace the whole program each; two of them only rewrite ops
+    the program may not have: ``NormalizeTransposePass`` (``aten.t``) and
+    ``ReplaceBrokenOpsWithFunctionalOpsPass`` (view ops, which ``ReplaceViewOpsWithViewCopyOpsPass``
+    has already replaced). Without those ops they are skipped (exir/passes/normalize_transpose_pass.py,
+    replace_broken_ops_with_function_ops_pass.py)."""
+    from executorch.exir.pass_base import PassResult
+    from executorch.exir.passes.normalize_transpose_pass import NormalizeTransposePass
+    from executorch.exir.passes.replace_broken_ops_with_function_ops_pass import ReplaceBrokenOpsWithFunctionalOpsPass
+
+    def only_if(cls, applies):
+        upstream = cls.call
+
+        def call(self, graph_module):
+            if not applies(_called_ops(graph_module)):
+                return PassResult(graph_module, False)
+            return upstream(self, graph_module)
+
+        return _patched(cls, "call", call)
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(only_if(NormalizeTransposePass, lambda ops: torch.ops.aten.t.default in ops))
+    stack.enter_context(only_if(ReplaceBrokenOpsWithFunctionalOpsPass, lambda ops: any(getattr(op, "is_view", False) for op in ops)))
+    return stack
+
+
+class _Downstreams:
+    """The transitive users of every node as one bit mask per node (ExecuTorch's ``_DependencyViewer``
+    keeps a Python set per node: O(nodes^2) objects)."""
+
+    def __init__(self, gm: torch.fx.GraphModule):
+        nodes = list(gm.graph.nodes)
+        self.index = {n: i for i, n in enumerate(nodes)}
+        self.nodes = nodes
+        masks = [0] * len(nodes)
+        for i in range(len(nodes) - 1, -1, -1):  # the same walk as upstream: users before their producers
+            m = 0
+            for user in nodes[i].users:
+                j = self.index[user]
+                m |= masks[j] | (1 << j)
+            masks[i] = m
+        self.masks = masks
+
+    def mask(self, nodes) -> int:
+        m = 0
+        for n in nodes:
+            i = self.index.get(n)
+            if i is not None:
+                m |= 1 << i
+        return m
+
+    def downstreams_of(self, node) -> set:
+        i = self.index.get(node)
+        m = 0 if i is None else self.masks[i]
+        return {self.nodes[j] for j in range(m.bit_length()) if m >> j & 1}
+
+
+def _linear_partition_merging():
+    """ExecuTorch's ``GroupBasedPartitioner`` (the XNNPACK partitioner's) builds, per node, the set of all
+    downstream nodes and all upstream nodes (torch's ``CapabilityBasedPartitioner.__init__`` builds a
+    third copy it then replaces), then checks every pair of partitions by iterating those sets: O(nodes^2)
+    memory (1 GB for a 30-layer Llama) and most of the partitioning time. Here the downstream sets are bit
+    masks and ``_can_merge_partitions`` intersects masks; same checks, same answers (the final
+    ``validate_partition`` runs as upstream runs it)."""
+    from executorch.exir.backend.canonical_partitioners import group_partitioner as gp
+    from torch.fx.passes.infra import partitioner as fx_partitioner
+    from torch.fx.passes.utils.fuser_utils import validate_partition
+
+    upstream_init = gp.GroupBasedPartitioner.__init__
+
+    class NotBuilt:  # torch's viewer, replaced right after it is built
+        def __init__(self, graph_module):
+            pass
+
+    def init(self, graph_module, *args, **kwargs):
+        with _patched(fx_partitioner, "_DependencyViewer", NotBuilt), _patched(gp, "_DependencyViewer", _Downstreams):
+            upstream_init(self, graph_module, *args, **kwargs)
+
+    def can_merge_partitions(self, p1, p2, partitions_by_id):  # upstream's checks, on bit masks
+        combined = set(partitions_by_id[p1].nodes.keys()) | set(partitions_by_id[p2].nodes.keys())
+        viewer = self.dependency_viewer
+        combined_mask = viewer.mask(combined)
+        for node in combined:
+            for user in node.users:
+                if user not in combined:
+                    i = viewer.index.get(user)
+                    if i is not None and viewer.masks[i] & combined_mask:
+                        return False
+        return validate_partition(list(combined))
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_patched(gp.GroupBasedPartitioner, "__init__", init))
+    stack.enter_context(_patched(gp.GroupBasedPartitioner, "_can_merge_partitions", can_merge_partitions))
     return stack
 
 
@@ -419,12 +554,17 @@ def _reuse_delegate_modules():
 
 @contextlib.contextmanager
 def _patched(owner, name: str, value):
-    saved = getattr(owner, name) if isinstance(owner, types.ModuleType) else owner.__dict__[name]
+    """``owner.name = value`` inside the block (a class attribute it inherits is shadowed, then unshadowed)."""
+    missing = object()
+    saved = getattr(owner, name) if isinstance(owner, types.ModuleType) else owner.__dict__.get(name, missing)
     setattr(owner, name, value)
     try:
         yield
     finally:
-        setattr(owner, name, saved)
+        if saved is missing:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, saved)
 
 
 def export_for_lowering(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
@@ -478,7 +618,8 @@ def fast_lowering():
         return
     with contextlib.ExitStack() as stack:
         for workaround in (_shallow_node_provenance, _skip_noop_decompositions, _skip_inapplicable_xnnpack_passes,
-                           _one_recompile_per_partitioning, _reuse_delegate_modules):
+                           _skip_inapplicable_edge_passes, _one_recompile_per_partitioning, _linear_partition_merging,
+                           _reuse_delegate_modules):
             stack.enter_context(workaround())
         yield
 

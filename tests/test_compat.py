@@ -172,6 +172,10 @@ def test_legalize_in_place_matches_upstream_legalize():
         legalize_graph(theirs)
         compat.legalize_graph_in_place(ours)
         assert state(ours) == state(theirs)
+        for attr in ("_used_names", "_base_count"):
+            assert getattr(ours.graph._graph_namespace, attr) == getattr(theirs.graph._graph_namespace, attr)
+        assert [n.name for n in ours.graph._graph_namespace._obj_to_name] == [n.name for n in theirs.graph._graph_namespace._obj_to_name]
+        assert compat._namespace_by_create_name(list(ours.graph.nodes))._base_count == ours.graph._graph_namespace._base_count
         new = [g.graph.create_node("call_function", torch.ops.aten.neg.default, (next(iter(g.graph.nodes)),)) for g in (ours, theirs)]
         assert new[0].name == new[1].name  # the name space is the same
         for g, node in zip((ours, theirs), new):
