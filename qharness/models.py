@@ -131,9 +131,22 @@ def pretrain_embedded(spec: EmbeddedSpec, out_dir: Path, texts: list[str] | None
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=spec.lr, total_steps=spec.steps, pct_start=0.05)
     gen = torch.Generator().manual_seed(spec.seed)
-    losses = []
-    bar = tqdm(range(spec.steps), desc="pretraining the embedded default model", unit="step")
-    for _ in bar:
+    val = stream[len(data) :]
+    n_val = min(64, (len(val) - 1) // spec.seq_len)
+    val_x = val[: n_val * spec.seq_len].view(n_val, spec.seq_len)
+    val_y = val[1 : n_val * spec.seq_len + 1].view(n_val, spec.seq_len)
+
+    @torch.no_grad()
+    def val_loss() -> float:  # held-out loss: shows whether pretraining has converged
+        model.eval()
+        out = sum(torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
+                  for x, y in zip(val_x.split(16), val_y.split(16))) / len(val_x.split(16))
+        model.train()
+        return out
+
+    losses, val_curve = [], []
+    bar = tqdm(range(spec.steps), desc=f"pretraining {spec.hidden_size}-dim Llama", unit="step")
+    for step in bar:
         starts = torch.randint(0, len(data) - spec.seq_len - 1, (spec.batch_size,), generator=gen)
         x = torch.stack([data[s : s + spec.seq_len] for s in starts])
         y = torch.stack([data[s + 1 : s + spec.seq_len + 1] for s in starts])
@@ -145,27 +158,37 @@ def pretrain_embedded(spec: EmbeddedSpec, out_dir: Path, texts: list[str] | None
         sched.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if n_val and (step + 1) % max(1, spec.steps // 10) == 0:
+            val_curve.append((step + 1, val_loss()))
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     model.eval().save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    info = {"spec": asdict(spec), "first_loss": losses[0], "last_loss": sum(losses[-20:]) / len(losses[-20:])}
+    info = {"spec": asdict(spec), "first_loss": losses[0], "last_loss": sum(losses[-20:]) / len(losses[-20:]), "val_loss": val_curve}
     (tmp / "qharness_pretrain.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return info
 
 
-def embedded_dir(spec: EmbeddedSpec = EmbeddedSpec()) -> Path:
-    """The cached embedded default, pretrained on first use (keyed by the spec and the corpus text)."""
+def embedded_dir(spec: EmbeddedSpec = EmbeddedSpec(), source: str = EMBEDDED) -> Path:
+    """The embedded default's architecture and tokenizer pretrained on ``source`` (default: the embedded
+    corpus; or a ``data.source`` such as a text file), on first use, cached (keyed by the spec and the text).
+
+    Example: ``embedded_dir(EmbeddedSpec(steps=3000), "../shared/data/tinyshakespeare/input.txt")``
+    """
+    from qharness.data import load_texts
+
+    texts = embedded_corpus() if source == EMBEDDED else load_texts(source)
     h = hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode())
-    for doc in embedded_corpus():
+    for doc in texts:
         h.update(doc.encode())
-    out = cache_dir() / f"embedded-llama-{h.hexdigest()[:12]}"
+    name = "embedded" if source == EMBEDDED else Path(source).stem
+    out = cache_dir() / f"{name}-llama-{h.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
-        log.warning("pretraining the embedded default model once (cached in %s)", out)
+        log.warning("pretraining the %s model once (cached in %s)", "embedded default" if source == EMBEDDED else source, out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        pretrain_embedded(spec, out)
+        pretrain_embedded(spec, out, texts)
     return out
 
 

@@ -7,6 +7,7 @@ Example::
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time

@@ -1,0 +1,318 @@
+"""Speed benchmark (issue 9): ``.pte`` decode/prefill per recipe, the bandwidth bound, the export_llm peer,
+QAT step cost, calibration throughput and export + lowering time, all measured in one run.
+
+Part 1, deployed speed, on ``--model`` (default ``smollm2-135m``: SmolLM2-135M's shape with random weights,
+built once; speed depends on shapes, not on weight values; or ``benchmark``, or an HF Llama directory):
+for xnnpack_fp32, xnnpack_int8_dynamic, xnnpack_int4w_dynamic and xnnpack_8da4w our ``.pte`` is exported
+(PTQ; calibration throughput and export + lowering time are recorded), ExecuTorch's own LLM export
+(``export_llama``, 8da4w, group 32) of the same weights is the peer, and the eager PyTorch model is the
+floor. Each is then timed in fresh processes (``qharness.bench.measure``: prefill ``--prompt_len`` tokens in
+one call, decode ``--decode_tokens`` one by one), the programs alternating over ``--rounds`` rounds so load
+swings hit all of them. Decode is also given as a fraction of the memory-bandwidth bound (measured copy
+bandwidth / ``.pte`` bytes: every token reads every weight once).
+
+Part 2, on the benchmark model (``--train_model``, default ``benchmark``: the embedded architecture pretrained
+on tinyshakespeare, as in bench_quality.py; ``embedded`` when that text is absent): one training step
+(forward, backward, AdamW) of each recipe's QAT model divided by the FP step on the same batch, and the
+export_llm peer's 8da4w ``.pte`` against ours for perplexity on held-out text (both through the runtime).
+
+Targets: int8 ``.pte`` decode >= 2x the fp32 ``.pte``; the best 4-bit recipe >= 2.5x; QAT step <= 1.5x FP;
+our 8da4w ``.pte`` at least as fast and as accurate as export_llm's.
+
+    python scripts/bench_speed.py                          # about 20 min here
+    python scripts/bench_speed.py --model benchmark --rounds 2 --reps 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+RECIPES = ["xnnpack_fp32", "xnnpack_int8_dynamic", "xnnpack_int4w_dynamic", "xnnpack_8da4w"]
+PEER = "export_llm 8da4w"
+
+
+def resolve_model(name: str, work: Path) -> Path:
+    """A local HF model directory for ``name``: smollm2-135m (built once under ``work``), benchmark, embedded or a path."""
+    if name == "smollm2-135m":
+        import scale_135m
+
+        out = work / "smollm2-135m-random"
+        if not (out / "config.json").is_file():
+            print(f"building the random-init SmolLM2-135M-shaped model in {out} (once) ...", flush=True)
+            scale_135m.make_model(out)
+        return out
+    if name == "benchmark":
+        import bench_quality
+
+        if not bench_quality.DEFAULT_CORPUS.is_file():
+            print(f"{bench_quality.DEFAULT_CORPUS} is absent: the benchmark model falls back to the embedded default", flush=True)
+            return resolve_model("embedded", work)
+        return bench_quality.benchmark_model(str(bench_quality.DEFAULT_CORPUS.resolve()), 3000)
+    if name == "embedded":
+        from qharness.models import embedded_dir
+
+        return embedded_dir()
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        sys.exit(f"error: --model {path} is not an HF model directory (no config.json). fix: smollm2-135m, benchmark, embedded or a save_pretrained directory")
+    return path
+
+
+def text_blocks(tokenizer, n: int, length: int, held_out: bool) -> torch.Tensor:
+    """``[n, length]`` token blocks of real text: tinyshakespeare's held-out tail when present (else the embedded
+    corpus); ``held_out=False`` takes the start of the training part (calibration)."""
+    import bench_quality
+    from qharness.data import load_texts, tokenize_stream
+    from qharness.models import embedded_corpus
+
+    texts = load_texts(str(bench_quality.DEFAULT_CORPUS)) if bench_quality.DEFAULT_CORPUS.is_file() else embedded_corpus(400_000)
+    stream = tokenize_stream(texts, tokenizer)
+    start = len(stream) - int(len(stream) * 0.1) if held_out else 0
+    blocks = stream[start : start + n * length + 1]
+    n = min(n, (len(blocks) - 1) // length)
+    return blocks[: n * length].view(n, length)
+
+
+def export_ours(model, tokenizer, recipe_name: str, max_seq_len: int, path: Path, calib: torch.Tensor) -> dict:
+    """Our PTQ ``.pte`` of ``recipe_name``: export+quantize and lowering times, calibration tokens/s."""
+    from qharness.calibration import calibrate
+    from qharness.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.pipeline import eos_ids
+    from qharness.recipes import load_recipe
+
+    recipe = load_recipe(recipe_name)
+    calib_s = []
+
+    def timed_calibrate(graph):
+        t = time.perf_counter()
+        calibrate(graph, calib)
+        calib_s.append(time.perf_counter() - t)
+
+    t = time.perf_counter()
+    deployed = quantize_for_deploy(copy.deepcopy(model), recipe, max_seq_len, timed_calibrate)
+    export_s = time.perf_counter() - t
+    t = time.perf_counter()
+    meta = runner_metadata(max_seq_len, model.config.vocab_size, tokenizer.bos_token_id, eos_ids(model, tokenizer))
+    path.write_bytes(lower_to_pte(deployed, recipe, max_seq_len, meta))
+    lower_s = time.perf_counter() - t
+    out = {"export_quantize_s": export_s, "lower_s": lower_s, "export_path": export_path(deployed)}
+    if calib_s:
+        out["calibration_tok_s"] = calib.numel() / calib_s[0]
+    return out
+
+
+def time_all(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps: int, rounds: int) -> dict:
+    """Every program in a fresh process per round, alternating; per program the median of the round medians."""
+    from qharness.bench import measure_in_fresh_process
+
+    per = {name: {"prefill": [], "decode": [], "size": 0, "weight_bytes": 0} for name in paths}
+    for r in range(rounds):
+        for name, (kind, path) in paths.items():
+            print(f"  round {r + 1}/{rounds}: {name} ...", flush=True)
+            m = measure_in_fresh_process(kind=kind, path=str(path), vocab_size=vocab, prompt_len=prompt_len, decode_tokens=decode_tokens, reps=reps)
+            per[name]["prefill"].append(m["prefill_tok_s"]["median"])
+            per[name]["decode"].append(m["decode_tok_s"]["median"])
+            per[name]["size"], per[name]["weight_bytes"] = m["size_bytes"], m["weight_bytes"]
+    return {name: {"prefill_tok_s": statistics.median(d["prefill"]), "decode_tok_s": statistics.median(d["decode"]),
+                   "decode_rounds": d["decode"], "size_bytes": d["size"], "weight_bytes": d["weight_bytes"]} for name, d in per.items()}
+
+
+def step_times(model_dir: Path, recipes: list[str], batch_size: int, seq_len: int, steps: int, profile: str | None) -> dict:
+    """Median seconds of one training step (forward, loss, backward, AdamW) on one fixed batch: the FP model
+    exported for training (what an FP fine-tune trains), the eager FP model, and each recipe's QAT model."""
+    import torch.nn.functional as F
+
+    from qharness import compat
+    from qharness.models import load_model_and_tokenizer
+    from qharness.module import LogitsOnly, export_for_training, prepare_for_training
+    from qharness.recipes import load_recipe
+
+    base, tokenizer = load_model_and_tokenizer(str(model_dir))
+    x = text_blocks(tokenizer, batch_size, seq_len + 1, held_out=False)
+    x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+    def timed(graph, name):
+        if isinstance(graph, torch.fx.GraphModule):
+            compat.pt2e().move_exported_model_to_train(graph)
+        else:
+            graph.train()
+        opt = torch.optim.AdamW(graph.parameters(), lr=1e-5)
+
+        def step():
+            loss = F.cross_entropy(graph(x).flatten(0, 1), y.flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+        for _ in range(2):  # warm-up: observers initialise, allocator settles
+            step()
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        if profile == name:
+            with torch.profiler.profile() as prof:
+                step()
+            print(f"\nprofile of one {name} QAT step (top ops by self CPU time):")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        return statistics.median(times)
+
+    out = {"fp_exported": timed(export_for_training(copy.deepcopy(base), batch_size, seq_len), "fp"),
+           "fp_eager": timed(LogitsOnly(copy.deepcopy(base)), "fp_eager")}
+    for name in recipes:
+        recipe = load_recipe(name)
+        if recipe.quantized:
+            out[name] = timed(prepare_for_training(copy.deepcopy(base), recipe, batch_size, seq_len, is_qat=True), name)
+    return out
+
+
+def peer_accuracy(model_dir: Path, work: Path, blocks: int, max_seq_len: int) -> dict:
+    """Perplexity of our 8da4w ``.pte`` and export_llm's on the same held-out blocks, both through the runtime
+    (one token per call: export_llm's ``.pte`` returns last-token logits), on the benchmark model."""
+    import bench_fastpath
+
+    from qharness.models import load_model_and_tokenizer
+    from qharness.parity import score_deployed
+    from qharness.runtime import PteModel
+
+    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    held = text_blocks(tokenizer, blocks, 129, held_out=True)
+    calib = text_blocks(tokenizer, 16, 128, held_out=False)
+    work.mkdir(parents=True, exist_ok=True)
+    ours = work / "ours_8da4w.pte"
+    export_ours(model, tokenizer, "xnnpack_8da4w", max_seq_len, ours, calib)
+    theirs = bench_fastpath.export_theirs(model, bench_fastpath.KINDS["8da4w"][1], max_seq_len, work / "export_llm", tokenizer.bos_token_id, [tokenizer.eos_token_id])["path"]
+    x, y = held[:, :-1].contiguous(), held[:, 1:].contiguous()
+    out = {name: score_deployed(PteModel(path), x, y, desc=f"scoring {name} 8da4w .pte")["ppl"] for name, path in (("ours", ours), ("theirs", Path(theirs)))}
+    with torch.no_grad():
+        out["fp_eager"] = math.exp(torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item())
+    n = y.numel()
+    out["blocks"], out["tokens"] = len(held), n
+    return out
+
+
+def table(rows: list[tuple]) -> str:
+    width = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, width)) for r in rows)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m", help="deployed-speed model: smollm2-135m, benchmark, embedded or an HF Llama directory")
+    p.add_argument("--train_model", default="benchmark", help="QAT-step and peer-accuracy model: benchmark, embedded or a directory")
+    p.add_argument("--recipes", nargs="+", default=RECIPES)
+    p.add_argument("--out", default="runs/bench_speed", help="directory for the .pte files and results.json")
+    p.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qharness-135m", help="where smollm2-135m is built")
+    p.add_argument("--max_seq_len", type=int, default=256)
+    p.add_argument("--prompt_len", type=int, default=128)
+    p.add_argument("--decode_tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3, help="repetitions per fresh process (after a warm-up)")
+    p.add_argument("--rounds", type=int, default=2, help="fresh processes per program, alternating")
+    p.add_argument("--train_batch", type=int, default=16, help="QAT/FP step batch (x 128 tokens)")
+    p.add_argument("--train_steps", type=int, default=5, help="timed steps per model (after 2 warm-up steps)")
+    p.add_argument("--profile", default=None, help="print torch.profiler's top ops of one QAT step of this recipe")
+    p.add_argument("--peer_blocks", type=int, default=32, help="held-out blocks of 128 tokens for the peer accuracy check")
+    p.add_argument("--no_peer", action="store_true", help="skip ExecuTorch's export_llm peer")
+    a = p.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    from qharness.bench import memory_bandwidth
+    from qharness.models import load_model_and_tokenizer
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    model_dir = resolve_model(a.model, a.work)
+    model, tokenizer = load_model_and_tokenizer(str(model_dir))
+    n_params = sum(p.numel() for p in model.parameters())
+    vocab = model.config.vocab_size
+    calib = text_blocks(tokenizer, 16, 128, held_out=False)
+
+    # part 1: deployed speed
+    exports, paths = {}, {}
+    for name in a.recipes:
+        print(f"exporting + lowering {name} ...", flush=True)
+        paths[name] = ("pte", out / f"{name}.pte")
+        exports[name] = export_ours(model, tokenizer, name, a.max_seq_len, paths[name][1], calib)
+    if not a.no_peer:
+        import bench_fastpath
+
+        print(f"exporting {PEER} (ExecuTorch's export_llama of the same weights) ...", flush=True)
+        r = bench_fastpath.export_theirs(model, bench_fastpath.KINDS["8da4w"][1], a.max_seq_len, out / "export_llm", tokenizer.bos_token_id, [tokenizer.eos_token_id])
+        paths[PEER] = ("pte", Path(r["path"]))
+        exports[PEER] = {"export_quantize_s": r["export_s"], "lower_s": 0.0, "export_path": "export_llm"}
+    paths["eager PyTorch (FP32)"] = ("eager", model_dir)
+    del model
+    bandwidth = memory_bandwidth()
+    print("timing ...", flush=True)
+    speed = time_all(paths, vocab, a.prompt_len, a.decode_tokens, a.reps, a.rounds)
+    fp = speed.get("xnnpack_fp32")
+
+    # part 2: training cost and peer accuracy on the benchmark model
+    train_dir = resolve_model(a.train_model, a.work)
+    print(f"timing training steps on {train_dir} ...", flush=True)
+    steps = step_times(train_dir, a.recipes, a.train_batch, 128, a.train_steps, a.profile)
+    accuracy = None if a.no_peer else peer_accuracy(train_dir, out / "peer_accuracy", a.peer_blocks, a.max_seq_len)
+
+    # report
+    print(f"\n== deployed speed: {a.model} ({n_params / 1e6:.1f}M parameters, FP32 {n_params * 4 / 2**20:.0f} MiB); prompt {a.prompt_len} "
+          f"tokens, {a.decode_tokens} decode steps; {a.reps} reps x {a.rounds} alternating fresh-process rounds (median of round medians); "
+          f"copy bandwidth {bandwidth:.1f} GB/s; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    rows = [("program", "size MB", "prefill tok/s", "decode tok/s", "decode x fp32 .pte", "prefill x fp32 .pte", "decode / bw bound", "export+lower s", "calib tok/s")]
+    for name, s in speed.items():
+        e = exports.get(name, {})
+        bound = bandwidth * 1e9 / s["weight_bytes"]
+        rows.append((name, f"{s['size_bytes'] / 1e6:.1f}", f"{s['prefill_tok_s']:.1f}", f"{s['decode_tok_s']:.2f}",
+                     f"{s['decode_tok_s'] / fp['decode_tok_s']:.2f}" if fp else "n/a", f"{s['prefill_tok_s'] / fp['prefill_tok_s']:.2f}" if fp else "n/a",
+                     f"{s['decode_tok_s'] / bound:.0%}", f"{e['export_quantize_s'] + e['lower_s']:.0f}" if e else "", f"{e['calibration_tok_s']:.0f}" if "calibration_tok_s" in e else ""))
+    print(table(rows))
+    print(f"\n== training step on {a.train_model} ({train_dir.name}), batch {a.train_batch} x 128, median of {a.train_steps} steps")
+    rows = [("model", "s/step", "x FP (exported)", "x FP (eager)")]
+    for name, s in steps.items():
+        rows.append((name, f"{s:.3f}", f"{s / steps['fp_exported']:.2f}", f"{s / steps['fp_eager']:.2f}"))
+    print(table(rows))
+    if accuracy:
+        print(f"\n== peer accuracy on {a.train_model}: held-out perplexity, {accuracy['blocks']} blocks ({accuracy['tokens']} tokens), .pte through the runtime")
+        print(f"ours xnnpack_8da4w {accuracy['ours']:.3f}   export_llm 8da4w {accuracy['theirs']:.3f}   eager FP32 {accuracy['fp_eager']:.3f}")
+
+    print("\n== targets")
+    checks = []
+    if fp and "xnnpack_int8_dynamic" in speed:
+        checks.append(("int8 .pte decode >= 2x fp32 .pte", speed["xnnpack_int8_dynamic"]["decode_tok_s"] / fp["decode_tok_s"], 2.0, True))
+    four = [n for n in ("xnnpack_int4w_dynamic", "xnnpack_8da4w") if n in speed]
+    if fp and four:
+        best = max(four, key=lambda n: speed[n]["decode_tok_s"])
+        checks.append((f"best 4-bit .pte decode ({best}) >= 2.5x fp32 .pte", speed[best]["decode_tok_s"] / fp["decode_tok_s"], 2.5, True))
+    for name in a.recipes:
+        if name in steps:
+            checks.append((f"{name} QAT step <= 1.5x FP step", steps[name] / steps["fp_exported"], 1.5, False))
+    if PEER in speed and "xnnpack_8da4w" in speed:
+        checks.append(("8da4w decode ours / export_llm <= 1.0", speed[PEER]["decode_tok_s"] / speed["xnnpack_8da4w"]["decode_tok_s"], 1.0, False))
+        checks.append(("8da4w prefill ours / export_llm <= 1.0", speed[PEER]["prefill_tok_s"] / speed["xnnpack_8da4w"]["prefill_tok_s"], 1.0, False))
+    if accuracy:
+        checks.append(("8da4w ppl ours / export_llm <= 1.0", accuracy["ours"] / accuracy["theirs"], 1.0, False))
+    for label, value, target, higher in checks:
+        ok = value >= target if higher else value <= target
+        print(f"{label}: {value:.2f} {'MET' if ok else 'NOT MET'}")
+    print(f"(whole run {time.perf_counter() - t_all:.0f} s)")
+    result = {"args": {k: str(v) for k, v in vars(a).items()}, "params": n_params, "bandwidth_gb_s": bandwidth, "speed": speed,
+              "exports": exports, "train_step_s": steps, "peer_accuracy": accuracy, "load_avg": os.getloadavg()}
+    (out / "results.json").write_text(json.dumps(result, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
