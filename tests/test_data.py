@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -52,3 +54,18 @@ def test_jsonl_source_with_text_field(tiny_llama, tmp_path, shakespeare):
     dm = TextDataModule(source=str(path), text_field="body", tokenizer=str(tiny_llama), seq_len=16, batch_size=2)
     dm.setup()
     assert dm.train_x.shape[1] == 16 and len(dm.val_x) >= 2
+
+
+def test_embedded_architecture_pretrains_on_a_given_source_once(shakespeare, tmp_path, monkeypatch):
+    from qharness.models import EmbeddedSpec, embedded_dir
+
+    monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
+    spec = EmbeddedSpec(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, batch_size=4, seq_len=32, steps=40)
+    out = embedded_dir(spec, str(shakespeare))
+    info = json.loads((out / "qharness_pretrain.json").read_text())
+    assert out.name.startswith(shakespeare.stem + "-llama-") and (out / "config.json").is_file()
+    assert [s for s, _ in info["val_loss"]] == list(range(4, 41, 4))  # held-out loss every tenth of the steps
+    assert info["val_loss"][-1][1] < info["val_loss"][0][1]
+    stamp = (out / "config.json").stat().st_mtime_ns
+    assert embedded_dir(spec, str(shakespeare)) == out and (out / "config.json").stat().st_mtime_ns == stamp  # cached
