@@ -145,7 +145,7 @@ def step_times(model_dir: Path, recipes: list[str], batch_size: int, seq_len: in
 
     def timed(graph, name):
         if isinstance(graph, torch.fx.GraphModule):
-            compat.pt2e().move_exported_model_to_train(graph)
+            compat.pt2e().move_to_train(graph)
         else:
             graph.train()
         opt = torch.optim.AdamW(graph.parameters(), lr=1e-5)
@@ -196,7 +196,11 @@ def peer_accuracy(model_dir: Path, work: Path, blocks: int, max_seq_len: int) ->
     export_ours(model, tokenizer, "xnnpack_8da4w", max_seq_len, ours, calib)
     theirs = bench_fastpath.export_theirs(model, bench_fastpath.KINDS["8da4w"][1], max_seq_len, work / "export_llm", tokenizer.bos_token_id, [tokenizer.eos_token_id])["path"]
     x, y = held[:, :-1].contiguous(), held[:, 1:].contiguous()
-    out = {name: score_deployed(PteModel(path), x, y, desc=f"scoring {name} 8da4w .pte")["ppl"] for name, path in (("ours", ours), ("theirs", Path(theirs)))}
+    out = {}
+    for name, path in (("ours", ours), ("theirs", Path(theirs))):
+        pte, vocab = PteModel(path), model.config.vocab_size
+        # export_llm's .pte returns [1, vocab] (the last position); as [1, positions, vocab] both score alike
+        out[name] = score_deployed(lambda t, s: pte(t, s).reshape(1, -1, vocab), x, y, desc=f"scoring {name} 8da4w .pte")["ppl"]
     with torch.no_grad():
         out["fp_eager"] = math.exp(torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item())
     n = y.numel()
