@@ -7,8 +7,9 @@ QAT, ``qharness calibrate`` for PTQ) from the generated ``sweep_config.yaml`` th
 console and to ``sweep.log`` there. A failed run is recorded and the sweep goes on. A re-run skips every run
 that finished with the same generated config (``sweep_status.json`` + ``summary.json``); ``--force`` reruns
 all. The embedded default model is resolved (pretrained once, cached) before the first run, so the runs share
-it; the eager FP model is benchmarked and lm-eval'd only in the first run (``bench.eager: false`` and
-``eval.models: [fake_quant, pte]`` in the others, unless the config sets them). The sweep ends with ``qharness report <sweep_dir>`` (``report`` section: metric and budgets).
+it; the eager FP model is benchmarked only in the first run (``bench.eager: false`` in the others). lm-eval
+(unless the config sets ``eval.models``) scores the FP model and ``.pte`` in the baseline run, the ``.pte`` in
+PTQ runs and the fake-quant model and ``.pte`` in QAT runs. The sweep ends with ``qharness report <sweep_dir>`` (``report`` section: metric and budgets).
 
 Example config::
 
@@ -141,9 +142,11 @@ def plan(spec: dict) -> list[SweepRun]:
             config = deep_merge(spec["config"], _mapping(entry.get("config"), f"sweep run {name}: config"))
             config = deep_merge(config, {"model": {"recipe": entry["recipe"], "mode": mode}, "trainer": {"default_root_dir": str(run_dir)}})
             config.setdefault("wandb", {}).setdefault("group", sweep_dir.name)
-            if runs:  # the FP model is the same in every run: benchmarked and evaluated once, in the first (baseline) run
+            # lm-eval: the FP model once (the baseline run), then each run's trained fake-quant model (QAT) and
+            # .pte; the converted model, which would stand in for PTQ's fake-quant, matches the .pte (parity gate)
+            config.setdefault("eval", {}).setdefault("models", (["fp"] if not runs else ["fake_quant"] if mode == "qat" else []) + ["pte"])
+            if runs:  # the eager FP model is the same in every run: benchmarked once, in the first (baseline) run
                 config.setdefault("bench", {}).setdefault("eager", False)
-                config.setdefault("eval", {}).setdefault("models", ["fake_quant", "pte"])
             runs.append(SweepRun(name, entry["recipe"], mode, config, run_dir))
     return runs
 

@@ -59,7 +59,7 @@ def resolve_model(name: str, work: Path) -> Path:
         if not bench_quality.DEFAULT_CORPUS.is_file():
             print(f"{bench_quality.DEFAULT_CORPUS} is absent: the benchmark model falls back to the embedded default", flush=True)
             return resolve_model("embedded", work)
-        return bench_quality.benchmark_model(str(bench_quality.DEFAULT_CORPUS.resolve()), 3000)
+        return bench_quality.benchmark_model(str(bench_quality.DEFAULT_CORPUS.resolve()), bench_quality.PRETRAIN_STEPS)
     if name == "embedded":
         from qharness.models import embedded_dir
 

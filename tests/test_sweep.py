@@ -63,7 +63,7 @@ def test_plan_puts_the_baseline_first_with_one_run_dir_each(tmp_path):
     assert qat.config["model"] == {"checkpoint": str(tmp_path / "some_model"), "recipe": "xnnpack_int8_dynamic", "mode": "qat"}
     assert qat.config["wandb"] == {"group": "sweep"}
     assert "bench" not in runs[0].config and qat.config["bench"] == {"eager": False}  # the eager FP model is measured once
-    assert "eval" not in runs[0].config and qat.config["eval"] == {"models": ["fake_quant", "pte"]}  # and evaluated once
+    assert [r.config["eval"]["models"] for r in runs] == [["fp", "pte"], ["pte"], ["fake_quant", "pte"], ["pte"]]  # FP evaluated once
 
 
 def test_rerun_skips_finished_runs_retries_failed_ones_and_reruns_changed_configs(tmp_path):
