@@ -138,7 +138,7 @@ def main(argv=None) -> None:
     p.add_argument("--qat_steps", type=int, default=200, help="QAT (and FP control) optimizer steps")
     p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate of QAT (cosine decay after 10%% warm-up)")
     p.add_argument("--batch_size", type=int, default=16)
-    p.add_argument("--eval_blocks", type=int, default=128, help="held-out blocks of 128 tokens scored on every .pte")
+    p.add_argument("--eval_blocks", type=int, default=64, help="held-out blocks of 128 tokens scored on every .pte")
     p.add_argument("--force", action="store_true", help="redo every run (the pretrained model stays cached)")
     a = p.parse_args(argv)
     corpus = Path(a.corpus).expanduser()
