@@ -119,8 +119,14 @@ def hf_to_meta(model) -> tuple[dict, dict]:
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}, params
 
 
-def export_theirs(model, quant: dict, max_seq_len: int, out_dir: Path, bos_id, eos_ids) -> dict:
-    """``export_llama(LlmConfig)`` of ExecuTorch's Llama holding ``model``'s weights; returns timings and the path."""
+def export_theirs(model, quant: dict, max_seq_len: int, out_dir: Path, bos_id, eos_ids, fast_lowering: bool = False) -> dict:
+    """``export_llama(LlmConfig)`` of ExecuTorch's Llama holding ``model``'s weights; returns timings and the path.
+
+    ``fast_lowering``: run it inside ``qharness.compat.fast_lowering()`` (the same ``.pte``, byte for byte, in a
+    fraction of the time: upstream lowering of a 30-layer model takes tens of minutes here)."""
+    import contextlib
+
+    from qharness import compat
     from executorch.examples.models.llama.export_llama_lib import export_llama
     from executorch.extension.llm.export.config.llm_config import LlmConfig, ModelType, Pt2eQuantize
 
@@ -151,7 +157,8 @@ def export_theirs(model, quant: dict, max_seq_len: int, out_dir: Path, bos_id, e
         cfg.quantization.pt2e_quantize = Pt2eQuantize(quant["pt2e_quantize"])
     t = time.perf_counter()
     try:
-        path = export_llama(cfg)
+        with compat.fast_lowering() if fast_lowering else contextlib.nullcontext():
+            path = export_llama(cfg)
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     return {"export_s": time.perf_counter() - t, "path": path}
