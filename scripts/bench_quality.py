@@ -61,7 +61,7 @@ def sweep_config(out: Path, model_dir: Path, corpus: str, recipes: list[str], ar
         "config": {
             "model": {"checkpoint": str(model_dir), "lr": args.lr, "warmup_steps": max(1, args.qat_steps // 10)},
             "data": {"source": str(corpus), "seq_len": 128, "batch_size": args.batch_size},
-            "trainer": {"max_steps": args.qat_steps, "val_check_interval": args.qat_steps, "limit_val_batches": 8},
+            "trainer": {"max_steps": args.qat_steps, "val_check_interval": min(args.qat_steps, 100), "limit_val_batches": 8},
             "deploy": {"max_seq_len": 256},
             "parity": {"eval_blocks": args.eval_blocks},
             "calibration": {"blocks": 64},
