@@ -227,12 +227,14 @@ def _register_builtins() -> None:
     @register_quantizer("torchao_8da4w")
     def _torchao_8da4w(settings: dict, is_qat: bool):
         """torchao int8 dynamic per-token activations + intN grouped weights on every nn.Linear, optionally
-        weight-only embedding quantization. settings: group_size (32), weight_bits (4), embedding_bits (null/4/8)."""
+        weight-only embedding quantization. settings: group_size (32), weight_bits (4), embedding_bits (null/4/8),
+        choose_qparams (``affine``: min-max scales, what QAT's fake quantization trains against; ``hqq_scale_only``:
+        HQQ-optimised scales, export_llm's default for 8da4w PTQ, for PTQ-only recipes)."""
         import torch
         from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
         from torchao.quantization.granularity import PerAxis, PerGroup
 
-        allowed = {"group_size", "weight_bits", "embedding_bits"}
+        allowed = {"group_size", "weight_bits", "embedding_bits", "choose_qparams"}
         unknown = set(settings) - allowed
         if unknown:
             raise UserError(f"torchao_8da4w quantizer: unknown setting(s) {sorted(unknown)}", fix=f"known: {sorted(allowed)}")
@@ -242,9 +244,16 @@ def _register_builtins() -> None:
         if weight_bits not in bits or (emb_bits is not None and int(emb_bits) not in bits):
             raise UserError("torchao_8da4w quantizer: weight_bits and embedding_bits must be 4 or 8")
         group = int(settings.get("group_size", 32))
+        algorithm = settings.get("choose_qparams", "affine")
+        if algorithm not in ("affine", "hqq_scale_only"):
+            raise UserError(f"torchao_8da4w quantizer: choose_qparams {algorithm!r} is unknown", fix="use affine or hqq_scale_only")
+        if is_qat and algorithm != "affine":
+            raise UserError(f"torchao_8da4w quantizer: choose_qparams {algorithm!r} has no QAT fake quantization (it trains affine scales)",
+                            fix="use it in PTQ-only recipes (modes: [ptq]), or choose_qparams: affine")
         configs = [
             (
-                Int8DynamicActivationIntxWeightConfig(weight_dtype=bits[weight_bits], weight_granularity=PerGroup(group)),
+                Int8DynamicActivationIntxWeightConfig(weight_dtype=bits[weight_bits], weight_granularity=PerGroup(group),
+                                                      intx_choose_qparams_algorithm=algorithm),
                 lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group == 0,
             )
         ]

@@ -51,3 +51,25 @@ def test_cyclic_base(tmp_path):
     (tmp_path / "b.yaml").write_text(f"base: {tmp_path / 'a.yaml'}\n")
     with pytest.raises(UserError, match="extends itself"):
         load_recipe(str(tmp_path / "a.yaml"))
+
+
+def test_8da4w_hqq_recipe_is_ptq_only_and_lowers_weight_error():
+    """HQQ-optimised scales (export_llm's 8da4w default) reconstruct the weights better than min-max scales;
+    QAT, which trains against min-max scales, refuses them."""
+    import copy
+
+    import torch
+
+    r = load_recipe("xnnpack_8da4w_hqq")
+    assert r.modes == ("ptq",) and r.quantizer["choose_qparams"] == "hqq_scale_only"
+    with pytest.raises(UserError, match="choose_qparams 'hqq_scale_only' has no QAT"):
+        r.make_quantizer(is_qat=True)
+    torch.manual_seed(0)
+    linear = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False))
+    x = torch.randn(64, 256)
+    errors = {}
+    for name in ("xnnpack_8da4w", "xnnpack_8da4w_hqq"):
+        m = copy.deepcopy(linear)
+        load_recipe(name).make_quantizer(is_qat=False).convert(m)
+        errors[name] = (m(x) - linear(x)).pow(2).mean().item()
+    assert 0 < errors["xnnpack_8da4w_hqq"] < errors["xnnpack_8da4w"]
