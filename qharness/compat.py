@@ -381,7 +381,7 @@ def _namespace_of(nodes: list):
         parts = _NAME_PARTS.get(name)
         if parts is None:
             match = _name_regex.match(name)
-            if match is None or name in _illegal_names or name in used:
+            if match is None or name in _illegal_names:
                 return _namespace_by_create_name(nodes)
             base, num = match.group(1, 2)
             parts = _NAME_PARTS[name] = (base, None if num is None else int(num))
