@@ -70,19 +70,16 @@ def resolve_model(name: str, work: Path) -> Path:
     return path
 
 
-def text_blocks(tokenizer, n: int, length: int, held_out: bool) -> torch.Tensor:
-    """``[n, length]`` token blocks of real text: tinyshakespeare's held-out tail when present (else the embedded
-    corpus); ``held_out=False`` takes the start of the training part (calibration)."""
+def text_data(model_dir: Path, seq_len: int = 128):
+    """The runs' data split (``TextDataModule``) with ``model_dir``'s tokenizer: tinyshakespeare when present, else
+    the embedded corpus. ``train_x`` feeds calibration and training steps, ``val_x``/``val_y`` the held-out scoring."""
     import bench_quality
-    from qharness.data import load_texts, tokenize_stream
-    from qharness.models import embedded_corpus
+    from qharness.data import TextDataModule
 
-    texts = load_texts(str(bench_quality.DEFAULT_CORPUS)) if bench_quality.DEFAULT_CORPUS.is_file() else embedded_corpus(400_000)
-    stream = tokenize_stream(texts, tokenizer)
-    start = len(stream) - int(len(stream) * 0.1) if held_out else 0
-    blocks = stream[start : start + n * length + 1]
-    n = min(n, (len(blocks) - 1) // length)
-    return blocks[: n * length].view(n, length)
+    source = str(bench_quality.DEFAULT_CORPUS) if bench_quality.DEFAULT_CORPUS.is_file() else "embedded"
+    dm = TextDataModule(source=source, tokenizer=str(model_dir), seq_len=seq_len, batch_size=1)
+    dm.setup()
+    return dm
 
 
 def export_ours(model, tokenizer, recipe_name: str, max_seq_len: int, path: Path, calib: torch.Tensor) -> dict:
@@ -139,9 +136,9 @@ def step_times(model_dir: Path, recipes: list[str], batch_size: int, seq_len: in
     from qharness.module import LogitsOnly, export_for_training, prepare_for_training
     from qharness.recipes import load_recipe
 
-    base, tokenizer = load_model_and_tokenizer(str(model_dir))
-    x = text_blocks(tokenizer, batch_size, seq_len + 1, held_out=False)
-    x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    base, _ = load_model_and_tokenizer(str(model_dir))
+    dm = text_data(model_dir, seq_len)
+    x, y = dm.train_x[:batch_size], dm.train_y[:batch_size]
 
     def timed(graph, name):
         if isinstance(graph, torch.fx.GraphModule):
@@ -189,14 +186,14 @@ def peer_accuracy(model_dir: Path, work: Path, blocks: int, max_seq_len: int) ->
     from qharness.runtime import PteModel
 
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
-    held = text_blocks(tokenizer, blocks, 129, held_out=True)
-    calib = text_blocks(tokenizer, 16, 128, held_out=False)
+    dm = text_data(model_dir)
+    calib = dm.train_x[:16]
     work.mkdir(parents=True, exist_ok=True)
     ours = {name: work / f"{name}.pte" for name in ("xnnpack_8da4w", "xnnpack_8da4w_hqq")}  # min-max / HQQ scales (export_llm's default)
     for name, path in ours.items():
         export_ours(model, tokenizer, name, max_seq_len, path, calib)
     theirs = bench_fastpath.export_theirs(model, bench_fastpath.KINDS["8da4w"][1], max_seq_len, work / "export_llm", tokenizer.bos_token_id, [tokenizer.eos_token_id], fast_lowering=True)["path"]
-    x, y = held[:, :-1].contiguous(), held[:, 1:].contiguous()
+    x, y = dm.val_x[:blocks], dm.val_y[:blocks]
     out = {}
     for name, path in [*ours.items(), ("theirs", Path(theirs))]:
         pte, vocab = PteModel(path), model.config.vocab_size
@@ -205,7 +202,7 @@ def peer_accuracy(model_dir: Path, work: Path, blocks: int, max_seq_len: int) ->
     with torch.no_grad():
         out["fp_eager"] = math.exp(torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item())
     n = y.numel()
-    out["blocks"], out["tokens"] = len(held), n
+    out["blocks"], out["tokens"] = len(x), n
     return out
 
 
@@ -248,7 +245,7 @@ def main(argv=None) -> None:
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     n_params = sum(p.numel() for p in model.parameters())
     vocab = model.config.vocab_size
-    calib = text_blocks(tokenizer, 16, 128, held_out=False)
+    calib = text_data(model_dir).train_x[:16]
 
     # part 1: deployed speed
     exports, paths = {}, {}
