@@ -1,3 +1,3 @@
-from qharness.cli import main
+from qharness.cli.main import main
 
 main()

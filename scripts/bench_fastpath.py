@@ -1,11 +1,11 @@
 """Our fast-path ``.pte`` against ExecuTorch's own LLM export (``export_llm``) of the same weights.
 
 For each kind (fp32, int8 dynamic, 8da4w) both programs are built from one HF Llama: ours through
-``qharness.lower`` (the recipe ``xnnpack_fp32`` / ``xnnpack_int8_dynamic`` / ``xnnpack_8da4w``), theirs by
+``qharness.deploy.lower`` (the recipe ``xnnpack_fp32`` / ``xnnpack_int8_dynamic`` / ``xnnpack_8da4w``), theirs by
 mapping the HF weights into ExecuTorch's Llama definition (``examples/models/llama``: a Meta-format
 checkpoint + ``params.json``) and running ``export_llama(LlmConfig)`` with the KV cache, custom SDPA,
 dynamic shapes and XNNPACK (``extended_ops``) on. Each ``.pte`` is then measured in a fresh process with
-``qharness.bench.measure`` (same prompt, decode length and repetitions for both): prefill and decode
+``qharness.runtime.bench.measure`` (same prompt, decode length and repetitions for both): prefill and decode
 ms/token and the ratios ours/theirs. Targets: decode ratio <= 1.05, prefill ratio <= 1.
 
     python scripts/bench_fastpath.py                       # the embedded default model
@@ -37,7 +37,7 @@ KINDS = {  # kind: (our recipe, their LlmConfig.quantization settings)
 def load_model(source: str):
     """``(HF LlamaForCausalLM, bos_id, eos_ids)``: "embedded" (the default model) or "random"
     (a random-init Llama with 4 layers, dim 256, 8 heads, 4 KV heads, FFN 768, vocab 2048)."""
-    from qharness.models import load_model_and_tokenizer, resolve_checkpoint
+    from qharness.sources.models import load_model_and_tokenizer, resolve_checkpoint
 
     if source == "random":
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -52,8 +52,8 @@ def load_model(source: str):
 
 def export_ours(model, recipe_name: str, max_seq_len: int, path: Path, bos_id, eos_ids) -> dict:
     """Our ``.pte`` of ``recipe_name`` (PTQ, calibrated on 4 random blocks); returns timings and the export path."""
-    from qharness.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
-    from qharness.recipes import load_recipe
+    from qharness.deploy.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.recipes.registry import load_recipe
 
     recipe = load_recipe(recipe_name)
     vocab = model.config.vocab_size
@@ -73,17 +73,17 @@ def export_ours(model, recipe_name: str, max_seq_len: int, path: Path, bos_id, e
 def export_ours_all_logits(model, max_seq_len: int, path: Path, bos_id, eos_ids) -> None:
     """Our fp32 fast path returning every position's logits (``FastDecoder(all_logits=True)``): what keeping
     all-position logits would cost in prefill."""
-    from qharness import compat
-    from qharness.fastpath import export_fast
-    from qharness.lower import runner_metadata
-    from qharness.recipes import load_recipe
+    from qharness.upstream import imports
+    from qharness.deploy.fastpath import export_fast
+    from qharness.deploy.lower import runner_metadata
+    from qharness.recipes.registry import load_recipe
 
     recipe = load_recipe("xnnpack_fp32")
     m = copy.deepcopy(model).requires_grad_(False)
     ep = export_fast(m, max_seq_len, all_logits=True).run_decompositions({})
     meta = runner_metadata(max_seq_len, model.config.vocab_size, bos_id, eos_ids, use_sdpa_with_kv_cache=True)
-    edge = compat.to_edge_transform_and_lower(ep, partitioner=recipe.make_partitioners(), constant_methods=meta)
-    path.write_bytes(edge.to_executorch(compat.executorch_backend_config()).buffer)
+    edge = imports.to_edge_transform_and_lower(ep, partitioner=recipe.make_partitioners(), constant_methods=meta)
+    path.write_bytes(edge.to_executorch(imports.executorch_backend_config()).buffer)
 
 
 def hf_to_meta(model) -> tuple[dict, dict]:
@@ -122,11 +122,11 @@ def hf_to_meta(model) -> tuple[dict, dict]:
 def export_theirs(model, quant: dict, max_seq_len: int, out_dir: Path, bos_id, eos_ids, fast_lowering: bool = False) -> dict:
     """``export_llama(LlmConfig)`` of ExecuTorch's Llama holding ``model``'s weights; returns timings and the path.
 
-    ``fast_lowering``: run it inside ``qharness.compat.fast_lowering()`` (the same ``.pte``, byte for byte, in a
+    ``fast_lowering``: run it inside ``qharness.lowering.fast_lowering()`` (the same ``.pte``, byte for byte, in a
     fraction of the time: upstream lowering of a 30-layer model takes tens of minutes here)."""
     import contextlib
 
-    from qharness import compat
+    from qharness.upstream import lowering
     from executorch.examples.models.llama.export_llama_lib import export_llama
     from executorch.extension.llm.export.config.llm_config import LlmConfig, ModelType, Pt2eQuantize
 
@@ -157,7 +157,7 @@ def export_theirs(model, quant: dict, max_seq_len: int, out_dir: Path, bos_id, e
         cfg.quantization.pt2e_quantize = Pt2eQuantize(quant["pt2e_quantize"])
     t = time.perf_counter()
     try:
-        with compat.fast_lowering() if fast_lowering else contextlib.nullcontext():
+        with lowering.fast_lowering() if fast_lowering else contextlib.nullcontext():
             path = export_llama(cfg)
     finally:
         shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -167,7 +167,7 @@ def export_theirs(model, quant: dict, max_seq_len: int, out_dir: Path, bos_id, e
 def agreement(ours: Path, theirs: Path, vocab: int, prompt_len: int = 32, decode: int = 16) -> dict:
     """Both ``.pte``s on one random prompt, then greedy decoding (ours' tokens fed to both): the largest
     last-token logit difference and how often both pick the same token."""
-    from qharness.runtime import PteModel
+    from qharness.runtime.pte import PteModel
 
     a, b = PteModel(ours), PteModel(theirs)
     prompt = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(2))
@@ -181,10 +181,10 @@ def agreement(ours: Path, theirs: Path, vocab: int, prompt_len: int = 32, decode
 
 
 def time_both(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps: int, rounds: int) -> dict:
-    """``qharness.bench.measure`` of each ``.pte`` in a fresh process, alternating ours/theirs for ``rounds``
+    """``qharness.runtime.bench.measure`` of each ``.pte`` in a fresh process, alternating ours/theirs for ``rounds``
     rounds (so load swings hit both); returns per model the median over rounds of the per-round medians
     and the best round, in ms/token."""
-    from qharness.bench import measure_in_fresh_process
+    from qharness.runtime.bench import measure_in_fresh_process
 
     per = {name: {"prefill": [], "decode": []} for name in paths}
     for _ in range(rounds):

@@ -39,8 +39,8 @@ PRETRAIN_STEPS = 1500  # tinyshakespeare's held-out loss is lowest here (3.92 at
 
 
 def benchmark_model(corpus: str, steps: int) -> Path:
-    """The embedded architecture pretrained on ``corpus`` for ``steps`` steps (cached; see qharness.models)."""
-    from qharness.models import EmbeddedSpec, embedded_dir
+    """The embedded architecture pretrained on ``corpus`` for ``steps`` steps (cached; see qharness.sources.models)."""
+    from qharness.sources.embedded import EmbeddedSpec, embedded_dir
 
     return embedded_dir(replace(EmbeddedSpec(), steps=steps), str(corpus))
 

@@ -6,7 +6,7 @@ built once; speed depends on shapes, not on weight values; or ``benchmark``, or 
 for xnnpack_fp32, xnnpack_int8_dynamic, xnnpack_int4w_dynamic and xnnpack_8da4w our ``.pte`` is exported
 (PTQ; calibration throughput and export + lowering time are recorded), ExecuTorch's own LLM export
 (``export_llama``, 8da4w, group 32) of the same weights is the peer, and the eager PyTorch model is the
-floor. Each is then timed in fresh processes (``qharness.bench.measure``: prefill ``--prompt_len`` tokens in
+floor. Each is then timed in fresh processes (``qharness.runtime.bench.measure``: prefill ``--prompt_len`` tokens in
 one call, decode ``--decode_tokens`` one by one), the programs alternating over ``--rounds`` rounds so load
 swings hit all of them. Decode is also given as a fraction of the memory-bandwidth bound (measured copy
 bandwidth / ``.pte`` bytes: every token reads every weight once).
@@ -61,7 +61,7 @@ def resolve_model(name: str, work: Path) -> Path:
             return resolve_model("embedded", work)
         return bench_quality.benchmark_model(str(bench_quality.DEFAULT_CORPUS.resolve()), bench_quality.PRETRAIN_STEPS)
     if name == "embedded":
-        from qharness.models import embedded_dir
+        from qharness.sources.embedded import embedded_dir
 
         return embedded_dir()
     path = Path(name).expanduser()
@@ -74,7 +74,7 @@ def text_data(model_dir: Path, seq_len: int = 128):
     """The runs' data split (``TextDataModule``) with ``model_dir``'s tokenizer: tinyshakespeare when present, else
     the embedded corpus. ``train_x`` feeds calibration and training steps, ``val_x``/``val_y`` the held-out scoring."""
     import bench_quality
-    from qharness.data import TextDataModule
+    from qharness.data.datamodule import TextDataModule
 
     source = str(bench_quality.DEFAULT_CORPUS) if bench_quality.DEFAULT_CORPUS.is_file() else "embedded"
     dm = TextDataModule(source=source, tokenizer=str(model_dir), seq_len=seq_len, batch_size=1)
@@ -84,10 +84,10 @@ def text_data(model_dir: Path, seq_len: int = 128):
 
 def export_ours(model, tokenizer, recipe_name: str, max_seq_len: int, path: Path, calib: torch.Tensor) -> dict:
     """Our PTQ ``.pte`` of ``recipe_name``: export+quantize and lowering times, calibration tokens/s."""
-    from qharness.calibration import calibrate
-    from qharness.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
-    from qharness.pipeline import eos_ids
-    from qharness.recipes import load_recipe
+    from qharness.training.calibration import calibrate
+    from qharness.deploy.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.run.pipeline import eos_ids
+    from qharness.recipes.registry import load_recipe
 
     recipe = load_recipe(recipe_name)
     calib_s = []
@@ -112,7 +112,7 @@ def export_ours(model, tokenizer, recipe_name: str, max_seq_len: int, path: Path
 
 def time_all(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps: int, rounds: int) -> dict:
     """Every program in a fresh process per round, alternating; per program the median of the round medians."""
-    from qharness.bench import measure_in_fresh_process
+    from qharness.runtime.bench import measure_in_fresh_process
 
     per = {name: {"prefill": [], "decode": [], "size": 0, "weight_bytes": 0} for name in paths}
     for r in range(rounds):
@@ -131,10 +131,10 @@ def step_times(model_dir: Path, recipes: list[str], batch_size: int, seq_len: in
     exported for training (what an FP fine-tune trains), the eager FP model, and each recipe's QAT model."""
     import torch.nn.functional as F
 
-    from qharness import compat
-    from qharness.models import load_model_and_tokenizer
-    from qharness.module import LogitsOnly, export_for_training, prepare_for_training
-    from qharness.recipes import load_recipe
+    from qharness.upstream import imports
+    from qharness.sources.models import load_model_and_tokenizer
+    from qharness.training.module import LogitsOnly, export_for_training, prepare_for_training
+    from qharness.recipes.registry import load_recipe
 
     base, _ = load_model_and_tokenizer(str(model_dir))
     dm = text_data(model_dir, seq_len)
@@ -142,7 +142,7 @@ def step_times(model_dir: Path, recipes: list[str], batch_size: int, seq_len: in
 
     def timed(graph, name):
         if isinstance(graph, torch.fx.GraphModule):
-            compat.pt2e().move_to_train(graph)
+            imports.pt2e().move_to_train(graph)
         else:
             graph.train()
         opt = torch.optim.AdamW(graph.parameters(), lr=1e-5)
@@ -181,9 +181,9 @@ def peer_accuracy(model_dir: Path, work: Path, blocks: int, max_seq_len: int) ->
     (one token per call: export_llm's ``.pte`` returns last-token logits), on the benchmark model."""
     import bench_fastpath
 
-    from qharness.models import load_model_and_tokenizer
-    from qharness.parity import score_deployed
-    from qharness.runtime import PteModel
+    from qharness.sources.models import load_model_and_tokenizer
+    from qharness.checks.parity import score_deployed
+    from qharness.runtime.pte import PteModel
 
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     dm = text_data(model_dir)
@@ -228,15 +228,15 @@ def main(argv=None) -> None:
     p.add_argument("--profile", default=None, help="print torch.profiler's top ops of one QAT step of this recipe")
     p.add_argument("--peer_blocks", type=int, default=32, help="held-out blocks of 128 tokens for the peer accuracy check")
     p.add_argument("--no_peer", action="store_true", help="skip ExecuTorch's export_llm peer")
-    p.add_argument("--upstream_lowering", action="store_true", help="export the peer without qharness.compat.fast_lowering "
+    p.add_argument("--upstream_lowering", action="store_true", help="export the peer without qharness.lowering.fast_lowering "
                    "(the same .pte; upstream lowering of the 135M model took over 10 minutes here)")
     p.add_argument("--reuse", action="store_true", help="time the .pte files an earlier run left in --out (their export times come from export.json)")
     a = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    from qharness.bench import memory_bandwidth
-    from qharness.models import load_model_and_tokenizer
+    from qharness.runtime.bench import memory_bandwidth
+    from qharness.sources.models import load_model_and_tokenizer
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Lowering time, upstream vs qharness (``compat.fast_lowering``), side by side, and whether the .pte is the same.
+"""Lowering time, upstream vs qharness (``lowering.fast_lowering``), side by side, and whether the .pte is the same.
 
 For each model and recipe the deployable graph is built (``quantize_for_deploy``, fixed calibration data)
 and lowered by ``lower_to_pte`` in a fresh process, once with ``QHARNESS_UPSTREAM_LOWERING=1`` (ExecuTorch
@@ -29,14 +29,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def model_dir(name: str, work: Path) -> str:
     if name != "tiny":
-        from qharness.models import resolve_checkpoint
+        from qharness.sources.models import resolve_checkpoint
 
         return resolve_checkpoint(name)
     out = work / "tiny-llama"
     if not (out / "config.json").is_file():
         import torch
 
-        from qharness.models import EmbeddedSpec, embedded_corpus, new_llama, train_bpe_tokenizer
+        from qharness.sources.embedded import EmbeddedSpec, new_llama
+        from qharness.sources.text import embedded_corpus
+        from qharness.sources.tokenizer import train_bpe_tokenizer
 
         tok = train_bpe_tokenizer(embedded_corpus(max_chars=200_000), 384)
         spec = EmbeddedSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -49,9 +51,9 @@ def model_dir(name: str, work: Path) -> str:
 def child(path: str, recipe_name: str, max_seq_len: int) -> dict:
     import torch
 
-    from qharness.lower import lower_to_pte, quantize_for_deploy
-    from qharness.models import load_model_and_tokenizer
-    from qharness.recipes import load_recipe
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy
+    from qharness.sources.models import load_model_and_tokenizer
+    from qharness.recipes.registry import load_recipe
 
     model, tok = load_model_and_tokenizer(path)
     recipe = load_recipe(recipe_name)

@@ -4,7 +4,7 @@ The model is random-init (the shapes are what matter for time and memory), saved
 with a byte-level BPE tokenizer trained on the embedded corpus, under ``--work`` (built once). The stages
 then run in one fresh process, as ``qharness calibrate`` runs them: load, static-KV-cache export +
 ``prepare_pt2e`` + calibration + ``convert_pt2e`` (``quantize_for_deploy``), lowering to ``.pte``
-(``lower_to_pte``), then the ``.pte`` benchmark (``qharness.bench``, its own processes). Per stage: wall
+(``lower_to_pte``), then the ``.pte`` benchmark (``qharness.runtime.bench``, its own processes). Per stage: wall
 time and the process's peak RSS during the stage (Linux ``VmHWM``, reset before each stage through
 ``/proc/self/clear_refs``). Targets: export + lowering <= 2 minutes, peak RSS <= 4x the FP32 model size.
 
@@ -49,7 +49,8 @@ def make_model(out: Path) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from qharness.models import embedded_corpus, train_bpe_tokenizer
+    from qharness.sources.text import embedded_corpus
+    from qharness.sources.tokenizer import train_bpe_tokenizer
 
     tokenizer = train_bpe_tokenizer(embedded_corpus(), SMOLLM2_135M["vocab_size"])
     torch.manual_seed(0)
@@ -100,17 +101,20 @@ def run_stages(model_dir: Path, recipe_name: str, max_seq_len: int, calib_blocks
         import torch
         import transformers  # noqa: F401
 
-        from qharness import compat
-        from qharness.calibration import calibrate
-        from qharness.data import tokenize_stream
-        from qharness.lower import lower_to_pte, quantize_for_deploy, runner_metadata
-        from qharness.models import embedded_corpus, load_model_and_tokenizer
-        from qharness.pipeline import eos_ids
-        from qharness.recipes import load_recipe
+        from qharness.upstream import imports
+        from qharness.upstream import process
+        from qharness.upstream.fixes import xnnpack_scalars
+        from qharness.training.calibration import calibrate
+        from qharness.sources.text import tokenize_stream
+        from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
+        from qharness.sources.models import load_model_and_tokenizer
+        from qharness.sources.text import embedded_corpus
+        from qharness.run.pipeline import eos_ids
+        from qharness.recipes.registry import load_recipe
 
-        compat.pt2e(), compat.xnnpack_quantizer_cls(), compat.executorch_backend_config()
+        imports.pt2e(), xnnpack_scalars.xnnpack_quantizer_cls(), imports.executorch_backend_config()
     torch.manual_seed(0)
-    compat.map_large_allocations_separately()  # as qharness.pipeline.deploy_and_check does
+    process.map_large_allocations_separately()  # as qharness.run.pipeline.deploy_and_check does
     recipe = load_recipe(recipe_name)
     with stages("load model"):
         model, tokenizer = load_model_and_tokenizer(str(model_dir))
@@ -162,7 +166,7 @@ def main() -> None:
     result = json.loads(lines[-1][len("RESULT "):])
     rows = result["stages"]
     if not args.no_bench:
-        from qharness.bench import bench
+        from qharness.runtime.bench import bench
 
         t = time.perf_counter()
         b = bench(result["pte_path"], str(model_dir), prompt_len=64, decode_tokens=32, reps=2)

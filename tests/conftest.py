@@ -40,7 +40,8 @@ def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, vocab_size_over
     (``vocab_size_override``: a model vocabulary that does not fit the tokenizer, for error tests)."""
     import torch
 
-    from qharness.models import EmbeddedSpec, new_llama, train_bpe_tokenizer
+    from qharness.sources.embedded import EmbeddedSpec, new_llama
+    from qharness.sources.tokenizer import train_bpe_tokenizer
 
     tok = train_bpe_tokenizer([text], vocab_size)
     spec = EmbeddedSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
@@ -57,7 +58,7 @@ def make_tiny_hf(out: Path, model_type: str, text: str, layers: int = 1, tie: bo
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from qharness.models import train_bpe_tokenizer
+    from qharness.sources.tokenizer import train_bpe_tokenizer
 
     tok = train_bpe_tokenizer([text], vocab_size)
     dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16)

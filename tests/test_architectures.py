@@ -13,10 +13,10 @@ import pytest
 import torch
 from conftest import make_tiny_hf, run_cli, write_config
 
-from qharness.architectures import check_architecture, probe_config
+from qharness.deploy.architectures import check_architecture, probe_config
 from qharness.errors import UserError
-from qharness.models import load_model_and_tokenizer
-from qharness.module import QuantLM
+from qharness.sources.models import load_model_and_tokenizer
+from qharness.training.module import QuantLM
 
 # (model_type, tie_word_embeddings or None for the family's default, extra config)
 FAMILIES = {
@@ -81,7 +81,7 @@ def test_unsupported_architecture_is_refused_with_the_reason(tmp_path, model_typ
 
 
 def test_a_failing_trace_is_refused_and_a_success_is_remembered(tmp_path, family_dir, monkeypatch):
-    import qharness.architectures as arch
+    import qharness.deploy.architectures as arch
 
     monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
     source = str(family_dir("mistral"))
@@ -104,7 +104,7 @@ def test_a_failing_trace_is_refused_and_a_success_is_remembered(tmp_path, family
 def test_family_trains_and_quantizes_for_deploy(name, family_dir):
     """export_for_training + prepare_qat_pt2e + a train step, weights back into HF, static-cache deploy graph
     (convert_pt2e) close to the trained fake-quant graph."""
-    from qharness.lower import quantize_for_deploy
+    from qharness.deploy.lower import quantize_for_deploy
 
     source = str(family_dir(name))
     fp, _ = load_model_and_tokenizer(source)

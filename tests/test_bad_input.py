@@ -9,7 +9,7 @@ import shutil
 import pytest
 from conftest import make_tiny_llama, write_config
 
-from qharness.cli import main
+from qharness.cli.main import main
 
 
 def _cfg(t, **sections):

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from qharness.data import TextDataModule, pack, tokenize_stream
+from qharness.data.datamodule import TextDataModule, pack
+from qharness.sources.text import tokenize_stream
 from qharness.errors import UserError
 
 
@@ -57,7 +58,7 @@ def test_jsonl_source_with_text_field(tiny_llama, tmp_path, shakespeare):
 
 
 def test_embedded_architecture_pretrains_on_a_given_source_once(shakespeare, tmp_path, monkeypatch):
-    from qharness.models import EmbeddedSpec, embedded_dir
+    from qharness.sources.embedded import EmbeddedSpec, embedded_dir
 
     monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
     spec = EmbeddedSpec(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import run_cli, write_config
 
-from qharness.data import ResumableShuffle
+from qharness.data.datamodule import ResumableShuffle
 
 
 def test_ddp_ranks_share_each_global_batch_like_one_process_with_a_larger_batch():

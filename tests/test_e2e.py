@@ -27,7 +27,7 @@ def test_fit_writes_a_pte_that_passes_parity(fitted):
 
 
 def test_the_pte_decodes_token_by_token_like_a_full_prefill(fitted):
-    from qharness.runtime import PteModel
+    from qharness.runtime.pte import PteModel
 
     run, _, r = fitted
     assert r.returncode == 0, r.stderr[-3000:]
@@ -74,7 +74,7 @@ def test_export_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_llama, shak
 
 def test_gate_names_each_failed_tolerance():
     from qharness.config import ParityConfig
-    from qharness.parity import gate
+    from qharness.checks.parity import gate
 
     ok = {"ppl_rel_diff": 0.001, "argmax_agreement": 0.99, "max_abs_diff": 0.1}
     assert gate(ok, ParityConfig(max_abs_diff=0.2)) == []
@@ -211,15 +211,15 @@ def test_killed_run_resumes_to_the_uninterrupted_result(sig_name, tmp_path, tiny
 
 
 def test_a_crash_while_lowering_keeps_the_checkpoint_and_export_finishes(tmp_path, tiny_llama, shakespeare, monkeypatch):
-    import qharness.lower
-    from qharness.cli import main
+    import qharness.deploy.lower
+    from qharness.cli.main import main
 
     cfg = write_config(tmp_path / "c.yaml", tiny_llama, shakespeare, tmp_path / "c", bench={"enabled": False})
 
     def broken(*args, **kwargs):
         raise RuntimeError("forced failure while lowering")
 
-    monkeypatch.setattr(qharness.lower, "lower_to_pte", broken)
+    monkeypatch.setattr(qharness.deploy.lower, "lower_to_pte", broken)
     with pytest.raises(RuntimeError, match="forced failure while lowering"):
         main(["fit", str(cfg)])
     assert torch.load(tmp_path / "c" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
@@ -232,15 +232,15 @@ def test_a_crash_while_lowering_keeps_the_checkpoint_and_export_finishes(tmp_pat
 
 @pytest.mark.slow
 def test_a_crash_while_evaluating_keeps_the_run_and_evaluate_finishes(tmp_path, tiny_llama, shakespeare, monkeypatch):
-    import qharness.evaluation
-    from qharness.cli import main
+    import qharness.evaluation.harness
+    from qharness.cli.main import main
 
     cfg = write_config(tmp_path / "c.yaml", tiny_llama, shakespeare, tmp_path / "c", bench={"enabled": False}, eval={"enabled": True})
 
     def broken(*args, **kwargs):
         raise RuntimeError("forced failure while evaluating")
 
-    monkeypatch.setattr(qharness.evaluation, "run_eval", broken)
+    monkeypatch.setattr(qharness.evaluation.harness, "run_eval", broken)
     with pytest.raises(RuntimeError, match="forced failure while evaluating"):
         main(["fit", str(cfg)])
     run = tmp_path / "c"

@@ -18,7 +18,7 @@ from conftest import run_cli, write_config
 
 @pytest.fixture(scope="module")
 def fp(tiny_llama):
-    from qharness.models import load_model_and_tokenizer
+    from qharness.sources.models import load_model_and_tokenizer
 
     return load_model_and_tokenizer(str(tiny_llama))
 
@@ -36,8 +36,8 @@ def _direct_loglikelihood(model, ids: list[int], n_cont: int) -> float:
 
 
 def _adapters(model, tok, max_length=64):
-    from qharness.lm_eval_adapter import BatchedForward, QHarnessLM, hf_backend
-    from qharness.module import export_for_training
+    from qharness.evaluation.lm_eval_adapter import BatchedForward, QHarnessLM, hf_backend
+    from qharness.training.module import export_for_training
 
     graph = export_for_training(model, 3, max_length)  # a fixed [3, T] graph, like the fake-quant one
     return {
@@ -109,7 +109,7 @@ def test_generate_until_greedy_stop_sequences_and_seeded_sampling(fp):
 
 
 def test_offline_documents_are_deterministic_and_well_formed(shakespeare, tmp_path):
-    from qharness.tasks import build_documents, write_offline_tasks
+    from qharness.evaluation.tasks import build_documents, write_offline_tasks
 
     text = shakespeare.read_text()[-60_000:]
     docs = build_documents([text], seed=3)
@@ -129,8 +129,8 @@ def test_offline_documents_are_deterministic_and_well_formed(shakespeare, tmp_pa
 
 def test_offline_tasks_run_through_lm_eval(fp, shakespeare, tmp_path):
     from qharness.config import EvalConfig
-    from qharness.evaluation import format_eval_table, run_eval
-    from qharness.lm_eval_adapter import QHarnessLM, hf_backend
+    from qharness.evaluation.harness import format_eval_table, run_eval
+    from qharness.evaluation.lm_eval_adapter import QHarnessLM, hf_backend
 
     model, tok = fp
     result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, EvalConfig(limit=3, bootstrap_iters=0), [shakespeare.read_text()[-40_000:]], tmp_path, {"max_length": 32})
@@ -144,7 +144,7 @@ def test_offline_tasks_run_through_lm_eval(fp, shakespeare, tmp_path):
     assert "qharness_mc" in format_eval_table(result)
     from lm_eval.api.registry import get_model
 
-    from qharness.lm_eval_adapter import RegisteredQHarnessLM
+    from qharness.evaluation.lm_eval_adapter import RegisteredQHarnessLM
 
     assert get_model("qharness") is RegisteredQHarnessLM  # lm-eval's registry knows the adapter
 
@@ -165,7 +165,7 @@ def test_fit_ends_with_the_three_way_table(fitted):
 def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, tiny_llama, shakespeare, tmp_path):
     import shutil
 
-    from qharness.runtime import PteModel
+    from qharness.runtime.pte import PteModel
     from transformers import AutoTokenizer
 
     run_dir = tmp_path / "run"  # a copy: evaluate rewrites summary.json's eval, which other tests read
@@ -211,9 +211,9 @@ def test_standard_task_offline_fails_fast_with_how_to_provide_the_data(fitted):
 
 def test_own_task_yaml_through_include_path(fp, tmp_path):
     from qharness.config import EvalConfig
-    from qharness.evaluation import run_eval
-    from qharness.lm_eval_adapter import QHarnessLM, hf_backend
-    from qharness.tasks import TEMPLATES, check_tasks
+    from qharness.evaluation.harness import run_eval
+    from qharness.evaluation.lm_eval_adapter import QHarnessLM, hf_backend
+    from qharness.evaluation.tasks import TEMPLATES, check_tasks
 
     model, tok = fp
     (tmp_path / "mine").mkdir()

@@ -1,12 +1,12 @@
-"""The fast deploy graph (qharness/fastpath.py) against the HF model it rewrites, and the generic fallback."""
+"""The fast deploy graph (qharness/deploy/fastpath.py) against the HF model it rewrites, and the generic fallback."""
 
 import logging
 
 import pytest
 import torch
 
-from qharness import fastpath
-from qharness.parity import block_logits
+from qharness.deploy import fastpath
+from qharness.checks.parity import block_logits
 
 
 def _step(decoder):
@@ -31,7 +31,7 @@ def _check_equal_to_hf(model, max_seq_len=48, atol=2e-5):
 
 
 def test_fast_decoder_equals_the_hf_llama(tiny_llama):
-    from qharness.models import load_model_and_tokenizer
+    from qharness.sources.models import load_model_and_tokenizer
 
     model = load_model_and_tokenizer(str(tiny_llama))[0]
     assert fastpath.unsupported_reason(model, 64) is None
@@ -62,7 +62,7 @@ def test_fast_decoder_equals_other_supported_architectures(arch, extra):
 
 
 def test_exported_fast_graph_equals_the_eager_one(tiny_llama):
-    from qharness.models import load_model_and_tokenizer
+    from qharness.sources.models import load_model_and_tokenizer
 
     model = load_model_and_tokenizer(str(tiny_llama))[0]
     graph = fastpath.export_fast(model, 32).module()
@@ -90,14 +90,14 @@ def test_unsupported_models_say_why():
 def test_an_unsupported_architecture_falls_back_to_the_generic_export(caplog):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from qharness.lower import export_path, fallback_reason, quantize_for_deploy
-    from qharness.recipes import load_recipe
+    from qharness.deploy.lower import export_path, fallback_reason, quantize_for_deploy
+    from qharness.recipes.registry import load_recipe
 
     torch.manual_seed(0)
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0, bos_token_id=0)).eval()
     x = torch.randint(0, 64, (1, 5))
     ref = gpt2(x).logits
-    with caplog.at_level(logging.WARNING, logger="qharness.lower"):
+    with caplog.at_level(logging.WARNING, logger="qharness.deploy.lower"):
         graph = quantize_for_deploy(gpt2, load_recipe("xnnpack_fp32"), 32, calibrate=lambda g: None)
     assert export_path(graph) == "generic" and fallback_reason(graph).startswith("GPT2LMHeadModel: not a supported architecture")
     assert "falling back to the generic HF static-cache export" in caplog.text and "GPT2LMHeadModel" in caplog.text
@@ -105,7 +105,7 @@ def test_an_unsupported_architecture_falls_back_to_the_generic_export(caplog):
 
 
 def test_fold_constants_computes_weight_math_once_and_keeps_the_cache_state():
-    from qharness.parity import fold_constants
+    from qharness.checks.parity import fold_constants
 
     class M(torch.nn.Module):
         def __init__(self):

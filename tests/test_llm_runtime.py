@@ -27,9 +27,9 @@ def varied_run(tmp_path_factory, tiny_llama):
     whose rows for EOS and for tokens that are not valid UTF-8 on their own are zero, so greedy decoding
     never picks them: TextLLMRunner's Python ``token_callback`` raises UnicodeDecodeError on such pieces.
     """
-    from qharness.lower import lower_to_pte, quantize_for_deploy, runner_metadata
-    from qharness.models import load_model_and_tokenizer
-    from qharness.recipes import load_recipe
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.sources.models import load_model_and_tokenizer
+    from qharness.recipes.registry import load_recipe
 
     model, tok = load_model_and_tokenizer(str(tiny_llama))
     torch.manual_seed(0)
@@ -69,8 +69,8 @@ def test_the_pte_carries_the_runner_metadata(fit_run):
 def test_text_llm_runner_generates_what_our_greedy_loop_does(request, which, prompt, new_tokens):
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
-    from qharness.generate import generate, load_tokenizer
-    from qharness.runtime import PteModel
+    from qharness.runtime.generate import generate, load_tokenizer
+    from qharness.runtime.pte import PteModel
 
     run = request.getfixturevalue(which)
     ours = generate(PteModel(run / "model.pte"), load_tokenizer(run / "tokenizer"), prompt, max_new_tokens=new_tokens, temperature=0)
@@ -87,8 +87,8 @@ def test_text_llm_runner_generates_what_our_greedy_loop_does(request, which, pro
 
 
 def test_generate_streams_the_text_piece_by_piece(varied_run):
-    from qharness.generate import generate, load_tokenizer
-    from qharness.runtime import PteModel
+    from qharness.runtime.generate import generate, load_tokenizer
+    from qharness.runtime.pte import PteModel
 
     pieces = []
     out = generate(PteModel(varied_run / "model.pte"), load_tokenizer(varied_run / "tokenizer"), PROMPT, max_new_tokens=12, temperature=0, on_text=pieces.append)
@@ -108,7 +108,7 @@ def test_generate_cli_is_deterministic_with_a_seed(varied_run):
 
 def test_generate_refuses_a_prompt_longer_than_the_kv_cache(varied_run, tmp_path):
     from qharness.errors import UserError
-    from qharness.generate import load_tokenizer
+    from qharness.runtime.generate import load_tokenizer
 
     r = run_cli("generate", "--pte", varied_run / "model.pte", "--prompt", "x" * 200)
     assert r.returncode == 2 and "KV cache holds 64" in r.stderr and "Traceback" not in r.stderr

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 
 @pytest.mark.parametrize("recipe", ["xnnpack_int8_dynamic", "xnnpack_int4w_dynamic", "xnnpack_8da4w"])
 def test_qat_prepared_model_passes_gradients_to_every_weight(recipe, tiny_llama):
-    from qharness.models import load_model_and_tokenizer
-    from qharness.module import prepare_for_training
-    from qharness.recipes import load_recipe
+    from qharness.sources.models import load_model_and_tokenizer
+    from qharness.training.module import prepare_for_training
+    from qharness.recipes.registry import load_recipe
 
     model, _ = load_model_and_tokenizer(str(tiny_llama))
     prepared = prepare_for_training(model, load_recipe(recipe), 2, 16, is_qat=True)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from qharness.config import CalibrationConfig, ExportConfig, ParityConfig
-from qharness.data import TextDataModule
-from qharness.module import QuantLM
-from qharness.pipeline import deploy_and_check
-from qharness.recipes import known_recipes, load_recipe
+from qharness.data.datamodule import TextDataModule
+from qharness.training.module import QuantLM
+from qharness.run.pipeline import deploy_and_check
+from qharness.recipes.registry import known_recipes, load_recipe
 
 FAST = {("xnnpack_int4w_dynamic", "qat"), ("xnnpack_8da4w", "qat")}
 CASES = [(r, m) for r in known_recipes() for m in load_recipe(r).modes]

@@ -1,7 +1,7 @@
 import pytest
 
 from qharness.errors import UserError
-from qharness.recipes import known_recipes, load_recipe
+from qharness.recipes.registry import known_recipes, load_recipe
 
 
 def test_builtin_recipe_loads():

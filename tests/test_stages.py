@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from qharness.models import load_model_and_tokenizer
-from qharness.module import QuantLM, export_for_training
+from qharness.sources.models import load_model_and_tokenizer
+from qharness.training.module import QuantLM, export_for_training
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import yaml
 from conftest import ROOT, run_cli, write_config
 from qharness.errors import UserError
 from qharness.io import write_json_atomic
-from qharness.sweep import is_done, load_sweep, plan, run_logged, run_sweep
+from qharness.reporting.sweep import is_done, load_sweep, plan, run_logged, run_sweep
 
 PPL = {"xnnpack_fp32-ptq": 98.0, "xnnpack_int8_dynamic-ptq": 98.1, "xnnpack_int8_dynamic-qat": 98.6, "xnnpack_int4w_dynamic-ptq": 101.0}
 MS = {"xnnpack_fp32-ptq": 3.0, "xnnpack_int8_dynamic-ptq": 1.0, "xnnpack_int8_dynamic-qat": 1.1, "xnnpack_int4w_dynamic-ptq": 0.9}

@@ -10,9 +10,9 @@ import pytest
 import torch
 from conftest import run_cli, write_config
 
-from qharness import torchtune_compat
+from qharness.upstream import torchtune as torchtune_compat
 from qharness.errors import UserError
-from qharness.torchtune_models import parse_spec
+from qharness.sources.torchtune import parse_spec
 
 needs_torchtune = pytest.mark.skipif(not torchtune_compat.torchtune_installed(), reason="torchtune is not installed (pip install -e '.[torchtune]')")
 
@@ -39,7 +39,7 @@ def test_spec_syntax():
 @needs_torchtune
 def test_the_nf4_shim_is_still_needed():
     """When this fails, torchao ships ``torchao.dtypes.nf4tensor`` again or torchtune stopped importing it:
-    delete qharness/torchtune_compat.py's alias and import torchtune directly."""
+    delete qharness/upstream/torchtune.py's alias and import torchtune directly."""
     import importlib.util
     from pathlib import Path
 
@@ -54,8 +54,8 @@ def test_builder_becomes_an_hf_llama_with_the_same_logits(tmp_path, monkeypatch)
     monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path))
     from transformers import AutoModelForCausalLM
 
-    from qharness.models import resolve_checkpoint
-    from qharness.torchtune_models import resolve_builder
+    from qharness.sources.models import resolve_checkpoint
+    from qharness.sources.torchtune import resolve_builder
 
     spec = TINY.format(", seed=3")
     path = resolve_checkpoint(spec)
@@ -73,7 +73,7 @@ def test_builder_becomes_an_hf_llama_with_the_same_logits(tmp_path, monkeypatch)
 
 @needs_torchtune
 def test_non_llama_builder_is_refused(tmp_path, monkeypatch):
-    from qharness.models import resolve_checkpoint
+    from qharness.sources.models import resolve_checkpoint
 
     monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path))
     with pytest.raises(UserError, match="does not map onto HF Llama"):

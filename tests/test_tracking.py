@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from qharness.report import summary_row
-from qharness.tracking import wandb_logged_in, wandb_mode
+from qharness.reporting.report import summary_row
+from qharness.reporting.tracking import wandb_logged_in, wandb_mode
 from wandb_offline import config, history, offline_run, tables
 
 

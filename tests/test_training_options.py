@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from qharness.errors import UserError
-from qharness.models import load_model_and_tokenizer
-from qharness.module import QuantLM, check_precision, export_for_training, set_fake_quant
-from qharness.recipes import load_recipe
+from qharness.sources.models import load_model_and_tokenizer
+from qharness.training.module import QuantLM, check_precision, export_for_training, set_fake_quant
+from qharness.recipes.registry import load_recipe
 
 
 class FakeTrainer:
@@ -149,7 +149,7 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth(tiny_llama):
 
 def test_resumed_data_with_gradient_accumulation_continues_at_the_next_micro_batch():
     """After k optimizer steps with accumulate_grad_batches=a, training data resumes at micro-batch k*a."""
-    from qharness.data import TextDataModule
+    from qharness.data.datamodule import TextDataModule
 
     class T:
         def __init__(self, step, accumulate):
@@ -165,7 +165,7 @@ def test_resumed_data_with_gradient_accumulation_continues_at_the_next_micro_bat
 
 
 def test_batches_done_counts_the_short_accumulation_at_the_end_of_each_pass():
-    from qharness.data import batches_done
+    from qharness.data.datamodule import batches_done
 
     assert [batches_done(s, 3, 10) for s in range(9)] == [0, 3, 6, 9, 10, 13, 16, 19, 20]  # 4 steps per pass of 10
     assert batches_done(7, 2, 10) == 7 * 2 and batches_done(7, 1, 10) == 7
@@ -212,7 +212,7 @@ def test_resume_with_gradient_accumulation_ends_where_an_uninterrupted_run_ends(
 
     from conftest import run_cli, write_config
 
-    from qharness.data import TextDataModule
+    from qharness.data.datamodule import TextDataModule
 
     text = shakespeare.read_text()
     for chars in range(800, 4000, 100):  # a small text whose pass has an odd number of batches (steps cross it)
@@ -251,7 +251,7 @@ def test_sigterm_mid_accumulation_keeps_the_last_step_boundary_checkpoint(tmp_pa
 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from qharness.lightning_cli import SaveOnSigterm
+    from qharness.cli.lightning import SaveOnSigterm
 
     saved = []
 

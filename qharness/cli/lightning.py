@@ -1,0 +1,379 @@
+"""The LightningCLI behind ``qharness fit|validate|test|export``: typed config groups and hooks.
+
+Config groups: ``model`` (QuantLM), ``data`` (TextDataModule), ``trainer`` (Lightning), ``checkpoint``
+(ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``deploy`` (ExportConfig),
+``parity`` (ParityConfig), ``calibration`` (CalibrationConfig), ``bench`` (BenchConfig), ``eval`` (EvalConfig) and
+``wandb`` (WandbConfig). The run directory is ``trainer.default_root_dir``. With ``trainer.logger`` unset, runs log
+to CSV and to wandb (offline unless you have logged in; ``qharness.reporting.tracking``), and every ``.pte`` adds its final
+row to the wandb run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig, WandbConfig
+from qharness.data.datamodule import TextDataModule
+from qharness.errors import UserError
+from qharness.training.module import QuantLM
+
+log = logging.getLogger("qharness")
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> str:
+    return os.path.join(run_dir, "checkpoints")
+
+
+def resolve_ckpt(ckpt_path: str | None, run_dir: str) -> str | None:
+    """``last`` -> ``<run_dir>/checkpoints/last.ckpt``; a missing file is a clear error."""
+    if ckpt_path is None:
+        return None
+    path = Path(checkpoint_dir(run_dir)) / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist", fix="train first (qharness fit) or pass --ckpt_path PATH")
+    return str(path)
+
+
+def read_checkpoint(ckpt_path: str, model_cfg) -> dict:
+    """Load a checkpoint (``weights_only=True``) and check it was trained for this model, recipe and mode
+    (``model_cfg``: the ``model`` config group, or a module's ``hparams``)."""
+    try:
+        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise UserError(f"checkpoint {ckpt_path} cannot be read ({type(e).__name__})", fix="pass a Lightning .ckpt written by qharness") from e
+    saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
+    if "state_dict" not in ckpt or not saved:
+        raise UserError(f"checkpoint {ckpt_path} is not a qharness training checkpoint")
+    for key in ("checkpoint", "recipe", "mode"):
+        if key in saved and saved[key] != model_cfg[key]:
+            raise UserError(
+                f"checkpoint {ckpt_path} was trained with model.{key}={saved[key]!r}, this config has {model_cfg[key]!r}",
+                fix="use the config the checkpoint was trained with",
+            )
+    return ckpt
+
+
+def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None:
+    """Rebuild the prepared graph and load trained weights/observer state (``weights_only=True``)."""
+    ckpt = read_checkpoint(ckpt_path, module.hparams)
+    module.build(dm.batch_size, dm.seq_len)
+    try:
+        module.load_state_dict(ckpt["state_dict"])
+    except RuntimeError as e:
+        raise UserError(f"checkpoint {ckpt_path} does not fit this model: {str(e).splitlines()[0]}") from e
+
+
+def preflight(cfg, subcommand: str | None = None) -> None:
+    """Bad input found from the config alone: one clear error (exit 2) instead of a failure hours later."""
+    if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
+        raise UserError(f"data.seq_len must be at least 2 and data.batch_size positive (got {cfg.data.seq_len}, {cfg.data.batch_size})")
+    steps = cfg.trainer.max_steps
+    if steps is not None and (steps == 0 or steps < -1):
+        raise UserError(f"trainer.max_steps must be positive, or -1 to use trainer.max_epochs (got {steps})")
+    if cfg.trainer.max_epochs is not None and cfg.trainer.max_epochs == 0:
+        raise UserError("trainer.max_epochs must be positive")
+    if cfg.checkpoint.every_n_train_steps is not None and cfg.checkpoint.every_n_train_steps < 0:
+        raise UserError(f"checkpoint.every_n_train_steps must be >= 0 (got {cfg.checkpoint.every_n_train_steps})")
+    root = Path(cfg.trainer.default_root_dir)
+    for parent in (root, *root.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"trainer.default_root_dir {root}: {parent} is a file", fix="point it at a directory")
+            if not os.access(parent, os.W_OK):
+                raise UserError(f"trainer.default_root_dir {root}: {parent} is not writable", fix="choose a writable directory")
+            break
+    seq_len, deploy = cfg.data.seq_len, cfg.deploy
+    if deploy.max_seq_len <= seq_len:
+        raise UserError(f"deploy.max_seq_len={deploy.max_seq_len} must exceed data.seq_len={seq_len}", fix=f"set deploy.max_seq_len >= {seq_len + 1}")
+    par = cfg.parity
+    if par.prompts < 1 or par.prompt_len < 1 or par.decode_steps < 0 or par.eval_blocks < cfg.data.batch_size:
+        raise UserError(
+            "parity: prompts and prompt_len must be positive, decode_steps >= 0, eval_blocks >= data.batch_size "
+            f"(got prompts={par.prompts}, prompt_len={par.prompt_len}, decode_steps={par.decode_steps}, eval_blocks={par.eval_blocks})"
+        )
+    if par.prompt_len > seq_len or par.prompt_len + par.decode_steps >= deploy.max_seq_len:
+        raise UserError(
+            f"parity.prompt_len={par.prompt_len} (+ decode_steps={par.decode_steps}) must fit data.seq_len={seq_len} "
+            f"and deploy.max_seq_len={deploy.max_seq_len}"
+        )
+    if cfg.deploy.enabled and cfg.bench.enabled:
+        from qharness.runtime.bench import check_lengths
+
+        check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
+    if cfg.model.mode == "qat" and str(cfg.trainer.precision or "32-true") not in ("32", "32-true"):
+        from qharness.training.module import check_precision
+        from qharness.recipes.registry import load_recipe
+
+        check_precision(cfg.trainer.precision, load_recipe(cfg.model.recipe), cfg.model.mode)
+    if cfg.calibration.blocks < 1:
+        raise UserError(f"calibration.blocks must be positive (got {cfg.calibration.blocks})")
+    source = cfg.calibration.source
+    if source is not None and source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
+        raise UserError(f"calibration.source {source} does not exist")
+    if cfg.eval.enabled or subcommand == "evaluate":
+        from qharness.evaluation.harness import check_eval_config
+
+        check_eval_config(cfg.eval, seq_len, deploy.max_seq_len)
+    if cfg.model.checkpoint != "embedded":
+        from qharness.deploy.architectures import check_architecture
+        from qharness.sources.models import resolve_checkpoint
+
+        # an architecture that cannot be exported with a static KV cache fails here, before any training
+        check_architecture(resolve_checkpoint(cfg.model.checkpoint), cfg.model.trust_remote_code)
+
+
+class SaveOnSigterm(Callback):
+    """On SIGTERM (a scheduler's pre-emption), save ``last.ckpt`` at the batch boundary where Lightning stops,
+    so nothing since the last periodic checkpoint is lost; ``--ckpt_path last`` resumes from it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if isinstance(exception, SIGTERMException) and trainer.global_step > 0:
+            if trainer.fit_loop.epoch_loop.batch_progress.current.completed % trainer.accumulate_grad_batches:
+                # mid gradient accumulation: a checkpoint here would resume out of step; keep the last one
+                log.warning("SIGTERM during gradient accumulation: keeping the last step-boundary checkpoint")
+                return
+            trainer.save_checkpoint(self.path)
+
+
+class QTrainer(Trainer):
+    """Lightning's Trainer plus ``export`` and ``calibrate``. The CLI hands it the export, parity and bench configs."""
+
+    export_config: ExportConfig = ExportConfig()
+    parity_config: ParityConfig = ParityConfig()
+    calibration_config: CalibrationConfig = CalibrationConfig()
+    bench_config: BenchConfig = BenchConfig()
+    eval_config: EvalConfig = EvalConfig()
+
+    def deploy(self, model: QuantLM, datamodule: TextDataModule) -> dict:
+        """``deploy_and_check``, then the run's final row to wandb (a failed parity gate's row too)."""
+        import json
+
+        from qharness.errors import ParityError
+        from qharness.run.pipeline import deploy_and_check
+        from qharness.reporting.tracking import log_final_row
+
+        run_dir = Path(self.default_root_dir)
+        try:
+            summary = deploy_and_check(
+                model, datamodule, run_dir, self.export_config, self.parity_config, self.calibration_config,
+                self.bench_config, self.eval_config,
+            )
+        except ParityError:
+            log_final_row(self.loggers, json.loads((run_dir / "summary.json").read_text()))
+            raise
+        log_final_row(self.loggers, summary)
+        return summary
+
+    def export(self, model: QuantLM, datamodule: TextDataModule, ckpt_path: str = "last") -> dict:
+        """Export a trained checkpoint to ``.pte`` (static KV cache), run the parity gate, write summary.json.
+
+        Args:
+            ckpt_path: Checkpoint to export: ``last`` (the run's latest) or a path.
+        """
+        datamodule.setup("fit")
+        load_checkpoint(model, datamodule, resolve_ckpt(ckpt_path, self.default_root_dir))
+        return self.deploy(model, datamodule)
+
+
+    def evaluate(
+        self, model: QuantLM, datamodule: TextDataModule, pte: str | None = None, ckpt_path: str | None = None,
+        tasks: str | None = None, limit: int | None = None, num_fewshot: int | None = None, models: str | None = None,
+    ) -> dict:
+        """lm-eval of a finished run: the FP model, the fake-quant model (QAT: the trained checkpoint; PTQ: the
+        converted model, re-calibrated as at export) and the ``.pte``. Prints the table, writes eval.json and
+        adds it to summary.json. ``eval.*`` in the config sets the defaults of the options below.
+
+        Args:
+            pte: The ``.pte`` to evaluate (default: ``deploy.filename`` in the run directory).
+            ckpt_path: QAT checkpoint for the fake-quant model: ``last`` (default) or a path (also ``--ckpt``).
+            tasks: Comma-separated task names (overrides eval.tasks), e.g. ``qharness_ppl,hellaswag``.
+            limit: Documents per task (overrides eval.limit).
+            num_fewshot: Few-shot examples (overrides eval.num_fewshot).
+            models: Comma-separated models among fp, fake_quant, converted, pte (overrides eval.models).
+        """
+        import json
+
+        from qharness.deploy.lower import quantize_for_deploy
+        from qharness.checks.parity import fold_constants
+        from qharness.run.pipeline import evaluate_run
+
+        cfg = self.eval_config
+        run_dir = Path(self.default_root_dir)
+        pte_path = Path(pte) if pte else run_dir / self.export_config.filename
+        if "pte" in cfg.models:
+            from qharness.runtime.pte import PteModel
+
+            if not pte_path.is_file():
+                raise UserError(f"no .pte at {pte_path}", fix="run qharness export (or fit/calibrate) first, or pass --pte PATH")
+            PteModel(pte_path)  # a corrupt file fails here, before the other models are evaluated
+        datamodule.setup("fit")
+        fp_model, tokenizer = model.load_fp()
+        qat = model.hparams.mode == "qat"
+        if qat and ("fake_quant" in cfg.models or "converted" in cfg.models):
+            load_checkpoint(model, datamodule, resolve_ckpt(ckpt_path or "last", self.default_root_dir))
+        converted = None
+        if "converted" in cfg.models or (not qat and "fake_quant" in cfg.models):
+            import copy
+
+            from qharness.training.calibration import calibrate, calibration_blocks
+
+            trained = copy.deepcopy(fp_model)
+            if qat:
+                model.load_into(trained)
+            blocks = calibration_blocks(self.calibration_config, datamodule)
+            converted = fold_constants(quantize_for_deploy(trained, model.recipe, self.export_config.max_seq_len, lambda g: calibrate(g, blocks)))
+        result = evaluate_run(model, datamodule, fp_model, tokenizer, converted, pte_path if "pte" in cfg.models else None, run_dir, cfg)
+        summary_path = run_dir / "summary.json"
+        if summary_path.is_file():
+            from qharness.io import write_json_atomic
+
+            write_json_atomic(summary_path, {**json.loads(summary_path.read_text()), "eval": result})
+        return result
+
+    def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> dict:
+        """PTQ: calibrate the recipe's observers (``calibration.*``: blocks of training or other data), convert,
+        export, lower and check the ``.pte``; writes summary.json. Needs ``model.mode: ptq``."""
+        if model.hparams.mode != "ptq":
+            raise UserError(f"calibrate needs model.mode: ptq (got {model.hparams.mode!r})", fix="set --model.mode ptq, or use qharness fit for QAT")
+        datamodule.setup("fit")
+        return self.deploy(model, datamodule)
+
+
+class QHarnessCLI(LightningCLI):
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        base = LightningCLI.subcommands()
+        return {k: base[k] for k in ("fit", "validate", "test")} | {
+            "export": {"model", "datamodule"},
+            "calibrate": {"model", "datamodule"},
+            "evaluate": {"model", "datamodule"},
+        }
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_class_arguments(ExportConfig, "deploy", help="Deployment to .pte")
+        parser.add_class_arguments(ParityConfig, "parity", help="Parity gate of the .pte")
+        parser.add_class_arguments(CalibrationConfig, "calibration", help="Calibration data")
+        parser.add_class_arguments(BenchConfig, "bench", help="Benchmark of the .pte vs the eager FP model")
+        parser.add_class_arguments(EvalConfig, "eval", help="lm-eval evaluation of the FP, fake-quant and .pte models")
+        parser.add_class_arguments(WandbConfig, "wandb", help="Weights & Biases logging (offline by default)")
+        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        parser.set_defaults(
+            {
+                "checkpoint.save_last": True,
+                "checkpoint.every_n_train_steps": 50,
+                "checkpoint.save_top_k": 0,
+                "trainer.default_root_dir": "runs/default",
+                "trainer.max_steps": 100,
+                "trainer.val_check_interval": 50,
+                "trainer.limit_val_batches": 8,
+                "trainer.num_sanity_val_steps": 0,
+                "trainer.log_every_n_steps": 10,
+                "trainer.deterministic": True,
+                # TextDataModule shards training batches across DDP ranks itself (resumable, see data.py)
+                "trainer.use_distributed_sampler": False,
+            }
+        )
+        parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
+        parser.link_arguments("model.checkpoint", "data.tokenizer")
+        parser.link_arguments("model.trust_remote_code", "data.trust_remote_code")
+
+    def before_instantiate_classes(self) -> None:
+        """Check the config before any long work (model loading, pretraining, tokenization) starts."""
+        cfg = self.config[self.subcommand]
+        if self.subcommand == "evaluate":
+            overrides = {"tasks": cfg.get("tasks"), "limit": cfg.get("limit"), "num_fewshot": cfg.get("num_fewshot"), "models": cfg.get("models")}
+            for key, value in overrides.items():
+                if value is not None:
+                    cfg.eval[key] = [t for t in value.split(",") if t] if key in ("tasks", "models") else value
+        preflight(cfg, self.subcommand)
+
+    def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:
+        """``trainer.logger`` unset: Lightning's CSV logs plus, with ``wandb.enabled``, a WandbLogger, both in the run dir."""
+        if config.get("logger") in (None, True):
+            from lightning.pytorch.loggers import CSVLogger
+
+            root = config.get("default_root_dir") or os.getcwd()
+            config["logger"] = [CSVLogger(save_dir=root)]
+            cfg = self.config[self.subcommand]
+            if cfg.wandb.enabled:
+                from qharness.reporting.tracking import make_wandb_logger, run_config
+
+                name = f"{Path(cfg.model.recipe).stem}-{cfg.model.mode}"
+                config["logger"].append(make_wandb_logger(root, cfg.wandb, name, run_config(cfg.as_dict()), job_type=self.subcommand))
+        return super()._instantiate_trainer(config, callbacks)
+
+    def _attach_configs(self) -> None:
+        cfg = self.config_init[self.subcommand]
+        self.trainer.export_config = cfg["deploy"]
+        self.trainer.parity_config = cfg["parity"]
+        self.trainer.calibration_config = cfg["calibration"]
+        self.trainer.bench_config = cfg["bench"]
+        self.trainer.eval_config = cfg["eval"]
+
+    def before_fit(self) -> None:
+        self._attach_configs()
+        self.trainer.callbacks.append(SaveOnSigterm(Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"))
+        self._default_weights_only()
+
+    def after_fit(self) -> None:
+        if self.trainer.interrupted:
+            return
+        final = Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"
+        self.trainer.save_checkpoint(final)  # the finished run is safe before export starts
+        if self.trainer.export_config.enabled and self.trainer.is_global_zero:
+            self.trainer.deploy(self.model, self.datamodule)
+
+    def before_export(self) -> None:
+        self._attach_configs()
+
+    before_calibrate = before_export
+
+    def before_evaluate(self) -> None:
+        self._attach_configs()
+
+    def before_validate(self) -> None:
+        self._default_weights_only()
+
+    before_test = before_validate
+
+    def _parse_ckpt_path(self) -> None:
+        """``--ckpt_path last`` names the run's own last.ckpt; a checkpoint of another model/recipe/mode, or an
+        unreadable one, is a clear error before LightningCLI takes the checkpoint's hyperparameters."""
+        sub = self.config.get("subcommand")
+        if sub and self.config[sub].get("ckpt_path"):
+            cfg = self.config[sub]
+            cfg.ckpt_path = resolve_ckpt(cfg.ckpt_path, cfg.trainer.default_root_dir)
+            read_checkpoint(cfg.ckpt_path, cfg.model)
+        super()._parse_ckpt_path()
+
+    def _default_weights_only(self) -> None:
+        """Checkpoints load with ``weights_only=True`` unless the user says otherwise."""
+        cfg = self.config_init[self.subcommand]
+        if cfg.get("weights_only") is None:
+            cfg["weights_only"] = True
+
+
+def run_lightning_cli(argv: list[str]) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    sys.argv = [sys.argv[0], *argv]  # LightningCLI reads sys.argv (passing args= as well makes it warn)
+    QHarnessCLI(
+        QuantLM,
+        TextDataModule,
+        trainer_class=QTrainer,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"default_env": False},
+        auto_configure_optimizers=False,
+        seed_everything_default=1234,
+    )

@@ -1,0 +1,1 @@
+"""Text -> tokens -> fixed-length blocks -> a deterministic train/validation split (a LightningDataModule)."""

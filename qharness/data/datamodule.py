@@ -1,0 +1,162 @@
+"""Text data for training and checks: a source's token stream packed into fixed-length blocks, split deterministically.
+
+``source`` is read by ``qharness.sources.text`` (``embedded``, local files, hub datasets). The token stream is cut into non-overlapping blocks of ``seq_len`` inputs
+(targets are the next tokens); the last ``val_fraction`` of the stream is the validation split.
+
+Example::
+
+    dm = TextDataModule(source="../shared/data/tinyshakespeare/input.txt", seq_len=64, batch_size=8)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, Sampler, TensorDataset
+
+from qharness.errors import UserError
+from qharness.sources.text import load_texts, tokenize_stream
+
+
+def pack(stream: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-overlapping blocks: inputs ``[n, seq_len]`` and next-token targets ``[n, seq_len]``."""
+    n = (len(stream) - 1) // seq_len
+    x = stream[: n * seq_len].view(n, seq_len)
+    y = stream[1 : n * seq_len + 1].view(n, seq_len)
+    return x, y
+
+
+class ResumableShuffle(Sampler):
+    """Batches of a fresh seeded permutation per pass over the blocks, starting at any batch.
+
+    Batch ``k`` of the run is always the same blocks, so a run resumed at step ``k`` sees exactly the
+    batches an uninterrupted run would (a plain shuffled DataLoader restarts the epoch on resume).
+    With ``world`` processes (DDP), batch ``k`` of rank ``r`` is slice ``k * world + r`` of the permutation:
+    together the ranks see the blocks one process would see with ``world`` times the batch size.
+
+    Example::
+
+        list(ResumableShuffle(n=8, batch_size=2, seed=0, rank=1, world=2))   # 2 batches of 2 block indices
+    """
+
+    def __init__(self, n: int, batch_size: int, seed: int, start: int = 0, rank: int = 0, world: int = 1):
+        self.n, self.batch_size, self.seed, self.next = n, batch_size, seed, start
+        self.rank, self.world = rank, world
+        self.per_pass = n // (batch_size * world)
+        if self.per_pass == 0:
+            raise UserError(
+                f"the training split has {n} blocks, fewer than one batch on each of {world} processes (data.batch_size={batch_size})",
+                fix="use more text, a smaller data.seq_len/batch_size, or fewer trainer.devices",
+            )
+
+    def __len__(self) -> int:
+        return self.per_pass
+
+    def __iter__(self):
+        pass_index, first = divmod(self.next, self.per_pass)
+        perm = torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed + pass_index))
+        for b in range(first, self.per_pass):
+            self.next += 1
+            i = (b * self.world + self.rank) * self.batch_size
+            yield perm[i : i + self.batch_size].tolist()
+
+
+def batches_done(global_step: int, accumulate: int, per_pass: int) -> int:
+    """Training batches consumed after ``global_step`` optimizer steps: Lightning steps after every
+    ``accumulate`` batches and at the end of each pass (epoch), also with fewer batches accumulated.
+
+    Example::
+
+        batches_done(5, accumulate=3, per_pass=10)   # 13: one pass (4 steps) + 1 step of 3 batches
+    """
+    steps_per_pass = -(-per_pass // accumulate)
+    passes, steps = divmod(global_step, steps_per_pass)
+    return passes * per_pass + steps * accumulate
+
+
+class TextDataModule(L.LightningDataModule):
+    def __init__(
+        self,
+        source: str = "embedded",
+        text_field: str = "text",
+        tokenizer: str = "embedded",
+        seq_len: int = 128,
+        batch_size: int = 8,
+        val_fraction: float = 0.1,
+        seed: int = 1234,
+        trust_remote_code: bool = False,
+    ):
+        """Language-modelling data packed into fixed-length blocks.
+
+        Args:
+            source: ``embedded`` (text shipped with Python: documentation topics and stdlib sources), a local
+                .txt/.json/.jsonl/.parquet/.csv file or directory, or a hub dataset id (online only).
+            text_field: Column holding the text (json/parquet/csv/hub sources).
+            tokenizer: Where the tokenizer comes from; linked to ``model.checkpoint`` (you rarely set it).
+            seq_len: Tokens per block: the sequence length the model is trained and evaluated on.
+            batch_size: Blocks per batch. Training graphs are exported with this static batch size.
+            val_fraction: Fraction of the token stream (its end) held out for validation and parity checks.
+            seed: Seed of the training-batch shuffle.
+            trust_remote_code: Allow the tokenizer's own code from the hub (off by default; only for sources you trust).
+        """
+        super().__init__()
+        if seq_len < 2:
+            raise UserError(f"data.seq_len must be at least 2 (got {seq_len})")
+        if batch_size < 1:
+            raise UserError(f"data.batch_size must be positive (got {batch_size})")
+        if not 0.0 < val_fraction < 1.0:
+            raise UserError(f"data.val_fraction must lie in (0, 1) (got {val_fraction})")
+        if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
+            raise UserError(f"data.source {source} does not exist", fix="give an existing file or directory, or a hub dataset id")
+        self.save_hyperparameters()
+        self.source, self.text_field, self.tokenizer_source = source, text_field, tokenizer
+        self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
+        self.trust_remote_code = trust_remote_code
+        self.train_x = self.train_y = self.val_x = self.val_y = None
+        self.tokenizer = None
+
+    def load_tokenizer(self):
+        if self.tokenizer is None:
+            from transformers import AutoTokenizer
+
+            from qharness.sources.models import resolve_checkpoint
+
+            source = resolve_checkpoint(self.tokenizer_source)
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=self.trust_remote_code)
+            except (OSError, ValueError) as e:
+                raise UserError(f"could not load the tokenizer of {source}: {str(e).splitlines()[0]}", fix="check model.checkpoint") from e
+        return self.tokenizer
+
+    def setup(self, stage: str | None = None) -> None:
+        if self.train_x is not None:
+            return
+        stream = tokenize_stream(load_texts(self.source, self.text_field), self.load_tokenizer())
+        n_val = int(len(stream) * self.val_fraction)
+        train, val = stream[: len(stream) - n_val], stream[len(stream) - n_val :]
+        self.train_x, self.train_y = pack(train, self.seq_len)
+        self.val_x, self.val_y = pack(val, self.seq_len)
+        for name, x in (("training", self.train_x), ("validation", self.val_x)):
+            if len(x) < self.batch_size:
+                raise UserError(
+                    f"data.source {self.source}: the {name} split has {len(x)} blocks of seq_len={self.seq_len}, "
+                    f"fewer than one batch (batch_size={self.batch_size})",
+                    fix="use more text, a smaller seq_len/batch_size, or another val_fraction",
+                )
+
+    def train_dataloader(self) -> DataLoader:
+        step, accumulate, rank, world = 0, 1, 0, 1
+        if self.trainer is not None:
+            step, accumulate = self.trainer.global_step, self.trainer.accumulate_grad_batches
+            rank, world = self.trainer.global_rank, self.trainer.world_size  # DDP: each rank its own share
+        sampler = ResumableShuffle(len(self.train_x), self.batch_size, self.seed, rank=rank, world=world)
+        sampler.next = batches_done(step, accumulate, len(sampler))  # a resumed run continues where it stopped
+        return DataLoader(TensorDataset(self.train_x, self.train_y), batch_sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.val_x, self.val_y), batch_size=self.batch_size, drop_last=True)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()

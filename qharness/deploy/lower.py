@@ -1,0 +1,157 @@
+"""Deployment stages: static-KV-cache export -> quantize (convert_pt2e) -> lower -> ``.pte``.
+
+The ``.pte``'s ``forward(tokens[1, n], input_pos[1]) -> logits`` takes ``n`` new tokens starting at
+cache position ``input_pos`` (prefill: many tokens at 0; decode: one token at a time). That is the
+signature ExecuTorch's LLM runner calls (``TextDecoderRunner::step`` passes a one-element ``input_pos``
+when the method's second input has one element), and ``runner_metadata`` gives the constant methods it reads.
+
+Two exports: the fast path (``qharness.deploy.fastpath``: ExecuTorch's ``custom_sdpa`` / ``update_cache`` ops,
+``logits[1, 1, vocab]`` of the last token) for the architectures it supports, else the generic HF
+static cache (``logits[1, n, vocab]``), with a logged reason. ``export_path(graph)`` says which one.
+
+Example::
+
+    deployed = quantize_for_deploy(model, recipe, max_seq_len=256, calibrate=lambda g: g(tokens, torch.tensor([0])))
+    meta = runner_metadata(max_seq_len=256, vocab_size=2048, bos_id=0, eos_ids=[0])
+    pte_bytes = lower_to_pte(deployed, recipe, max_seq_len=256, metadata=meta)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch.export import Dim
+
+from qharness.upstream import imports
+from qharness.upstream import lowering
+
+log = logging.getLogger(__name__)
+
+
+def _example(max_seq_len: int):
+    n = min(8, max_seq_len - 1)
+    return (torch.zeros(1, n, dtype=torch.long), torch.tensor([0], dtype=torch.long))
+
+
+def _dynamic_shapes(max_seq_len: int):
+    return ({1: Dim("seq_len", min=1, max=max_seq_len - 1)}, None)
+
+
+class TokensAndPos(torch.nn.Module):
+    """``forward(tokens, input_pos) -> logits`` over a static-cache model taking keyword arguments."""
+
+    def __init__(self, cache_model):
+        super().__init__()
+        self.cache_model = cache_model
+
+    def forward(self, tokens, input_pos):
+        return self.cache_model(input_ids=tokens, cache_position=input_pos)
+
+
+def export_static_cache(model, max_seq_len: int) -> torch.export.ExportedProgram:
+    """Export ``(tokens, input_pos) -> logits`` with a static KV cache of ``max_seq_len`` positions."""
+    wrapper = TokensAndPos(imports.hf_static_cache_exportable(model, batch_size=1, max_cache_len=max_seq_len))
+    with torch.no_grad():  # with grad on, torchao weight subclasses export as parametrizations the quant fusion misses
+        return torch.export.export(wrapper, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True)
+
+
+def export_path(graph: torch.fx.GraphModule) -> str:
+    """``"fast"`` or ``"generic"``: the export ``quantize_for_deploy`` used for ``graph``."""
+    return graph.meta.get("qharness_export_path", "generic")
+
+
+def fallback_reason(graph: torch.fx.GraphModule) -> str | None:
+    """Why ``graph`` took the generic export (``None`` for the fast path)."""
+    return graph.meta.get("qharness_fallback_reason")
+
+
+def export_deploy(model, max_seq_len: int) -> tuple[torch.export.ExportedProgram, str | None]:
+    """The fast export when ``fastpath`` supports the model, else the HF static cache; returns
+    ``(exported program, reason for the fallback or None)``."""
+    from qharness.deploy import fastpath
+
+    reason = fastpath.unsupported_reason(model, max_seq_len)
+    if reason is None:
+        return fastpath.export_fast(model, max_seq_len), None
+    log.warning("fast export path not used, falling back to the generic HF static-cache export (slower decode): %s", reason)
+    return export_static_cache(model, max_seq_len), reason
+
+
+def quantize_for_deploy(model, recipe, max_seq_len: int, calibrate: Callable[[torch.fx.GraphModule], None]) -> torch.fx.GraphModule:
+    """The deployable graph ``(tokens, input_pos) -> logits`` of an FP HF model, quantized by the recipe.
+
+    PT2E recipes: cache export (``export_deploy``), ``prepare_pt2e`` with the recipe's (non-QAT)
+    quantizer, ``calibrate(prepared)`` (runs data through the observers), ``convert_pt2e``. Source-level
+    recipes: torchao ``quantize_`` on the model (in place), then the cache export.
+    """
+    graph, reason = _quantize_for_deploy(model, recipe, max_seq_len, calibrate)
+    graph.meta["qharness_export_path"] = "generic" if reason else "fast"
+    graph.meta["qharness_fallback_reason"] = reason
+    return graph
+
+
+def _quantize_for_deploy(model, recipe, max_seq_len, calibrate):
+    from qharness.recipes.registry import SourceQuantizer
+
+    model.requires_grad_(False)  # deployment: no leaf may require grad (to_executorch mutates buffers in place)
+    for m in model.modules():  # padding_idx only masks gradients; exported as aten.embedding(w, idx, 0) it
+        if isinstance(m, torch.nn.Embedding):  # defeats ExecuTorch's quantized-embedding fusion pattern
+            m.padding_idx = None
+    quantizer = recipe.make_quantizer(is_qat=False)
+    if isinstance(quantizer, SourceQuantizer):
+        quantizer.convert(model)
+    ep, reason = export_deploy(model, max_seq_len)
+    graph = ep.module()
+    if quantizer is None or isinstance(quantizer, SourceQuantizer):
+        return graph, reason
+    pt2e = imports.pt2e()
+    prepared = pt2e.prepare_pt2e(graph, quantizer)
+    calibrate(prepared)
+    return pt2e.convert_pt2e(prepared), reason
+
+
+def runner_metadata(max_seq_len: int, vocab_size: int, bos_id: int | None, eos_ids: list[int], use_sdpa_with_kv_cache: bool = False) -> dict:
+    """Constant methods for ExecuTorch's LLM runner (``extension/llm/runner/llm_runner_helper.cpp``).
+
+    The runner requires ``get_max_seq_len`` (its prefill chunk size) and reads ``get_max_context_len``
+    (KV-cache positions), ``use_kv_cache``, ``enable_dynamic_shape`` (prefill in one call, not token
+    by token), ``use_sdpa_with_kv_cache`` and ``get_eos_ids``. It takes BOS and vocab size from the
+    tokenizer; ``get_bos_id`` / ``get_vocab_size`` are for other readers. Both lengths are the cache
+    size: with ``get_max_seq_len`` below ``get_max_context_len`` the runner assumes a sliding-window
+    cache and no longer bounds generation by the cache position. ``use_sdpa_with_kv_cache``: the
+    program attends with ExecuTorch's custom SDPA over its KV cache (the fast path; ``lower_to_pte``
+    sets it from the graph it lowers).
+    """
+    meta = {
+        "get_max_seq_len": max_seq_len,
+        "get_max_context_len": max_seq_len,
+        "get_vocab_size": vocab_size,
+        "use_kv_cache": True,
+        "use_sdpa_with_kv_cache": use_sdpa_with_kv_cache,
+        "enable_dynamic_shape": True,
+    }
+    if bos_id is not None:
+        meta["get_bos_id"] = bos_id
+    if eos_ids:
+        meta["get_eos_ids"] = sorted(set(eos_ids))
+    return meta
+
+
+def lower_to_pte(graph: torch.fx.GraphModule, recipe, max_seq_len: int, metadata: dict | None = None) -> bytes:
+    """Re-export, decompose to core ATen, lower with the recipe's partitioners, serialize.
+
+    ``metadata`` becomes constant methods of the program (``runner_metadata``); its
+    ``use_sdpa_with_kv_cache`` is set to whether ``graph`` is a fast-path graph.
+    """
+    if metadata is not None and "use_sdpa_with_kv_cache" in metadata:
+        metadata = {**metadata, "use_sdpa_with_kv_cache": export_path(graph) == "fast"}
+    for p in graph.parameters():  # to_executorch fails on in-place ops over leaves that require grad
+        p.requires_grad_(False)
+    ep = lowering.export_for_lowering(graph, _example(max_seq_len), _dynamic_shapes(max_seq_len))
+    partitioners = recipe.make_partitioners()
+    with lowering.fast_lowering():  # the same program without upstream's redundant work (see qharness/upstream/lowering)
+        ep = lowering.decompose_for_lowering(ep, partitioners)
+        edge = imports.to_edge_transform_and_lower(ep, partitioner=partitioners, constant_methods=metadata)
+        return edge.to_executorch(imports.executorch_backend_config(**recipe.executorch_config)).buffer

@@ -1,0 +1,164 @@
+"""lm-eval over the models of a run: FP, fake-quant, converted, ``.pte``; one table, saved as ``eval.json``.
+
+Example::
+
+    lms = {"fp": QHarnessLM(hf_backend(fp_model, 128), tok), "pte": QHarnessLM(pte_backend("runs/x/model.pte", 128), tok)}
+    result = run_eval(lms, EvalConfig(limit=16), texts=heldout_texts(dm), run_dir=Path("runs/x"))
+    print(format_eval_table(result))
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from qharness.config import EvalConfig
+from qharness.errors import UserError
+from qharness.io import to_jsonable, write_json_atomic
+
+log = logging.getLogger(__name__)
+
+MODEL_KINDS = {"fp": "FP", "fake_quant": "fake-quant", "converted": "converted", "pte": ".pte"}
+
+
+def check_eval_config(cfg: EvalConfig, seq_len: int, max_seq_len: int) -> None:
+    """Bad ``eval.*`` values, found before any long work (task names and their data included)."""
+    from qharness.evaluation.tasks import check_tasks
+
+    unknown = [m for m in cfg.models if m not in MODEL_KINDS]
+    if unknown or not cfg.models:
+        raise UserError(f"eval.models: unknown {unknown or 'empty list'}", fix=f"choose among {', '.join(MODEL_KINDS)}")
+    if cfg.limit is not None and cfg.limit < 1:
+        raise UserError(f"eval.limit must be positive or null (got {cfg.limit})")
+    if cfg.num_fewshot is not None and cfg.num_fewshot < 0:
+        raise UserError(f"eval.num_fewshot must be >= 0 (got {cfg.num_fewshot})")
+    length = max_length(cfg, seq_len)
+    if length < 2 or length > seq_len or length >= max_seq_len:
+        raise UserError(
+            f"eval.max_length={length} must lie in [2, data.seq_len={seq_len}] (the fake-quant graph's length) and below deploy.max_seq_len={max_seq_len}"
+        )
+    if cfg.source is not None and cfg.source.startswith((".", "/", "~")) and not Path(cfg.source).expanduser().exists():
+        raise UserError(f"eval.source {cfg.source} does not exist")
+    check_tasks(cfg.tasks, cfg.include_path)
+
+
+def max_length(cfg: EvalConfig, seq_len: int) -> int:
+    return cfg.max_length or seq_len
+
+
+def heldout_texts(dm) -> list[str]:
+    """The run's validation text (the end of the token stream that training never saw), as documents."""
+    stream = torch.cat([dm.val_x.flatten(), dm.val_y[-1, -1:]]).tolist()
+    eos = dm.tokenizer.eos_token_id
+    docs, cur = [], []
+    for t in stream:
+        if t == eos:
+            docs.append(cur)
+            cur = []
+        else:
+            cur.append(t)
+    docs.append(cur)
+    return [text for text in dm.tokenizer.batch_decode([d for d in docs if d]) if text.strip()]
+
+
+def eval_texts(cfg: EvalConfig, dm) -> list[str]:
+    if cfg.source is None:
+        return heldout_texts(dm)
+    from qharness.sources.text import load_texts
+
+    return load_texts(cfg.source, cfg.text_field)
+
+
+def _clean(metrics: dict) -> dict:
+    """``{"acc,none": np.float64(0.5), "acc_stderr,none": "N/A", "alias": ...}`` -> ``{"acc": 0.5, "acc_stderr": None}``."""
+    out = {}
+    for key, value in metrics.items():
+        if key in ("alias", "name", "sample_len"):
+            continue
+        name = key[: -len(",none")] if key.endswith(",none") else key
+        value = to_jsonable(value)
+        out[name] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return out
+
+
+def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None) -> dict:
+    """Evaluate each model (``{kind: QHarnessLM}``) on ``cfg.tasks``; write ``run_dir/eval.json``.
+
+    The offline tasks are written (YAML + JSONL) to ``run_dir/eval/tasks``, which also works as an
+    ``--include_path`` for the ``lm_eval`` command. lm-eval's own task index (≈ 20 s) is built only when
+    a standard task is asked for.
+    """
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from qharness.evaluation.tasks import OFFLINE_TASKS, scan_task_names, write_offline_tasks
+
+    from datasets.utils.logging import disable_progress_bar
+
+    disable_progress_bar()  # "Generating test split" bars for every task and model
+    run_dir = Path(run_dir)
+    include = [str(write_offline_tasks(texts, run_dir / "eval" / "tasks", cfg.seed))] if any(t in OFFLINE_TASKS for t in cfg.tasks) else []
+    if cfg.include_path:
+        include.append(cfg.include_path)
+    own = scan_task_names(cfg.include_path) if cfg.include_path else {}
+    standard = any(t not in OFFLINE_TASKS and t not in own for t in cfg.tasks)
+    manager = TaskManager(include_path=include or None, include_defaults=standard, verbosity="ERROR")
+    result = {"tasks": {}, "models": list(lms), "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "seconds": {}, **(extra or {})}
+    for kind, lm in lms.items():
+        log.warning("lm-eval: %s on %s ...", MODEL_KINDS[kind], ", ".join(cfg.tasks))
+        t = time.perf_counter()
+        res = lm_eval.simple_evaluate(
+            model=lm, tasks=list(cfg.tasks), num_fewshot=cfg.num_fewshot, limit=cfg.limit, task_manager=manager,
+            bootstrap_iters=cfg.bootstrap_iters, log_samples=False, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
+            torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed, verbosity="ERROR",
+        )
+        result["seconds"][kind] = time.perf_counter() - t
+        for task, metrics in res["results"].items():
+            result["tasks"].setdefault(task, {})[kind] = _clean(metrics)
+        for task, n in res.get("n-samples", {}).items():
+            result.setdefault("documents", {})[task] = int(n.get("effective", 0))
+    write_json_atomic(run_dir / "eval.json", result)
+    return result
+
+
+def evaluate_models(backends: dict, tokenizer, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None) -> dict:
+    """Run ``cfg.models`` among the available ``backends`` (``{kind: () -> backend}``, built lazily).
+
+    A PTQ run has no trained fake-quant graph: the converted model (the quantized PyTorch reference)
+    stands in for it. Models that cannot run here (e.g. a Vulkan ``.pte``) are skipped with a warning.
+    """
+    from qharness.evaluation.lm_eval_adapter import QHarnessLM
+
+    lms = {}
+    for kind in cfg.models:
+        if kind == "fake_quant" and kind not in backends and "converted" in backends and "converted" not in cfg.models:
+            log.warning("eval: no trained fake-quant graph (PTQ); the converted model stands in for it")
+            kind = "converted"
+        if kind not in backends:
+            log.warning("eval: %s is not available in this run; skipped", MODEL_KINDS[kind])
+            continue
+        lms[kind] = QHarnessLM(backends[kind](), tokenizer, seed=cfg.seed)
+    if not lms:
+        raise UserError(f"eval.models={cfg.models}: none of them is available in this run", fix=f"choose among {', '.join(backends)}")
+    return run_eval(lms, cfg, texts, run_dir, extra)
+
+
+def format_eval_table(result: dict) -> str:
+    """Task x metric rows, one column per model (standard errors stay in eval.json)."""
+    kinds = result["models"]
+    rows = [("task", "metric", *(MODEL_KINDS[k] for k in kinds))]
+    for task, per_model in result["tasks"].items():
+        names = [m for m in next(iter(per_model.values())) if not m.endswith("_stderr")]
+        for i, metric in enumerate(names):
+            cells = []
+            for k in kinds:
+                v = per_model.get(k, {}).get(metric)
+                cells.append("-" if v is None else f"{v:.4g}" if abs(v) >= 1 else f"{v:.4f}")
+            rows.append((task if i == 0 else "", metric, *cells))
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    docs = result.get("documents", {})
+    head = f"lm-eval ({', '.join(f'{t}: {n} docs' for t, n in docs.items()) or 'no tasks'}; {result.get('max_length', '?')}-token window)"
+    return "\n".join([head, *("  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip() for r in rows)])

@@ -1,0 +1,1 @@
+"""After the runs: wandb tracking, the accuracy-vs-latency report and the sweep over recipes."""

@@ -1,0 +1,300 @@
+"""``qharness sweep CONFIG``: the FP baseline and recipes x modes on one model and data, then the report.
+
+A sweep config names the shared run config (``config``: the groups of a fit/calibrate config), the FP
+``baseline`` recipe (run first, PTQ) and ``runs``: recipes with their modes. Each run is its own run
+directory ``<sweep_dir>/<recipe>-<mode>/`` run by the ordinary CLI in a fresh process (``qharness fit`` for
+QAT, ``qharness calibrate`` for PTQ) from the generated ``sweep_config.yaml`` there; its output goes to the
+console and to ``sweep.log`` there. A failed run is recorded and the sweep goes on. A re-run skips every run
+that finished with the same generated config (``sweep_status.json`` + ``summary.json``); ``--force`` reruns
+all. The embedded default model is resolved (pretrained once, cached) before the first run, so the runs share
+it; the eager FP model is benchmarked only in the first run (``bench.eager: false`` in the others). lm-eval
+(unless the config sets ``eval.models``) scores the FP model and ``.pte`` in the baseline run, the ``.pte`` in
+PTQ runs and the fake-quant model and ``.pte`` in QAT runs. The sweep ends with ``qharness report <sweep_dir>`` (``report`` section: metric and budgets).
+
+Example config::
+
+    sweep_dir: runs/sweep_xnnpack
+    baseline: xnnpack_fp32
+    runs:
+      - {recipe: xnnpack_int8_dynamic, modes: [ptq, qat]}
+    config:
+      model: {checkpoint: embedded}
+      trainer: {max_steps: 100}
+    report: {max_size_mb: 2.0}
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from qharness.errors import UserError
+from qharness.io import write_bytes_atomic, write_json_atomic
+from qharness.progress import format_seconds
+
+TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report"}
+RUN_KEYS = {"recipe", "modes", "mode", "config"}
+REPORT_KEYS = {"metric", "max_latency_ms", "max_size_mb", "wandb"}
+SUBCOMMAND = {"qat": "fit", "ptq": "calibrate"}
+STATUS = "sweep_status.json"
+
+
+@dataclass
+class SweepRun:
+    """One run of a sweep: ``qharness <subcommand> --config <run_dir>/sweep_config.yaml``."""
+
+    name: str
+    recipe: str
+    mode: str
+    config: dict
+    run_dir: Path
+
+    @property
+    def subcommand(self) -> str:
+        return SUBCOMMAND[self.mode]
+
+    @property
+    def config_path(self) -> Path:
+        return self.run_dir / "sweep_config.yaml"
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps([self.subcommand, self.config], sort_keys=True).encode()).hexdigest()
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """``update`` over ``base``, mappings merged key by key (copies; neither input changes)."""
+    out = copy.deepcopy(base)
+    for k, v in update.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def _mapping(value, where: str) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise UserError(f"{where} must be a mapping (got {type(value).__name__})")
+    return value
+
+
+def load_sweep(path: str | Path) -> dict:
+    """Read and check a sweep config (unknown keys, recipes and modes) before any run starts."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"sweep config {path} does not exist", fix="pass a sweep YAML such as configs/sweep_xnnpack.yaml")
+    try:
+        spec = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise UserError(f"sweep config {path} is not valid YAML: {str(e).splitlines()[0]}") from e
+    spec = _mapping(spec, f"sweep config {path}")
+    unknown = set(spec) - TOP_KEYS
+    if unknown:
+        raise UserError(f"sweep config {path}: unknown keys {sorted(unknown)}", fix=f"use {', '.join(sorted(TOP_KEYS))}")
+    if not isinstance(spec.get("runs"), list) or not spec["runs"]:
+        raise UserError(f"sweep config {path} needs runs: a list like [{{recipe: xnnpack_int8_dynamic, modes: [ptq, qat]}}]")
+    spec.setdefault("sweep_dir", str(Path("runs") / path.stem))
+    spec.setdefault("baseline", "xnnpack_fp32")
+    spec["config"] = _mapping(spec.get("config"), "sweep config: config")
+    spec["report"] = _mapping(spec.get("report"), "sweep config: report")
+    unknown = set(spec["report"]) - REPORT_KEYS
+    if unknown:
+        raise UserError(f"sweep config {path}: unknown report keys {sorted(unknown)}", fix=f"use {', '.join(sorted(REPORT_KEYS))}")
+    for i, run in enumerate(spec["runs"]):
+        run = _mapping(run, f"sweep config: runs[{i}]")
+        unknown = set(run) - RUN_KEYS
+        if unknown or "recipe" not in run:
+            raise UserError(f"sweep config {path}: runs[{i}] needs recipe and modes (unknown keys: {sorted(unknown)})",
+                            fix="write runs entries like {recipe: xnnpack_int8_dynamic, modes: [ptq, qat]}")
+    return spec
+
+
+def plan(spec: dict) -> list[SweepRun]:
+    """The runs of a sweep, baseline first; each config is the shared one, the run's own, then recipe/mode/run dir."""
+    from qharness.recipes.registry import load_recipe
+
+    sweep_dir = Path(spec["sweep_dir"])
+    entries = ([{"recipe": spec["baseline"], "modes": ["ptq"]}] if spec.get("baseline") else []) + spec["runs"]
+    runs, names = [], set()
+    for entry in entries:
+        modes = entry.get("modes", [entry["mode"]] if "mode" in entry else None)
+        if not modes or not isinstance(modes, list):
+            raise UserError(f"sweep run {entry['recipe']} names no modes", fix="add modes: [ptq, qat] (or mode: ptq)")
+        recipe = load_recipe(entry["recipe"])
+        for mode in modes:
+            if mode not in SUBCOMMAND:
+                raise UserError(f"sweep run {entry['recipe']}: unknown mode {mode!r}", fix="use ptq or qat")
+            recipe.check_mode(mode)
+            name = f"{Path(entry['recipe']).stem}-{mode}"
+            if name in names:
+                continue  # the baseline listed again among the runs
+            names.add(name)
+            run_dir = sweep_dir / name
+            config = deep_merge(spec["config"], _mapping(entry.get("config"), f"sweep run {name}: config"))
+            config = deep_merge(config, {"model": {"recipe": entry["recipe"], "mode": mode}, "trainer": {"default_root_dir": str(run_dir)}})
+            config.setdefault("wandb", {}).setdefault("group", sweep_dir.name)
+            # lm-eval: the FP model once (the baseline run), then each run's trained fake-quant model (QAT) and
+            # .pte; the converted model, which would stand in for PTQ's fake-quant, matches the .pte (parity gate)
+            config.setdefault("eval", {}).setdefault("models", (["fp"] if not runs else ["fake_quant"] if mode == "qat" else []) + ["pte"])
+            if runs:  # the eager FP model is the same in every run: benchmarked once, in the first (baseline) run
+                config.setdefault("bench", {}).setdefault("eager", False)
+            runs.append(SweepRun(name, entry["recipe"], mode, config, run_dir))
+    return runs
+
+
+def is_done(run: SweepRun) -> bool:
+    """Finished with this very config: exit 0 recorded for the same config digest, and its summary.json is there."""
+    try:
+        status = json.loads((run.run_dir / STATUS).read_text())
+        summary = json.loads((run.run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (status.get("returncode") == 0 and status.get("config_sha256") == run.digest()
+            and summary.get("recipe") == Path(run.recipe).stem and summary.get("mode") == run.mode)
+
+
+def child_env() -> dict:
+    """The environment of a run's process: it imports this same qharness (not an installed copy)."""
+    paths = [str(Path(__file__).resolve().parents[2]), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
+
+
+def run_logged(cmd: list[str], log_path: Path) -> int:
+    """Run ``cmd``, its output both on this console and in ``log_path``; return its exit code. On a terminal the
+    child gets a pseudo-terminal of the same size, so Lightning's progress bars stay live."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    out = sys.stdout.buffer
+    with open(log_path, "wb") as log:
+        if sys.stdout.isatty() and os.name == "posix":
+            import fcntl
+            import pty
+            import termios
+
+            master, slave = pty.openpty()
+            try:
+                fcntl.ioctl(slave, termios.TIOCSWINSZ, fcntl.ioctl(sys.stdout.fileno(), termios.TIOCGWINSZ, b"\0" * 8))
+            except OSError:
+                pass
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=child_env(), close_fds=True)
+            os.close(slave)
+            while True:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                out.write(chunk)
+                out.flush()
+                log.write(chunk)
+            os.close(master)
+        else:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env())
+            for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+                out.write(chunk)
+                out.flush()
+                log.write(chunk)
+        return proc.wait()
+
+
+def resolve_shared_model(runs: list[SweepRun]) -> None:
+    """Pretrain (or find in the cache) the embedded default once, before the runs that use it."""
+    if any(r.config.get("model", {}).get("checkpoint", "embedded") == "embedded" for r in runs):
+        from qharness.sources.models import resolve_checkpoint
+
+        print(f"[sweep] shared FP model: {resolve_checkpoint('embedded')}", flush=True)
+
+
+Runner = Callable[[list[str], Path], int]
+
+
+def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run_logged, report: bool = True) -> dict:
+    """Run every run of the sweep not yet done (all with ``force``), record each, then write the report.
+
+    Returns ``{"runs": [record, ...], "report": write_report's result or None, "wall_s": ...}``.
+    """
+    t0 = time.perf_counter()
+    spec = load_sweep(config_path)
+    runs = plan(spec)
+    sweep_dir = Path(spec["sweep_dir"])
+    todo = [r for r in runs if force or not is_done(r)]
+    todo_names = {r.name for r in todo}
+    print(f"[sweep] {len(runs)} runs in {sweep_dir} ({len(runs) - len(todo)} already finished): " + ", ".join(r.name for r in runs), flush=True)
+    if todo:
+        resolve_shared_model(todo)
+    records = []
+    for i, run in enumerate(runs, 1):
+        record = {"name": run.name, "recipe": run.recipe, "mode": run.mode, "run_dir": str(run.run_dir)}
+        cmd = [sys.executable, "-m", "qharness", run.subcommand, "--config", str(run.config_path)]
+        record["command"] = f"qharness {run.subcommand} {run.config_path}"
+        if run.name not in todo_names:
+            records.append({**record, "state": "skipped", "reason": "finished earlier with the same config"})
+            print(f"[sweep {i}/{len(runs)}] {run.name}: finished earlier with the same config, skipped", flush=True)
+            continue
+        for stale in ("summary.json", STATUS):  # a result of another config must not show up as this run's
+            (run.run_dir / stale).unlink(missing_ok=True)
+        run.run_dir.mkdir(parents=True, exist_ok=True)
+        header = f"# {record['command']}  (written by qharness sweep {config_path}; edit the sweep config, not this file)\n"
+        write_bytes_atomic(run.config_path, (header + yaml.safe_dump(run.config, sort_keys=False)).encode())
+        print(f"[sweep {i}/{len(runs)}] {run.name}: {record['command']} (log: {run.run_dir / 'sweep.log'})", flush=True)
+        t = time.perf_counter()
+        code = runner(cmd, run.run_dir / "sweep.log")
+        wall = time.perf_counter() - t
+        write_json_atomic(run.run_dir / STATUS, {"config_sha256": run.digest(), "returncode": code, "wall_s": wall, "command": record["command"]})
+        state = "done" if code == 0 else "failed"
+        records.append({**record, "state": state, "returncode": code, "wall_s": wall})
+        outcome = "done" if code == 0 else f"FAILED (exit {code}), see {run.run_dir / 'sweep.log'}"
+        print(f"[sweep {i}/{len(runs)}] {run.name}: {outcome} in {format_seconds(wall)}", flush=True)
+    failed = [r for r in records if r["state"] == "failed"]
+    write_json_atomic(sweep_dir / "sweep.json", {"config": str(config_path), "runs": records})
+    result = {"runs": records, "report": None}
+    if report:
+        from qharness.reporting.report import write_report
+
+        rep = spec["report"]
+        notes = [f"Failed run: {r['name']} (exit {r['returncode']}); log {r['run_dir']}/sweep.log; rerun: {r['command']}" for r in failed]
+        try:
+            result["report"] = write_report(sweep_dir, sweep_dir, rep.get("metric", "ppl"), rep.get("max_latency_ms"), rep.get("max_size_mb"),
+                                            wandb=rep.get("wandb", True), notes=notes)
+        except UserError as e:
+            print(f"[sweep] no report: {e}", flush=True)
+    result["wall_s"] = time.perf_counter() - t0
+    return result
+
+
+def sweep_cmd(argv: list[str]) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="qharness sweep", description="run the FP baseline and recipes x modes of a sweep config "
+                                "(each its own run dir; finished runs are skipped), then write the report")
+    p.add_argument("config", help="sweep YAML, e.g. configs/sweep_xnnpack.yaml")
+    p.add_argument("--force", action="store_true", help="rerun runs that already finished")
+    p.add_argument("--dry_run", action="store_true", help="print the runs and whether each would be skipped; run nothing")
+    a = p.parse_args(argv)
+    if a.dry_run:
+        for run in plan(load_sweep(a.config)):
+            done = is_done(run) and not a.force
+            print(f"{run.name:<32} qharness {run.subcommand} {run.config_path}  {'(finished: skipped)' if done else ''}")
+        return
+    result = run_sweep(a.config, force=a.force)
+    rep = result["report"]
+    print()
+    if rep is not None:
+        print(rep["text"])
+    done = sum(r["state"] != "failed" for r in result["runs"])
+    print(f"\nsweep: {done}/{len(result['runs'])} runs finished in {format_seconds(result['wall_s'])}"
+          + (f"; failed: {', '.join(r['name'] for r in result['runs'] if r['state'] == 'failed')}" if done < len(result["runs"]) else ""))
+    if rep is not None:
+        print(f"table: {rep['paths']['markdown']} and {rep['paths']['csv']}")
+        print(f"Pareto plot: {rep['paths']['png']}")
+    if done < len(result["runs"]):
+        raise SystemExit(1)

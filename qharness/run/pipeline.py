@@ -1,0 +1,196 @@
+"""The tail of every run: deploy (export -> quantize -> lower -> ``.pte``), parity gate, summary.
+
+Example::
+
+    summary = deploy_and_check(module, datamodule, Path("runs/x"), ExportConfig(), ParityConfig(), CalibrationConfig(), BenchConfig())
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from qharness.upstream import process
+from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig
+from qharness.errors import ParityError, UserError
+from qharness.io import write_bytes_atomic, write_json_atomic
+from qharness.checks.parity import compare_decoding, fold_constants, gate, score_batched, score_deployed
+from qharness.progress import stage
+
+log = logging.getLogger(__name__)
+
+
+def check_export_config(cfg: ExportConfig, seq_len: int, context: int | None) -> None:
+    if cfg.max_seq_len <= seq_len:
+        raise UserError(f"deploy.max_seq_len={cfg.max_seq_len} must exceed data.seq_len={seq_len}", fix=f"set deploy.max_seq_len >= {seq_len + 1}")
+    if context is not None and cfg.max_seq_len > context:
+        raise UserError(f"deploy.max_seq_len={cfg.max_seq_len} exceeds the model's context ({context})", fix=f"set deploy.max_seq_len <= {context}")
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """EOS ids of the tokenizer and of the model's generation config (an id or a list)."""
+    config_eos = getattr(model.generation_config, "eos_token_id", None)
+    ids = config_eos if isinstance(config_eos, list) else [config_eos]
+    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
+
+
+def deploy_and_check(
+    module,
+    dm,
+    run_dir: Path,
+    export_cfg: ExportConfig,
+    parity_cfg: ParityConfig,
+    calib_cfg: CalibrationConfig = CalibrationConfig(),
+    bench_cfg: BenchConfig = BenchConfig(enabled=False),
+    eval_cfg: EvalConfig = EvalConfig(enabled=False),
+) -> dict:
+    """Write ``model.pte``, the tokenizer and ``summary.json`` into ``run_dir``; raise ParityError on failure.
+
+    A ``.pte`` that passes the gate is benchmarked (``bench_cfg``) against the eager FP model, then the FP,
+    fake-quant and ``.pte`` models are evaluated with lm-eval (``eval_cfg``; ``eval.json``, summary ``eval``).
+    """
+    from qharness.runtime.bench import bench, format_bench
+    from qharness.training.calibration import calibrate, calibration_blocks
+    from qharness.deploy.lower import export_path, fallback_reason, lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.runtime.pte import PteModel
+
+    process.map_large_allocations_separately()  # freed weight-sized temporaries leave RSS (see qharness/upstream/process.py)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    recipe = module.recipe
+    timings = {}
+    fp_model, tokenizer = module.load_fp()
+    text_config = fp_model.config.get_text_config()
+    check_export_config(export_cfg, dm.seq_len, getattr(text_config, "max_position_embeddings", None))
+    metadata = runner_metadata(export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, eos_ids(fp_model, tokenizer))
+
+    keep_fp = eval_cfg.enabled  # lm-eval scores the FP model after the .pte is written
+    n_eval = min(parity_cfg.eval_blocks, len(dm.val_x)) // dm.batch_size * dm.batch_size
+    vx, vy = dm.val_x[:n_eval], dm.val_y[:n_eval]
+    metrics = {"fp": score_batched(lambda x: fp_model(input_ids=x).logits, vx, vy, dm.batch_size, desc="scoring the FP model")}
+    if module.graph is not None:  # QAT: the trained fake-quant graph and its weights
+        module.graph_to_cpu()  # trained on a GPU: deployment and its checks run on CPU
+        module._to_eval()
+        metrics["fake_quant"] = score_batched(module.graph, vx, vy, dm.batch_size, desc="scoring the fake-quant model")
+        trained = copy.deepcopy(fp_model) if keep_fp else fp_model  # no copy unless lm-eval scores the FP model later
+        module.load_into(trained)
+    else:  # PTQ: the FP weights, calibrated below (source-level recipes quantize the model in place)
+        from qharness.recipes.registry import SourceQuantizer
+
+        source_level = isinstance(recipe.make_quantizer(is_qat=False), SourceQuantizer)
+        trained = copy.deepcopy(fp_model) if source_level and keep_fp else fp_model
+    t = time.perf_counter()
+    blocks = calibration_blocks(calib_cfg, dm)
+    with stage(f"static-KV-cache export + quantization ({recipe.name})"):
+        deployed = quantize_for_deploy(trained, recipe, export_cfg.max_seq_len, lambda graph: calibrate(graph, blocks))
+    del trained  # the deployed graph holds the weights it uses; the FP copies of quantized ones go
+    if not keep_fp:
+        fp_model = None
+    timings["export_quantize_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    with stage(f"lowering to ExecuTorch ({recipe.name}, {recipe.backend})"):
+        pte_bytes = lower_to_pte(deployed, recipe, export_cfg.max_seq_len, metadata)
+    timings["lower_s"] = time.perf_counter() - t
+    pte_path = write_bytes_atomic(run_dir / export_cfg.filename, pte_bytes)
+    tokenizer.save_pretrained(run_dir / "tokenizer")
+
+    t = time.perf_counter()
+    reference = fold_constants(deployed)  # same outputs; scoring a last-token-logits graph calls it once per token
+
+    def ref(tokens, start):
+        return reference(tokens, torch.tensor([start], dtype=torch.long))
+
+    metrics["converted"] = score_deployed(ref, vx, vy, desc="scoring the converted model")
+    reasons = []
+    if recipe.runs_here:
+        pte = PteModel(pte_path)
+        metrics["pte"] = score_deployed(pte, vx, vy, desc="scoring the .pte")
+        prompts = dm.val_x[: parity_cfg.prompts, : parity_cfg.prompt_len]
+        figures = compare_decoding(pte, ref, prompts, parity_cfg.decode_steps, desc="parity: .pte vs converted decoding")
+        figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
+        reasons = gate(figures, parity_cfg)
+        figures["passed"] = not reasons
+        figures["reasons"] = reasons
+    else:
+        figures = {"passed": None, "skipped": f"the {recipe.backend} backend cannot run on this machine (recipe runs_here: false)"}
+        log.warning("parity gate skipped: %s", figures["skipped"])
+    timings["parity_s"] = time.perf_counter() - t
+    failed = pte_path.with_name(pte_path.stem + ".FAILED_PARITY.pte")
+    if reasons:  # keep the file for inspection, under a name no one ships by mistake
+        os.replace(pte_path, failed)
+        pte_path = failed
+    else:
+        failed.unlink(missing_ok=True)  # a stale failure from an earlier export of this run
+
+    summary = {
+        "run_dir": str(run_dir),
+        "model": module.hparams.checkpoint,
+        "recipe": recipe.name,
+        "backend": recipe.backend,
+        "mode": module.hparams.mode,
+        "quantized": recipe.quantized,
+        "seq_len": dm.seq_len,
+        "eval_blocks": n_eval,
+        "metrics": metrics,
+        "parity": figures,
+        "pte": {"path": str(pte_path), "size_bytes": pte_path.stat().st_size, "max_seq_len": export_cfg.max_seq_len,
+                "export_path": export_path(deployed), "fallback_reason": fallback_reason(deployed)},
+        "timings": timings,
+    }
+    write_json_atomic(run_dir / "summary.json", summary)
+    print(format_table(summary))
+    if reasons:
+        raise ParityError(f"parity gate failed for {pte_path}: " + "; ".join(reasons))
+    if bench_cfg.enabled and recipe.runs_here:
+        summary["bench"] = bench(pte_path, module.model_source() if bench_cfg.eager else None, bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
+        write_json_atomic(run_dir / "summary.json", summary)
+        print(format_bench(summary["bench"]))
+    if eval_cfg.enabled:
+        summary["eval"] = evaluate_run(module, dm, fp_model, tokenizer, reference, pte_path if recipe.runs_here else None, run_dir, eval_cfg)
+        write_json_atomic(run_dir / "summary.json", summary)
+    return summary
+
+
+def evaluate_run(module, dm, fp_model, tokenizer, converted, pte_path, run_dir: Path, cfg: EvalConfig) -> dict:
+    """lm-eval of what a run has: the FP model, the QAT graph (``module.graph``), the converted model and the
+    ``.pte``; prints the table and writes ``eval.json``."""
+    from qharness.evaluation.harness import eval_texts, evaluate_models, format_eval_table, max_length
+    from qharness.evaluation.lm_eval_adapter import BatchedForward, CachedStep, hf_backend, pte_backend
+
+    length = max_length(cfg, dm.seq_len)
+    backends = {"fp": lambda: hf_backend(fp_model, length, dm.batch_size)}
+    if module.graph is not None:
+        module._to_eval()
+        backends["fake_quant"] = lambda: BatchedForward(module.graph, length, dm.batch_size, shape=(dm.batch_size, dm.seq_len))
+    if converted is not None:
+        backends["converted"] = lambda: CachedStep(lambda tokens, start: converted(tokens, torch.tensor([start], dtype=torch.long)), length)
+    if pte_path is not None:
+        backends["pte"] = lambda: pte_backend(pte_path, length)
+    result = evaluate_models(backends, tokenizer, cfg, eval_texts(cfg, dm), run_dir, {"max_length": length, "pte": str(pte_path) if pte_path else None})
+    print(format_eval_table(result))
+    return result
+
+
+def format_table(summary: dict) -> str:
+    m, p = summary["metrics"], summary["parity"]
+    rows = [("model", "val loss", "val ppl")]
+    for key, label in (("fp", "FP (before)"), ("fake_quant", "fake-quant (trained)"), ("converted", "converted (PyTorch)"), ("pte", ".pte (ExecuTorch)")):
+        if key in m:
+            rows.append((label, f"{m[key]['loss']:.4f}", f"{m[key]['ppl']:.3f}"))
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{summary['recipe']} ({summary['mode']}) on {summary['eval_blocks']} validation blocks of {summary['seq_len']} tokens"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
+    size = f".pte: {summary['pte']['path']} ({summary['pte']['size_bytes'] / 1e6:.2f} MB); parity "
+    if p["passed"] is None:
+        lines.append(size + f"SKIPPED: {p['skipped']}")
+    else:
+        lines.append(
+            size + f"{'PASSED' if p['passed'] else 'FAILED'}: max|Δlogit|={p['max_abs_diff']:.4g}, "
+            f"argmax agreement={p['argmax_agreement']:.3f}, ppl diff={p['ppl_rel_diff']:.2%}"
+        )
+    return "\n".join(lines)

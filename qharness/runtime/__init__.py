@@ -1,0 +1,1 @@
+"""Running ``.pte`` programs through the ExecuTorch runtime: loading, generation, benchmarks."""

@@ -1,0 +1,66 @@
+"""Model sources: an HF transformers directory or hub id, a torchtune builder, or the embedded default.
+
+``resolve_checkpoint("embedded")`` returns the embedded default's directory (``qharness/sources/embedded.py``);
+any other value is a local directory in ``save_pretrained`` format, ``torchtune:<builder>(...)``
+(``qharness/sources/torchtune.py``) or, when online, a hub id.
+
+Example::
+
+    model, tokenizer = load_model_and_tokenizer(resolve_checkpoint("embedded"))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from qharness.errors import UserError
+from qharness.sources.text import EMBEDDED
+
+
+def resolve_checkpoint(checkpoint: str) -> str:
+    """Turn ``model.checkpoint`` into something ``from_pretrained`` loads: a local dir or a hub id
+    (``torchtune:...`` builders are converted once into a cached HF directory)."""
+    if checkpoint == EMBEDDED:
+        from qharness.sources.embedded import embedded_dir
+
+        return str(embedded_dir())
+    from qharness.sources.torchtune import is_torchtune, torchtune_dir
+
+    if is_torchtune(checkpoint):
+        return str(torchtune_dir(checkpoint))
+    path = Path(checkpoint).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise UserError(f"model.checkpoint {path} is a file", fix="point it at a save_pretrained directory")
+        if not (path / "config.json").is_file():
+            raise UserError(f"model.checkpoint {path} has no config.json", fix="point it at a save_pretrained directory")
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise UserError(f"model.checkpoint {path} has no weights (*.safetensors)", fix="save the model with save_pretrained")
+        return str(path)
+    if checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1:
+        raise UserError(f"model.checkpoint {checkpoint} does not exist", fix="give an existing directory or a hub id")
+    return checkpoint  # a hub id
+
+
+def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
+    """Load an FP32 causal LM (eval mode) and its tokenizer from a directory or hub id."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    except OSError as e:
+        raise UserError(f"could not load model {source!r}: {str(e).splitlines()[0]}", fix="check model.checkpoint") from e
+    except ValueError as e:
+        raise UserError(f"unsupported model {source!r}: {str(e).splitlines()[0]}") from e
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if len(tokenizer) > model.config.get_text_config().vocab_size:
+        raise UserError(
+            f"tokenizer of {source} has {len(tokenizer)} tokens but the model's vocab_size is "
+            f"{model.config.get_text_config().vocab_size}",
+            fix="use the tokenizer the model was trained with",
+        )
+    return model.eval(), tokenizer
+

@@ -1,0 +1,49 @@
+"""PTQ calibration through Lightning: a prepared deploy graph's observers see N blocks of data.
+
+Example::
+
+    blocks = calibration_blocks(CalibrationConfig(blocks=32), datamodule)
+    calibrate(prepared_graph, blocks)      # trainer.predict over the blocks, with a progress bar
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from qharness.upstream import imports
+from qharness.config import CalibrationConfig
+from qharness.data.datamodule import pack
+from qharness.sources.text import load_texts, tokenize_stream
+from qharness.errors import UserError
+
+
+class Calibrator(L.LightningModule):
+    """Runs ``graph(tokens[1, n], input_pos=[0])`` per block; the observers inside record ranges."""
+
+    def __init__(self, graph: torch.fx.GraphModule):
+        super().__init__()
+        self.graph = imports.pt2e().allow_train_eval(graph)
+
+    def predict_step(self, batch, batch_idx):
+        (tokens,) = batch
+        self.graph(tokens, torch.zeros(1, dtype=torch.long))
+
+
+def calibration_blocks(cfg: CalibrationConfig, dm) -> torch.Tensor:
+    """``[blocks, seq_len]`` token blocks: the training split of ``data``, or ``calibration.source``."""
+    if cfg.blocks < 1:
+        raise UserError(f"calibration.blocks must be positive (got {cfg.blocks})")
+    if cfg.source is None:
+        x = dm.train_x
+    else:
+        x, _ = pack(tokenize_stream(load_texts(cfg.source, cfg.text_field), dm.load_tokenizer()), dm.seq_len)
+        if len(x) == 0:
+            raise UserError(f"calibration.source {cfg.source} holds less than one block of data.seq_len={dm.seq_len} tokens")
+    return x[: cfg.blocks]
+
+
+def calibrate(graph: torch.fx.GraphModule, blocks: torch.Tensor) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.predict(Calibrator(graph), DataLoader(TensorDataset(blocks), batch_size=1), return_predictions=False)

@@ -1,0 +1,348 @@
+"""The LightningModule that trains (QAT) or calibrates (PTQ) a PT2E-prepared exported graph.
+
+Stages: ``export_for_training`` (logits-only wrapper -> ``torch.export`` pre-dispatch graph) ->
+``prepare_for_training`` (the recipe's quantizer: ``prepare_qat_pt2e``/``prepare_pt2e``, or torchao QAT
+modules for source-level recipes) -> ``QuantLM`` trains it.
+
+Exported graphs ignore ``.train()/.eval()``; the validation/test hooks below switch them with
+``move_exported_model_to_train/eval`` and freeze static observers so validation never moves
+quantization ranges (dynamic-activation fake-quants keep observing: that *is* dynamic quantization).
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from qharness.upstream import imports
+from qharness.errors import UserError
+from qharness.recipes.registry import load_recipe
+
+
+class LogitsOnly(torch.nn.Module):
+    """``input_ids -> logits`` with no KV cache, the form that is trained."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def export_for_training(model, batch_size: int, seq_len: int) -> torch.fx.GraphModule:
+    """Pre-dispatch ATen graph (autograd-safe) of the logits-only model, static ``[batch_size, seq_len]``,
+    on the model's device (the graph bakes devices in: export where it will train)."""
+    example = torch.zeros(batch_size, seq_len, dtype=torch.long, device=next(model.parameters()).device)
+    return torch.export.export(LogitsOnly(model).eval(), (example,)).module()
+
+
+def prepare_for_training(model, recipe, batch_size: int, seq_len: int, is_qat: bool) -> torch.fx.GraphModule:
+    """Export the model and insert the recipe's fake-quant (QAT) or observers (PTQ).
+
+    PT2E recipes annotate the exported graph (``prepare_qat_pt2e`` / ``prepare_pt2e``); source-level
+    recipes (torchao ``quantize_``) swap in fake-quantized modules first and export the result.
+    """
+    from qharness.recipes.registry import SourceQuantizer
+
+    quantizer = recipe.make_quantizer(is_qat=is_qat)
+    if isinstance(quantizer, SourceQuantizer):
+        if is_qat:
+            # torchao's fake quantizers pass gradients straight through in autograd.Functions, which
+            # torch.export decomposes into round/clamp (zero gradient: nothing would train). Train the eager
+            # modules instead; deployment re-exports the trained weights anyway.
+            quantizer.prepare_qat(model)
+            return LogitsOnly(model).train()
+        return export_for_training(model, batch_size, seq_len)
+    graph = export_for_training(model, batch_size, seq_len)
+    if quantizer is None:
+        return graph
+    pt2e = imports.pt2e()
+    return (pt2e.prepare_qat_pt2e if is_qat else pt2e.prepare_pt2e)(graph, quantizer)
+
+
+def _has_observed(fq) -> bool:
+    """Whether a fake-quant's observer has seen data (its scale is computed); min/max start empty or inf."""
+    obs = getattr(fq, "activation_post_process", None)
+    lo = getattr(obs, "min_val", None)
+    return lo is None or (lo.numel() > 0 and bool(torch.isfinite(lo).all()))
+
+
+def set_static_observers(graph: torch.nn.Module, enabled: bool) -> None:
+    """Enable/disable observers of static fake-quants (weights, static activations).
+
+    One that has seen no data yet stays on (validation before the first training step, e.g. Lightning's
+    sanity check, would otherwise run with an uncomputed scale).
+    """
+    pt2e = imports.pt2e()
+    for m in graph.modules():
+        if isinstance(m, pt2e.FakeQuantizeBase) and not getattr(m, "is_dynamic", False):
+            (m.enable_observer if enabled or not _has_observed(m) else m.disable_observer)()
+
+
+def set_fake_quant(graph: torch.nn.Module, enabled: bool) -> None:
+    """Turn every PT2E fake-quant on or off. Off, the graph computes in floating point (observers still record).
+
+    Example::
+
+        set_fake_quant(prepared, False)   # prepared(x) == the exported FP graph's output
+    """
+    pt2e = imports.pt2e()
+    for m in graph.modules():
+        if isinstance(m, pt2e.FakeQuantizeBase):
+            (m.enable_fake_quant if enabled else m.disable_fake_quant)()
+
+
+# trainer.precision values a fake-quant graph trains with: float32 weights, optionally autocast to 16 bits.
+# "*-true" half precisions fail inside the fake-quant kernels ("Scale must be Float", dtype asserts).
+PRECISIONS_OK = {"32", "32-true", "bf16", "bf16-mixed", "16", "16-mixed"}
+
+
+def check_precision(precision, recipe, mode: str) -> None:
+    """Refuse a ``trainer.precision`` the recipe's QAT graph cannot train with (UserError, exit 2).
+
+    Checked on CPU with torch 2.13 / torchao 0.18: PT2E recipes train with ``32-true``, ``bf16-mixed`` and
+    ``16-mixed`` (the unfused ``FakeQuantize`` runs under autocast); torchao source-level recipes (8da4w) only
+    with ``32-true`` ("Tensor dtype mismatch! Expected: Float, Got: BFloat16" in torchao's fake quantizer).
+    """
+    from qharness.recipes.registry import SourceQuantizer
+
+    p = str(precision) if precision is not None else "32-true"
+    if mode != "qat" or p in ("32", "32-true"):
+        return
+    if p not in PRECISIONS_OK:
+        raise UserError(
+            f"trainer.precision={p} does not work with fake quantization (weights, scales and observers must stay float32)",
+            fix="use 32-true, or bf16-mixed / 16-mixed (autocast) with a PT2E recipe",
+        )
+    if isinstance(recipe.make_quantizer(is_qat=True), SourceQuantizer):
+        raise UserError(
+            f"trainer.precision={p} does not work with recipe {recipe.name!r} (torchao's fake quantizer needs float32 inputs)",
+            fix="use trainer.precision 32-true with this recipe, or a PT2E recipe (xnnpack_int8_dynamic, xnnpack_int4w_dynamic) for mixed precision",
+        )
+
+
+class QuantLM(L.LightningModule):
+    def __init__(
+        self,
+        checkpoint: str = "embedded",
+        recipe: str = "xnnpack_int8_dynamic",
+        mode: str = "qat",
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        warmup_steps: int = 10,
+        trust_remote_code: bool = False,
+        fake_quant_after_n_steps: int = 0,
+        freeze_observers_after_n_steps: int | None = None,
+    ):
+        """A causal LM trained with quantization-aware training (or calibrated) for one backend recipe.
+
+        Args:
+            checkpoint: ``embedded`` (the built-in small Llama, pretrained on first use), a local
+                ``save_pretrained`` directory of any decoder-only HF causal LM that transformers exports
+                with a static KV cache (Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3, ...), a hub id (online
+                only), or a torchtune builder: ``torchtune:llama3_2.llama3_2_1b`` or
+                ``torchtune:llama3_2.llama3_2(vocab_size=2048, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=128, max_seq_len=512)``
+                (random init; ``tokenizer=DIR`` picks an HF tokenizer; needs the torchtune extra).
+            recipe: Backend recipe name (``qharness recipes`` lists them) or a path to a recipe YAML.
+            mode: ``qat`` (train with fake quantization) or ``ptq`` (calibrate only).
+            lr: Peak learning rate of AdamW.
+            weight_decay: AdamW weight decay.
+            warmup_steps: Linear warm-up steps before the cosine decay.
+            trust_remote_code: Run model code from the hub (off by default; only for models you trust).
+            fake_quant_after_n_steps: QAT: train in floating point for the first N optimizer steps (fake
+                quantization off, observers recording), then with fake quantization (torchtune's
+                ``fake_quant_after_n_steps``). Validation before step N measures the FP model. PT2E recipes only.
+            freeze_observers_after_n_steps: QAT: from step N on, weight (and static-activation) quantization
+                ranges stop following the weights; training goes on with the frozen scales. Deployment still
+                computes min-max scales from the final weights, so freeze late (small weight changes after N).
+                None: never. PT2E recipes only.
+        """
+        super().__init__()
+        self.save_hyperparameters()
+        self.recipe = load_recipe(recipe)
+        self.recipe.check_mode(mode)
+        if lr <= 0:
+            raise UserError(f"model.lr must be positive (got {lr})")
+        if warmup_steps < 0:
+            raise UserError(f"model.warmup_steps must be >= 0 (got {warmup_steps})")
+        if fake_quant_after_n_steps < 0 or (freeze_observers_after_n_steps is not None and freeze_observers_after_n_steps < 0):
+            raise UserError(
+                f"model.fake_quant_after_n_steps and model.freeze_observers_after_n_steps must be >= 0 "
+                f"(got {fake_quant_after_n_steps}, {freeze_observers_after_n_steps})"
+            )
+        if mode == "qat" and (fake_quant_after_n_steps or freeze_observers_after_n_steps is not None):
+            from qharness.recipes.registry import SourceQuantizer
+
+            if isinstance(self.recipe.make_quantizer(is_qat=True), SourceQuantizer):
+                raise UserError(
+                    f"recipe {recipe!r} fake-quantizes inside its modules at export time: fake_quant_after_n_steps and "
+                    "freeze_observers_after_n_steps need a PT2E recipe",
+                    fix="leave them unset, or use xnnpack_int8_dynamic / xnnpack_int4w_dynamic",
+                )
+        if checkpoint != "embedded":
+            from qharness.sources.models import resolve_checkpoint
+
+            resolve_checkpoint(checkpoint)  # a missing directory, config or weights fails here, before any work
+        self.graph: torch.nn.Module | None = None  # the prepared exported graph (eager modules for torchao QAT)
+        self._val_losses: list[float] = []
+
+    # --- building -------------------------------------------------------------------------------
+    def model_source(self) -> str:
+        from qharness.sources.models import resolve_checkpoint
+
+        return resolve_checkpoint(self.hparams.checkpoint)
+
+    def load_fp(self):
+        from qharness.sources.models import load_model_and_tokenizer
+
+        return load_model_and_tokenizer(self.model_source(), self.hparams.trust_remote_code)
+
+    def build(self, batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> None:
+        """Load the FP model, export it on ``device`` and prepare it with the recipe (deterministic, so
+        checkpoints load)."""
+        if self.graph is not None:
+            return
+        model, _ = self.load_fp()
+        context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        if context is not None and seq_len > context:
+            raise UserError(f"data.seq_len={seq_len} exceeds the model's context ({context})", fix=f"set data.seq_len <= {context}")
+        graph = prepare_for_training(model.to(device), self.recipe, batch_size, seq_len, is_qat=self.hparams.mode == "qat")
+        if isinstance(graph, torch.fx.GraphModule):
+            imports.pt2e().allow_train_eval(graph)
+        self.graph = graph
+        self._shape = (batch_size, seq_len)
+
+    def configure_model(self) -> None:
+        dm = self.trainer.datamodule
+        self.build(dm.batch_size, dm.seq_len, device=self.trainer.strategy.root_device)  # e.g. cuda:<local rank>
+
+    def graph_to_cpu(self) -> None:
+        """Deployment runs on CPU. A graph trained on another device (its devices are baked in at export) is
+        re-exported on CPU and given the trained state (weights and observers; the rebuild is deterministic)."""
+        if self.graph is not None and any(t.device.type != "cpu" for t in self.graph.state_dict().values()):
+            self.rebuild_on("cpu")
+
+    def rebuild_on(self, device) -> None:
+        """Export and prepare the graph again on ``device`` and load the current state into it."""
+        state = {k: v.detach().to(device) for k, v in self.state_dict().items()}
+        self.graph = None
+        self.build(*self._shape, device=device)
+        self.load_state_dict(state)
+
+    def trained_weights(self) -> dict[str, torch.Tensor]:
+        """The trained FP weights keyed by the HF model's parameter names (tied weights under each name)."""
+        return {k[len("model.") :]: v.detach() for k, v in self.graph.named_parameters(remove_duplicate=False)}
+
+    def load_into(self, hf_model) -> None:
+        """Copy the trained weights into an HF model of the same architecture.
+
+        Tied parameters (one tensor under several names, e.g. embeddings and lm_head) may appear
+        under any one of their names in the graph.
+        """
+        weights = self.trained_weights()
+        groups: dict[int, list[str]] = {}
+        for name, p in hf_model.named_parameters(remove_duplicate=False):
+            groups.setdefault(id(p), []).append(name)
+        missing = [names for names in groups.values() if not any(n in weights for n in names)]
+        extra = set(weights) - {n for names in groups.values() for n in names}
+        if missing or extra:
+            raise RuntimeError(f"trained graph and model disagree: missing {missing[:5]}, extra {sorted(extra)[:5]}")
+        with torch.no_grad():
+            for names in groups.values():
+                hf_model.get_parameter(names[0]).copy_(weights[next(n for n in names if n in weights)])
+
+    # --- modes ----------------------------------------------------------------------------------
+    def fake_quant_on(self, step: int) -> bool:
+        return step >= self.hparams.fake_quant_after_n_steps
+
+    def observers_on(self, step: int) -> bool:
+        n = self.hparams.freeze_observers_after_n_steps
+        return n is None or step < n
+
+    def _to_eval(self) -> None:
+        if isinstance(self.graph, torch.fx.GraphModule):
+            imports.pt2e().move_to_eval(self.graph)
+        else:  # eager torchao QAT modules
+            self.graph.eval()
+        set_static_observers(self.graph, enabled=False)
+
+    def _to_train(self) -> None:
+        if isinstance(self.graph, torch.fx.GraphModule):
+            imports.pt2e().move_to_train(self.graph)
+        else:
+            self.graph.train()
+        set_static_observers(self.graph, enabled=self.observers_on(self.global_step))
+
+    def on_fit_start(self) -> None:
+        self._to_train()
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        """Fake quantization off before ``fake_quant_after_n_steps``; static observers frozen from
+        ``freeze_observers_after_n_steps``. The switches are buffers, so checkpoints (and evaluation after
+        training) keep the last training step's state."""
+        hp = self.hparams
+        if hp.mode == "qat" and (hp.fake_quant_after_n_steps or hp.freeze_observers_after_n_steps is not None):
+            set_fake_quant(self.graph, self.fake_quant_on(self.global_step))
+            set_static_observers(self.graph, enabled=self.observers_on(self.global_step))
+
+    on_validation_model_eval = _to_eval
+    on_validation_model_train = _to_train
+    on_test_model_eval = _to_eval
+    on_test_model_train = _to_train
+    on_predict_model_eval = _to_eval
+
+    # --- steps ----------------------------------------------------------------------------------
+    def loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.graph(x).flatten(0, 1), y.flatten())
+
+    def training_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"training loss became {loss.item()} at step {self.global_step}; stopping "
+                "(the last checkpoint is kept: lower model.lr or check the data)"
+            )
+        self.log("train/loss", loss, prog_bar=True)
+        return loss
+
+    def optimizer_step(self, *args, **kwargs):
+        """Stop before a diverged step reaches a checkpoint: NaN/inf weights end the run (last good one kept)."""
+        super().optimizer_step(*args, **kwargs)
+        bad = next((n for n, p in self.graph.named_parameters() if not torch.isfinite(p).all()), None)
+        if bad is not None:
+            raise FloatingPointError(
+                f"training diverged at step {self.global_step}: {bad} became NaN/inf; stopping "
+                "(the last checkpoint is kept: lower model.lr or check the data)"
+            )
+
+    def validation_step(self, batch, batch_idx):
+        loss = self.loss(batch)
+        self._val_losses.append(loss.item())
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        if self._val_losses:
+            mean = sum(self._val_losses) / len(self._val_losses)
+            self.log("val/ppl", math.exp(min(mean, 50.0)), sync_dist=True)
+        self._val_losses = []
+
+    test_step = validation_step
+    on_test_epoch_end = on_validation_epoch_end
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.graph.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warm = self.hparams.warmup_steps
+
+        def schedule(step: int) -> float:
+            if step < warm:
+                return (step + 1) / warm
+            progress = min(1.0, (step - warm) / max(1, total - warm))
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}}

@@ -1,0 +1,93 @@
+"""Imports that move between releases of torchao, ExecuTorch and transformers: one function per symbol.
+
+When upstream moves a symbol, the function here is the one place to edit. Imports are done inside the
+functions: ``import executorch`` and the quantizers take seconds.
+
+Example::
+
+    pt2e = imports.pt2e()
+    prepared = pt2e.prepare_qat_pt2e(graph, quantizer)
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401
+
+
+def pt2e():
+    """The PT2E entry points as a namespace: prepare_pt2e, prepare_qat_pt2e, convert_pt2e, ..."""
+    import types
+
+    from torchao.quantization import pt2e as _pt2e
+    from torchao.quantization.pt2e import quantize_pt2e
+
+    return types.SimpleNamespace(
+        prepare_pt2e=quantize_pt2e.prepare_pt2e,
+        prepare_qat_pt2e=quantize_pt2e.prepare_qat_pt2e,
+        convert_pt2e=quantize_pt2e.convert_pt2e,
+        move_to_train=_pt2e.move_exported_model_to_train,
+        move_to_eval=_pt2e.move_exported_model_to_eval,
+        allow_train_eval=_pt2e.allow_exported_model_train_eval,
+        FakeQuantize=_pt2e.FakeQuantize,
+        FakeQuantizeBase=_pt2e.FakeQuantizeBase,
+        MovingAverageMinMaxObserver=_pt2e.MovingAverageMinMaxObserver,
+        MinMaxObserver=_pt2e.MinMaxObserver,
+        HistogramObserver=_pt2e.HistogramObserver,
+        MovingAveragePerChannelMinMaxObserver=_pt2e.MovingAveragePerChannelMinMaxObserver,
+    )
+
+
+def xnnpack_symmetric_config(**kwargs):
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import get_symmetric_quantization_config
+
+    return get_symmetric_quantization_config(**kwargs)
+
+
+def xnnpack_partitioner(dynamic_quant: bool):
+    """An XNNPACK partitioner. Dynamically quantized graphs need the dynamic-quant partitioner placed
+    before the plain one, or lowering fails with "Invalid partition, found dependency cycles"."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+        XnnpackDynamicallyQuantizedPartitioner,
+        XnnpackPartitioner,
+    )
+
+    return XnnpackDynamicallyQuantizedPartitioner() if dynamic_quant else XnnpackPartitioner()
+
+
+def to_edge_transform_and_lower(*args, **kwargs):
+    import executorch.kernels.quantized  # noqa: F401  out variants of quantized ops (quantized embeddings)
+    from executorch.exir import to_edge_transform_and_lower as _lower
+
+    return _lower(*args, **kwargs)
+
+
+def executorch_backend_config(**kwargs):
+    from executorch.exir import ExecutorchBackendConfig
+
+    return ExecutorchBackendConfig(**kwargs)
+
+
+def executorch_runtime():
+    """The ExecuTorch Python runtime, with the quantized kernels (e.g. quantized embeddings) registered."""
+    import executorch.kernels.quantized  # noqa: F401  registers quantized_decomposed ops
+    from executorch.runtime import Runtime
+
+    from qharness.upstream.fixes.custom_sdpa import llm_custom_ops
+
+    llm_custom_ops()  # llama::update_cache / custom_sdpa kernels of fast-path programs
+
+    return Runtime.get()
+
+
+def hf_static_cache_exportable(model, batch_size: int, max_cache_len: int):
+    """HF's static-KV-cache wrapper whose forward is ``(input_ids, cache_position) -> logits``."""
+    from transformers import GenerationConfig
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model.generation_config = GenerationConfig(
+        use_cache=True,
+        cache_implementation="static",
+        cache_config={"batch_size": batch_size, "max_cache_len": max_cache_len},
+    )
+    return TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch_size, max_cache_len=max_cache_len).model
+

@@ -1,0 +1,69 @@
+"""Fixes in qharness/upstream/fixes/, each with a test that fails once upstream no longer needs it."""
+
+import pytest
+import torch
+
+from qharness.upstream.fixes import custom_sdpa, xnnpack_scalars
+
+
+def _graph_with_int_add():
+    class M(torch.nn.Module):
+        def forward(self, x):
+            idx = torch.arange(x.shape[1]) + 0
+            return x[:, idx] * 2.0
+
+    return torch.export.export(M(), (torch.randn(2, 4),)).module()
+
+
+def _lifted_dtypes(gm):
+    return {n.target: getattr(gm, n.target).dtype for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_tensor_constant")}
+
+
+def test_upstream_xnnpack_still_lifts_int_scalars_as_float():
+    """executorch#22062: when this fails, upstream fixed it; drop xnnpack_scalars._lift_scalars_keeping_dtype."""
+    gm = xnnpack_scalars.upstream_xnnpack_scalar_lifting()(_graph_with_int_add())
+    assert torch.float32 in _lifted_dtypes(gm).values()
+    assert all(d == torch.float32 for d in _lifted_dtypes(gm).values())
+
+
+def test_our_lifting_keeps_the_node_dtype_and_runs():
+    gm = xnnpack_scalars._lift_scalars_keeping_dtype(_graph_with_int_add())
+    assert sorted(map(str, _lifted_dtypes(gm).values())) == ["torch.float32", "torch.int64"]
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(gm(x), x * 2.0)
+
+
+def _sdpa_inputs(start=5, n=3):
+    torch.manual_seed(0)
+    return torch.randn(1, n, 4, 16), torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16), start, None, 0.0, True, 0.25
+
+
+def test_upstream_eager_custom_sdpa_still_logs_on_every_call(capfd):
+    """When this fails, ExecuTorch's eager custom_sdpa stopped logging: drop custom_sdpa._custom_sdpa_cpu."""
+    custom_sdpa.llm_custom_ops()
+    capfd.readouterr()
+    custom_sdpa.upstream_custom_sdpa(*_sdpa_inputs())
+    assert "No temp allocator provided" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("start, n", [(0, 1), (0, 9), (5, 3), (31, 1)])
+def test_our_eager_custom_sdpa_is_quiet_and_equals_upstream(capfd, start, n):
+    custom_sdpa.llm_custom_ops()
+    args = _sdpa_inputs(start, n)
+    expected = custom_sdpa.upstream_custom_sdpa(*args)
+    capfd.readouterr()
+    out = torch.ops.llama.custom_sdpa(*args)
+    assert "No temp allocator" not in capfd.readouterr().err
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
+
+
+def test_upstream_vulkan_quantizer_still_lifts_scalars():
+    """The Vulkan quantizer shares XNNPACK's scalar lifting (executorch#22062); when this fails, drop
+    fixes.vulkan.vulkan_quantizer_cls and use VulkanQuantizer as it is."""
+    from executorch.backends.vulkan.quantizer.vulkan_quantizer import VulkanQuantizer
+
+    from qharness.upstream.fixes import vulkan
+
+    gm = VulkanQuantizer().transform_for_annotation(_graph_with_int_add())
+    assert _lifted_dtypes(gm), "upstream no longer lifts add/mul scalars"
+    assert not _lifted_dtypes(vulkan.vulkan_quantizer_cls()().transform_for_annotation(_graph_with_int_add()))

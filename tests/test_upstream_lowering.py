@@ -1,0 +1,179 @@
+"""Lowering speed-ups (qharness/upstream/lowering/): the same .pte byte for byte, with less upstream work."""
+
+import pytest
+import torch
+
+from qharness.upstream import imports, lowering
+from qharness.upstream.fixes import xnnpack_scalars
+from qharness.upstream.lowering import partition_cutting, patching, provenance, xnnpack_passes
+
+
+class _Toy(torch.nn.Module):
+    """Linear+ReLU (FuseActivationPass), softmax (ConvertToSDPAPass), a 6-way cat (DecomposeConcatenate)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        y = torch.softmax(self.b(h), dim=-1)
+        return torch.cat([y, y * 2, y + 1, y - 1, y * 3, y.exp()], dim=-1)
+
+
+def _lower_toy(dynamic_quant: bool, patches=lowering.PATCHES) -> bytes:
+    """The toy through lower_to_pte's lowering calls (lowering.export_for_lowering, decompose_for_lowering, ...)."""
+    torch.manual_seed(0)
+    x = (torch.randn(4, 16),)
+    module = _Toy().eval()
+    parts = [imports.xnnpack_partitioner(dynamic_quant=False)]
+    if dynamic_quant:
+        pt2e = imports.pt2e()
+        quantizer = xnnpack_scalars.xnnpack_quantizer_cls()().set_global(imports.xnnpack_symmetric_config(is_per_channel=True, is_dynamic=True))
+        module = pt2e.prepare_pt2e(torch.export.export(module, x).module(), quantizer)
+        module(*x)
+        module = pt2e.convert_pt2e(module)
+        parts = [imports.xnnpack_partitioner(dynamic_quant=True), *parts]
+    ep = lowering.export_for_lowering(module, x, None)
+    with lowering.fast_lowering(patches):
+        ep = lowering.decompose_for_lowering(ep, parts)
+        return imports.to_edge_transform_and_lower(ep, partitioner=parts).to_executorch().buffer
+
+
+@pytest.fixture(scope="module")
+def upstream_pte():
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("QHARNESS_UPSTREAM_LOWERING", "1")
+        return _lower_toy(dynamic_quant=True)  # both XNNPACK partitioners, float and quantized partitions
+
+
+def test_fast_lowering_writes_the_same_pte(upstream_pte):
+    assert _lower_toy(dynamic_quant=True) == upstream_pte
+
+
+@pytest.mark.parametrize("patch", lowering.PATCHES, ids=lambda p: p.__name__.rsplit(".", 1)[-1])
+def test_each_patch_alone_writes_the_same_pte(upstream_pte, patch):
+    """One module per patch: each alone leaves the program as upstream writes it."""
+    assert _lower_toy(dynamic_quant=True, patches=(patch,)) == upstream_pte
+
+
+def _count_calls(monkeypatch, owner, name, when=lambda *args: True):
+    calls = []
+    upstream = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        if when(*args):
+            calls.append(1)
+        return upstream(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+@pytest.mark.slow  # ~25 s, counts the work each way; byte identity alone runs in the default suite above
+def test_fast_lowering_writes_the_same_pte_with_less_work(monkeypatch):
+    """Each workaround in lowering.fast_lowering leaves the .pte byte for byte the same and still saves work;
+    when a count below stops differing, upstream removed that cost: drop the workaround."""
+    from torch.export import ExportedProgram
+    from torch.fx.passes.infra.pass_base import PassBase
+
+    counts = {}
+    for upstream in (True, False):
+        monkeypatch.setenv("QHARNESS_UPSTREAM_LOWERING", "1" if upstream else "0")
+        with monkeypatch.context() as m:
+            c = {
+                "decompositions": _count_calls(m, ExportedProgram, "run_decompositions"),
+                "node copies": _count_calls(m, torch.fx.Graph, "node_copy"),
+                "xnnpack passes": _count_calls(m, PassBase, "__call__", lambda p, *_: type(p).__module__.startswith("executorch.backends")),
+            }
+            pte = _lower_toy(dynamic_quant=True)  # both XNNPACK partitioners, float and quantized partitions
+        counts[upstream] = ({k: len(v) for k, v in c.items()}, pte)
+    assert counts[True][1] == counts[False][1]
+    for key, n in counts[False][0].items():
+        assert n < counts[True][0][key], (key, counts)
+
+
+def test_upstream_node_source_still_deep_copies_provenance():
+    """torch.fx.traceback.NodeSource copies the whole from_node chain; provenance.patch shares it (same content)."""
+    from torch.fx.traceback import NodeSource
+
+    g = torch.fx.Graph()
+    node = g.placeholder("x")
+    node.meta["from_node"] = [NodeSource(None, "export")]
+    assert NodeSource(node, "pass").from_node[0] is not node.meta["from_node"][0]
+    with provenance.patch():
+        shared = NodeSource(node, "pass")
+    assert shared.from_node[0] is node.meta["from_node"][0]
+    assert shared.to_dict() == NodeSource(node, "pass").to_dict()
+
+
+def test_xnnpack_pass_list_is_the_one_the_skip_table_was_read_from():
+    """xnnpack_passes.pass_triggers was read from these passes (ExecuTorch 1.5.1); re-read them when this fails."""
+    from executorch.backends.xnnpack._passes import XNNPACKPassManager
+
+    names = [p.__name__ for p in XNNPACKPassManager(None).passes]
+    assert names == [
+        "XNNPACKRemoveCloneOpsTransform", "DimOrderOpsRevertPass", "ConvertToUpsampleBilinear2d", "ConvertToLinearPass",
+        "PropagateCustomMetaPass", "ConvertToSDPAPass", "ConstPropPass", "FuseBatchNormPass", "DecomposeBatchNorm",
+        "FuseActivationPass", "DecomposeConcatenate", "RemoveGetItemPass", "InsertPadQDQPass", "Conv1dUnsqueezePass",
+        "PReLUReshapePass", "ChannelsLastTaggedReshapePass", "RemoveRedundantCopyPass",
+    ]
+    assert set(xnnpack_passes.pass_triggers()) <= set(names)
+
+
+def test_xnnpack_pattern_passes_need_their_trigger_ops():
+    """ConvertToSDPAPass / ConvertToUpsampleBilinear2d only match subgraphs holding every op of one of their
+    patterns: a partition without the listed ops holds no pattern."""
+    from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
+
+    triggers = xnnpack_passes.pass_triggers()
+    for pass_name, patterns in (("ConvertToSDPAPass", sdpa.get_graphs()), ("ConvertToUpsampleBilinear2d", bilinear_2d.get_graphs())):
+        for pattern in patterns:
+            assert triggers[pass_name](patching.called_ops(pattern)), pass_name
+
+
+def test_legalize_in_place_matches_upstream_legalize():
+    """Same node order, names, users order and name space as torch's legalize_graph, on disordered graphs."""
+    import copy
+    import random
+
+    from torch.fx.passes.tools_common import legalize_graph
+
+    class M(torch.nn.Module):
+        def forward(self, x, y):
+            a = x + y
+            b = torch.relu(a * 2) + x.shape[0]
+            return b.sum(0), torch.cat([a, b, a * b]) * a.shape[0]
+
+    n = torch.export.Dim("n")
+    gm = torch.export.export(M(), (torch.randn(3, 4), torch.randn(3, 4)), dynamic_shapes=({0: n}, {0: n})).module()
+
+    def state(g):
+        return [(node.name, [u.name for u in node.users]) for node in g.graph.nodes]
+
+    rng = random.Random(0)
+    for _ in range(10):
+        ours, theirs = copy.deepcopy(gm), copy.deepcopy(gm)
+        names = [node.name for node in gm.graph.nodes if node.op not in ("placeholder", "output")]
+        moves = [rng.sample(names, 2) for _ in range(5)]
+        for g in (ours, theirs):
+            by_name = {node.name: node for node in g.graph.nodes}
+            for a, b in moves:
+                by_name[b].append(by_name[a])  # out of topological order
+        legalize_graph(theirs)
+        partition_cutting.legalize_graph_in_place(ours)
+        assert state(ours) == state(theirs)
+        for attr in ("_used_names", "_base_count"):
+            assert getattr(ours.graph._graph_namespace, attr) == getattr(theirs.graph._graph_namespace, attr)
+        assert [n.name for n in ours.graph._graph_namespace._obj_to_name] == [n.name for n in theirs.graph._graph_namespace._obj_to_name]
+        assert partition_cutting._namespace_by_create_name(list(ours.graph.nodes))._base_count == ours.graph._graph_namespace._base_count
+        new = [g.graph.create_node("call_function", torch.ops.aten.neg.default, (next(iter(g.graph.nodes)),)) for g in (ours, theirs)]
+        assert new[0].name == new[1].name  # the name space is the same
+        for g, node in zip((ours, theirs), new):
+            g.graph.erase_node(node)
+            g.recompile()
+        assert ours.code == theirs.code
+        x, y = torch.randn(5, 4), torch.randn(5, 4)
+        torch.testing.assert_close(ours(x, y), theirs(x, y))
+
+
