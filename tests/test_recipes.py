@@ -2,6 +2,7 @@ import pytest
 
 from qharness.errors import UserError
 from qharness.recipes.registry import known_recipes, load_recipe
+from qharness.recipes.xnnpack import XnnpackSettings
 
 
 def test_builtin_recipe_loads():
@@ -23,7 +24,8 @@ def test_recipe_inherits_and_overrides(tmp_path):
     child.write_text("base: xnnpack_int8_dynamic\ndescription: per-tensor child\nquantizer:\n  per_channel: false\n")
     r = load_recipe(str(child))
     assert r.name == "child" and r.description == "per-tensor child"
-    assert r.quantizer == {"name": "xnnpack", "per_channel": False, "dynamic": True, "weight_bits": 8}
+    assert r.quantizer == "xnnpack" and r.kind == "pt2e"
+    assert r.settings == XnnpackSettings(per_channel=False, dynamic=True, weight_bits=8)
     assert r.partitioners == load_recipe("xnnpack_int8_dynamic").partitioners
 
 
@@ -37,8 +39,8 @@ def test_unknown_field_names_it_and_lists_known(tmp_path):
 def test_unknown_quantizer_setting_is_caught(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("base: xnnpack_int8_dynamic\nquantizer:\n  bits: 4\n")
-    with pytest.raises(UserError, match="unknown setting.*bits"):
-        load_recipe(str(bad)).make_quantizer(is_qat=False)
+    with pytest.raises(UserError, match="unknown setting.*bits.*known settings: per_channel"):
+        load_recipe(str(bad))  # when the recipe is read, before any model is loaded
 
 
 def test_mode_not_supported(tmp_path):
@@ -61,7 +63,7 @@ def test_8da4w_hqq_recipe_is_ptq_only_and_lowers_weight_error():
     import torch
 
     r = load_recipe("xnnpack_8da4w_hqq")
-    assert r.modes == ("ptq",) and r.quantizer["choose_qparams"] == "hqq_scale_only"
+    assert r.modes == ("ptq",) and r.settings.choose_qparams == "hqq_scale_only" and r.kind == "source"
     with pytest.raises(UserError, match="choose_qparams 'hqq_scale_only' has no QAT"):
         r.make_quantizer(is_qat=True)
     torch.manual_seed(0)
@@ -73,3 +75,68 @@ def test_8da4w_hqq_recipe_is_ptq_only_and_lowers_weight_error():
         load_recipe(name).make_quantizer(is_qat=False).convert(m)
         errors[name] = (m(x) - linear(x)).pow(2).mean().item()
     assert 0 < errors["xnnpack_8da4w_hqq"] < errors["xnnpack_8da4w"]
+
+
+@pytest.mark.parametrize(
+    "quantizer, message",
+    [
+        ("{name: xnnpack, weight_bits: three}", "weight_bits='three' must be int"),
+        ("{name: xnnpack, weight_bits: 3}", "weight_bits=3 is not supported"),
+        ("{name: xnnpack, per_channel: 1}", "per_channel=1 must be bool"),
+        ("{name: xnnpack, dynamic: false, activation_observer: kde}", "unknown activation_observer 'kde'"),
+        ("{name: xnnpack, activation_observer: minmax}", "activation_observer applies to static activations only"),
+        ("{name: torchao_8da4w, group_size: 0}", "group_size=0 must be a power of two"),
+        ("{name: torchao_8da4w, group_size: 7}", "group_size=7 must be a power of two"),
+        ("{name: torchao_8da4w, embedding_bits: 2}", "weight_bits and embedding_bits must be 4 or 8"),
+        ("[1, 2]", "quantizer must be a mapping with a name"),
+        ("{name: int3}", "unknown quantizer 'int3'.*known quantizers: torchao_8da4w, vulkan, xnnpack"),
+    ],
+)
+def test_settings_are_typed_and_checked_when_read(tmp_path, quantizer, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"description: d\nbackend: xnnpack\nquantizer: {quantizer}\n")
+    with pytest.raises(UserError, match=message):
+        load_recipe(str(bad))
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("description: d\nbackend: x\nquantizer: {name: xnnpack\n", "not valid YAML \\(line"),
+        ("description: d\nbackend: x\nexecutorch_config: {do_quant_fusion: true}\n", "unknown executorch_config field.*do_quant_fusion"),
+        ("description: d\nbackend: x\npartitioners: xnnpack\n", "partitioners must be a list of names"),
+        ("description: d\nbackend: x\nruns_here: maybe\n", "runs_here must be true or false"),
+        ("- a\n- b\n", "must hold a mapping"),
+    ],
+)
+def test_malformed_recipe_files_are_one_line_errors(tmp_path, text, message):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    with pytest.raises(UserError, match=message):
+        load_recipe(str(bad))
+
+
+def test_executorch_config_fields_are_the_installed_ones():
+    """The list recipes are checked against (without importing ExecuTorch) is ExecutorchBackendConfig's fields."""
+    import dataclasses
+
+    from executorch.exir import ExecutorchBackendConfig
+
+    from qharness.recipes.registry import EXECUTORCH_CONFIG_FIELDS
+
+    assert EXECUTORCH_CONFIG_FIELDS == {f.name for f in dataclasses.fields(ExecutorchBackendConfig)}
+
+
+def test_every_recipe_has_a_kind():
+    kinds = {name: load_recipe(name).kind for name in known_recipes()}
+    assert kinds["xnnpack_fp32"] == "fp" and kinds["xnnpack_8da4w"] == "source" and kinds["xnnpack_int8_dynamic"] == "pt2e"
+    assert set(kinds.values()) <= {"fp", "pt2e", "source"}
+
+
+def test_a_source_recipe_that_selects_no_layer_is_refused():
+    """8da4w with a group size dividing no layer would ship an unquantized program labelled quantized."""
+    import torch
+
+    r = load_recipe("xnnpack_8da4w")
+    with pytest.raises(UserError, match="selects no layer.*group_size=32"):
+        r.make_quantizer(is_qat=False).convert(torch.nn.Sequential(torch.nn.Linear(24, 8)))

@@ -93,18 +93,16 @@ def quantize_for_deploy(model, recipe, max_seq_len: int, calibrate: Callable[[to
 
 
 def _quantize_for_deploy(model, recipe, max_seq_len, calibrate):
-    from qharness.recipes.registry import SourceQuantizer
-
     model.requires_grad_(False)  # deployment: no leaf may require grad (to_executorch mutates buffers in place)
     for m in model.modules():  # padding_idx only masks gradients; exported as aten.embedding(w, idx, 0) it
         if isinstance(m, torch.nn.Embedding):  # defeats ExecuTorch's quantized-embedding fusion pattern
             m.padding_idx = None
     quantizer = recipe.make_quantizer(is_qat=False)
-    if isinstance(quantizer, SourceQuantizer):
+    if recipe.kind == "source":
         quantizer.convert(model)
     ep, reason = export_deploy(model, max_seq_len)
     graph = ep.module()
-    if quantizer is None or isinstance(quantizer, SourceQuantizer):
+    if recipe.kind != "pt2e":
         return graph, reason
     pt2e = imports.pt2e()
     prepared = pt2e.prepare_pt2e(graph, quantizer)

@@ -80,10 +80,7 @@ def deploy_and_check(
         trained = copy.deepcopy(fp_model) if keep_fp else fp_model  # no copy unless lm-eval scores the FP model later
         module.load_into(trained)
     else:  # PTQ: the FP weights, calibrated below (source-level recipes quantize the model in place)
-        from qharness.recipes.registry import SourceQuantizer
-
-        source_level = isinstance(recipe.make_quantizer(is_qat=False), SourceQuantizer)
-        trained = copy.deepcopy(fp_model) if source_level and keep_fp else fp_model
+        trained = copy.deepcopy(fp_model) if recipe.kind == "source" and keep_fp else fp_model
     t = time.perf_counter()
     blocks = calibration_blocks(calib_cfg, dm)
     with stage(f"static-KV-cache export + quantization ({recipe.name})"):

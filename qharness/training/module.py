@@ -46,10 +46,8 @@ def prepare_for_training(model, recipe, batch_size: int, seq_len: int, is_qat: b
     PT2E recipes annotate the exported graph (``prepare_qat_pt2e`` / ``prepare_pt2e``); source-level
     recipes (torchao ``quantize_``) swap in fake-quantized modules first and export the result.
     """
-    from qharness.recipes.registry import SourceQuantizer
-
     quantizer = recipe.make_quantizer(is_qat=is_qat)
-    if isinstance(quantizer, SourceQuantizer):
+    if recipe.kind == "source":
         if is_qat:
             # torchao's fake quantizers pass gradients straight through in autograd.Functions, which
             # torch.export decomposes into round/clamp (zero gradient: nothing would train). Train the eager
@@ -108,8 +106,6 @@ def check_precision(precision, recipe, mode: str) -> None:
     ``16-mixed`` (the unfused ``FakeQuantize`` runs under autocast); torchao source-level recipes (8da4w) only
     with ``32-true`` ("Tensor dtype mismatch! Expected: Float, Got: BFloat16" in torchao's fake quantizer).
     """
-    from qharness.recipes.registry import SourceQuantizer
-
     p = str(precision) if precision is not None else "32-true"
     if mode != "qat" or p in ("32", "32-true"):
         return
@@ -118,7 +114,7 @@ def check_precision(precision, recipe, mode: str) -> None:
             f"trainer.precision={p} does not work with fake quantization (weights, scales and observers must stay float32)",
             fix="use 32-true, or bf16-mixed / 16-mixed (autocast) with a PT2E recipe",
         )
-    if isinstance(recipe.make_quantizer(is_qat=True), SourceQuantizer):
+    if recipe.kind == "source":
         raise UserError(
             f"trainer.precision={p} does not work with recipe {recipe.name!r} (torchao's fake quantizer needs float32 inputs)",
             fix="use trainer.precision 32-true with this recipe, or a PT2E recipe (xnnpack_int8_dynamic, xnnpack_int4w_dynamic) for mixed precision",
@@ -175,9 +171,7 @@ class QuantLM(L.LightningModule):
                 f"(got {fake_quant_after_n_steps}, {freeze_observers_after_n_steps})"
             )
         if mode == "qat" and (fake_quant_after_n_steps or freeze_observers_after_n_steps is not None):
-            from qharness.recipes.registry import SourceQuantizer
-
-            if isinstance(self.recipe.make_quantizer(is_qat=True), SourceQuantizer):
+            if self.recipe.kind == "source":
                 raise UserError(
                     f"recipe {recipe!r} fake-quantizes inside its modules at export time: fake_quant_after_n_steps and "
                     "freeze_observers_after_n_steps need a PT2E recipe",

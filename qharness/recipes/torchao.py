@@ -1,0 +1,66 @@
+"""torchao source-level quantization (``quantize_`` on modules before export), with typed settings.
+
+Example (a recipe YAML)::
+
+    quantizer: {name: torchao_8da4w, group_size: 32, weight_bits: 4, embedding_bits: null}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from qharness.errors import UserError
+from qharness.recipes.registry import SourceQuantizer, register_quantizer
+
+CHOOSE_QPARAMS = ("affine", "hqq_scale_only")
+
+
+@dataclass(frozen=True)
+class Torchao8da4wSettings:
+    """``quantizer: {name: torchao_8da4w, ...}``: int8 dynamic per-token activations + intN grouped weights on every
+    ``nn.Linear`` whose input size the group divides, optionally weight-only embedding quantization.
+
+    group_size: weights per scale (a power of two, 16 or more).
+    weight_bits: 4 or 8.
+    embedding_bits: null (embeddings stay FP), 4 or 8.
+    choose_qparams: ``affine`` (min-max scales, what QAT's fake quantization trains against) or ``hqq_scale_only``
+        (HQQ-optimised scales, export_llm's default for 8da4w PTQ; PTQ-only recipes).
+    """
+
+    group_size: int = 32
+    weight_bits: int = 4
+    embedding_bits: int | None = None
+    choose_qparams: str = "affine"
+
+    def __post_init__(self):
+        if self.group_size < 16 or self.group_size & (self.group_size - 1):
+            raise UserError(f"torchao_8da4w quantizer: group_size={self.group_size} must be a power of two >= 16",
+                            fix="use 32 (or 64, 128, 256)")
+        if self.weight_bits not in (4, 8) or self.embedding_bits not in (None, 4, 8):
+            raise UserError("torchao_8da4w quantizer: weight_bits and embedding_bits must be 4 or 8")
+        if self.choose_qparams not in CHOOSE_QPARAMS:
+            raise UserError(f"torchao_8da4w quantizer: choose_qparams {self.choose_qparams!r} is unknown",
+                            fix=f"use {' or '.join(CHOOSE_QPARAMS)}")
+
+
+@register_quantizer("torchao_8da4w", Torchao8da4wSettings, kind="source")
+def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantizer:
+    import torch
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerGroup
+
+    if is_qat and settings.choose_qparams != "affine":
+        raise UserError(f"torchao_8da4w quantizer: choose_qparams {settings.choose_qparams!r} has no QAT fake quantization "
+                        "(it trains affine scales)", fix="use it in PTQ-only recipes (modes: [ptq]), or choose_qparams: affine")
+    bits = {4: torch.int4, 8: torch.int8}
+    group = settings.group_size
+    configs = [(
+        Int8DynamicActivationIntxWeightConfig(weight_dtype=bits[settings.weight_bits], weight_granularity=PerGroup(group),
+                                              intx_choose_qparams_algorithm=settings.choose_qparams),
+        lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group == 0,
+        f"nn.Linear layers whose in_features group_size={group} divides",
+    )]
+    if settings.embedding_bits is not None:
+        configs.append((IntxWeightOnlyConfig(weight_dtype=bits[settings.embedding_bits], granularity=PerGroup(group)),
+                        lambda m, fqn: isinstance(m, torch.nn.Embedding), "nn.Embedding tables"))
+    return SourceQuantizer(configs)
