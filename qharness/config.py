@@ -1,9 +1,24 @@
-"""Small typed configs for the stages after training. Their docstrings become ``--help`` text."""
+"""Small typed configs for the stages after training. Their docstrings become ``--help`` text.
+
+Each checks its own fields when it is built (``UserError`` naming the field); checks that need several sections
+(``deploy.max_seq_len`` against ``data.seq_len``, ...) live in one place, ``qharness.cli.lightning.preflight``.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from pathlib import PurePath
 from typing import Literal
+
+from qharness.errors import UserError
+
+
+def _at_least(section: str, **values) -> None:
+    """``values`` are ``name=(value, minimum)``: each must be an int/float >= minimum."""
+    for name, (value, minimum) in values.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+            raise UserError(f"{section}.{name} must be a number >= {minimum} (got {value!r})", fix=f"set {section}.{name} >= {minimum}")
 
 
 @dataclass
@@ -19,6 +34,12 @@ class ExportConfig:
     enabled: bool = True
     max_seq_len: int = 256
     filename: str = "model.pte"
+
+    def __post_init__(self):
+        _at_least("deploy", max_seq_len=(self.max_seq_len, 3))
+        name = PurePath(self.filename)
+        if not self.filename or name.name != self.filename or name.suffix != ".pte" or self.filename.startswith("."):
+            raise UserError(f"deploy.filename {self.filename!r} must be a plain file name ending in .pte", fix="e.g. deploy.filename: model.pte")
 
 
 @dataclass
@@ -43,6 +64,14 @@ class ParityConfig:
     min_argmax_agreement: float = 0.9
     max_abs_diff: float | None = None
 
+    def __post_init__(self):
+        _at_least("parity", prompts=(self.prompts, 1), prompt_len=(self.prompt_len, 1), decode_steps=(self.decode_steps, 0),
+                  eval_blocks=(self.eval_blocks, 1), max_ppl_rel_diff=(self.max_ppl_rel_diff, 0))
+        if not 0.0 <= self.min_argmax_agreement <= 1.0:
+            raise UserError(f"parity.min_argmax_agreement must lie in [0, 1] (got {self.min_argmax_agreement})")
+        if self.max_abs_diff is not None:
+            _at_least("parity", max_abs_diff=(self.max_abs_diff, 0))
+
 
 @dataclass
 class CalibrationConfig:
@@ -57,6 +86,9 @@ class CalibrationConfig:
     source: str | None = None
     text_field: str = "text"
     blocks: int = 32
+
+    def __post_init__(self):
+        _at_least("calibration", blocks=(self.blocks, 1))
 
 
 @dataclass
@@ -76,6 +108,9 @@ class BenchConfig:
     decode_tokens: int = 64
     reps: int = 5
     eager: bool = True
+
+    def __post_init__(self):
+        _at_least("bench", prompt_len=(self.prompt_len, 1), decode_tokens=(self.decode_tokens, 1), reps=(self.reps, 1))
 
 
 @dataclass
@@ -99,6 +134,10 @@ class WandbConfig:
     name: str | None = None
     group: str | None = None
     tags: list[str] = field(default_factory=list)
+
+
+# The models lm-eval can score, and their column names.
+MODEL_KINDS = {"fp": "FP", "fake_quant": "fake-quant", "converted": "converted", "pte": ".pte"}
 
 
 @dataclass
@@ -134,3 +173,17 @@ class EvalConfig:
     include_path: str | None = None
     bootstrap_iters: int = 100
     seed: int = 1234
+
+    def __post_init__(self):
+        unknown = [m for m in self.models if m not in MODEL_KINDS]
+        if unknown or not self.models:
+            raise UserError(f"eval.models: unknown {unknown or 'empty list'}", fix=f"choose among {', '.join(MODEL_KINDS)}")
+        if self.limit is not None:
+            _at_least("eval", limit=(self.limit, 1))
+        if self.num_fewshot is not None:
+            _at_least("eval", num_fewshot=(self.num_fewshot, 0))
+        if self.max_length is not None:
+            _at_least("eval", max_length=(self.max_length, 2))
+        _at_least("eval", bootstrap_iters=(self.bootstrap_iters, 0))
+        if not self.tasks:
+            raise UserError("eval.tasks is empty", fix="name at least one task, or set eval.enabled: false")

@@ -96,7 +96,7 @@ CASES = {
     "output dir under a file": (lambda t: _cfg(t, trainer={"default_root_dir": str(_write(t, "f2", "x") / "run")}), "is a file"),
     "max_seq_len not above seq_len": (lambda t: _cfg(t, deploy={"max_seq_len": 32}), "deploy.max_seq_len=32 must exceed"),
     "max_seq_len above context": (lambda t: _cfg(t, deploy={"max_seq_len": 512}), "deploy.max_seq_len=512 exceeds the model's context"),
-    "zero calibration blocks": (lambda t: _cfg(t, calibration={"blocks": 0}), "calibration.blocks must be positive"),
+    "zero calibration blocks": (lambda t: _cfg(t, calibration={"blocks": 0}), "calibration.blocks must be a number >= 1 (got 0)"),
     "missing calibration file": (lambda t: _cfg(t, calibration={"source": str(t.tmp / "c.txt")}), "calibration.source"),
     "parity prompt too long": (lambda t: _cfg(t, parity={"prompt_len": 64}), "parity.prompt_len=64"),
     "missing checkpoint to resume": (lambda t: [*_cfg(t), "--ckpt_path", str(t.tmp / "x.ckpt")], "x.ckpt does not exist"),
@@ -112,10 +112,17 @@ CASES = {
     "hub task offline": (lambda t: _cfg(t, eval={"enabled": True, "tasks": ["hellaswag"]}), "needs dataset Rowan/hellaswag from the Hugging Face hub"),
     "unknown eval model": (lambda t: _cfg(t, eval={"enabled": True, "models": ["fp", "gguf"]}), "eval.models: unknown ['gguf']"),
     "eval window above seq_len": (lambda t: _cfg(t, eval={"enabled": True, "max_length": 48}), "eval.max_length=48"),
-    "zero eval limit": (lambda t: _cfg(t, eval={"enabled": True, "limit": 0}), "eval.limit must be positive"),
+    "zero eval limit": (lambda t: _cfg(t, eval={"enabled": True, "limit": 0}), "eval.limit must be a number >= 1 (got 0)"),
     "evaluate: missing .pte": (lambda t: ["evaluate", *_cfg(t)[1:], "--pte", str(t.tmp / "none.pte")], "no .pte at"),
     "evaluate: corrupt .pte": (lambda t: ["evaluate", *_cfg(t)[1:], "--pte", str(_write(t, "bad.pte", "not a program"))], "is not a loadable ExecuTorch program"),
     "bench: corrupt .pte": (lambda t: ["bench", "--pte", str(_write(t, "bad.pte", "not a program"))], "is not a loadable ExecuTorch program"),
+    ".pte name outside the run dir": (lambda t: _cfg(t, deploy={"filename": "../../x.pte"}), "deploy.filename '../../x.pte' must be a plain file name"),
+    "empty .pte name": (lambda t: _cfg(t, deploy={"filename": ""}), "deploy.filename '' must be a plain file name"),
+    "agreement above 1": (lambda t: _cfg(t, parity={"min_argmax_agreement": 5.0}), "parity.min_argmax_agreement must lie in [0, 1]"),
+    "NaN ppl tolerance": (lambda t: _cfg(t, parity={"max_ppl_rel_diff": float("nan")}), "parity.max_ppl_rel_diff must be a number >= 0"),
+    "zero bench reps": (lambda t: _cfg(t, bench={"reps": 0}), "reps must be >= 1 (got 16, 8, 0)"),
+    "recipe YAML syntax error": (lambda t: _cfg(t, model={"recipe": str(_write(t, "r.yaml", "description: d\nbackend: x\nquantizer: {name: xnnpack\n"))}), "is not valid YAML (line"),
+    "recipe setting of the wrong type": (lambda t: _cfg(t, model={"recipe": str(_write(t, "r2.yaml", "base: xnnpack_int8_dynamic\nquantizer: {weight_bits: three}\n"))}), "weight_bits='three' must be int"),
 }
 
 

@@ -94,12 +94,9 @@ def preflight(cfg, subcommand: str | None = None) -> None:
     seq_len, deploy = cfg.data.seq_len, cfg.deploy
     if deploy.max_seq_len <= seq_len:
         raise UserError(f"deploy.max_seq_len={deploy.max_seq_len} must exceed data.seq_len={seq_len}", fix=f"set deploy.max_seq_len >= {seq_len + 1}")
-    par = cfg.parity
-    if par.prompts < 1 or par.prompt_len < 1 or par.decode_steps < 0 or par.eval_blocks < cfg.data.batch_size:
-        raise UserError(
-            "parity: prompts and prompt_len must be positive, decode_steps >= 0, eval_blocks >= data.batch_size "
-            f"(got prompts={par.prompts}, prompt_len={par.prompt_len}, decode_steps={par.decode_steps}, eval_blocks={par.eval_blocks})"
-        )
+    par = cfg.parity  # each section checked its own fields when it was built (qharness/config.py); here: across sections
+    if par.eval_blocks < cfg.data.batch_size:
+        raise UserError(f"parity.eval_blocks={par.eval_blocks} must be >= data.batch_size={cfg.data.batch_size}")
     if par.prompt_len > seq_len or par.prompt_len + par.decode_steps >= deploy.max_seq_len:
         raise UserError(
             f"parity.prompt_len={par.prompt_len} (+ decode_steps={par.decode_steps}) must fit data.seq_len={seq_len} "
@@ -114,8 +111,6 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.recipes.registry import load_recipe
 
         check_precision(cfg.trainer.precision, load_recipe(cfg.model.recipe), cfg.model.mode)
-    if cfg.calibration.blocks < 1:
-        raise UserError(f"calibration.blocks must be positive (got {cfg.calibration.blocks})")
     source = cfg.calibration.source
     if source is not None and source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
         raise UserError(f"calibration.source {source} does not exist")

@@ -15,26 +15,17 @@ from pathlib import Path
 
 import torch
 
-from qharness.config import EvalConfig
+from qharness.config import MODEL_KINDS, EvalConfig
 from qharness.errors import UserError
 from qharness.io import to_jsonable, write_json_atomic
 
 log = logging.getLogger(__name__)
 
-MODEL_KINDS = {"fp": "FP", "fake_quant": "fake-quant", "converted": "converted", "pte": ".pte"}
-
-
 def check_eval_config(cfg: EvalConfig, seq_len: int, max_seq_len: int) -> None:
-    """Bad ``eval.*`` values, found before any long work (task names and their data included)."""
+    """``eval.*`` against the rest of the run (lengths, paths, task names and their data), before any long work;
+    each field alone was checked when ``EvalConfig`` was built."""
     from qharness.evaluation.tasks import check_tasks
 
-    unknown = [m for m in cfg.models if m not in MODEL_KINDS]
-    if unknown or not cfg.models:
-        raise UserError(f"eval.models: unknown {unknown or 'empty list'}", fix=f"choose among {', '.join(MODEL_KINDS)}")
-    if cfg.limit is not None and cfg.limit < 1:
-        raise UserError(f"eval.limit must be positive or null (got {cfg.limit})")
-    if cfg.num_fewshot is not None and cfg.num_fewshot < 0:
-        raise UserError(f"eval.num_fewshot must be >= 0 (got {cfg.num_fewshot})")
     length = max_length(cfg, seq_len)
     if length < 2 or length > seq_len or length >= max_seq_len:
         raise UserError(

@@ -17,56 +17,18 @@ Example::
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from qharness.errors import UserError
+from qharness.recipes import torchao, vulkan, xnnpack  # noqa: F401  the built-in quantizers and partitioners register here
+from qharness.recipes.registration import PARTITIONERS, QUANTIZERS, parse_settings
 
 RECIPES_DIR = Path(__file__).resolve().parent / "builtin"
 MODES = ("qat", "ptq")
-KINDS = ("pt2e", "source")
-
-
-@dataclass(frozen=True)
-class QuantizerEntry:
-    """A registered quantizer: its settings type, its kind and ``build(settings, is_qat) -> quantizer``."""
-
-    settings: type
-    kind: str
-    build: Callable[[Any, bool], Any]
-
-
-_QUANTIZERS: dict[str, QuantizerEntry] = {}
-_PARTITIONERS: dict[str, Callable[[], Any]] = {}
-
-
-def register_quantizer(name: str, settings: type, kind: str):
-    """Register ``builder(settings, is_qat) -> quantizer`` under ``name``; ``settings`` is the frozen dataclass
-    a recipe's ``quantizer:`` mapping is read into (type-checked, then its ``__post_init__`` checks ranges)."""
-    if kind not in KINDS:
-        raise ValueError(f"quantizer kind {kind!r}: use one of {KINDS}")
-
-    def wrap(builder):
-        _QUANTIZERS[name] = QuantizerEntry(settings, kind, builder)
-        return builder
-
-    return wrap
-
-
-def register_partitioner(name: str):
-    """Register ``builder() -> Partitioner`` under ``name``."""
-
-    def wrap(builder):
-        _PARTITIONERS[name] = builder
-        return builder
-
-    return wrap
 
 
 @dataclass(frozen=True)
@@ -90,16 +52,16 @@ class Recipe:
     @property
     def kind(self) -> str:
         """``fp``, ``pt2e`` or ``source`` (see the module docstring)."""
-        return "fp" if self.quantizer is None else _QUANTIZERS[self.quantizer].kind
+        return "fp" if self.quantizer is None else QUANTIZERS[self.quantizer].kind
 
     def make_quantizer(self, is_qat: bool):
         """The quantizer for QAT (fake-quant training) or PTQ/deploy: a PT2E ``Quantizer`` or a ``SourceQuantizer``."""
         if self.quantizer is None:
             return None
-        return _QUANTIZERS[self.quantizer].build(self.settings, is_qat)
+        return QUANTIZERS[self.quantizer].build(self.settings, is_qat)
 
     def make_partitioners(self) -> list:
-        return [_PARTITIONERS[p]() for p in self.partitioners]
+        return [PARTITIONERS[p]() for p in self.partitioners]
 
     def check_mode(self, mode: str) -> None:
         if mode not in self.modes:
@@ -109,68 +71,7 @@ class Recipe:
             )
 
 
-@dataclass
-class SourceQuantizer:
-    """Source-level quantization with torchao's ``quantize_``: the same configs drive QAT fake-quant
-    (``QATConfig(config, step="prepare")`` swaps in fake-quantized modules) and deployment
-    (``quantize_(model, config)`` swaps weights for quantized tensor subclasses that lower to XNNPACK).
-
-    ``configs`` holds ``(torchao config, filter_fn, what it selects)`` triples applied in order; a config that
-    selects no module of the model is an error (a recipe that quantizes nothing must not ship as quantized).
-    """
-
-    configs: list
-
-    def _apply(self, model, wrap) -> None:
-        from torchao.quantization import quantize_
-
-        for config, filter_fn, what in self.configs:
-            if not any(filter_fn(m, name) for name, m in model.named_modules()):
-                raise UserError(f"the recipe's {type(config).__name__} selects no layer of {type(model).__name__} ({what})",
-                                fix="choose settings that fit the model (e.g. a group_size that divides its hidden sizes)")
-            quantize_(model, wrap(config), filter_fn=filter_fn)
-
-    def prepare_qat(self, model) -> None:
-        from torchao.quantization.qat import QATConfig
-
-        self._apply(model, lambda config: QATConfig(config, step="prepare"))
-
-    def convert(self, model) -> None:
-        """Quantize the (trained, plain FP) model in place for deployment."""
-        self._apply(model, lambda config: config)
-
-
 _FIELDS = {"description", "backend", "modes", "quantizer", "partitioners", "executorch_config", "runs_here"}
-
-
-def _type_name(t) -> str:
-    return " or ".join("null" if a is type(None) else a.__name__ for a in typing.get_args(t)) if typing.get_args(t) else t.__name__
-
-
-def _fits(value, t) -> bool:
-    """Whether a YAML value has the annotated type (bool is no int, an int is a float)."""
-    if typing.get_origin(t) in (typing.Union, types.UnionType):
-        return any(_fits(value, a) for a in typing.get_args(t))
-    if t is type(None):
-        return value is None
-    if t is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if t is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, t)
-
-
-def parse_settings(cls: type, raw: dict, where: str):
-    """``cls(**raw)`` after checking every key is a field of ``cls`` and every value has the field's type."""
-    hints = typing.get_type_hints(cls)
-    fields = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise UserError(f"{where}: unknown setting(s) {', '.join(unknown)}", fix=f"known settings: {', '.join(fields)}")
-    for key, value in raw.items():
-        if not _fits(value, hints[key]):
-            raise UserError(f"{where}: {key}={value!r} must be {_type_name(hints[key])}", fix=f"give {key} a {_type_name(hints[key])} value")
-    return cls(**raw)
 
 
 def known_recipes() -> list[str]:
@@ -231,7 +132,6 @@ def load_recipe(name_or_path: str) -> Recipe:
         raise UserError(f"model.recipe must be a recipe name or path (got {name_or_path!r})", fix=f"use one of: {', '.join(known_recipes())}")
     raw = _read(name_or_path)
     name = Path(name_or_path).stem
-    _register_builtins()
     q = raw.get("quantizer")
     quantizer, settings = None, None
     if q is not None:
@@ -239,13 +139,13 @@ def load_recipe(name_or_path: str) -> Recipe:
             raise UserError(f"recipe {name!r}: quantizer must be a mapping with a name (got {q!r})", fix="quantizer: {name: xnnpack, ...}")
         q = dict(q)
         quantizer = q.pop("name")
-        if quantizer not in _QUANTIZERS:
-            raise UserError(f"recipe {name!r}: unknown quantizer {quantizer!r}", fix=f"known quantizers: {', '.join(sorted(_QUANTIZERS))}")
-        settings = parse_settings(_QUANTIZERS[quantizer].settings, q, f"recipe {name!r} quantizer {quantizer!r}")
+        if quantizer not in QUANTIZERS:
+            raise UserError(f"recipe {name!r}: unknown quantizer {quantizer!r}", fix=f"known quantizers: {', '.join(sorted(QUANTIZERS))}")
+        settings = parse_settings(QUANTIZERS[quantizer].settings, q, f"recipe {name!r} quantizer {quantizer!r}")
     partitioners = _names(raw, "partitioners", name)
     for p in partitioners:
-        if p not in _PARTITIONERS:
-            raise UserError(f"recipe {name!r}: unknown partitioner {p!r}", fix=f"known partitioners: {', '.join(sorted(_PARTITIONERS))}")
+        if p not in PARTITIONERS:
+            raise UserError(f"recipe {name!r}: unknown partitioner {p!r}", fix=f"known partitioners: {', '.join(sorted(PARTITIONERS))}")
     modes = _names(raw, "modes", name) if "modes" in raw else MODES
     for m in modes:
         if m not in MODES:
@@ -282,14 +182,3 @@ def _check_executorch_config(config: dict, name: str) -> None:
     unknown = sorted(set(config) - known)
     if unknown:
         raise UserError(f"recipe {name!r}: unknown executorch_config field(s) {', '.join(unknown)}", fix=f"known: {', '.join(sorted(known))}")
-
-
-_BUILTINS_DONE = False
-
-
-def _register_builtins() -> None:
-    """Import the built-in builders once (they register themselves)."""
-    global _BUILTINS_DONE
-    if not _BUILTINS_DONE:
-        _BUILTINS_DONE = True
-        from qharness.recipes import torchao, vulkan, xnnpack  # noqa: F401

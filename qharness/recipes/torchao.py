@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qharness.errors import UserError
-from qharness.recipes.registry import SourceQuantizer, register_quantizer
+from qharness.recipes.registration import SourceQuantizer, register_quantizer
 
 CHOOSE_QPARAMS = ("affine", "hqq_scale_only")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qharness.errors import UserError
-from qharness.recipes.registry import register_partitioner, register_quantizer
+from qharness.recipes.registration import register_partitioner, register_quantizer
 
 
 @dataclass(frozen=True)

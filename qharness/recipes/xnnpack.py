@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from qharness.errors import UserError
-from qharness.recipes.registry import register_partitioner, register_quantizer
+from qharness.recipes.registration import register_partitioner, register_quantizer
 
 # Weight ranges XNNPACK lowers natively: int8 symmetric [-127, 127] (its quantizer's default) and
 # int4 [-8, 7], the only range its partitioner maps to 4-bit weights (qc4w); [-7, 7] stays int8.

@@ -1,0 +1,120 @@
+"""How quantizers and partitioners register: a settings type, a kind and a builder per name (torchao's pattern).
+
+Example::
+
+    @dataclass(frozen=True)
+    class MySettings:
+        bits: int = 4
+
+    @register_quantizer("mine", MySettings, kind="pt2e")
+    def my_quantizer(settings: MySettings, is_qat: bool): ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from qharness.errors import UserError
+
+KINDS = ("pt2e", "source")
+
+
+@dataclass(frozen=True)
+class QuantizerEntry:
+    """A registered quantizer: its settings type, its kind and ``build(settings, is_qat) -> quantizer``."""
+
+    settings: type
+    kind: str
+    build: Callable[[Any, bool], Any]
+
+
+QUANTIZERS: dict[str, QuantizerEntry] = {}
+PARTITIONERS: dict[str, Callable[[], Any]] = {}
+
+
+def register_quantizer(name: str, settings: type, kind: str):
+    """Register ``builder(settings, is_qat) -> quantizer`` under ``name``; ``settings`` is the frozen dataclass
+    a recipe's ``quantizer:`` mapping is read into (type-checked, then its ``__post_init__`` checks ranges)."""
+    if kind not in KINDS:
+        raise ValueError(f"quantizer kind {kind!r}: use one of {KINDS}")
+
+    def wrap(builder):
+        QUANTIZERS[name] = QuantizerEntry(settings, kind, builder)
+        return builder
+
+    return wrap
+
+
+def register_partitioner(name: str):
+    """Register ``builder() -> Partitioner`` under ``name``."""
+
+    def wrap(builder):
+        PARTITIONERS[name] = builder
+        return builder
+
+    return wrap
+
+
+@dataclass
+class SourceQuantizer:
+    """Source-level quantization with torchao's ``quantize_``: the same configs drive QAT fake-quant
+    (``QATConfig(config, step="prepare")`` swaps in fake-quantized modules) and deployment
+    (``quantize_(model, config)`` swaps weights for quantized tensor subclasses that lower to XNNPACK).
+
+    ``configs`` holds ``(torchao config, filter_fn, what it selects)`` triples applied in order; a config that
+    selects no module of the model is an error (a recipe that quantizes nothing must not ship as quantized).
+    """
+
+    configs: list
+
+    def _apply(self, model, wrap) -> None:
+        from torchao.quantization import quantize_
+
+        for config, filter_fn, what in self.configs:
+            if not any(filter_fn(m, name) for name, m in model.named_modules()):
+                raise UserError(f"the recipe's {type(config).__name__} selects no layer of {type(model).__name__} ({what})",
+                                fix="choose settings that fit the model (e.g. a group_size that divides its hidden sizes)")
+            quantize_(model, wrap(config), filter_fn=filter_fn)
+
+    def prepare_qat(self, model) -> None:
+        from torchao.quantization.qat import QATConfig
+
+        self._apply(model, lambda config: QATConfig(config, step="prepare"))
+
+    def convert(self, model) -> None:
+        """Quantize the (trained, plain FP) model in place for deployment."""
+        self._apply(model, lambda config: config)
+
+
+def _type_name(t) -> str:
+    return " or ".join("null" if a is type(None) else a.__name__ for a in typing.get_args(t)) if typing.get_args(t) else t.__name__
+
+
+def _fits(value, t) -> bool:
+    """Whether a YAML value has the annotated type (bool is no int, an int is a float)."""
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        return any(_fits(value, a) for a in typing.get_args(t))
+    if t is type(None):
+        return value is None
+    if t is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, t)
+
+
+def parse_settings(cls: type, raw: dict, where: str):
+    """``cls(**raw)`` after checking every key is a field of ``cls`` and every value has the field's type."""
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise UserError(f"{where}: unknown setting(s) {', '.join(unknown)}", fix=f"known settings: {', '.join(fields)}")
+    for key, value in raw.items():
+        if not _fits(value, hints[key]):
+            raise UserError(f"{where}: {key}={value!r} must be {_type_name(hints[key])}", fix=f"give {key} a {_type_name(hints[key])} value")
+    return cls(**raw)
