@@ -15,6 +15,7 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a result file gets the mode any new file would get
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -24,6 +25,12 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def to_jsonable(obj):
