@@ -141,7 +141,7 @@ def measure(kind: str, path: str, vocab_size: int, prompt_len: int, decode_token
         load = EagerStep
     base_rss = peak_rss_mb()
     gen = torch.Generator().manual_seed(0)
-    loads, prefill, decode, cpu_share = [], [], [], []
+    loads, prefill, decode, cpu_share, decode_cpu = [], [], [], [], []
     with torch.no_grad():
         for rep in range(reps + 1):  # rep 0 warms up (lazy imports, allocator, file cache) and is not counted
             step = None
@@ -161,7 +161,9 @@ def measure(kind: str, path: str, vocab_size: int, prompt_len: int, decode_token
                 loads.append(load_s)
                 prefill.append(prompt_len / prefill_s)
                 decode.append(decode_tokens / decode_s)
-                cpu_share.append((time.process_time() - cpu) / decode_s)  # < threads: the process waited for a core
+                cpu_s = time.process_time() - cpu
+                cpu_share.append(cpu_s / decode_s)  # < threads: the process waited for a core
+                decode_cpu.append(decode_tokens / max(cpu_s, 1e-9))  # tokens per CPU-second: blind to waiting for a core
     if kind == "pte":
         weight_bytes = size_bytes = Path(path).stat().st_size
     else:
@@ -172,6 +174,7 @@ def measure(kind: str, path: str, vocab_size: int, prompt_len: int, decode_token
         "prefill_tok_s": _spread(prefill),
         "decode_tok_s": _spread(decode),
         "decode_cpu_share": _spread(cpu_share),
+        "decode_tok_per_cpu_s": _spread(decode_cpu),
         "threads": torch.get_num_threads() if kind == "eager" else runtime_threads(),
         "peak_rss_mb": peak_rss_mb(),
         "base_rss_mb": base_rss,
@@ -237,8 +240,10 @@ def interleaved(programs: dict[str, dict], prompt_len: int, decode_tokens: int, 
 
     Returns ``{"processes", "order": "round-robin", "load_avg_1m": [before, after], "threads", "prompt_len",
     "decode_tokens", "reps", "sequence": [program names in the order run], "programs": {name: {"path", "kind", "decode_tok_s",
-    "prefill_tok_s", "decode_ms_per_token", "decode_cpu_share", "size_bytes", "weight_bytes"}}}``; each timing is a
-    ``spread`` of the per-process medians (ms/token derived per process).
+    "prefill_tok_s", "decode_ms_per_token", "decode_cpu_share", "decode_tok_per_cpu_s", "size_bytes", "weight_bytes"}}}``;
+    each timing is a ``spread`` of the per-process medians (ms/token derived per process). ``decode_cpu_share``
+    (CPU time / wall time while decoding) below the thread count says the process waited for a core;
+    ``decode_tok_per_cpu_s`` is decode speed per CPU-second, which such waiting does not move.
     """
     from qharness.runtime import free_cores
 
@@ -264,6 +269,7 @@ def interleaved(programs: dict[str, dict], prompt_len: int, decode_tokens: int, 
             "prefill_tok_s": spread([m["prefill_tok_s"]["median"] for m in ms]),
             "decode_ms_per_token": spread([1e3 / d for d in decode]),
             "decode_cpu_share": spread([m["decode_cpu_share"]["median"] for m in ms]),
+            "decode_tok_per_cpu_s": spread([m["decode_tok_per_cpu_s"]["median"] for m in ms]),
             "size_bytes": ms[0]["size_bytes"], "weight_bytes": ms[0]["weight_bytes"],
         }
     return out
@@ -287,10 +293,11 @@ def joint_entry(joint: dict, name: str) -> dict:
 
 
 def format_joint(j: dict) -> str:
-    rows = [("program", "decode tok/s", "decode ms/token", "max/min", "prefill tok/s", "max/min", "CPU share")]
+    rows = [("program", "decode tok/s", "decode ms/token", "max/min", "prefill tok/s", "max/min", "CPU share", "decode tok/CPU-s", "max/min")]
     for name, p in j["programs"].items():
         rows.append((name, format_spread(p["decode_tok_s"], ".0f"), format_spread(p["decode_ms_per_token"], ".3f"), f"{max_over_min(p['decode_tok_s']):.2f}",
-                     format_spread(p["prefill_tok_s"], ".0f"), f"{max_over_min(p['prefill_tok_s']):.2f}", format_spread(p["decode_cpu_share"])))
+                     format_spread(p["prefill_tok_s"], ".0f"), f"{max_over_min(p['prefill_tok_s']):.2f}", format_spread(p["decode_cpu_share"]),
+                     format_spread(p["decode_tok_per_cpu_s"], ".0f"), f"{max_over_min(p['decode_tok_per_cpu_s']):.2f}"))
     width = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     head = (f"bench (joint): {j['processes']} fresh processes per program, round-robin, {j['threads']} threads; prompt {j['prompt_len']} tokens, "
             f"{j['decode_tokens']} decode steps, {j['reps']} reps per process; median (min-max) of the process medians; "

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import ROOT, run_cli, write_config
 from test_bench import make_tiny_pte
+
 from qharness.errors import UserError
 from qharness.io import write_json_atomic
 from qharness.sweep import is_done, load_sweep, plan, run_logged, run_sweep
@@ -124,6 +124,7 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
         calls.append(kw)
         tok_s = 10.0 * (k + 1)
         return {"decode_tok_s": {"median": tok_s}, "prefill_tok_s": {"median": 2 * tok_s}, "decode_cpu_share": {"median": 1.0},
+                "decode_tok_per_cpu_s": {"median": tok_s},
                 "size_bytes": 1, "weight_bytes": 1}
 
     monkeypatch.setattr(qharness.bench, "measure_in_fresh_process", fake_measure)
