@@ -54,7 +54,6 @@ _THREADS: int | None = None
 
 def runtime_threads() -> int:
     """The threads every ``.pte`` of this process runs with (chosen once: ``$QHARNESS_THREADS`` or ``free_cores()``)."""
-    global _THREADS
     if _THREADS is None:
         env = os.environ.get("QHARNESS_THREADS", "").strip()
         if env and not (env.isdigit() and int(env) >= 1):

@@ -2,11 +2,14 @@
 No timing is asserted: the tests check what was run, in which order, and the shape of what is written."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
-
 from conftest import run_cli
+
 from qharness.bench import max_over_min, pair_ratios, spread, verdict
 
 
@@ -96,14 +99,10 @@ def test_bench_cli_refuses_bad_counts(tiny_pte):
 
 def test_the_runtime_sets_executorch_and_torch_threads(tiny_pte, tmp_path):
     """QHARNESS_THREADS sizes ExecuTorch's threadpool and caps torch's threads in a process that loads a .pte."""
-    import os
-    import subprocess
-    import sys
-
-    code = ("import torch; torch.set_num_threads(2); from qharness.runtime import PteModel; PteModel(%r);"
-            "from executorch.extension.pybindings import portable_lib as p; print(p._threadpool_get_thread_count(), torch.get_num_threads())") % str(tiny_pte)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "QHARNESS_THREADS": "1"})
+    code = (f"import torch; torch.set_num_threads(2); from qharness.runtime import PteModel; PteModel({str(tiny_pte)!r});"
+            "from executorch.extension.pybindings import portable_lib as p; print(p._threadpool_get_thread_count(), torch.get_num_threads())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, env={**os.environ, "QHARNESS_THREADS": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["1", "1"]
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "QHARNESS_THREADS": "two"})
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, env={**os.environ, "QHARNESS_THREADS": "two"})
     assert r.returncode != 0 and "QHARNESS_THREADS='two' is not a thread count" in r.stderr
