@@ -4,13 +4,15 @@ For each kind (fp32, int8 dynamic, 8da4w) both programs are built from one HF Ll
 ``qharness.deploy.lower`` (the recipe ``xnnpack_fp32`` / ``xnnpack_int8_dynamic`` / ``xnnpack_8da4w``), theirs by
 mapping the HF weights into ExecuTorch's Llama definition (``examples/models/llama``: a Meta-format
 checkpoint + ``params.json``) and running ``export_llama(LlmConfig)`` with the KV cache, custom SDPA,
-dynamic shapes and XNNPACK (``extended_ops``) on. Each ``.pte`` is then measured in a fresh process with
-``qharness.runtime.bench.measure`` (same prompt, decode length and repetitions for both): prefill and decode
-ms/token and the ratios ours/theirs. Targets: decode ratio <= 1.05, prefill ratio <= 1.
+dynamic shapes and XNNPACK (``extended_ops``) on. The ``.pte`` files are then timed with
+``qharness.runtime.bench.interleaved`` (``--processes`` fresh processes each, round-robin, one thread count): prefill
+and decode ms/token, and each ratio ours/theirs taken per round (process k of ours against process k of
+theirs) and given as median (min-max) over the rounds. Targets: decode ratio <= 1.05, prefill ratio <= 1;
+"MET" only when the whole spread meets them, "TIE/UNDECIDED" when it straddles them.
 
     python scripts/bench_fastpath.py                       # the embedded default model
     python scripts/bench_fastpath.py --model random        # random-init Llama, 4 layers, dim 256
-    python scripts/bench_fastpath.py --kinds fp32 --prompt_len 64 --decode_tokens 32 --reps 3
+    python scripts/bench_fastpath.py --kinds fp32 --prompt_len 64 --decode_tokens 32 --reps 3 --processes 2
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ import copy
 import json
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from qharness.runtime.bench import format_spread, pair_ratios, verdict
 
 KINDS = {  # kind: (our recipe, their LlmConfig.quantization settings)
     "fp32": ("xnnpack_fp32", {}),
@@ -180,22 +183,20 @@ def agreement(ours: Path, theirs: Path, vocab: int, prompt_len: int = 32, decode
     return {"max_abs_diff": diff, "argmax_agreement": same / (decode + 1)}
 
 
-def time_both(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps: int, rounds: int) -> dict:
-    """``qharness.runtime.bench.measure`` of each ``.pte`` in a fresh process, alternating ours/theirs for ``rounds``
-    rounds (so load swings hit both); returns per model the median over rounds of the per-round medians
-    and the best round, in ms/token."""
-    from qharness.runtime.bench import measure_in_fresh_process
+def time_both(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps: int, processes: int) -> dict:
+    """``qharness.runtime.bench.interleaved`` over the ``.pte`` files; per model the ms/token spread over processes (prefill,
+    decode) and its per-process values, which ``run`` pairs round by round into ratios."""
+    from qharness.runtime.bench import interleaved, spread
 
-    per = {name: {"prefill": [], "decode": []} for name in paths}
-    for _ in range(rounds):
-        for name, path in paths.items():
-            m = measure_in_fresh_process(kind="pte", path=str(path), vocab_size=vocab, prompt_len=prompt_len, decode_tokens=decode_tokens, reps=reps)
-            per[name]["prefill"].append(1e3 / m["prefill_tok_s"]["median"])
-            per[name]["decode"].append(1e3 / m["decode_tok_s"]["median"])
-    return {name: {k: {"median": statistics.median(v), "best": min(v)} for k, v in d.items()} for name, d in per.items()}
+    programs = {name: {"kind": "pte", "path": str(path), "vocab_size": vocab} for name, path in paths.items()}
+    joint = interleaved(programs, prompt_len, decode_tokens, reps, processes)
+    out = {"threads": joint["threads"], "load_avg_1m": joint["load_avg_1m"]}
+    for name, p in joint["programs"].items():
+        out[name] = {"prefill": spread([1e3 / x for x in p["prefill_tok_s"]["per_process"]]), "decode": p["decode_ms_per_token"]}
+    return out
 
 
-def run(model_source: str, kinds: list[str], out_dir: Path, max_seq_len: int, prompt_len: int, decode_tokens: int, reps: int, rounds: int,
+def run(model_source: str, kinds: list[str], out_dir: Path, max_seq_len: int, prompt_len: int, decode_tokens: int, reps: int, processes: int,
         all_logits: bool = True, reuse: bool = False) -> list[dict]:
     """Build both ``.pte``s per kind, check they agree, time them; one result row per kind (``all_logits``: for
     fp32 also time our fast path returning every position's logits; ``reuse``: time the ``.pte``s an earlier
@@ -221,32 +222,38 @@ def run(model_source: str, kinds: list[str], out_dir: Path, max_seq_len: int, pr
             (kdir / "export.json").write_text(json.dumps({"ours": ours, "theirs": theirs}))
         row = {"kind": kind, "recipe": recipe, "export_path": ours["export_path"], "export_s": {"ours": ours["export_s"], "theirs": theirs["export_s"]},
                "size_mb": {n: p.stat().st_size / 1e6 for n, p in paths.items()}, "agreement": agreement(paths["ours"], paths["theirs"], vocab)}
-        row["ms_per_token"] = t = time_both(paths, vocab, prompt_len, decode_tokens, reps, rounds)
-        row["ratio"] = {k: t["ours"][k]["median"] / t["theirs"][k]["median"] for k in ("prefill", "decode")}
-        row["ratio_best"] = {k: t["ours"][k]["best"] / t["theirs"][k]["best"] for k in ("prefill", "decode")}
+        t = time_both(paths, vocab, prompt_len, decode_tokens, reps, processes)
+        row["threads"], row["load_avg_1m"] = t.pop("threads"), t.pop("load_avg_1m")
+        row["ms_per_token"] = t
+        row["ratio"] = {k: pair_ratios(t["ours"][k]["per_process"], t["theirs"][k]["per_process"]) for k in ("prefill", "decode")}
         if "ours_all_logits" in t:
-            row["all_logits_prefill_ratio"] = t["ours_all_logits"]["prefill"]["median"] / t["ours"]["prefill"]["median"]
+            row["all_logits_prefill_ratio"] = pair_ratios(t["ours_all_logits"]["prefill"]["per_process"], t["ours"]["prefill"]["per_process"])
         rows.append(row)
         print(format_rows([row]), flush=True)
     return rows
 
 
+def verdicts(row: dict) -> str:
+    """"MET" when both whole spreads meet their targets, "NOT MET" when either misses entirely, else "TIE/UNDECIDED"."""
+    v = {verdict(row["ratio"]["decode"], 1.05, False), verdict(row["ratio"]["prefill"], 1.0, False)}
+    return "NOT MET" if "NOT MET" in v else "TIE/UNDECIDED" if "TIE/UNDECIDED" in v else "MET"
+
+
 def format_rows(rows: list[dict]) -> str:
-    head = ("kind", "path", "prefill ms/tok ours", "theirs", "ratio", "decode ms/tok ours", "theirs", "ratio", "best-round ratio p/d", "size MB o/t", "max|Δlogit|", "argmax agree")
+    head = ("kind", "path", "prefill ms/tok ours", "theirs", "ratio (spread)", "decode ms/tok ours", "theirs", "ratio (spread)", "size MB o/t", "max|Δlogit|", "argmax agree")
     table = [head]
     for r in rows:
         t = r["ms_per_token"]
-        table.append((r["kind"], r["export_path"], f"{t['ours']['prefill']['median']:.3f}", f"{t['theirs']['prefill']['median']:.3f}", f"{r['ratio']['prefill']:.2f}",
-                      f"{t['ours']['decode']['median']:.3f}", f"{t['theirs']['decode']['median']:.3f}", f"{r['ratio']['decode']:.2f}",
-                      f"{r['ratio_best']['prefill']:.2f}/{r['ratio_best']['decode']:.2f}", f"{r['size_mb']['ours']:.2f}/{r['size_mb']['theirs']:.2f}",
-                      f"{r['agreement']['max_abs_diff']:.3g}", f"{r['agreement']['argmax_agreement']:.2f}"))
+        table.append((r["kind"], r["export_path"], format_spread(t["ours"]["prefill"], ".3f"), format_spread(t["theirs"]["prefill"], ".3f"), format_spread(r["ratio"]["prefill"]),
+                      format_spread(t["ours"]["decode"], ".3f"), format_spread(t["theirs"]["decode"], ".3f"), format_spread(r["ratio"]["decode"]),
+                      f"{r['size_mb']['ours']:.2f}/{r['size_mb']['theirs']:.2f}", f"{r['agreement']['max_abs_diff']:.3g}", f"{r['agreement']['argmax_agreement']:.2f}"))
     width = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in table]
     for r in rows:
         if "all_logits_prefill_ratio" in r:
             t = r["ms_per_token"]["ours_all_logits"]
-            lines.append(f"{r['kind']}: ours with all-position logits: prefill {t['prefill']['median']:.3f} ms/tok "
-                         f"(x{r['all_logits_prefill_ratio']:.2f} of last-token logits), decode {t['decode']['median']:.3f} ms/tok")
+            lines.append(f"{r['kind']}: ours with all-position logits: prefill {format_spread(t['prefill'], '.3f')} ms/tok "
+                         f"(x{format_spread(r['all_logits_prefill_ratio'])} of last-token logits), decode {format_spread(t['decode'], '.3f')} ms/tok")
     return "\n".join(lines)
 
 
@@ -258,20 +265,21 @@ def main(argv=None) -> None:
     p.add_argument("--max_seq_len", type=int, default=256)
     p.add_argument("--prompt_len", type=int, default=128)
     p.add_argument("--decode_tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=5, help="repetitions per fresh process (after a warm-up)")
-    p.add_argument("--rounds", type=int, default=3, help="fresh processes per model, alternating ours/theirs")
+    p.add_argument("--reps", type=int, default=10, help="repetitions per fresh process (after a warm-up)")
+    p.add_argument("--processes", "--rounds", type=int, default=5, help="fresh processes per model, round-robin")
     p.add_argument("--no_all_logits", action="store_true", help="skip timing the fp32 fast path with all-position logits")
     p.add_argument("--reuse", action="store_true", help="time the .pte files an earlier run of the same --model left in --out")
     a = p.parse_args(argv)
     out = Path(a.out)
-    rows = run(a.model, a.kinds, out, a.max_seq_len, a.prompt_len, a.decode_tokens, a.reps, a.rounds, not a.no_all_logits, a.reuse)
+    rows = run(a.model, a.kinds, out, a.max_seq_len, a.prompt_len, a.decode_tokens, a.reps, a.processes, not a.no_all_logits, a.reuse)
     print(f"\nmodel {a.model}: HF weights mapped into ExecuTorch's Llama for export_llm; prompt {a.prompt_len} tokens, "
-          f"{a.decode_tokens} decode steps, {a.reps} reps x {a.rounds} alternating fresh-process rounds (median of round medians); "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+          f"{a.decode_tokens} decode steps, {a.reps} reps x {a.processes} fresh processes per program, round-robin; ms/token: median (min-max) "
+          f"of the process medians; ratios: median (min-max) over the rounds' ours/theirs; {rows[0]['threads']} threads; {os.cpu_count()} CPUs, "
+          f"load average " + ", ".join(f"{r['load_avg_1m'][0]:.1f}->{r['load_avg_1m'][1]:.1f}" for r in rows))
     print(format_rows(rows))
     for r in rows:
-        ok = r["ratio"]["decode"] <= 1.05 and r["ratio"]["prefill"] <= 1.0
-        print(f"{r['kind']}: decode ours/theirs {r['ratio']['decode']:.2f} (target <= 1.05), prefill {r['ratio']['prefill']:.2f} (target <= 1.00): {'MET' if ok else 'NOT MET'}")
+        print(f"{r['kind']}: decode ours/theirs {format_spread(r['ratio']['decode'])} (target <= 1.05), "
+              f"prefill {format_spread(r['ratio']['prefill'])} (target <= 1.00): {verdicts(r)}")
     (out / "results.json").write_text(json.dumps(rows, indent=2))
 
 

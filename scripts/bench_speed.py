@@ -6,9 +6,10 @@ built once; speed depends on shapes, not on weight values; or ``benchmark``, or 
 for xnnpack_fp32, xnnpack_int8_dynamic, xnnpack_int4w_dynamic and xnnpack_8da4w our ``.pte`` is exported
 (PTQ; calibration throughput and export + lowering time are recorded), ExecuTorch's own LLM export
 (``export_llama``, 8da4w, group 32) of the same weights is the peer, and the eager PyTorch model is the
-floor. Each is then timed in fresh processes (``qharness.runtime.bench.measure``: prefill ``--prompt_len`` tokens in
-one call, decode ``--decode_tokens`` one by one), the programs alternating over ``--rounds`` rounds so load
-swings hit all of them. Decode is also given as a fraction of the memory-bandwidth bound (measured copy
+floor. All are then timed with ``qharness.runtime.bench.interleaved`` (prefill ``--prompt_len`` tokens in one call,
+decode ``--decode_tokens`` one by one; ``--processes`` fresh processes per program, round-robin, one thread
+count); each speed ratio is taken per round (process k of A against process k of B) and given as median
+(min-max) over the rounds. Decode is also given as a fraction of the memory-bandwidth bound (measured copy
 bandwidth / ``.pte`` bytes: every token reads every weight once).
 
 Part 2, on the benchmark model (``--train_model``, default ``benchmark``: the embedded architecture pretrained
@@ -17,10 +18,11 @@ on tinyshakespeare, as in bench_quality.py; ``embedded`` when that text is absen
 export_llm peer's 8da4w ``.pte`` against ours for perplexity on held-out text (both through the runtime).
 
 Targets: int8 ``.pte`` decode >= 2x the fp32 ``.pte``; the best 4-bit recipe >= 2.5x; QAT step <= 1.5x FP;
-our 8da4w ``.pte`` at least as fast and as accurate as export_llm's.
+our 8da4w ``.pte`` at least as fast and as accurate as export_llm's. A ratio is "MET" only when its whole
+spread meets the target, "TIE/UNDECIDED" when the spread straddles it.
 
     python scripts/bench_speed.py                          # about 20 min here
-    python scripts/bench_speed.py --model benchmark --rounds 2 --reps 3
+    python scripts/bench_speed.py --model benchmark --processes 2 --reps 3
 """
 
 from __future__ import annotations
@@ -110,20 +112,17 @@ def export_ours(model, tokenizer, recipe_name: str, max_seq_len: int, path: Path
     return out
 
 
-def time_all(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps: int, rounds: int) -> dict:
-    """Every program in a fresh process per round, alternating; per program the median of the round medians."""
-    from qharness.runtime.bench import measure_in_fresh_process
+def time_all(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps: int, processes: int) -> dict:
+    """``qharness.runtime.bench.interleaved`` over every program; per program the median over processes of the per-process
+    medians (tok/s) and the per-process values (``decode_per_process``, ``prefill_per_process``) for pairwise ratios."""
+    from qharness.runtime.bench import interleaved, max_over_min
 
-    per = {name: {"prefill": [], "decode": [], "size": 0, "weight_bytes": 0} for name in paths}
-    for r in range(rounds):
-        for name, (kind, path) in paths.items():
-            print(f"  round {r + 1}/{rounds}: {name} ...", flush=True)
-            m = measure_in_fresh_process(kind=kind, path=str(path), vocab_size=vocab, prompt_len=prompt_len, decode_tokens=decode_tokens, reps=reps)
-            per[name]["prefill"].append(m["prefill_tok_s"]["median"])
-            per[name]["decode"].append(m["decode_tok_s"]["median"])
-            per[name]["size"], per[name]["weight_bytes"] = m["size_bytes"], m["weight_bytes"]
-    return {name: {"prefill_tok_s": statistics.median(d["prefill"]), "decode_tok_s": statistics.median(d["decode"]),
-                   "decode_rounds": d["decode"], "size_bytes": d["size"], "weight_bytes": d["weight_bytes"]} for name, d in per.items()}
+    programs = {name: {"kind": kind, "path": str(path), "vocab_size": vocab} for name, (kind, path) in paths.items()}
+    joint = interleaved(programs, prompt_len, decode_tokens, reps, processes)
+    return {name: {"prefill_tok_s": p["prefill_tok_s"]["median"], "decode_tok_s": p["decode_tok_s"]["median"],
+                   "decode_max_over_min": max_over_min(p["decode_tok_s"]), "decode_per_process": p["decode_tok_s"]["per_process"],
+                   "prefill_per_process": p["prefill_tok_s"]["per_process"], "size_bytes": p["size_bytes"], "weight_bytes": p["weight_bytes"],
+                   "threads": joint["threads"], "load_avg_1m": joint["load_avg_1m"]} for name, p in joint["programs"].items()}
 
 
 def step_times(model_dir: Path, recipes: list[str], batch_size: int, seq_len: int, steps: int, profile: str | None) -> dict:
@@ -221,8 +220,8 @@ def main(argv=None) -> None:
     p.add_argument("--max_seq_len", type=int, default=256)
     p.add_argument("--prompt_len", type=int, default=128)
     p.add_argument("--decode_tokens", type=int, default=64)
-    p.add_argument("--reps", type=int, default=3, help="repetitions per fresh process (after a warm-up)")
-    p.add_argument("--rounds", type=int, default=2, help="fresh processes per program, alternating")
+    p.add_argument("--reps", type=int, default=10, help="repetitions per fresh process (after a warm-up)")
+    p.add_argument("--processes", "--rounds", type=int, default=5, help="fresh processes per program, round-robin")
     p.add_argument("--train_batch", type=int, default=16, help="QAT/FP step batch (x 128 tokens)")
     p.add_argument("--train_steps", type=int, default=5, help="timed steps per model (after 2 warm-up steps)")
     p.add_argument("--profile", default=None, help="print torch.profiler's top ops of one QAT step of this recipe")
@@ -235,7 +234,7 @@ def main(argv=None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    from qharness.runtime.bench import memory_bandwidth
+    from qharness.runtime.bench import format_spread, memory_bandwidth, pair_ratios, spread, verdict
     from qharness.sources.models import load_model_and_tokenizer
 
     out = Path(a.out)
@@ -271,7 +270,7 @@ def main(argv=None) -> None:
     del model
     bandwidth = memory_bandwidth()
     print("timing ...", flush=True)
-    speed = time_all(paths, vocab, a.prompt_len, a.decode_tokens, a.reps, a.rounds)
+    speed = time_all(paths, vocab, a.prompt_len, a.decode_tokens, a.reps, a.processes)
     fp = speed.get("xnnpack_fp32")
 
     # part 2: training cost and peer accuracy on the benchmark model
@@ -282,14 +281,17 @@ def main(argv=None) -> None:
 
     # report
     print(f"\n== deployed speed: {a.model} ({n_params / 1e6:.1f}M parameters, FP32 {n_params * 4 / 2**20:.0f} MiB); prompt {a.prompt_len} "
-          f"tokens, {a.decode_tokens} decode steps; {a.reps} reps x {a.rounds} alternating fresh-process rounds (median of round medians); "
-          f"copy bandwidth {bandwidth:.1f} GB/s; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    rows = [("program", "size MB", "prefill tok/s", "decode tok/s", "decode x fp32 .pte", "prefill x fp32 .pte", "decode / bw bound", "export+lower s", "calib tok/s")]
+          f"tokens, {a.decode_tokens} decode steps; {a.reps} reps x {a.processes} fresh processes per program, round-robin (median of the process "
+          f"medians; ratios per round: median (min-max)); {next(iter(speed.values()))['threads']} threads; copy bandwidth {bandwidth:.1f} GB/s; "
+          f"{os.cpu_count()} CPUs, load average {next(iter(speed.values()))['load_avg_1m'][0]:.1f} -> {next(iter(speed.values()))['load_avg_1m'][1]:.1f}")
+    rows = [("program", "size MB", "prefill tok/s", "decode tok/s", "decode max/min", "decode x fp32 .pte", "prefill x fp32 .pte", "decode / bw bound",
+             "export+lower s", "calib tok/s")]
     for name, s in speed.items():
         e = exports.get(name, {})
         bound = bandwidth * 1e9 / s["weight_bytes"]
-        rows.append((name, f"{s['size_bytes'] / 1e6:.1f}", f"{s['prefill_tok_s']:.1f}", f"{s['decode_tok_s']:.2f}",
-                     f"{s['decode_tok_s'] / fp['decode_tok_s']:.2f}" if fp else "n/a", f"{s['prefill_tok_s'] / fp['prefill_tok_s']:.2f}" if fp else "n/a",
+        rows.append((name, f"{s['size_bytes'] / 1e6:.1f}", f"{s['prefill_tok_s']:.1f}", f"{s['decode_tok_s']:.2f}", f"{s['decode_max_over_min']:.2f}",
+                     format_spread(pair_ratios(s["decode_per_process"], fp["decode_per_process"])) if fp else "n/a",
+                     format_spread(pair_ratios(s["prefill_per_process"], fp["prefill_per_process"])) if fp else "n/a",
                      f"{s['decode_tok_s'] / bound:.0%}", f"{e['export_quantize_s'] + e['lower_s']:.0f}" if e else "", f"{e['calibration_tok_s']:.0f}" if "calibration_tok_s" in e else ""))
     print(table(rows))
     print(f"\n== training step on {a.train_model} ({train_dir.name}), batch {a.train_batch} x 128, median of {a.train_steps} steps")
@@ -302,25 +304,29 @@ def main(argv=None) -> None:
         print(f"ours xnnpack_8da4w {accuracy['xnnpack_8da4w']:.3f}   ours xnnpack_8da4w_hqq {accuracy['xnnpack_8da4w_hqq']:.3f}   "
               f"export_llm 8da4w (HQQ scales) {accuracy['theirs']:.3f}   eager FP32 {accuracy['fp_eager']:.3f}")
 
-    print("\n== targets")
+    print("\n== targets (speed ratios: median (min-max) over the rounds' fresh-process pairs; single measurements: one value)")
+
+    def ratio(a_name, b_name, key="decode"):  # tok/s of A over B, process by process
+        return pair_ratios(speed[a_name][f"{key}_per_process"], speed[b_name][f"{key}_per_process"])
+
     checks = []
     if fp and "xnnpack_int8_dynamic" in speed:
-        checks.append(("int8 .pte decode >= 2x fp32 .pte", speed["xnnpack_int8_dynamic"]["decode_tok_s"] / fp["decode_tok_s"], 2.0, True))
+        checks.append(("int8 .pte decode >= 2x fp32 .pte", ratio("xnnpack_int8_dynamic", "xnnpack_fp32"), 2.0, True))
     four = [n for n in ("xnnpack_int4w_dynamic", "xnnpack_8da4w") if n in speed]
     if fp and four:
         best = max(four, key=lambda n: speed[n]["decode_tok_s"])
-        checks.append((f"best 4-bit .pte decode ({best}) >= 2.5x fp32 .pte", speed[best]["decode_tok_s"] / fp["decode_tok_s"], 2.5, True))
+        checks.append((f"best 4-bit .pte decode ({best}) >= 2.5x fp32 .pte", ratio(best, "xnnpack_fp32"), 2.5, True))
     for name in a.recipes:
         if name in steps:
-            checks.append((f"{name} QAT step <= 1.5x FP step", steps[name] / steps["fp_exported"], 1.5, False))
-    if PEER in speed and "xnnpack_8da4w" in speed:
-        checks.append(("8da4w decode ours / export_llm <= 1.0", speed[PEER]["decode_tok_s"] / speed["xnnpack_8da4w"]["decode_tok_s"], 1.0, False))
-        checks.append(("8da4w prefill ours / export_llm <= 1.0", speed[PEER]["prefill_tok_s"] / speed["xnnpack_8da4w"]["prefill_tok_s"], 1.0, False))
+            checks.append((f"{name} QAT step <= 1.5x FP step", spread([steps[name] / steps["fp_exported"]]), 1.5, False))
+    if PEER in speed and "xnnpack_8da4w" in speed:  # ms/token ours over theirs = their tok/s over ours
+        checks.append(("8da4w decode ours / export_llm <= 1.0", ratio(PEER, "xnnpack_8da4w"), 1.0, False))
+        checks.append(("8da4w prefill ours / export_llm <= 1.0", ratio(PEER, "xnnpack_8da4w", "prefill"), 1.0, False))
     if accuracy:
-        checks.append(("8da4w PTQ ppl ours (xnnpack_8da4w_hqq) / export_llm <= 1.0", accuracy["xnnpack_8da4w_hqq"] / accuracy["theirs"], 1.0, False))
+        checks.append(("8da4w PTQ ppl ours (xnnpack_8da4w_hqq) / export_llm <= 1.0", spread([accuracy["xnnpack_8da4w_hqq"] / accuracy["theirs"]]), 1.0, False))
     for label, value, target, higher in checks:
-        ok = value >= target if higher else value <= target
-        print(f"{label}: {value:.2f} {'MET' if ok else 'NOT MET'}")
+        shown = format_spread(value) if len(value["per_process"]) > 1 else f"{value['median']:.2f}"
+        print(f"{label}: {shown} {verdict(value, target, higher)}")
     print(f"(whole run {time.perf_counter() - t_all:.0f} s)")
     result = {"args": {k: str(v) for k, v in vars(a).items()}, "params": n_params, "bandwidth_gb_s": bandwidth, "speed": speed,
               "exports": exports, "train_step_s": steps, "peer_accuracy": accuracy, "load_avg": os.getloadavg()}

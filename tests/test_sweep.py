@@ -2,12 +2,14 @@
 summaries); one real tiny sweep is marked slow."""
 
 import json
+import shutil
 import sys
 
 import pytest
 import yaml
-
 from conftest import ROOT, run_cli, write_config
+from test_bench import make_tiny_pte
+
 from qharness.errors import UserError
 from qharness.io import write_json_atomic
 from qharness.reporting.sweep import is_done, load_sweep, plan, run_logged, run_sweep
@@ -32,8 +34,8 @@ def sweep_yaml(tmp_path, max_steps=5, **extra):
 class FakeRunner:
     """Stands in for ``python -m qharness fit|calibrate``: writes the run's summary.json from its config."""
 
-    def __init__(self, fail=()):
-        self.calls, self.fail = [], set(fail)
+    def __init__(self, fail=(), pte=None):
+        self.calls, self.fail, self.pte = [], set(fail), pte
 
     def __call__(self, cmd, log_path):
         cfg = yaml.safe_load(open(cmd[cmd.index("--config") + 1]))
@@ -43,11 +45,14 @@ class FakeRunner:
         log_path.write_text("log of " + name)
         if name in self.fail:
             return 1
+        pte = {"size_bytes": 2_000_000}
+        if self.pte:  # a real (tiny) program in the run dir, as fit/calibrate leave one
+            pte["path"] = str(shutil.copy(self.pte, f"{run_dir}/model.pte"))
         write_json_atomic(f"{run_dir}/summary.json", {
             "run_dir": run_dir, "model": "m", "recipe": cfg["model"]["recipe"], "backend": "xnnpack", "mode": cfg["model"]["mode"],
             "quantized": cfg["model"]["recipe"] != "xnnpack_fp32", "metrics": {"fp": {"ppl": 98.0}, "pte": {"ppl": PPL[name]}},
-            "parity": {"passed": True}, "pte": {"size_bytes": 2_000_000},
-            "bench": {"pte": {"decode_tok_s": {"median": 1000 / MS[name]}}},
+            "parity": {"passed": True}, "pte": pte,
+            "bench": {"prompt_len": 8, "decode_tokens": 4, "reps": 2, "pte": {"decode_tok_s": {"median": 1000 / MS[name]}}},
         })
         return 0
 
@@ -105,12 +110,54 @@ def test_a_stale_summary_does_not_count_as_done(tmp_path):
     assert not (runs[0].run_dir / "summary.json").exists()  # the old config's result is gone, not reported as this one
 
 
+def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
+    """After the runs: one round-robin session over every finished run's .pte (the failed run left out), its
+    bench_joint in each summary.json and all of them in bench_joint.json. The fresh processes are stood in for
+    (their numbers are made up), so the test checks order, shapes and arithmetic, not speed."""
+    import qharness.runtime.bench
+
+    pte = make_tiny_pte(tmp_path / "tiny" / "model.pte")
+    calls = []
+
+    def fake_measure(**kw):  # process k of the run in directory d decodes (10 * (k + 1)) tok/s
+        k = sum(c["path"] == kw["path"] for c in calls)
+        calls.append(kw)
+        tok_s = 10.0 * (k + 1)
+        return {"decode_tok_s": {"median": tok_s}, "prefill_tok_s": {"median": 2 * tok_s}, "decode_cpu_share": {"median": 1.0},
+                "decode_tok_per_cpu_s": {"median": tok_s},
+                "size_bytes": 1, "weight_bytes": 1}
+
+    monkeypatch.setattr(qharness.runtime.bench, "measure_in_fresh_process", fake_measure)
+    path = sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 3})
+    result = run_sweep(path, runner=FakeRunner(fail={"xnnpack_int8_dynamic-qat"}, pte=pte))
+    names = ["xnnpack_fp32-ptq", "xnnpack_int8_dynamic-ptq", "xnnpack_int4w_dynamic-ptq"]
+    sweep = tmp_path / "sweep"
+    assert [c["path"] for c in calls] == [str(sweep / n / "model.pte") for n in names] * 3  # round-robin, 3 processes each
+    assert {(c["prompt_len"], c["decode_tokens"], c["reps"]) for c in calls} == {(8, 4, 10)}  # the runs' lengths, >= 10 reps
+    assert len({c["threads"] for c in calls}) == 1  # one thread count for the whole session
+    joint = json.loads((sweep / "bench_joint.json").read_text())
+    assert list(joint["programs"]) == names and joint["sequence"] == names * 3
+    for name in names:
+        entry = json.loads((sweep / name / "summary.json").read_text())["bench_joint"]
+        assert list(entry) == ["processes", "order", "load_avg_1m", "threads", "decode_tok_s", "prefill_tok_s", "decode_ms_per_token"]
+        assert (entry["processes"], entry["order"], len(entry["load_avg_1m"])) == (3, "round-robin", 2)
+        assert entry["decode_tok_s"] == {"median": 20.0, "min": 10.0, "max": 30.0, "per_process": [10.0, 20.0, 30.0]}
+        assert entry["prefill_tok_s"]["median"] == 40.0
+        assert entry["decode_ms_per_token"] == {"median": 50.0, "min": 1e3 / 30, "max": 100.0, "per_process": [100.0, 50.0, 1e3 / 30]}
+    assert result["bench_joint"]["threads"] == joint["threads"]
+
+    calls.clear()  # bench_processes: 0 turns the joint benchmark off
+    run_sweep(sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 0}), runner=FakeRunner(pte=pte), report=False)
+    assert calls == []
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["qat"]}]}, "does not support mode 'qat'"),
     ({"runs": [{"recipe": "nope", "modes": ["ptq"]}]}, "unknown recipe 'nope'"),
     ({"runs": []}, "needs runs"),
     ({"runs": [{"recipe": "xnnpack_fp32"}]}, "names no modes"),
     ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "extra": 1}, "unknown keys ['extra']"),
+    ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "report": {"bench_processes": -1}}, "bench_processes must be a whole number"),
 ])
 def test_bad_sweep_configs_fail_before_any_run(tmp_path, spec, message):
     path = tmp_path / "bad.yaml"

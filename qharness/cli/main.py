@@ -8,6 +8,7 @@
     qharness recipes                                # the known backend recipes
     qharness generate --pte runs/x/model.pte --prompt "To be" [--temperature 0]
     qharness bench --pte runs/x/model.pte          # latency/memory/size vs the eager FP model
+    qharness bench --pte a/model.pte --pte b/model.pte [--processes 5]   # joint: round-robin fresh processes
     qharness report runs/ [--max_latency_ms 2]      # accuracy vs latency table + Pareto plot of every run
     qharness sweep configs/sweep_xnnpack.yaml       # FP baseline + recipes x modes, then the report
 
@@ -132,26 +133,55 @@ def generate_cmd(argv: list[str]) -> None:
 
 
 def bench_cmd(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="qharness bench", description=SUBCOMMANDS["bench"] + " (the eager model when a summary.json lies beside the .pte)")
-    p.add_argument("--pte", required=True, help="the .pte file")
+    p = argparse.ArgumentParser(prog="qharness bench", description=SUBCOMMANDS["bench"] + " (the eager model when a summary.json lies beside the "
+                                ".pte). Several --pte (or --processes): every program timed in N fresh processes each, round-robin, "
+                                "with the spread over processes; added to each summary.json as bench_joint")
+    p.add_argument("--pte", required=True, action="append", help="a .pte file; repeat to time several jointly")
     p.add_argument("--prompt_len", type=int, default=128, help="tokens prefilled in one call")
     p.add_argument("--decode_tokens", type=int, default=64, help="tokens decoded one at a time after the prefill")
-    p.add_argument("--reps", type=int, default=5, help="repetitions (median and min-max reported)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per process (median and min-max reported; default 5, joint 10)")
+    p.add_argument("--processes", type=int, default=None, help="fresh processes per program, round-robin (default 5 with several --pte)")
+    p.add_argument("--threads", type=int, default=None, help="ExecuTorch/torch threads in every process (default: the cores free now)")
+    p.add_argument("--out", default=None, help="also write the joint result to this JSON file")
     a = p.parse_args(argv)
     import json
     from pathlib import Path
 
-    from qharness.runtime.bench import bench, format_bench
+    from qharness.errors import UserError
     from qharness.io import write_json_atomic
 
-    summary_path = Path(a.pte).parent / "summary.json"
+    if a.threads is not None and a.threads < 1:
+        raise UserError(f"bench --threads must be >= 1 (got {a.threads})", fix="pass --threads 1, or leave it out (free cores)")
+    if a.processes is not None and a.processes < 1:
+        raise UserError(f"bench --processes must be >= 1 (got {a.processes})", fix="pass --processes 5")
+    if len(a.pte) > 1 or a.processes is not None:
+        from qharness.runtime.bench import bench_jointly, format_joint, joint_entry
+
+        for pte in a.pte:
+            if not Path(pte).is_file():
+                raise UserError(f".pte file {pte} does not exist")
+        joint = bench_jointly(a.pte, a.prompt_len, a.decode_tokens, a.reps or 10, 5 if a.processes is None else a.processes, a.threads)
+        print(format_joint(joint))
+        if a.out:
+            write_json_atomic(Path(a.out), joint)
+            print(f"joint result written to {a.out}")
+        for pte in a.pte:
+            summary_path = Path(pte).parent / "summary.json"
+            if summary_path.is_file() and len({Path(x).parent for x in a.pte}) == len(a.pte):  # one .pte per run dir
+                write_json_atomic(summary_path, {**json.loads(summary_path.read_text()), "bench_joint": joint_entry(joint, pte)})
+                print(f"bench_joint added to {summary_path}")
+        return
+
+    from qharness.runtime.bench import bench, format_bench
+
+    summary_path = Path(a.pte[0]).parent / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
     model_dir = None
     if summary is not None and summary.get("model"):
         from qharness.sources.models import resolve_checkpoint
 
         model_dir = resolve_checkpoint(summary["model"])
-    result = bench(a.pte, model_dir, a.prompt_len, a.decode_tokens, a.reps)
+    result = bench(a.pte[0], model_dir, a.prompt_len, a.decode_tokens, a.reps or 5, a.threads)
     print(format_bench(result))
     if summary is not None:
         write_json_atomic(summary_path, {**summary, "bench": result})

@@ -9,7 +9,11 @@ that finished with the same generated config (``sweep_status.json`` + ``summary.
 all. The embedded default model is resolved (pretrained once, cached) before the first run, so the runs share
 it; the eager FP model is benchmarked only in the first run (``bench.eager: false`` in the others). lm-eval
 (unless the config sets ``eval.models``) scores the FP model and ``.pte`` in the baseline run, the ``.pte`` in
-PTQ runs and the fake-quant model and ``.pte`` in QAT runs. The sweep ends with ``qharness report <sweep_dir>`` (``report`` section: metric and budgets).
+PTQ runs and the fake-quant model and ``.pte`` in QAT runs. Once all runs are finished, every finished run's
+``.pte`` is timed jointly (``qharness.runtime.bench.bench_jointly``: ``report.bench_processes`` fresh processes per
+program, default 5, round-robin; 0 skips it): each run's summary.json gets ``bench_joint`` and
+``<sweep_dir>/bench_joint.json`` holds them all, so the programs are compared under the same conditions. The
+sweep ends with ``qharness report <sweep_dir>`` (``report`` section: metric and budgets).
 
 Example config::
 
@@ -44,7 +48,7 @@ from qharness.progress import format_seconds
 
 TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report"}
 RUN_KEYS = {"recipe", "modes", "mode", "config"}
-REPORT_KEYS = {"metric", "max_latency_ms", "max_size_mb", "wandb"}
+REPORT_KEYS = {"metric", "max_latency_ms", "max_size_mb", "wandb", "bench_processes"}
 SUBCOMMAND = {"qat": "fit", "ptq": "calibrate"}
 STATUS = "sweep_status.json"
 
@@ -109,6 +113,10 @@ def load_sweep(path: str | Path) -> dict:
     unknown = set(spec["report"]) - REPORT_KEYS
     if unknown:
         raise UserError(f"sweep config {path}: unknown report keys {sorted(unknown)}", fix=f"use {', '.join(sorted(REPORT_KEYS))}")
+    processes = spec["report"].get("bench_processes", 5)
+    if not isinstance(processes, int) or isinstance(processes, bool) or processes < 0:
+        raise UserError(f"sweep config {path}: report.bench_processes must be a whole number >= 0 (got {processes!r})",
+                        fix="set report.bench_processes: 5 (0 skips the joint benchmark)")
     for i, run in enumerate(spec["runs"]):
         run = _mapping(run, f"sweep config: runs[{i}]")
         unknown = set(run) - RUN_KEYS
@@ -217,6 +225,32 @@ def resolve_shared_model(runs: list[SweepRun]) -> None:
 Runner = Callable[[list[str], Path], int]
 
 
+def bench_joint(sweep_dir: Path, records: list[dict], processes: int) -> dict | None:
+    """Time the ``.pte`` of every finished run jointly (round-robin fresh processes, ``processes`` each), with each
+    run's own bench lengths; add ``bench_joint`` to each run's summary.json and write ``<sweep_dir>/bench_joint.json``."""
+    from qharness.runtime.bench import bench_jointly, joint_entry
+
+    ptes, summaries = {}, {}
+    for r in records:
+        path = Path(r["run_dir"]) / "summary.json"
+        if r["state"] == "failed" or not path.is_file():
+            continue
+        summary = json.loads(path.read_text())
+        pte = Path(summary.get("pte", {}).get("path", ""))
+        if summary.get("bench") and pte.suffix == ".pte" and pte.is_file():  # benchmarked runs only (runs here, passed the gate)
+            ptes[r["name"]], summaries[r["name"]] = pte, (path, summary)
+    if not ptes or processes == 0:
+        return None
+    b = next(iter(summaries.values()))[1]["bench"]  # the same bench options in every run of a sweep (shared config)
+    print(f"[sweep] timing {len(ptes)} programs jointly: {processes} fresh processes each, round-robin", flush=True)
+    joint = bench_jointly(list(ptes.values()), b.get("prompt_len", 128), b.get("decode_tokens", 64), max(10, b.get("reps", 5)), processes,
+                          names=list(ptes), log=lambda line: print(line, flush=True))
+    for name, (path, summary) in summaries.items():
+        write_json_atomic(path, {**json.loads(path.read_text()), "bench_joint": joint_entry(joint, name)})
+    write_json_atomic(sweep_dir / "bench_joint.json", joint)
+    return joint
+
+
 def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run_logged, report: bool = True) -> dict:
     """Run every run of the sweep not yet done (all with ``force``), record each, then write the report.
 
@@ -256,11 +290,15 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
         print(f"[sweep {i}/{len(runs)}] {run.name}: {outcome} in {format_seconds(wall)}", flush=True)
     failed = [r for r in records if r["state"] == "failed"]
     write_json_atomic(sweep_dir / "sweep.json", {"config": str(config_path), "runs": records})
-    result = {"runs": records, "report": None}
+    rep = spec["report"]
+    result = {"runs": records, "report": None, "bench_joint": None}
+    try:
+        result["bench_joint"] = bench_joint(sweep_dir, records, rep.get("bench_processes", 5))
+    except (UserError, RuntimeError) as e:  # the runs and their own benchmarks stand; the report still follows
+        print(f"[sweep] no joint benchmark: {e}", flush=True)
     if report:
         from qharness.reporting.report import write_report
 
-        rep = spec["report"]
         notes = [f"Failed run: {r['name']} (exit {r['returncode']}); log {r['run_dir']}/sweep.log; rerun: {r['command']}" for r in failed]
         try:
             result["report"] = write_report(sweep_dir, sweep_dir, rep.get("metric", "ppl"), rep.get("max_latency_ms"), rep.get("max_size_mb"),

@@ -5,16 +5,73 @@ Example::
     pte = PteModel("runs/qat_xnnpack/model.pte")
     logits = pte(tokens, start=0)      # prefill; then pte(next_token, start=n) to decode
     pte.metadata()["get_max_context_len"]
+
+Threads: the first ``PteModel`` of a process sizes ExecuTorch's threadpool (which XNNPACK uses) to
+``runtime_threads()``: ``$QHARNESS_THREADS`` if set, else the CPU cores that are free right now
+(``free_cores``), and lowers torch's intra-op threads to the same number. Both matter on a shared machine:
+a pool with more threads than free cores waits on descheduled workers at every parallel op, and an
+ExecuTorch pool of 1 next to 2 torch threads made every prefill call take ~1 s (BENCHMARKS.md, "Timing method").
 """
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import torch
 
 from qharness.upstream import imports
 from qharness.errors import UserError
+
+
+def free_cores(window_s: float = 0.3) -> int:
+    """CPU cores of this process's affinity that were idle over the last ``window_s`` seconds (``/proc/stat``),
+    rounded, at least 1; without ``/proc/stat``: the affinity size minus the 1-minute load average."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+    def sample() -> dict[int, tuple[int, int]]:
+        out = {}
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *ticks = line.split()
+            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
+                ticks = [int(t) for t in ticks]
+                out[int(name[3:])] = (ticks[3] + ticks[4], sum(ticks[:8]))  # idle + iowait, total (no guest time)
+        return out
+
+    try:
+        a = sample()
+        time.sleep(window_s)
+        b = sample()
+        idle = sum((b[c][0] - a[c][0]) / max(1, b[c][1] - a[c][1]) for c in b)
+    except (OSError, KeyError, ValueError):
+        idle = len(cpus) - os.getloadavg()[0]
+    return max(1, min(len(cpus), round(idle)))
+
+
+_THREADS: int | None = None
+
+
+def runtime_threads() -> int:
+    """The threads every ``.pte`` of this process runs with (chosen once: ``$QHARNESS_THREADS`` or ``free_cores()``)."""
+    if _THREADS is None:
+        env = os.environ.get("QHARNESS_THREADS", "").strip()
+        if env and not (env.isdigit() and int(env) >= 1):
+            raise UserError(f"QHARNESS_THREADS={env!r} is not a thread count", fix="set it to a whole number >= 1, or unset it (free cores)")
+        set_runtime_threads(int(env) if env else free_cores())
+    return _THREADS
+
+
+def set_runtime_threads(n: int) -> None:
+    """Size ExecuTorch's threadpool to ``n`` threads and cap torch's intra-op threads at ``n``."""
+    global _THREADS
+    from executorch.extension.pybindings import portable_lib
+
+    if portable_lib._threadpool_get_thread_count() != n:
+        portable_lib._unsafe_reset_threadpool(n)
+    if torch.get_num_threads() > n:
+        torch.set_num_threads(n)
+    _THREADS = n
 
 
 class PteModel:
@@ -25,8 +82,10 @@ class PteModel:
         if not path.is_file():
             raise UserError(f".pte file {path} does not exist")
         self.path = path
+        runtime = imports.executorch_runtime()
+        runtime_threads()
         try:
-            self.program = imports.executorch_runtime().load_program(path)
+            self.program = runtime.load_program(path)
             self.method = self.program.load_method(method)
         except Exception as e:
             raise UserError(f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e})", fix="re-run qharness export") from e
