@@ -72,7 +72,7 @@ def test_text_llm_runner_generates_what_our_greedy_loop_does(request, which, pro
     from qharness.runtime.generate import generate, load_tokenizer
     from qharness.runtime.pte import PteModel
 
-    run = request.getfixturevalue(which)
+    run = request.getfixturevalue(which)  # in-process: qharness loaded the kernels; a fresh process: test_readme_runner.py
     ours = generate(PteModel(run / "model.pte"), load_tokenizer(run / "tokenizer"), prompt, max_new_tokens=new_tokens, temperature=0)
     runner = TextLLMRunner(str(run / "model.pte"), str(run / "tokenizer"))
     pieces, stats = [], []

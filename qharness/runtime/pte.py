@@ -5,6 +5,7 @@ Example::
     pte = PteModel("runs/qat_xnnpack/model.pte")
     logits = pte(tokens, start=0)      # prefill; then pte(next_token, start=n) to decode
     pte.metadata()["get_max_context_len"]
+    kernel_libraries("runs/qat_xnnpack/model.pte")   # what an on-device runner must link for it
 
 Threads: the first ``PteModel`` of a process sizes ExecuTorch's threadpool (which XNNPACK uses) to
 ``runtime_threads()``: ``$QHARNESS_THREADS`` if set, else the CPU cores that are free right now
@@ -101,3 +102,47 @@ class PteModel:
             values = list(self.program.load_method(name).execute([]))
             out[name] = values if name == "get_eos_ids" else values[0]
         return out
+
+
+# The ExecuTorch library that registers each kernel a program calls outside its delegates (README "On-device
+# runner"): prim ops live in the core runtime (kernels/prim_ops/register_prim_ops.cpp), core ATen and dim-order
+# ops in optimized_native_cpu_ops_lib (optimized kernels, portable ones for the rest; or portable_ops_lib), the
+# LLM ops in custom_ops (EXECUTORCH_BUILD_KERNELS_LLM), quantized_decomposed ops in quantized_ops_lib.
+PRIM_OPS = {"aten::sym_size.int", "aten::_local_scalar_dense"}
+OP_LIBRARIES = {
+    "executorch_prim": "executorch",
+    "aten": "optimized_native_cpu_ops_lib",
+    "dim_order_ops": "optimized_native_cpu_ops_lib",
+    "llama": "custom_ops",
+    "quantized_decomposed": "quantized_ops_lib",
+}
+BACKEND_LIBRARIES = {"XnnpackBackend": "xnnpack_backend", "VulkanBackend": "vulkan_backend"}
+
+
+def operators(path: str | Path, method: str = "forward") -> dict:
+    """``{"operators": [...], "delegates": [...]}`` of a program's method: the kernels it calls outside its
+    delegates (``"llama::update_cache.out"``) and its delegates' backend ids (``"XnnpackBackend"``)."""
+    from executorch.exir._serialize._program import deserialize_pte_binary  # takes seconds: executorch.exir
+
+    plans = {p.name: p for p in deserialize_pte_binary(Path(path).read_bytes()).program.execution_plan}
+    if method not in plans:
+        raise UserError(f"{path} has no method {method!r} (it has {', '.join(sorted(plans))})")
+    plan = plans[method]
+    return {
+        "operators": sorted({f"{op.name}.{op.overload}" if op.overload else op.name for op in plan.operators}),
+        "delegates": sorted({d.id for d in plan.delegates}),
+    }
+
+
+def kernel_libraries(path: str | Path, method: str = "forward") -> dict[str, list[str]]:
+    """ExecuTorch library -> the operators (or backend id) of ``path``'s method it registers: what a runner must
+    link, e.g. ``{"custom_ops": ["llama::custom_sdpa.out", ...], "xnnpack_backend": ["XnnpackBackend"], ...}``.
+    An operator or backend of no known library is listed under ``"unknown"``."""
+    ops = operators(path, method)
+    out: dict[str, list[str]] = {}
+    for op in ops["operators"]:
+        lib = "executorch" if op in PRIM_OPS else OP_LIBRARIES.get(op.split("::")[0], "unknown")
+        out.setdefault(lib, []).append(op)
+    for backend in ops["delegates"]:
+        out.setdefault(BACKEND_LIBRARIES.get(backend, "unknown"), []).append(backend)
+    return out

@@ -1,0 +1,155 @@
+"""The README's "On-device runner" snippet, run verbatim in a fresh interpreter on .pte files qharness writes,
+and the kernel libraries each kind of program needs (the README's table)."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, make_tiny_hf
+
+HEADING = "## On-device runner"
+
+
+def readme_runner_snippet() -> str:
+    """The first ```python block after the README's "On-device runner" heading."""
+    text = (ROOT / "README.md").read_text()
+    assert HEADING in text, f"README.md lost its {HEADING!r} section"
+    block = re.search(r"```python\n(.*?)```", text.split(HEADING, 1)[1], re.S)
+    assert block, f"no ```python block under {HEADING!r} in README.md"
+    return block.group(1)
+
+
+def run_code_on(run, tmp_path, code: str) -> subprocess.CompletedProcess:
+    """Lay ``run``'s model.pte + tokenizer/ out where the snippet's relative paths point and run ``code`` in a new
+    interpreter there, with nothing of qharness on its path."""
+    paths = re.findall(r'TextLLMRunner\("([^"]+)", "([^"]+)"\)', code)
+    assert len(paths) == 1, "the snippet should create one TextLLMRunner(pte, tokenizer_dir) with literal paths"
+    pte, tokenizer = paths[0]
+    (tmp_path / pte).parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(run / "model.pte", tmp_path / pte)
+    shutil.copytree(run / "tokenizer", tmp_path / tokenizer)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, env=env, timeout=600)
+
+
+def run_snippet_on(run, tmp_path) -> tuple[str, dict]:
+    """The README snippet, verbatim, on ``run``: (the text it printed, its PyTorchObserver statistics)."""
+    r = run_code_on(run, tmp_path, readme_runner_snippet())
+    out, err = r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
+    assert r.returncode == 0, err[-3000:]
+    text, observer, stats = out.partition("PyTorchObserver ")
+    assert observer, f"no PyTorchObserver line in the runner's stdout:\n{out[-2000:]}"
+    return text, json.loads(stats.splitlines()[0])
+
+
+def test_the_snippet_imports_only_executorch():
+    imported = re.findall(r"^\s*(?:from|import)\s+([\w.]+)", readme_runner_snippet(), re.M)
+    assert imported and all(m.split(".")[0] == "executorch" for m in imported), imported
+
+
+def _check_generates(run, tmp_path):
+    prompt = re.search(r'\.generate\("([^"]*)"', readme_runner_snippet()).group(1)
+    text, stats = run_snippet_on(run, tmp_path)
+    assert stats["generated_tokens"] > 0 and stats["prompt_tokens"] > 0
+    assert text.startswith(prompt) and len(text.strip()) > len(prompt), text[:200]
+
+
+@pytest.fixture(scope="module")
+def fast_run(fitted):
+    """`qharness fit` of the tiny Llama (xnnpack_int8_dynamic QAT): a fast-path .pte."""
+    run, _, r = fitted
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+def _lowered_run(out, model_dir, recipe_name_or_path):
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.recipes.registry import load_recipe
+    from qharness.sources.models import load_model_and_tokenizer
+
+    model, tok = load_model_and_tokenizer(str(model_dir))
+    recipe = load_recipe(str(recipe_name_or_path))
+    calibration = torch.randint(0, len(tok), (1, 16), generator=torch.Generator().manual_seed(0))
+    graph = quantize_for_deploy(model, recipe, 64, lambda g: g(calibration, torch.tensor([0])))
+    meta = runner_metadata(64, len(tok), tok.bos_token_id, [tok.eos_token_id], use_sdpa_with_kv_cache=False)
+    (out / "model.pte").write_bytes(lower_to_pte(graph, recipe, 64, meta))
+    tok.save_pretrained(out / "tokenizer")
+    return out, graph
+
+
+@pytest.fixture(scope="module")
+def emb4_run(tmp_path_factory, tiny_llama):
+    """The tiny Llama through xnnpack_8da4w with 4-bit embeddings: fast path + quantized_decomposed kernels."""
+    from qharness.deploy.lower import export_path
+
+    out = tmp_path_factory.mktemp("emb4")
+    recipe = out / "emb4.yaml"
+    recipe.write_text("base: xnnpack_8da4w\ndescription: 8da4w, 4-bit embeddings\nquantizer:\n  embedding_bits: 4\n")
+    run, graph = _lowered_run(out, tiny_llama, recipe)
+    assert export_path(graph) == "fast"
+    return run
+
+
+@pytest.fixture(scope="module")
+def generic_run(tmp_path_factory, shakespeare):
+    """A tiny Gemma2 (soft-capping: no fast path) through xnnpack_int8_dynamic: the generic HF static-cache export."""
+    from qharness.deploy.lower import export_path
+
+    out = tmp_path_factory.mktemp("generic")
+    model_dir = make_tiny_hf(out / "gemma2", "gemma2", shakespeare.read_text()[:100_000])
+    run, graph = _lowered_run(out, model_dir, "xnnpack_int8_dynamic")
+    assert export_path(graph) == "generic"
+    return run
+
+
+@pytest.mark.parametrize("which", ["fast_run", "emb4_run", pytest.param("generic_run", marks=pytest.mark.slow)])
+def test_readme_snippet_generates_text_in_a_fresh_process(request, which, tmp_path):
+    _check_generates(request.getfixturevalue(which), tmp_path)
+
+
+def test_without_the_kernel_imports_the_runner_misses_the_ops_the_readme_names(emb4_run, tmp_path):
+    """Why the snippet's first two imports are there: the wheel's runner alone lacks these kernels."""
+    snippet = readme_runner_snippet()
+    bare = "\n".join(line for line in snippet.splitlines() if not re.match(r"import executorch\.(extension\.llm\.custom_ops|kernels)", line))
+    assert len(bare.splitlines()) == len(snippet.splitlines()) - 2
+    r = run_code_on(emb4_run, tmp_path, bare)
+    assert r.returncode != 0
+    missing = set(re.findall(r"Missing operator: \[\d+\] (\S+)", r.stderr.decode(errors="replace")))
+    assert missing == {"llama::custom_sdpa.out", "llama::update_cache.out", "quantized_decomposed::embedding_4bit.out"}
+
+
+def test_kernel_libraries_name_what_each_program_needs(fast_run, emb4_run):
+    """The README table's rows for the fast path and quantized embeddings, read off the programs."""
+    from qharness.runtime.pte import kernel_libraries
+
+    fast, emb4 = kernel_libraries(fast_run / "model.pte"), kernel_libraries(emb4_run / "model.pte")
+    assert set(fast) == {"executorch", "optimized_native_cpu_ops_lib", "custom_ops", "xnnpack_backend"}
+    assert fast["custom_ops"] == ["llama::custom_sdpa.out", "llama::update_cache.out"]
+    assert fast["xnnpack_backend"] == ["XnnpackBackend"]
+    assert set(emb4) == set(fast) | {"quantized_ops_lib"}
+    assert emb4["quantized_ops_lib"] == ["quantized_decomposed::embedding_4bit.out"]
+    assert "aten::embedding.out" in fast["optimized_native_cpu_ops_lib"]
+    assert "aten::embedding.out" not in emb4["optimized_native_cpu_ops_lib"]
+
+
+@pytest.mark.slow
+def test_kernel_libraries_of_a_generic_program(generic_run):
+    from qharness.runtime.pte import kernel_libraries
+
+    libs = kernel_libraries(generic_run / "model.pte")
+    assert set(libs) == {"executorch", "optimized_native_cpu_ops_lib", "xnnpack_backend"}  # no custom_ops
+    assert "aten::index_put.out" in libs["optimized_native_cpu_ops_lib"]
+
+
+def test_kernel_libraries_refuses_a_missing_method(emb4_run):
+    from qharness.errors import UserError
+    from qharness.runtime.pte import operators
+
+    with pytest.raises(UserError, match="has no method 'decode'"):
+        operators(emb4_run / "model.pte", "decode")
