@@ -66,10 +66,9 @@ def runtime_threads() -> int:
 def set_runtime_threads(n: int) -> None:
     """Size ExecuTorch's threadpool to ``n`` threads and cap torch's intra-op threads at ``n``."""
     global _THREADS
-    from executorch.extension.pybindings import portable_lib
-
-    if portable_lib._threadpool_get_thread_count() != n:
-        portable_lib._unsafe_reset_threadpool(n)
+    pool = imports.executorch_threadpool()
+    if pool.get_thread_count() != n:
+        pool.reset(n)
     if torch.get_num_threads() > n:
         torch.set_num_threads(n)
     _THREADS = n
@@ -122,9 +121,7 @@ BACKEND_LIBRARIES = {"XnnpackBackend": "xnnpack_backend", "VulkanBackend": "vulk
 def operators(path: str | Path, method: str = "forward") -> dict:
     """``{"operators": [...], "delegates": [...]}`` of a program's method: the kernels it calls outside its
     delegates (``"llama::update_cache.out"``) and its delegates' backend ids (``"XnnpackBackend"``)."""
-    from executorch.exir._serialize._program import deserialize_pte_binary  # takes seconds: executorch.exir
-
-    plans = {p.name: p for p in deserialize_pte_binary(Path(path).read_bytes()).program.execution_plan}
+    plans = {p.name: p for p in imports.deserialize_pte(Path(path).read_bytes()).program.execution_plan}
     if method not in plans:
         raise UserError(f"{path} has no method {method!r} (it has {', '.join(sorted(plans))})")
     plan = plans[method]
