@@ -269,7 +269,7 @@ def compare_accuracy(a: dict, b: dict, column: str, lower_is_better: bool) -> Co
             return Comparison(_sign(lo, hi, lower_is_better), f"{metric} {va - vb:+.4g} [{lo:+.4g}, {hi:+.4g}] (lm-eval standard errors)")
     sign = 0 if va == vb else 1 if (va < vb) == lower_is_better else -1
     name = "ppl" if column == "ppl_pte" else column
-    return Comparison(sign, f"{name} {_fmt(va)} vs {_fmt(vb)} (no noise estimate)")
+    return Comparison(sign, f"{name} {va:.5g} vs {vb:.5g} (no noise estimate)")
 
 
 def compare_latency(a: dict, b: dict) -> Comparison:
@@ -379,6 +379,8 @@ def _fmt(v, kind: str = "") -> str:
         return "-"
     if isinstance(v, bool):
         return "passed" if v else "FAILED"
+    if kind == "ppl":  # perplexities differ in their decimals, whatever their size
+        return f"{v:.3f}"
     if kind == "pct":
         return f"{v:+.1%}"
     if kind == "frac":
@@ -396,7 +398,9 @@ def _cell(row: dict, key: str, kind: str = "") -> str:
     if row.get(key) is None:
         return text
     if _number(lo) and _number(hi):
-        return f"{text} [{_fmt(float(lo), kind)}, {_fmt(float(hi), kind)}]"
+        v = row[key]
+        bound = (lambda b: _fmt(b, kind)) if kind or not isinstance(v, float) else (lambda b: f"{b:.3f}" if abs(v) < 100 else f"{b:.0f}")
+        return f"{text} [{bound(float(lo))}, {bound(float(hi))}]"
     if key.startswith("eval/") and key.count("/") == 3:
         _, task, metric, stage = key.split("/")
         se = row.get(f"eval/{task}/{stderr_name(metric)}/{stage}")
@@ -405,7 +409,9 @@ def _cell(row: dict, key: str, kind: str = "") -> str:
     return text
 
 
-INTERVALS_NOTE = ("Intervals: perplexity [95% interval over validation blocks]; vs FP [95%, paired per block with the run's FP model]; "
+INTERVALS_NOTE = ("Intervals: perplexity [95% interval over validation blocks]; vs FP [95%, paired per block with the run's FP model]. "
+                  "Runs scored on the same blocks are compared through their paired per-block differences, usually far narrower than each "
+                  "run's own interval (which holds the block-to-block variation all runs share). Latency: "
                   "decode/prefill [min, max] over benchmark processes (joint benchmark) or over repetitions in one process "
                   "(own benchmark: weak evidence); lm-eval metrics ± their standard error.")
 
@@ -416,7 +422,7 @@ def table_columns(rows: list[dict], column: str) -> list[tuple[str, str, str]]:
     if column != "ppl_pte":
         cols.append((column, column.removeprefix("eval/").removesuffix("/pte"), ""))
     cols += [
-        ("ppl_pte", ".pte ppl", ""), ("ppl_pte_vs_fp", "vs FP", "pct"), ("ppl_fake_quant", "fake-quant ppl", ""),
+        ("ppl_pte", ".pte ppl", "ppl"), ("ppl_pte_vs_fp", "vs FP", "pct"), ("ppl_fake_quant", "fake-quant ppl", "ppl"),
         ("decode_ms_per_token", "decode ms/tok", ""), ("decode_tok_s", "decode tok/s", ""), ("prefill_tok_s", "prefill tok/s", ""),
         ("pte_size_mb", ".pte MB", ""), ("bandwidth_fraction", "of bw bound", "frac"), ("parity_passed", "parity", ""),
     ]
@@ -456,6 +462,14 @@ def interval(row: dict, key: str) -> tuple[float, float]:
     return v, v
 
 
+def paired_band(row: dict) -> tuple[float, float] | None:
+    """The ``.pte`` perplexity's 95% band from its paired interval against FP (``ppl_fp`` x the ratio's interval):
+    the noise that matters between runs scored on the same blocks (their own ``ppl_ci`` also holds the block-to-block
+    variation every run shares)."""
+    fp, lo, hi = row.get("ppl_fp"), row.get("ppl_pte_vs_fp_lo"), row.get("ppl_pte_vs_fp_hi")
+    return (fp * (1 + lo), fp * (1 + hi)) if all(_number(v) for v in (fp, lo, hi)) else None
+
+
 MODE_COLORS = {"fp": "black", "ptq": "tab:blue", "qat": "tab:orange"}
 
 
@@ -478,7 +492,7 @@ def plot_pareto(rows: list[dict], column: str, lower_is_better: bool, front_runs
                        c=color, alpha=0.55, edgecolors=color, linewidths=1)
             ax.scatter([], [], s=60, c=color, alpha=0.55, label=mode)  # legend entry of a fixed size
     for r in pts:
-        (xlo, xhi), (ylo, yhi) = interval(r, "decode_ms_per_token"), interval(r, column)
+        (xlo, xhi), (ylo, yhi) = interval(r, "decode_ms_per_token"), (paired_band(r) if column == "ppl_pte" else None) or interval(r, column)
         color = MODE_COLORS.get(r["mode"], "gray") if r.get("parity_passed") is True else "gray"
         ax.errorbar([r["decode_ms_per_token"]], [r[column]], xerr=[[r["decode_ms_per_token"] - xlo], [xhi - r["decode_ms_per_token"]]],
                     yerr=[[r[column] - ylo], [yhi - r[column]]], fmt="none", ecolor=color, elinewidth=1, capsize=3, alpha=0.8, zorder=2)
@@ -502,7 +516,8 @@ def plot_pareto(rows: list[dict], column: str, lower_is_better: bool, front_runs
         ax.axvline(max_latency_ms, ls="--", color="gray", lw=1, label=f"latency budget {max_latency_ms:g} ms")
     ax.set_xlabel("decode latency of the .pte (ms/token, median; bars: min-max; lower is better)")
     label = ".pte validation perplexity" if column == "ppl_pte" else column
-    ax.set_ylabel(f"{label} ({'lower' if lower_is_better else 'higher'} is better; bars: 95%)")
+    bars = "95%, paired per block with FP" if column == "ppl_pte" else "95%"
+    ax.set_ylabel(f"{label} ({'lower' if lower_is_better else 'higher'} is better; bars: {bars})")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.margins(x=0.2, y=0.12)  # room for the labels
@@ -518,7 +533,7 @@ def describe(row: dict | None, column: str) -> str:
     if row is None:
         return "none"
     metric = "ppl" if column == "ppl_pte" else column
-    return f"{label(row)}: {metric} {_cell(row, column)}, {_cell(row, 'decode_ms_per_token')} ms/token, {_fmt(row.get('pte_size_mb'))} MB"
+    return f"{label(row)}: {metric} {_cell(row, column, 'ppl' if column.startswith('ppl_') and '_vs_' not in column else '')}, {_cell(row, 'decode_ms_per_token')} ms/token, {_fmt(row.get('pte_size_mb'))} MB"
 
 
 def public(row: dict | None) -> dict | None:
@@ -591,7 +606,7 @@ def write_report(runs_dir: str | Path, out: str | Path | None = None, metric: st
 
     def on_front(r):
         tied = [t for t in ties[r["run"]] if t in front_runs]
-        return f"{r['recipe']}/{r['mode']}" + (f" (tie with {', '.join(tied)})" if tied else "")
+        return f"{r['recipe']}/{r['mode']} ({r['run']}" + (f", tie with {', '.join(tied)})" if tied else ")")
 
     lines = [md, "", INTERVALS_NOTE, "",
              f"Pareto front ({'lower' if lower else 'higher'} {column} is better, lower latency is better; differences inside the noise are ties): "
