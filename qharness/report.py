@@ -3,10 +3,16 @@ under a latency or size budget, from the ``summary.json`` of every run under a d
 
 The accuracy axis is the ``.pte``'s validation perplexity (``--metric ppl``, lower is better) or any
 column of the table, e.g. an lm-eval task metric of the ``.pte`` (``--metric hellaswag/acc``, from the
-summary's ``eval`` section). The latency axis is the ``.pte``'s decode latency (ms per token, median of
-``qharness bench``). A run is on the Pareto front when no other run is at least as fast *and* at least as
-accurate, and strictly better in one of the two; runs whose ``.pte`` failed the parity gate are shown but never
-on the front or picked.
+summary's ``eval`` section). The latency axis is the ``.pte``'s decode latency (ms per token, median of the joint
+benchmark ``bench_joint`` when the summary has one, else of the run's own ``qharness bench``).
+
+Differences inside the noise are ties. Accuracy: the paired interval of two runs' per-block losses (same validation
+blocks), else an unpaired one from their standard errors (lm-eval's for task metrics). Latency: per-process ranges
+that overlap, or an exact rank test that finds no difference; without a joint benchmark, each run's own min-max
+over repetitions (weak evidence). A run is dominated only by one better beyond the noise on one axis and not worse
+beyond it on the other; the best run under a budget is picked by accuracy, then latency, beyond the noise, then by
+the smaller ``.pte`` (then the name), and the words say when the data did not decide. Runs whose ``.pte`` failed
+the parity gate are shown but never on the front or picked.
 
 Example::
 
@@ -199,7 +205,7 @@ def eligible(row: dict, column: str) -> bool:
 
 def pareto_front(points: list[tuple[float, float]], lower_is_better: bool) -> list[int]:
     """Indices of the points (latency, metric) no other point dominates (lower latency is better; the metric's
-    direction is ``lower_is_better``), sorted by latency.
+    direction is ``lower_is_better``), sorted by latency: the front without noise (``noisy_front`` has ties).
 
     >>> pareto_front([(1, 10), (2, 8), (3, 9), (4, 5)], lower_is_better=True)
     [0, 1, 3]
@@ -253,12 +259,12 @@ def compare_accuracy(a: dict, b: dict, column: str, lower_is_better: bool) -> Co
             r = paired_ratio(ba, bb)
             lo, hi = r["ci"]
             return Comparison(_sign(math.log(lo), math.log(hi), True),
-                              f"ppl {r['ppl_ratio'] - 1:+.1%} [{lo - 1:+.1%}, {hi - 1:+.1%}], paired over {len(ba)} blocks")
+                              f"ppl {r['ppl_ratio'] - 1:+.2%} [{lo - 1:+.2%}, {hi - 1:+.2%}], paired over {len(ba)} blocks")
         sa, sb = a.get("_loss_se", {}).get(stage), b.get("_loss_se", {}).get(stage)
         if sa is not None and sb is not None:
             d = math.log(va / vb)
             lo, hi = diff_interval(d, sa, sb)
-            return Comparison(_sign(lo, hi, True), f"ppl {math.exp(d) - 1:+.1%} [{math.exp(lo) - 1:+.1%}, {math.exp(hi) - 1:+.1%}], "
+            return Comparison(_sign(lo, hi, True), f"ppl {math.exp(d) - 1:+.2%} [{math.exp(lo) - 1:+.2%}, {math.exp(hi) - 1:+.2%}], "
                                                    "unpaired (different validation blocks)")
     elif column.startswith("eval/"):
         _, task, metric, st = column.split("/", 3)
@@ -280,7 +286,7 @@ def compare_latency(a: dict, b: dict) -> Comparison:
     head = f"latency {ma:.3g} vs {mb:.3g} ms/token"
     faster = 1 if ma < mb else -1
     if _same_program(a, b):
-        return Comparison(0, f"{head}, same .pte (sha256)")
+        return Comparison(0, f"{head}: the same .pte (sha256), so the difference is measurement noise")
     sa, sb = a.get("_decode_ms_samples"), b.get("_decode_ms_samples")
     if sa and sb:
         where = f"joint benchmark, {len(sa)} and {len(sb)} processes"
@@ -351,14 +357,18 @@ def best_choice(rows: list[dict], column: str, lower_is_better: bool, max_latenc
     fast = [r for r in top if not any(compare_latency(o, r).sign > 0 for o in top if o is not r)]
     best = min(fast, key=lambda r: (r["pte_size_mb"] if _number(r.get("pte_size_mb")) else math.inf, r["run"]))
     others = [r for r in fast if r is not best]
+
+    def both(o):  # accuracy and latency of best against o, in words
+        lat = compare_latency(best, o).text
+        return lat if _same_program(best, o) else f"{compare_accuracy(best, o, column, lower_is_better).text}, {lat}"
+
     if others:
         names = ", ".join(label(r) for r in [best, *others][:-1]) + f" and {label(([best, *others])[-1])}"
-        why = "; ".join(f"vs {label(o)}: {compare_accuracy(best, o, column, lower_is_better).text}, {compare_latency(best, o).text}" for o in others)
+        why = "; ".join(f"vs {label(o)}: {both(o)}" for o in others)
         by = "size" if len({r.get("pte_size_mb") for r in fast}) == len(fast) else "size, then name"
         text = f"tie between {names} ({why}); pick by {by}: {describe(best, column)}"
     elif len(top) > 1:
-        why = "; ".join(f"{label(o)}: {compare_accuracy(best, o, column, lower_is_better).text}, {compare_latency(best, o).text}"
-                        for o in top if o is not best)
+        why = "; ".join(f"{label(o)}: {both(o)}" for o in top if o is not best)
         text = f"{describe(best, column)}; ties on accuracy but is faster beyond the noise ({why})"
     else:
         sign = 1 if lower_is_better else -1
@@ -382,7 +392,7 @@ def _fmt(v, kind: str = "") -> str:
     if kind == "ppl":  # perplexities differ in their decimals, whatever their size
         return f"{v:.3f}"
     if kind == "pct":
-        return f"{v:+.1%}"
+        return f"{v:+.2%}"  # ppl differences are often well under 1%
     if kind == "frac":
         return f"{v:.1%}"
     if isinstance(v, float):

@@ -98,7 +98,7 @@ def test_table_csv_and_png_are_written(runs_dir):
     assert body["broken"]["parity"] == "FAILED" and body["int8-ptq"]["parity"] == "passed"
     # latency [min, max] of the own benchmark's repetitions (+-2% tok/s); lm-eval metrics +- their stderr
     assert body["8da4w-qat"][".pte ppl"] == "99.000" and body["8da4w-qat"]["decode ms/tok"] == "0.900 [0.882, 0.918]"
-    assert body["8da4w-qat"]["toy/acc"] == "0.450 ± 0.010" and body["int8-ptq"]["vs FP"] == "+0.1%"
+    assert body["8da4w-qat"]["toy/acc"] == "0.450 ± 0.010" and body["int8-ptq"]["vs FP"] == "+0.10%"
     assert "Best under decode <= 0.95 ms/token: xnnpack_8da4w/qat (8da4w-qat)" in md
     with open(runs_dir / "out" / "report.csv") as f:
         rows = {r["run"]: r for r in csv.DictReader(f)}
