@@ -336,7 +336,7 @@ def noisy_front(rows: list[dict], column: str, lower_is_better: bool) -> tuple[l
     on = [any(undominated[k] for k in range(n) if root(k) == root(i)) for i in range(n)]
     sign = 1 if lower_is_better else -1
     front = sorted((ok[i] for i in range(n) if on[i]), key=lambda r: (r["decode_ms_per_token"], sign * r[column], r["run"]))
-    ties = {ok[i]["run"]: [ok[j]["run"] for j in range(n) if (i, j) in tie] for i in range(n)}
+    ties = {ok[i]["run"]: sorted(ok[j]["run"] for j in range(n) if (i, j) in tie) for i in range(n)}
     return front, ties
 
 
