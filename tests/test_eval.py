@@ -226,3 +226,33 @@ def test_own_task_yaml_through_include_path(fp, tmp_path):
     result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, EvalConfig(tasks=["my_ppl"], include_path=str(tmp_path / "mine"), bootstrap_iters=0), [], tmp_path / "run")
     (ll,) = QHarnessLM(hf_backend(model, 32, 4), tok).loglikelihood_rolling([_req("To be, or not to be, that is the question.")])
     assert result["tasks"]["my_ppl"]["fp"]["word_perplexity"] == pytest.approx(math.exp(-ll / 10), rel=1e-6)
+
+
+def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, shakespeare, tmp_path):
+    from qharness.config import EvalConfig
+    from qharness.evaluation.harness import format_eval_table, run_eval
+    from qharness.evaluation.lm_eval_adapter import QHarnessLM, hf_backend
+    from qharness.reporting.report import summary_row
+
+    model, tok = fp
+    cfg = EvalConfig(tasks=["qharness_mc"], limit=6, bootstrap_iters=10)  # acc's stderr is closed-form (no bootstrap pool)
+    result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, cfg, [shakespeare.read_text()[-40_000:]], tmp_path, {"max_length": 32})
+    mc = result["tasks"]["qharness_mc"]["fp"]
+    n, acc = 6, mc["acc"]
+    assert mc["acc_stderr"] == pytest.approx(math.sqrt(acc * (1 - acc) * n / (n - 1) / n))  # sample sd of 0/1 scores / sqrt(n)
+    assert json.loads((tmp_path / "eval.json").read_text())["tasks"]["qharness_mc"]["fp"]["acc_stderr"] == mc["acc_stderr"]
+    assert f"{acc:.4f} ± {mc['acc_stderr']:.4f}" in format_eval_table(result)
+    row = summary_row({"metrics": {}, "recipe": "xnnpack_fp32", "mode": "ptq", "quantized": False, "eval": result})
+    assert row["eval/qharness_mc/acc/fp"] == acc and row["eval/qharness_mc/acc_stderr/fp"] == mc["acc_stderr"]
+
+
+def test_eval_table_shows_standard_errors_of_filtered_metrics():
+    from qharness.evaluation.harness import format_eval_table
+
+    result = {"models": ["fp", "pte"], "max_length": 32, "documents": {"t": 5},
+              "tasks": {"t": {"fp": {"exact_match,strict": 0.4, "exact_match_stderr,strict": 0.2, "acc": 0.5, "acc_stderr": None},
+                              "pte": {"exact_match,strict": 0.2, "exact_match_stderr,strict": 0.1, "acc": 0.25, "acc_stderr": None}}}}
+    lines = format_eval_table(result).splitlines()
+    assert [line.split()[:2] for line in lines[2:]] == [["t", "exact_match,strict"], ["acc", "0.5000"]]  # no stderr rows
+    assert "0.4000 ± 0.2000" in lines[2] and "0.2000 ± 0.1000" in lines[2]
+    assert lines[3].split() == ["acc", "0.5000", "0.2500"]  # lm-eval gave no stderr ("N/A"): the value alone

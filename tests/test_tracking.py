@@ -26,6 +26,17 @@ def test_fit_logs_config_curves_and_the_final_row_offline(fitted):
     assert row["ppl_pte"] == pytest.approx(summary["metrics"]["pte"]["ppl"])
     assert row["decode_tok_s"] == pytest.approx(summary["bench"]["pte"]["decode_tok_s"]["median"]) and row["decode_tok_s"] > 0
     assert row["pte_size_mb"] == pytest.approx((run_dir / "model.pte").stat().st_size / 1e6)
+    # noise bands: every model's per-block losses on the same blocks, its interval, and the paired ratio to FP
+    m = summary["metrics"]
+    for name in ("fp", "fake_quant", "converted", "pte"):
+        assert len(m[name]["block_losses"]) == m[name]["n_blocks"] == summary["eval_blocks"], name
+        assert m[name]["ppl_ci"][0] < m[name]["ppl"] < m[name]["ppl_ci"][1] and m[name]["loss_se"] > 0, name
+    assert m["pte"]["vs_fp"]["ppl_ratio"] == pytest.approx(m["pte"]["ppl"] / m["fp"]["ppl"], rel=1e-4)
+    assert m["pte"]["vs_fp"]["ci"][0] <= m["pte"]["vs_fp"]["ppl_ratio"] <= m["pte"]["vs_fp"]["ci"][1]
+    assert len(summary["val_blocks"]) == 16 and len(summary["pte"]["sha256"]) == 64
+    for key in ("ppl_pte_lo", "ppl_pte_hi", "ppl_pte_vs_fp_lo", "ppl_pte_vs_fp_hi", "decode_ms_per_token_lo", "latency_source"):
+        assert row[key] == pytest.approx(expected[key]) if isinstance(expected[key], float) else row[key] == expected[key], key
+    assert row["ppl_pte_lo"] < row["ppl_pte"] < row["ppl_pte_hi"]
 
     steps = history(run)
     train = [h["train/loss"] for h in steps if "train/loss" in h]

@@ -17,9 +17,13 @@ from qharness.progress import bar
 StepFn = Callable[[torch.Tensor, int], torch.Tensor]
 
 
-def perplexity(losses_sum: float, count: int) -> dict:
+def perplexity(losses_sum: float, count: int, block_losses: list[float] | None = None) -> dict:
+    """``loss`` (mean over tokens), ``ppl`` and, when given, ``block_losses`` (mean loss of each block, in block order)."""
     loss = losses_sum / max(count, 1)
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
+    out = {"loss": loss, "ppl": math.exp(min(loss, 50.0))}
+    if block_losses is not None:
+        out["block_losses"] = block_losses
+    return out
 
 
 def fold_constants(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -100,26 +104,32 @@ def _maybe_bar(iterable, desc: str | None, total: int, unit: str):
 
 def score_deployed(step: StepFn, x: torch.Tensor, y: torch.Tensor, desc: str | None = None) -> dict:
     """Validation loss/perplexity of a cache model over every position of each block (``block_logits``;
-    ``desc``: progress bar)."""
-    total, count = 0.0, 0
+    ``desc``: progress bar), with the mean loss of each block (``block_losses``)."""
+    total, count, blocks = 0.0, 0, []
     with torch.no_grad():
         for xi, yi in _maybe_bar(zip(x, y), desc, len(x), "block"):
             logits = block_logits(step, xi)
-            total += F.cross_entropy(logits.float(), yi, reduction="sum").item()
+            loss = F.cross_entropy(logits.float(), yi, reduction="sum").item()
+            total += loss
             count += yi.numel()
-    return perplexity(total, count)
+            blocks.append(loss / yi.numel())
+    return perplexity(total, count, blocks)
 
 
 def score_batched(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str | None = None) -> dict:
-    """Validation loss/perplexity of a no-cache model taking ``[batch_size, seq_len]`` batches (``desc``: progress bar)."""
-    total, count = 0.0, 0
+    """Validation loss/perplexity of a no-cache model taking ``[batch_size, seq_len]`` batches (``desc``: progress bar),
+    with the mean loss of each block (``block_losses``, the order of ``x``)."""
+    total, count, blocks = 0.0, 0, []
     starts = range(0, len(x) - batch_size + 1, batch_size)
     with torch.no_grad():
         for i in _maybe_bar(starts, desc, len(starts), "batch"):
             logits = forward(x[i : i + batch_size])
-            total += F.cross_entropy(logits.flatten(0, 1).float(), y[i : i + batch_size].flatten(), reduction="sum").item()
-            count += y[i : i + batch_size].numel()
-    return perplexity(total, count)
+            yb = y[i : i + batch_size]
+            losses = F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="none").view(yb.shape)
+            total += losses.sum().item()
+            count += yb.numel()
+            blocks += losses.mean(1).tolist()
+    return perplexity(total, count, blocks)
 
 
 def compare_decoding(pte: StepFn, ref: StepFn, prompts: torch.Tensor, decode_steps: int, desc: str | None = None) -> dict:

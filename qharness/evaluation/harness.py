@@ -18,6 +18,7 @@ import torch
 from qharness.config import MODEL_KINDS, EvalConfig
 from qharness.errors import UserError
 from qharness.io import to_jsonable, write_json_atomic
+from qharness.checks.stats import is_stderr, stderr_name
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,14 @@ def _clean(metrics: dict) -> dict:
         value = to_jsonable(value)
         out[name] = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
     return out
+
+
+def format_value(v: float | None, se: float | None = None) -> str:
+    """``0.4500 ± 0.0100`` (``-`` when missing; no ``±`` without a standard error)."""
+    if v is None:
+        return "-"
+    text = f"{v:.4g}" if abs(v) >= 1 else f"{v:.4f}"
+    return text if se is None else text + (f" ± {se:.4g}" if abs(se) >= 1 else f" ± {se:.4f}")
 
 
 def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None) -> dict:
@@ -138,16 +147,13 @@ def evaluate_models(backends: dict, tokenizer, cfg: EvalConfig, texts: list[str]
 
 
 def format_eval_table(result: dict) -> str:
-    """Task x metric rows, one column per model (standard errors stay in eval.json)."""
+    """Task x metric rows, one column per model: value ± lm-eval's standard error (where lm-eval gives one)."""
     kinds = result["models"]
     rows = [("task", "metric", *(MODEL_KINDS[k] for k in kinds))]
     for task, per_model in result["tasks"].items():
-        names = [m for m in next(iter(per_model.values())) if not m.endswith("_stderr")]
+        names = [m for m in next(iter(per_model.values())) if not is_stderr(m)]
         for i, metric in enumerate(names):
-            cells = []
-            for k in kinds:
-                v = per_model.get(k, {}).get(metric)
-                cells.append("-" if v is None else f"{v:.4g}" if abs(v) >= 1 else f"{v:.4f}")
+            cells = [format_value(per_model.get(k, {}).get(metric), per_model.get(k, {}).get(stderr_name(metric))) for k in kinds]
             rows.append((task if i == 0 else "", metric, *cells))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     docs = result.get("documents", {})

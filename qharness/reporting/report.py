@@ -3,10 +3,16 @@ under a latency or size budget, from the ``summary.json`` of every run under a d
 
 The accuracy axis is the ``.pte``'s validation perplexity (``--metric ppl``, lower is better) or any
 column of the table, e.g. an lm-eval task metric of the ``.pte`` (``--metric hellaswag/acc``, from the
-summary's ``eval`` section). The latency axis is the ``.pte``'s decode latency (ms per token, median of
-``qharness bench``). A run is on the Pareto front when no other run is at least as fast *and* at least as
-accurate, and strictly better in one of the two; runs whose ``.pte`` failed the parity gate are shown but never
-on the front or picked.
+summary's ``eval`` section). The latency axis is the ``.pte``'s decode latency (ms per token, median of the joint
+benchmark ``bench_joint`` when the summary has one, else of the run's own ``qharness bench``).
+
+Differences inside the noise are ties. Accuracy: the paired interval of two runs' per-block losses (same validation
+blocks), else an unpaired one from their standard errors (lm-eval's for task metrics). Latency: per-process ranges
+that overlap, or an exact rank test that finds no difference; without a joint benchmark, each run's own min-max
+over repetitions (weak evidence). A run is dominated only by one better beyond the noise on one axis and not worse
+beyond it on the other; the best run under a budget is picked by accuracy, then latency, beyond the noise, then by
+the smaller ``.pte`` (then the name), and the words say when the data did not decide. Runs whose ``.pte`` failed
+the parity gate are shown but never on the front or picked.
 
 Example::
 
@@ -22,10 +28,12 @@ import json
 import logging
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from qharness.errors import UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
+from qharness.checks.stats import ALPHA, Z, diff_interval, is_stderr, paired_ratio, rank_test_p, ranges_overlap, stderr_name
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +72,9 @@ def summary_row(summary: dict, run: str | None = None) -> dict:
     m = summary.get("metrics", {})
     parity = summary.get("parity", {})
     pte_bench = summary.get("bench", {}).get("pte", {})
-    decode = _median(pte_bench.get("decode_tok_s"))
+    speed = latency_figures(summary)
     ppl = {k: m.get(k, {}).get("ppl") for k in STAGES}
+    vs_fp = m.get("pte", {}).get("vs_fp") or {}
     row = {
         "run": run if run is not None else Path(summary.get("run_dir", "")).name,
         "model": summary.get("model"),
@@ -77,14 +86,16 @@ def summary_row(summary: dict, run: str | None = None) -> dict:
         "ppl_converted": ppl["converted"],
         "ppl_pte": ppl["pte"],
         "ppl_pte_vs_fp": ppl["pte"] / ppl["fp"] - 1 if ppl["pte"] and ppl["fp"] else None,
+        "ppl_pte_vs_fp_lo": vs_fp["ci"][0] - 1 if vs_fp.get("ci") else None,
+        "ppl_pte_vs_fp_hi": vs_fp["ci"][1] - 1 if vs_fp.get("ci") else None,
+        **{f"ppl_{k}_{end}": (m.get(k, {}).get("ppl_ci") or (None, None))[i] for k in STAGES for i, end in enumerate(("lo", "hi"))},
+        "n_blocks": m.get("pte", {}).get("n_blocks"),
         "parity_passed": parity.get("passed"),
         "parity_max_abs_diff": parity.get("max_abs_diff"),
         "parity_argmax_agreement": parity.get("argmax_agreement"),
         "parity_ppl_rel_diff": parity.get("ppl_rel_diff"),
         "pte_size_mb": summary["pte"]["size_bytes"] / 1e6 if summary.get("pte", {}).get("size_bytes") else None,
-        "prefill_tok_s": _median(pte_bench.get("prefill_tok_s")),
-        "decode_tok_s": decode,
-        "decode_ms_per_token": 1000.0 / decode if decode else None,
+        **speed,
         "bandwidth_fraction": pte_bench.get("bandwidth_fraction"),
         "peak_rss_mb": pte_bench.get("peak_rss_mb"),
         "decode_speedup_vs_eager": summary.get("bench", {}).get("pte_vs_eager", {}).get("decode_speedup"),
@@ -94,10 +105,52 @@ def summary_row(summary: dict, run: str | None = None) -> dict:
     for task, stages in sorted((summary.get("eval") or {}).get("tasks", {}).items()):
         for stage, values in sorted((stages or {}).items(), key=lambda kv: STAGES.index(kv[0]) if kv[0] in STAGES else 99):
             for name, value in sorted((values or {}).items()):
-                if "stderr" in name or isinstance(value, bool) or not isinstance(value, (int, float)):
-                    continue
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    continue  # lm-eval's "N/A" standard errors are null in eval.json
                 row[f"eval/{task}/{_metric_name(name)}/{stage}"] = float(value)
     return row
+
+
+def latency_figures(summary: dict) -> dict:
+    """Decode ms/token, decode and prefill tokens/s of the ``.pte`` with their ``_lo``/``_hi`` ranges, and where they
+    come from (``latency_source``): the joint benchmark (``bench_joint``: one value per fresh process, all candidates
+    timed round-robin in one session) when the summary has one, else the run's own ``bench`` (min/max over
+    repetitions inside one process: weak evidence of the noise)."""
+    joint = summary.get("bench_joint")
+    if isinstance(joint, dict) and isinstance(joint.get("decode_ms_per_token"), dict):
+        out = {"latency_source": f"joint ({joint.get('processes')} processes)"}
+        for key in ("decode_ms_per_token", "decode_tok_s", "prefill_tok_s"):
+            d = joint.get(key) if isinstance(joint.get(key), dict) else {}
+            out |= {key: d.get("median"), f"{key}_lo": d.get("min"), f"{key}_hi": d.get("max")}
+        return out
+    own = summary.get("bench", {}).get("pte", {})
+    out = {"latency_source": "own bench (1 process)" if own.get("decode_tok_s") is not None else None}
+    for key in ("decode_tok_s", "prefill_tok_s"):
+        d = own.get(key)
+        out |= {key: _median(d), f"{key}_lo": _end(d, "min"), f"{key}_hi": _end(d, "max")}
+    for end, tok_s in (("", "decode_tok_s"), ("_lo", "decode_tok_s_hi"), ("_hi", "decode_tok_s_lo")):
+        v = out[tok_s]
+        out[f"decode_ms_per_token{end}"] = 1000.0 / v if _number(v) and v > 0 else None
+    return out
+
+
+def _end(d, end: str):
+    return d.get(end) if isinstance(d, dict) else None
+
+
+def noise_of(summary: dict) -> dict:
+    """What the report needs to call ties and that no table shows (private ``_`` keys): per-block losses by stage,
+    their standard errors, the validation blocks' id, the ``.pte``'s sha256, the per-process decode timings."""
+    m = summary.get("metrics", {})
+    joint = summary.get("bench_joint")
+    samples = joint.get("decode_ms_per_token", {}).get("per_process") if isinstance(joint, dict) else None
+    return {
+        "_blocks": {k: m[k]["block_losses"] for k in STAGES if isinstance(m.get(k, {}).get("block_losses"), list)},
+        "_loss_se": {k: m[k]["loss_se"] for k in STAGES if _number(m.get(k, {}).get("loss_se"))},
+        "_val": summary.get("val_blocks"),
+        "_sha256": summary.get("pte", {}).get("sha256"),
+        "_decode_ms_samples": [float(v) for v in samples] if isinstance(samples, list) and samples else None,
+    }
 
 
 # --- many runs ----------------------------------------------------------------------------------
@@ -112,7 +165,8 @@ def collect(runs_dir: str | Path) -> list[dict]:
             continue
         try:
             summary = json.loads(path.read_text())
-            rows.append(summary_row(summary, run=str(path.parent.relative_to(runs_dir)) if path.parent != runs_dir else runs_dir.name))
+            run = str(path.parent.relative_to(runs_dir)) if path.parent != runs_dir else runs_dir.name
+            rows.append(summary_row(summary, run=run) | noise_of(summary))
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("skipping %s: %s", path, e)
     if not rows:
@@ -132,7 +186,7 @@ def resolve_metric(metric: str, rows: list[dict]) -> tuple[str, bool]:
         parts = metric.removeprefix("eval/").split("/")
         column = "eval/" + "/".join(parts + ["pte"] if len(parts) == 2 else parts)
         if column not in columns:
-            known = sorted({"/".join(c.split("/")[1:3]) for c in columns if c.startswith("eval/")})
+            known = sorted({"/".join(c.split("/")[1:3]) for c in columns if c.startswith("eval/") and not is_stderr(c.split("/")[2])})
             raise UserError(
                 f"metric {metric!r} is in none of the summaries",
                 fix="use ppl, a column of the table" + (f", or a task metric: {', '.join(known)}" if known else " (no run has lm-eval results)"),
@@ -151,7 +205,7 @@ def eligible(row: dict, column: str) -> bool:
 
 def pareto_front(points: list[tuple[float, float]], lower_is_better: bool) -> list[int]:
     """Indices of the points (latency, metric) no other point dominates (lower latency is better; the metric's
-    direction is ``lower_is_better``), sorted by latency.
+    direction is ``lower_is_better``), sorted by latency: the front without noise (``noisy_front`` has ties).
 
     >>> pareto_front([(1, 10), (2, 8), (3, 9), (4, 5)], lower_is_better=True)
     [0, 1, 3]
@@ -165,8 +219,132 @@ def pareto_front(points: list[tuple[float, float]], lower_is_better: bool) -> li
     return sorted(front, key=lambda i: (points[i][0], sign * points[i][1]))
 
 
-def best_under(rows: list[dict], column: str, lower_is_better: bool, max_latency_ms: float | None = None, max_size_mb: float | None = None) -> dict | None:
-    """The eligible row with the best metric within the budgets (ties: faster, then smaller); None if none fits."""
+# --- noise: ties on accuracy and latency ----------------------------------------------------------
+@dataclass(frozen=True)
+class Comparison:
+    """Run ``a`` against run ``b`` on one axis: ``sign`` +1 when ``a`` is better beyond the noise, -1 when ``b`` is,
+    0 for a tie; ``text`` the difference with its interval, e.g. ``ppl -0.3% [-0.9%, +0.4%], paired over 32 blocks``."""
+
+    sign: int
+    text: str
+
+
+def label(row: dict) -> str:
+    return f"{row['recipe']}/{row['mode']} ({row['run']})"
+
+
+def _same_program(a: dict, b: dict) -> bool:
+    return a.get("_sha256") is not None and a.get("_sha256") == b.get("_sha256")
+
+
+def _sign(lo: float, hi: float, lower_is_better: bool) -> int:
+    """The sign of a Comparison from the interval of ``a - b`` (0 when it holds 0)."""
+    if lo <= 0 <= hi:
+        return 0
+    return 1 if (hi < 0) == lower_is_better else -1
+
+
+def compare_accuracy(a: dict, b: dict, column: str, lower_is_better: bool) -> Comparison:
+    """Perplexity columns (``ppl_<stage>``): the paired interval of the per-block loss differences when both runs
+    were scored on the same validation blocks, else an unpaired one from the two standard errors. lm-eval columns:
+    an unpaired interval from lm-eval's standard errors (conservative: both ran on the same documents). Without
+    any noise estimate (older summaries) only equal values tie."""
+    va, vb = a[column], b[column]
+    if _same_program(a, b):
+        return Comparison(0, "same .pte (sha256)")
+    stage = column[len("ppl_"):] if column.startswith("ppl_") and column[len("ppl_"):] in STAGES else None
+    if stage is not None:
+        ba, bb = a.get("_blocks", {}).get(stage), b.get("_blocks", {}).get(stage)
+        if ba and bb and len(ba) == len(bb) and len(ba) > 1 and a.get("_val") == b.get("_val"):
+            r = paired_ratio(ba, bb)
+            lo, hi = r["ci"]
+            return Comparison(_sign(math.log(lo), math.log(hi), True),
+                              f"ppl {r['ppl_ratio'] - 1:+.2%} [{lo - 1:+.2%}, {hi - 1:+.2%}], paired over {len(ba)} blocks")
+        sa, sb = a.get("_loss_se", {}).get(stage), b.get("_loss_se", {}).get(stage)
+        if sa is not None and sb is not None:
+            d = math.log(va / vb)
+            lo, hi = diff_interval(d, sa, sb)
+            return Comparison(_sign(lo, hi, True), f"ppl {math.exp(d) - 1:+.2%} [{math.exp(lo) - 1:+.2%}, {math.exp(hi) - 1:+.2%}], "
+                                                   "unpaired (different validation blocks)")
+    elif column.startswith("eval/"):
+        _, task, metric, st = column.split("/", 3)
+        se_col = f"eval/{task}/{stderr_name(metric)}/{st}"
+        sa, sb = a.get(se_col), b.get(se_col)
+        if _number(sa) and _number(sb):
+            lo, hi = diff_interval(va - vb, sa, sb)
+            return Comparison(_sign(lo, hi, lower_is_better), f"{metric} {va - vb:+.4g} [{lo:+.4g}, {hi:+.4g}] (lm-eval standard errors)")
+    sign = 0 if va == vb else 1 if (va < vb) == lower_is_better else -1
+    name = "ppl" if column == "ppl_pte" else column
+    return Comparison(sign, f"{name} {va:.5g} vs {vb:.5g} (no noise estimate)")
+
+
+def compare_latency(a: dict, b: dict) -> Comparison:
+    """Decode ms/token. Joint benchmarks (per-process timings of both): a tie when the ranges overlap or the exact
+    rank test finds no difference (p >= 0.05). Otherwise each run's own [min, max] over repetitions in one process
+    (weak evidence): a tie when they overlap. Without ranges only equal medians tie."""
+    ma, mb = a["decode_ms_per_token"], b["decode_ms_per_token"]
+    head = f"latency {ma:.3g} vs {mb:.3g} ms/token"
+    faster = 1 if ma < mb else -1
+    if _same_program(a, b):
+        return Comparison(0, f"{head}: the same .pte (sha256), so the difference is measurement noise")
+    sa, sb = a.get("_decode_ms_samples"), b.get("_decode_ms_samples")
+    if sa and sb:
+        where = f"joint benchmark, {len(sa)} and {len(sb)} processes"
+        if ranges_overlap((min(sa), max(sa)), (min(sb), max(sb))):
+            return Comparison(0, f"{head}: ranges overlap ({where})")
+        p = rank_test_p(sa, sb)
+        if p >= ALPHA:
+            return Comparison(0, f"{head}: ranges apart but rank test p={p:.2g} >= {ALPHA} ({where})")
+        return Comparison(faster, f"{head}: ranges apart, rank test p={p:.2g} ({where})")
+    ra = (a.get("decode_ms_per_token_lo"), a.get("decode_ms_per_token_hi"))
+    rb = (b.get("decode_ms_per_token_lo"), b.get("decode_ms_per_token_hi"))
+    if all(_number(v) for v in (*ra, *rb)):
+        where = "own benchmarks, repetitions in one process: weak evidence"
+        if ranges_overlap(ra, rb):
+            return Comparison(0, f"{head}: ranges overlap ({where})")
+        return Comparison(faster, f"{head}: ranges apart ({where})")
+    return Comparison(0 if ma == mb else faster, f"{head} (no noise estimate)")
+
+
+def dominates(acc: Comparison, lat: Comparison) -> bool:
+    """``a`` dominates ``b`` (``acc``, ``lat``: a against b): better beyond the noise on one axis, not worse beyond it on the other."""
+    return (acc.sign > 0 and lat.sign >= 0) or (lat.sign > 0 and acc.sign >= 0)
+
+
+def noisy_front(rows: list[dict], column: str, lower_is_better: bool) -> tuple[list[dict], dict[str, list[str]]]:
+    """The Pareto front of the eligible rows with ties inside the noise (``compare_accuracy``, ``compare_latency``),
+    sorted by latency, and each eligible run's ties (runs it ties with on both axes).
+
+    Runs that tie on both axes with the same ``.pte`` size (or the same ``.pte``) are one program: they are on the
+    front together or not at all (on it when any of them is undominated)."""
+    ok = [r for r in rows if eligible(r, column)]
+    n = len(ok)
+    acc = {(i, j): compare_accuracy(ok[i], ok[j], column, lower_is_better) for i in range(n) for j in range(n) if i != j}
+    lat = {(i, j): compare_latency(ok[i], ok[j]) for i in range(n) for j in range(n) if i != j}
+    undominated = [not any(dominates(acc[j, i], lat[j, i]) for j in range(n) if j != i) for i in range(n)]
+    tie = {(i, j) for (i, j) in acc if acc[i, j].sign == 0 and lat[i, j].sign == 0}
+    group = list(range(n))  # union-find of identical programs
+
+    def root(i):
+        while group[i] != i:
+            i = group[i]
+        return i
+
+    for i, j in sorted(tie):
+        if _same_program(ok[i], ok[j]) or ok[i].get("pte_size_mb") == ok[j].get("pte_size_mb"):
+            group[max(root(i), root(j))] = min(root(i), root(j))
+    on = [any(undominated[k] for k in range(n) if root(k) == root(i)) for i in range(n)]
+    sign = 1 if lower_is_better else -1
+    front = sorted((ok[i] for i in range(n) if on[i]), key=lambda r: (r["decode_ms_per_token"], sign * r[column], r["run"]))
+    ties = {ok[i]["run"]: sorted(ok[j]["run"] for j in range(n) if (i, j) in tie) for i in range(n)}
+    return front, ties
+
+
+def best_choice(rows: list[dict], column: str, lower_is_better: bool, max_latency_ms: float | None = None,
+                max_size_mb: float | None = None) -> dict:
+    """The eligible run to pick within the budgets, deterministically: keep the runs no other beats on the metric
+    beyond the noise, then those no other of them beats on latency beyond the noise; among the rest (a tie) the
+    smallest ``.pte``, then the run name. Returns ``{"best": row or None, "tied": [rows], "text": words}``."""
     fits = [
         r for r in rows
         if eligible(r, column)
@@ -174,9 +352,35 @@ def best_under(rows: list[dict], column: str, lower_is_better: bool, max_latency
         and (max_size_mb is None or (r.get("pte_size_mb") is not None and r["pte_size_mb"] <= max_size_mb))
     ]
     if not fits:
-        return None
-    sign = 1 if lower_is_better else -1
-    return min(fits, key=lambda r: (sign * r[column], r["decode_ms_per_token"], r.get("pte_size_mb") or 0.0))
+        return {"best": None, "tied": [], "text": "none"}
+    top = [r for r in fits if not any(compare_accuracy(o, r, column, lower_is_better).sign > 0 for o in fits if o is not r)]
+    fast = [r for r in top if not any(compare_latency(o, r).sign > 0 for o in top if o is not r)]
+    best = min(fast, key=lambda r: (r["pte_size_mb"] if _number(r.get("pte_size_mb")) else math.inf, r["run"]))
+    others = [r for r in fast if r is not best]
+
+    def both(o):  # accuracy and latency of best against o, in words
+        lat = compare_latency(best, o).text
+        return lat if _same_program(best, o) else f"{compare_accuracy(best, o, column, lower_is_better).text}, {lat}"
+
+    if others:
+        names = ", ".join(label(r) for r in [best, *others][:-1]) + f" and {label(([best, *others])[-1])}"
+        why = "; ".join(f"vs {label(o)}: {both(o)}" for o in others)
+        by = "size" if len({r.get("pte_size_mb") for r in fast}) == len(fast) else "size, then name"
+        text = f"tie between {names} ({why}); pick by {by}: {describe(best, column)}"
+    elif len(top) > 1:
+        why = "; ".join(f"{label(o)}: {both(o)}" for o in top if o is not best)
+        text = f"{describe(best, column)}; ties on accuracy but is faster beyond the noise ({why})"
+    else:
+        sign = 1 if lower_is_better else -1
+        rest = sorted((r for r in fits if r is not best), key=lambda r: (sign * r[column], r["run"]))
+        text = describe(best, column) + (f"; vs the runner-up {label(rest[0])}: {compare_accuracy(best, rest[0], column, lower_is_better).text}"
+                                         if rest else "")
+    return {"best": best, "tied": others, "text": text}
+
+
+def best_under(rows: list[dict], column: str, lower_is_better: bool, max_latency_ms: float | None = None, max_size_mb: float | None = None) -> dict | None:
+    """The eligible row picked within the budgets (``best_choice``); None if none fits."""
+    return best_choice(rows, column, lower_is_better, max_latency_ms, max_size_mb)["best"]
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -185,13 +389,41 @@ def _fmt(v, kind: str = "") -> str:
         return "-"
     if isinstance(v, bool):
         return "passed" if v else "FAILED"
+    if kind == "ppl":  # perplexities differ in their decimals, whatever their size
+        return f"{v:.3f}"
     if kind == "pct":
-        return f"{v:+.1%}"
+        return f"{v:+.2%}"  # ppl differences are often well under 1%
     if kind == "frac":
         return f"{v:.1%}"
     if isinstance(v, float):
         return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)
+
+
+def _cell(row: dict, key: str, kind: str = "") -> str:
+    """A figure with its noise: ``value [lo, hi]`` (``<key>_lo``/``_hi``: 95% interval or min-max range) or
+    ``value ± se`` (lm-eval's standard error)."""
+    text = _fmt(row.get(key), kind)
+    lo, hi = row.get(f"{key}_lo"), row.get(f"{key}_hi")
+    if row.get(key) is None:
+        return text
+    if _number(lo) and _number(hi):
+        v = row[key]
+        bound = (lambda b: _fmt(b, kind)) if kind or not isinstance(v, float) else (lambda b: f"{b:.3f}" if abs(v) < 100 else f"{b:.0f}")
+        return f"{text} [{bound(float(lo))}, {bound(float(hi))}]"
+    if key.startswith("eval/") and key.count("/") == 3:
+        _, task, metric, stage = key.split("/")
+        se = row.get(f"eval/{task}/{stderr_name(metric)}/{stage}")
+        if _number(se):
+            return f"{text} ± {se:.3f}"
+    return text
+
+
+INTERVALS_NOTE = ("Intervals: perplexity [95% interval over validation blocks]; vs FP [95%, paired per block with the run's FP model]. "
+                  "Runs scored on the same blocks are compared through their paired per-block differences, usually far narrower than each "
+                  "run's own interval (which holds the block-to-block variation all runs share). Latency: "
+                  "decode/prefill [min, max] over benchmark processes (joint benchmark) or over repetitions in one process "
+                  "(own benchmark: weak evidence); lm-eval metrics ± their standard error.")
 
 
 def table_columns(rows: list[dict], column: str) -> list[tuple[str, str, str]]:
@@ -200,21 +432,21 @@ def table_columns(rows: list[dict], column: str) -> list[tuple[str, str, str]]:
     if column != "ppl_pte":
         cols.append((column, column.removeprefix("eval/").removesuffix("/pte"), ""))
     cols += [
-        ("ppl_pte", ".pte ppl", ""), ("ppl_pte_vs_fp", "vs FP", "pct"), ("ppl_fake_quant", "fake-quant ppl", ""),
+        ("ppl_pte", ".pte ppl", "ppl"), ("ppl_pte_vs_fp", "vs FP", "pct"), ("ppl_fake_quant", "fake-quant ppl", "ppl"),
         ("decode_ms_per_token", "decode ms/tok", ""), ("decode_tok_s", "decode tok/s", ""), ("prefill_tok_s", "prefill tok/s", ""),
         ("pte_size_mb", ".pte MB", ""), ("bandwidth_fraction", "of bw bound", "frac"), ("parity_passed", "parity", ""),
     ]
-    extra = sorted({c for r in rows for c in r if c.startswith("eval/") and c.endswith("/pte") and c != column})
+    extra = sorted({c for r in rows for c in r if c.startswith("eval/") and c.endswith("/pte") and c != column and not is_stderr(c.split("/")[2])})
     cols += [(c, c.removeprefix("eval/").removesuffix("/pte"), "") for c in extra]
     return cols
 
 
 def markdown_table(rows: list[dict], column: str, front_runs: set[str]) -> str:
     cols = table_columns(rows, column)
-    header = [h for _, h, _ in cols] + ["Pareto"]
+    header = [h for _, h, _ in cols] + ["Pareto", "ties"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
-        cells = [_fmt(r.get(k), f) for k, _, f in cols] + ["*" if r["run"] in front_runs else ""]
+        cells = [_cell(r, k, f) for k, _, f in cols] + ["*" if r["run"] in front_runs else "", r.get("ties") or ""]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -225,6 +457,27 @@ def csv_text(rows: list[dict], columns: list[str]) -> str:
     writer.writeheader()
     writer.writerows(rows)
     return buf.getvalue()
+
+
+def interval(row: dict, key: str) -> tuple[float, float]:
+    """``row[key]``'s noise band: ``<key>_lo``/``_hi``, else the 95% normal band of an lm-eval standard error, else the value."""
+    v, lo, hi = row[key], row.get(f"{key}_lo"), row.get(f"{key}_hi")
+    if _number(lo) and _number(hi):
+        return min(lo, v), max(hi, v)
+    if key.startswith("eval/") and key.count("/") == 3:
+        _, task, metric, stage = key.split("/")
+        se = row.get(f"eval/{task}/{stderr_name(metric)}/{stage}")
+        if _number(se):
+            return v - Z * se, v + Z * se
+    return v, v
+
+
+def paired_band(row: dict) -> tuple[float, float] | None:
+    """The ``.pte`` perplexity's 95% band from its paired interval against FP (``ppl_fp`` x the ratio's interval):
+    the noise that matters between runs scored on the same blocks (their own ``ppl_ci`` also holds the block-to-block
+    variation every run shares)."""
+    fp, lo, hi = row.get("ppl_fp"), row.get("ppl_pte_vs_fp_lo"), row.get("ppl_pte_vs_fp_hi")
+    return (fp * (1 + lo), fp * (1 + hi)) if all(_number(v) for v in (fp, lo, hi)) else None
 
 
 MODE_COLORS = {"fp": "black", "ptq": "tab:blue", "qat": "tab:orange"}
@@ -248,6 +501,11 @@ def plot_pareto(rows: list[dict], column: str, lower_is_better: bool, front_runs
             ax.scatter([r["decode_ms_per_token"] for r in sel], [r[column] for r in sel], s=[60 + 540 * (r.get("pte_size_mb") or 0) / biggest for r in sel],
                        c=color, alpha=0.55, edgecolors=color, linewidths=1)
             ax.scatter([], [], s=60, c=color, alpha=0.55, label=mode)  # legend entry of a fixed size
+    for r in pts:
+        (xlo, xhi), (ylo, yhi) = interval(r, "decode_ms_per_token"), (paired_band(r) if column == "ppl_pte" else None) or interval(r, column)
+        color = MODE_COLORS.get(r["mode"], "gray") if r.get("parity_passed") is True else "gray"
+        ax.errorbar([r["decode_ms_per_token"]], [r[column]], xerr=[[r["decode_ms_per_token"] - xlo], [xhi - r["decode_ms_per_token"]]],
+                    yerr=[[r[column] - ylo], [yhi - r[column]]], fmt="none", ecolor=color, elinewidth=1, capsize=3, alpha=0.8, zorder=2)
     failed = [r for r in pts if r.get("parity_passed") is not True]
     if failed:
         ax.scatter([r["decode_ms_per_token"] for r in failed], [r[column] for r in failed], s=80, marker="x", c="gray", label="parity failed/skipped")
@@ -266,9 +524,10 @@ def plot_pareto(rows: list[dict], column: str, lower_is_better: bool, front_runs
                     fontsize=8, fontweight="bold" if on else "normal", color="crimson" if on else "dimgray")
     if max_latency_ms is not None:
         ax.axvline(max_latency_ms, ls="--", color="gray", lw=1, label=f"latency budget {max_latency_ms:g} ms")
-    ax.set_xlabel("decode latency of the .pte (ms/token, median; lower is better)")
+    ax.set_xlabel("decode latency of the .pte (ms/token, median; bars: min-max; lower is better)")
     label = ".pte validation perplexity" if column == "ppl_pte" else column
-    ax.set_ylabel(f"{label} ({'lower' if lower_is_better else 'higher'} is better)")
+    bars = "95%, paired per block with FP" if column == "ppl_pte" else "95%"
+    ax.set_ylabel(f"{label} ({'lower' if lower_is_better else 'higher'} is better; bars: {bars})")
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.margins(x=0.2, y=0.12)  # room for the labels
@@ -284,8 +543,32 @@ def describe(row: dict | None, column: str) -> str:
     if row is None:
         return "none"
     metric = "ppl" if column == "ppl_pte" else column
-    return (f"{row['recipe']}/{row['mode']} ({row['run']}): {metric} {_fmt(row[column])}, {row['decode_ms_per_token']:.3f} ms/token, "
-            f"{_fmt(row.get('pte_size_mb'))} MB")
+    return f"{label(row)}: {metric} {_cell(row, column, 'ppl' if column.startswith('ppl_') and '_vs_' not in column else '')}, {_cell(row, 'decode_ms_per_token')} ms/token, {_fmt(row.get('pte_size_mb'))} MB"
+
+
+def public(row: dict | None) -> dict | None:
+    """``row`` without the private ``_`` keys (block losses and timings the tie calls use)."""
+    return None if row is None else {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+def noise_notes(rows: list[dict], column: str) -> list[str]:
+    """Where the noise bands are weak or missing, in words."""
+    ok = [r for r in rows if eligible(r, column)]
+    notes = []
+    stage = column[len("ppl_"):] if column.startswith("ppl_") else None
+    if stage in STAGES:
+        bare = [r["run"] for r in ok if not r.get("_blocks", {}).get(stage)]
+        if bare:
+            notes.append(f"Accuracy noise: {len(bare)} of {len(ok)} runs carry no per-block losses (older summaries: {', '.join(bare)}): their perplexities "
+                         "are compared without a noise band.")
+        if len({r.get("_val") for r in ok if r.get("_blocks", {}).get(stage)}) > 1:
+            notes.append("Accuracy noise: the runs were scored on different validation blocks (data, seq_len or eval_blocks differ): perplexities are "
+                         "compared unpaired (wider intervals). Give every run the same data section and parity.eval_blocks to pair them.")
+    own = [r["run"] for r in ok if not r.get("_decode_ms_samples")]
+    if own:
+        notes.append(f"Latency noise: {len(own)} of {len(ok)} runs have no joint benchmark (bench_joint); their latency ranges are min-max over "
+                     "repetitions inside one process (weak evidence: they miss process-to-process and machine-state variation).")
+    return notes
 
 
 def log_to_wandb(rows: list[dict], columns: list[str], column: str, png: Path, out_dir: Path, name: str, project: str = "qharness") -> Path | None:
@@ -318,20 +601,28 @@ def write_report(runs_dir: str | Path, out: str | Path | None = None, metric: st
     rows = collect(runs_dir)
     column, lower = resolve_metric(metric, rows)
     rows.sort(key=lambda r: (r["decode_ms_per_token"] is None, r["decode_ms_per_token"] or 0.0, r["run"]))
-    ok = [r for r in rows if eligible(r, column)]
-    front = [ok[i] for i in pareto_front([(r["decode_ms_per_token"], r[column]) for r in ok], lower)]
+    front, ties = noisy_front(rows, column, lower)
     front_runs = {r["run"] for r in front}
-    best = best_under(rows, column, lower, max_latency_ms, max_size_mb)
+    choice = best_choice(rows, column, lower, max_latency_ms, max_size_mb)
+    best = choice["best"]
     for r in rows:
         r["pareto"] = r["run"] in front_runs
-    columns = list(dict.fromkeys(c for r in rows for c in r))
+        r["ties"] = "tie with " + ", ".join(ties[r["run"]]) if ties.get(r["run"]) else None
+    columns = list(dict.fromkeys(c for r in rows for c in r if not c.startswith("_")))
     budget = " and ".join(b for b in (f"decode <= {max_latency_ms:g} ms/token" if max_latency_ms is not None else "",
                                       f".pte <= {max_size_mb:g} MB" if max_size_mb is not None else "") if b) or "no budget"
     title = f"{runs_dir.name}: {'.pte perplexity' if column == 'ppl_pte' else column} vs decode latency"
     md = markdown_table(rows, column, front_runs)
-    lines = [md, "", f"Pareto front ({'lower' if lower else 'higher'} {column} is better, lower latency is better): "
-             + ("; ".join(f"{r['recipe']}/{r['mode']}" for r in front) or "no run with a passed parity gate and a benchmark"),
-             f"Best under {budget}: {describe(best, column)}"]
+
+    def on_front(r):
+        tied = [t for t in ties[r["run"]] if t in front_runs]
+        return f"{r['recipe']}/{r['mode']} ({r['run']}" + (f", tie with {', '.join(tied)})" if tied else ")")
+
+    lines = [md, "", INTERVALS_NOTE, "",
+             f"Pareto front ({'lower' if lower else 'higher'} {column} is better, lower latency is better; differences inside the noise are ties): "
+             + ("; ".join(on_front(r) for r in front) or "no run with a passed parity gate and a benchmark"),
+             f"Best under {budget}: {choice['text']}"]
+    lines += noise_notes(rows, column)
     loaded = [r for r in rows if _number(r.get("bench_load_avg")) and r.get("bench_cpus") and r["bench_load_avg"] > r["bench_cpus"]]
     if loaded:
         worst = max(loaded, key=lambda r: r["bench_load_avg"] / r["bench_cpus"])
@@ -347,8 +638,10 @@ def write_report(runs_dir: str | Path, out: str | Path | None = None, metric: st
         "png": write_bytes_atomic(out / "pareto.png", png),
     }
     result = {"metric": column, "lower_is_better": lower, "rows": rows, "front": [r["run"] for r in front],
-              "best": best, "budget": {"max_latency_ms": max_latency_ms, "max_size_mb": max_size_mb}, "text": text}
-    paths["json"] = write_json_atomic(out / "report.json", {k: v for k, v in result.items() if k != "text"})
+              "best": best, "best_tied_with": [r["run"] for r in choice["tied"]],
+              "budget": {"max_latency_ms": max_latency_ms, "max_size_mb": max_size_mb}, "text": text}
+    saved = {k: v for k, v in result.items() if k != "text"} | {"rows": [public(r) for r in rows], "best": public(best)}
+    paths["json"] = write_json_atomic(out / "report.json", saved)
     result["paths"] = {k: str(v) for k, v in paths.items()}
     result["wandb_dir"] = str(log_to_wandb(rows, columns, column, paths["png"], out, runs_dir.name)) if wandb else None
     return result

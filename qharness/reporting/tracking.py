@@ -3,8 +3,10 @@
 Every ``fit|calibrate|export|validate|test`` logs through Lightning's ``WandbLogger`` into
 ``<run dir>/wandb/`` (beside Lightning's CSV logs): the run's config, the train/val curves and, after the
 ``.pte`` is checked and benchmarked, one final row (``qharness.reporting.report.summary_row``: model, recipe, mode,
-FP / fake-quant / ``.pte`` metrics, parity figures, ``.pte`` size, prefill/decode tokens/s, bandwidth
-fraction) as the table ``final_row`` and in the run summary. Offline runs upload later with
+FP / fake-quant / ``.pte`` perplexities with their 95% intervals (``ppl_<model>_lo``/``_hi``) and the ``.pte``'s
+paired ratio to FP (``ppl_pte_vs_fp`` and its ``_lo``/``_hi``), lm-eval metrics with their standard errors
+(``eval/<task>/<metric>_stderr/<model>``), parity figures, ``.pte`` size, prefill/decode tokens/s with their
+ranges, bandwidth fraction) as the table ``final_row`` and in the run summary. Offline runs upload later with
 ``wandb sync <run dir>/wandb/offline-run-*``.
 
 Example::

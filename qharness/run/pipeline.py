@@ -8,6 +8,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 import os
 import time
@@ -21,6 +22,7 @@ from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
 from qharness.checks.parity import compare_decoding, fold_constants, gate, score_batched, score_deployed
 from qharness.progress import stage
+from qharness.checks.stats import with_intervals
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,16 @@ def check_export_config(cfg: ExportConfig, seq_len: int, context: int | None) ->
         raise UserError(f"deploy.max_seq_len={cfg.max_seq_len} must exceed data.seq_len={seq_len}", fix=f"set deploy.max_seq_len >= {seq_len + 1}")
     if context is not None and cfg.max_seq_len > context:
         raise UserError(f"deploy.max_seq_len={cfg.max_seq_len} exceeds the model's context ({context})", fix=f"set deploy.max_seq_len <= {context}")
+
+
+def validation_blocks_id(x: torch.Tensor, y: torch.Tensor) -> str:
+    """A digest of the scored validation blocks: runs with the same one were scored on the very same tokens
+    (same data, seq_len and eval_blocks), so their per-block losses pair up (``qharness report``)."""
+    digest = hashlib.sha256()
+    for t in (x, y):
+        digest.update(str(tuple(t.shape)).encode())
+        digest.update(t.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def eos_ids(model, tokenizer) -> list[int]:
@@ -117,6 +129,7 @@ def deploy_and_check(
         figures = {"passed": None, "skipped": f"the {recipe.backend} backend cannot run on this machine (recipe runs_here: false)"}
         log.warning("parity gate skipped: %s", figures["skipped"])
     timings["parity_s"] = time.perf_counter() - t
+    metrics = with_intervals(metrics)  # every model scored on the same blocks vx: paired against FP
     failed = pte_path.with_name(pte_path.stem + ".FAILED_PARITY.pte")
     if reasons:  # keep the file for inspection, under a name no one ships by mistake
         os.replace(pte_path, failed)
@@ -133,10 +146,12 @@ def deploy_and_check(
         "quantized": recipe.quantized,
         "seq_len": dm.seq_len,
         "eval_blocks": n_eval,
+        "val_blocks": validation_blocks_id(vx, vy),
         "metrics": metrics,
         "parity": figures,
         "pte": {"path": str(pte_path), "size_bytes": pte_path.stat().st_size, "max_seq_len": export_cfg.max_seq_len,
-                "export_path": export_path(deployed), "fallback_reason": fallback_reason(deployed)},
+                "export_path": export_path(deployed), "fallback_reason": fallback_reason(deployed),
+                "sha256": hashlib.sha256(pte_bytes).hexdigest()},
         "timings": timings,
     }
     write_json_atomic(run_dir / "summary.json", summary)
@@ -175,11 +190,13 @@ def evaluate_run(module, dm, fp_model, tokenizer, converted, pte_path, run_dir: 
 
 def format_table(summary: dict) -> str:
     m, p = summary["metrics"], summary["parity"]
-    rows = [("model", "val loss", "val ppl")]
+    rows = [("model", "val loss", "val ppl", "95% interval", "vs FP [95%, paired]")]
     for key, label in (("fp", "FP (before)"), ("fake_quant", "fake-quant (trained)"), ("converted", "converted (PyTorch)"), ("pte", ".pte (ExecuTorch)")):
         if key in m:
-            rows.append((label, f"{m[key]['loss']:.4f}", f"{m[key]['ppl']:.3f}"))
-    width = [max(len(r[i]) for r in rows) for i in range(3)]
+            ci, vs = m[key].get("ppl_ci"), m[key].get("vs_fp")
+            rows.append((label, f"{m[key]['loss']:.4f}", f"{m[key]['ppl']:.3f}", f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "-",
+                         f"{vs['ppl_ratio'] - 1:+.2%} [{vs['ci'][0] - 1:+.2%}, {vs['ci'][1] - 1:+.2%}]" if vs and vs.get("ci") else "-"))
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = [f"{summary['recipe']} ({summary['mode']}) on {summary['eval_blocks']} validation blocks of {summary['seq_len']} tokens"]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
     size = f".pte: {summary['pte']['path']} ({summary['pte']['size_bytes'] / 1e6:.2f} MB); parity "
