@@ -168,13 +168,22 @@ def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, ti
     from qharness.runtime.pte import PteModel
     from transformers import AutoTokenizer
 
-    run_dir = tmp_path / "run"  # a copy: evaluate rewrites summary.json's eval, which other tests read
+    run_dir = tmp_path / "run"  # a copy: evaluate adds to summary.json, which other tests read
     shutil.copytree(fitted[0], run_dir)
+    own_eval = (run_dir / "eval.json").read_text()
     cfg = write_config(tmp_path / "run.yaml", tiny_llama, shakespeare, run_dir)
     r = run_cli("evaluate", cfg, "--tasks", "qharness_ppl", "--limit", "2", "--models", "converted,pte")
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"word_perplexity\s+\S+\s+\S+", r.stdout)
-    ev = json.loads((run_dir / "eval.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # nothing the fit wrote is lost (#23): its eval.json and summary eval stay, the new table is added beside them
+    assert (run_dir / "eval.json").read_text() == own_eval
+    assert summary["eval"] == json.loads(own_eval)
+    ev = json.loads((run_dir / summary["evaluations"][-1]["file"]).read_text())
+    report = run_cli("report", run_dir, "--no_wandb")
+    assert report.returncode == 0, report.stderr[-3000:]
+    header = (run_dir / "report.csv").read_text().splitlines()[0]
+    assert "eval/qharness_mc/acc/pte" in header and "eval/qharness_ppl/word_perplexity/converted" in header  # both tables
     L = ev["max_length"]
     docs = [json.loads(line)["text"] for line in (run_dir / "eval" / "tasks" / "data" / "qharness_ppl.jsonl").read_text().splitlines()[:2]]
     tok = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
@@ -195,7 +204,6 @@ def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, ti
     got = ev["tasks"]["qharness_ppl"]
     assert got["pte"]["word_perplexity"] == pytest.approx(math.exp(-total / words), rel=1e-4)
     assert got["pte"]["word_perplexity"] == pytest.approx(got["converted"]["word_perplexity"], rel=0.02)
-    assert "eval" in json.loads((run_dir / "summary.json").read_text())
 
 
 def test_standard_task_offline_fails_fast_with_how_to_provide_the_data(fitted):

@@ -149,5 +149,10 @@ def test_summary_row_of_a_real_summary_layout():
     assert row["eval/toy/acc/pte"] == 0.47 and row["eval/toy/acc/fp"] == 0.5
     assert row["eval/toy/acc_stderr/pte"] == 0.01  # lm-eval's standard error travels with its metric (table, wandb row)
     assert row["latency_source"] == "own bench (1 process)" and row["ppl_pte_lo"] is None  # no block losses: no interval
-    del s["quantized"]  # an older summary: the recipe says whether it quantizes
-    assert summary_row(s)["mode"] == "qat" and summary_row({**s, "recipe": "xnnpack_fp32", "mode": "ptq"})["mode"] == "fp"
+    del s["quantized"]  # an older summary: the recipe says whether it quantizes (RunSummary reads it)
+    from qharness.run.summary import RunSummary
+
+    def row_of(d):
+        return summary_row(RunSummary.from_dict(d).to_dict())
+
+    assert row_of(s)["mode"] == "qat" and row_of({**s, "recipe": "xnnpack_fp32", "mode": "ptq"})["mode"] == "fp"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import sys
 from pathlib import Path
 
@@ -153,7 +154,6 @@ class QTrainer(Trainer):
 
     def deploy(self, model: QuantLM, datamodule: TextDataModule) -> dict:
         """``deploy_and_check``, then the run's final row to wandb (a failed parity gate's row too)."""
-        import json
 
         from qharness.errors import ParityError
         from qharness.run.pipeline import deploy_and_check
@@ -166,7 +166,9 @@ class QTrainer(Trainer):
                 self.bench_config, self.eval_config,
             )
         except ParityError:
-            log_final_row(self.loggers, json.loads((run_dir / "summary.json").read_text()))
+            from qharness.run.summary import RunSummary
+
+            log_final_row(self.loggers, RunSummary.read(run_dir / "summary.json").to_dict())
             raise
         log_final_row(self.loggers, summary)
         return summary
@@ -187,8 +189,8 @@ class QTrainer(Trainer):
         tasks: str | None = None, limit: int | None = None, num_fewshot: int | None = None, models: str | None = None,
     ) -> dict:
         """lm-eval of a finished run: the FP model, the fake-quant model (QAT: the trained checkpoint; PTQ: the
-        converted model, re-calibrated as at export) and the ``.pte``. Prints the table, writes eval.json and
-        adds it to summary.json. ``eval.*`` in the config sets the defaults of the options below.
+        converted model, re-calibrated as at export) and the ``.pte``. Prints the table, writes ``eval-<UTC time>.json``
+        and appends it to summary.json's ``evaluations`` (the run's own ``eval.json`` and ``eval`` stay). ``eval.*`` in the config sets the defaults of the options below.
 
         Args:
             pte: The ``.pte`` to evaluate (default: ``deploy.filename`` in the run directory).
@@ -198,7 +200,6 @@ class QTrainer(Trainer):
             num_fewshot: Few-shot examples (overrides eval.num_fewshot).
             models: Comma-separated models among fp, fake_quant, converted, pte (overrides eval.models).
         """
-        import json
 
         from qharness.deploy.lower import quantize_for_deploy
         from qharness.checks.parity import fold_constants
@@ -229,12 +230,15 @@ class QTrainer(Trainer):
                 model.load_into(trained)
             blocks = calibration_blocks(self.calibration_config, datamodule)
             converted = fold_constants(quantize_for_deploy(trained, model.recipe, self.export_config.max_seq_len, lambda g: calibrate(g, blocks)))
-        result = evaluate_run(model, datamodule, fp_model, tokenizer, converted, pte_path if "pte" in cfg.models else None, run_dir, cfg)
+        # beside the run's own eval.json, never over it: each evaluation has its own file and summary entry
+        filename = time.strftime("eval-%Y%m%d-%H%M%S.json", time.gmtime())
+        result = evaluate_run(model, datamodule, fp_model, tokenizer, converted, pte_path if "pte" in cfg.models else None, run_dir, cfg,
+                              filename)
         summary_path = run_dir / "summary.json"
         if summary_path.is_file():
-            from qharness.io import write_json_atomic
+            from qharness.run.summary import RunSummary
 
-            write_json_atomic(summary_path, {**json.loads(summary_path.read_text()), "eval": result})
+            RunSummary.update(summary_path, evaluations=[{**result, "file": filename}])
         return result
 
     def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> dict:
@@ -294,20 +298,20 @@ class QHarnessCLI(LightningCLI):
                     cfg.eval[key] = [t for t in value.split(",") if t] if key in ("tasks", "models") else value
         preflight(cfg, self.subcommand)
 
-    def _instantiate_trainer(self, config: dict, callbacks: list) -> Trainer:
+    def instantiate_trainer(self, **kwargs) -> Trainer:
         """``trainer.logger`` unset: Lightning's CSV logs plus, with ``wandb.enabled``, a WandbLogger, both in the run dir."""
-        if config.get("logger") in (None, True):
+        cfg = self.config[self.subcommand]
+        if cfg.trainer.get("logger") in (None, True) and "logger" not in kwargs:
             from lightning.pytorch.loggers import CSVLogger
 
-            root = config.get("default_root_dir") or os.getcwd()
-            config["logger"] = [CSVLogger(save_dir=root)]
-            cfg = self.config[self.subcommand]
+            root = cfg.trainer.get("default_root_dir") or os.getcwd()
+            kwargs["logger"] = [CSVLogger(save_dir=root)]
             if cfg.wandb.enabled:
                 from qharness.reporting.tracking import make_wandb_logger, run_config
 
                 name = f"{Path(cfg.model.recipe).stem}-{cfg.model.mode}"
-                config["logger"].append(make_wandb_logger(root, cfg.wandb, name, run_config(cfg.as_dict()), job_type=self.subcommand))
-        return super()._instantiate_trainer(config, callbacks)
+                kwargs["logger"].append(make_wandb_logger(root, cfg.wandb, name, run_config(cfg.as_dict()), job_type=self.subcommand))
+        return super().instantiate_trainer(**kwargs)
 
     def _attach_configs(self) -> None:
         cfg = self.config_init[self.subcommand]
@@ -343,15 +347,15 @@ class QHarnessCLI(LightningCLI):
 
     before_test = before_validate
 
-    def _parse_ckpt_path(self) -> None:
-        """``--ckpt_path last`` names the run's own last.ckpt; a checkpoint of another model/recipe/mode, or an
+    def parse_arguments(self, parser: LightningArgumentParser, args) -> None:
+        """Then ``--ckpt_path last`` names the run's own last.ckpt; a checkpoint of another model/recipe/mode, or an
         unreadable one, is a clear error before LightningCLI takes the checkpoint's hyperparameters."""
+        super().parse_arguments(parser, args)
         sub = self.config.get("subcommand")
         if sub and self.config[sub].get("ckpt_path"):
             cfg = self.config[sub]
             cfg.ckpt_path = resolve_ckpt(cfg.ckpt_path, cfg.trainer.default_root_dir)
             read_checkpoint(cfg.ckpt_path, cfg.model)
-        super()._parse_ckpt_path()
 
     def _default_weights_only(self) -> None:
         """Checkpoints load with ``weights_only=True`` unless the user says otherwise."""

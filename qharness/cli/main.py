@@ -144,11 +144,11 @@ def bench_cmd(argv: list[str]) -> None:
     p.add_argument("--threads", type=int, default=None, help="ExecuTorch/torch threads in every process (default: the cores free now)")
     p.add_argument("--out", default=None, help="also write the joint result to this JSON file")
     a = p.parse_args(argv)
-    import json
     from pathlib import Path
 
     from qharness.errors import UserError
     from qharness.io import write_json_atomic
+    from qharness.run.summary import RunSummary
 
     if a.threads is not None and a.threads < 1:
         raise UserError(f"bench --threads must be >= 1 (got {a.threads})", fix="pass --threads 1, or leave it out (free cores)")
@@ -168,23 +168,28 @@ def bench_cmd(argv: list[str]) -> None:
         for pte in a.pte:
             summary_path = Path(pte).parent / "summary.json"
             if summary_path.is_file() and len({Path(x).parent for x in a.pte}) == len(a.pte):  # one .pte per run dir
-                write_json_atomic(summary_path, {**json.loads(summary_path.read_text()), "bench_joint": joint_entry(joint, pte)})
+                RunSummary.update(summary_path, bench_joint=joint_entry(joint, pte))
                 print(f"bench_joint added to {summary_path}")
         return
 
     from qharness.runtime.bench import bench, format_bench
 
     summary_path = Path(a.pte[0]).parent / "summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.is_file() else None
+    summary = RunSummary.read(summary_path) if summary_path.is_file() else None
     model_dir = None
-    if summary is not None and summary.get("model"):
-        from qharness.sources.models import resolve_checkpoint
+    if summary is not None:
+        # The eager comparison loads the run's model only from this machine (a directory, or the embedded default):
+        # a summary.json lying beside a downloaded .pte never makes qharness build, import or download anything.
+        if summary.model == "embedded" or Path(summary.model).expanduser().is_dir():
+            from qharness.sources.models import resolve_checkpoint
 
-        model_dir = resolve_checkpoint(summary["model"])
+            model_dir = resolve_checkpoint(summary.model)
+        else:
+            print(f"eager FP comparison skipped: the model of {summary_path} ({summary.model!r}) is not a local directory", file=sys.stderr)
     result = bench(a.pte[0], model_dir, a.prompt_len, a.decode_tokens, a.reps or 5, a.threads)
     print(format_bench(result))
     if summary is not None:
-        write_json_atomic(summary_path, {**summary, "bench": result})
+        RunSummary.update(summary_path, bench=result)
         print(f"bench results added to {summary_path}")
 
 

@@ -84,8 +84,8 @@ def format_value(v: float | None, se: float | None = None) -> str:
     return text if se is None else text + (f" ± {se:.4g}" if abs(se) >= 1 else f" ± {se:.4f}")
 
 
-def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None) -> dict:
-    """Evaluate each model (``{kind: QHarnessLM}``) on ``cfg.tasks``; write ``run_dir/eval.json``.
+def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None, filename: str = "eval.json") -> dict:
+    """Evaluate each model (``{kind: QHarnessLM}``) on ``cfg.tasks``; write ``run_dir/<filename>``.
 
     The offline tasks are written (YAML + JSONL) to ``run_dir/eval/tasks``, which also works as an
     ``--include_path`` for the ``lm_eval`` command. lm-eval's own task index (≈ 20 s) is built only when
@@ -120,11 +120,12 @@ def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra:
             result["tasks"].setdefault(task, {})[kind] = _clean(metrics)
         for task, n in res.get("n-samples", {}).items():
             result.setdefault("documents", {})[task] = int(n.get("effective", 0))
-    write_json_atomic(run_dir / "eval.json", result)
+    write_json_atomic(run_dir / filename, result)
     return result
 
 
-def evaluate_models(backends: dict, tokenizer, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None) -> dict:
+def evaluate_models(backends: dict, tokenizer, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None,
+                    filename: str = "eval.json") -> dict:
     """Run ``cfg.models`` among the available ``backends`` (``{kind: () -> backend}``, built lazily).
 
     A PTQ run has no trained fake-quant graph: the converted model (the quantized PyTorch reference)
@@ -143,7 +144,7 @@ def evaluate_models(backends: dict, tokenizer, cfg: EvalConfig, texts: list[str]
         lms[kind] = QHarnessLM(backends[kind](), tokenizer, seed=cfg.seed)
     if not lms:
         raise UserError(f"eval.models={cfg.models}: none of them is available in this run", fix=f"choose among {', '.join(backends)}")
-    return run_eval(lms, cfg, texts, run_dir, extra)
+    return run_eval(lms, cfg, texts, run_dir, extra, filename)
 
 
 def format_eval_table(result: dict) -> str:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import logging
 import math
 import re
@@ -33,124 +32,13 @@ from pathlib import Path
 
 from qharness.errors import UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
+from qharness.run.summary import RunSummary
+from qharness.reporting.rows import STAGES, _number, latency_figures, noise_of, summary_row  # noqa: F401
 from qharness.checks.stats import ALPHA, Z, diff_interval, is_stderr, paired_ratio, rank_test_p, ranges_overlap, stderr_name
 
 log = logging.getLogger(__name__)
 
 LOWER_IS_BETTER = re.compile(r"(ppl|perplexity|loss|bits_per_byte|bpb|error|latency|_ms|size|rss|diff)", re.IGNORECASE)
-STAGES = ("fp", "fake_quant", "converted", "pte")
-
-
-# --- one run -> one row -------------------------------------------------------------------------
-def _median(d):
-    return d.get("median") if isinstance(d, dict) else d
-
-
-def run_mode(summary: dict) -> str:
-    """``fp`` for an unquantized recipe (the baseline, e.g. ``xnnpack_fp32``), else the run's ``ptq``/``qat``."""
-    quantized = summary.get("quantized")
-    if quantized is None:  # a summary written before "quantized" was recorded
-        try:
-            from qharness.recipes.registry import load_recipe
-
-            quantized = load_recipe(summary["recipe"]).quantized
-        except Exception:
-            quantized = not summary["recipe"].endswith(("_fp32", "_fp16", "_bf16"))
-    return summary["mode"] if quantized else "fp"
-
-
-def _metric_name(name: str) -> str:
-    """lm-eval's ``acc,none`` -> ``acc`` (the default filter); other filters stay (``exact_match,strict``)."""
-    return name[: -len(",none")] if name.endswith(",none") else name
-
-
-def summary_row(summary: dict, run: str | None = None) -> dict:
-    """The flat row of one run: what the report tables and the wandb final row hold.
-
-    ``eval/<task>/<metric>/<stage>`` columns come from the summary's ``eval`` section when present.
-    """
-    m = summary.get("metrics", {})
-    parity = summary.get("parity", {})
-    pte_bench = summary.get("bench", {}).get("pte", {})
-    speed = latency_figures(summary)
-    ppl = {k: m.get(k, {}).get("ppl") for k in STAGES}
-    vs_fp = m.get("pte", {}).get("vs_fp") or {}
-    row = {
-        "run": run if run is not None else Path(summary.get("run_dir", "")).name,
-        "model": summary.get("model"),
-        "recipe": summary.get("recipe"),
-        "backend": summary.get("backend"),
-        "mode": run_mode(summary),
-        "ppl_fp": ppl["fp"],
-        "ppl_fake_quant": ppl["fake_quant"],
-        "ppl_converted": ppl["converted"],
-        "ppl_pte": ppl["pte"],
-        "ppl_pte_vs_fp": ppl["pte"] / ppl["fp"] - 1 if ppl["pte"] and ppl["fp"] else None,
-        "ppl_pte_vs_fp_lo": vs_fp["ci"][0] - 1 if vs_fp.get("ci") else None,
-        "ppl_pte_vs_fp_hi": vs_fp["ci"][1] - 1 if vs_fp.get("ci") else None,
-        **{f"ppl_{k}_{end}": (m.get(k, {}).get("ppl_ci") or (None, None))[i] for k in STAGES for i, end in enumerate(("lo", "hi"))},
-        "n_blocks": m.get("pte", {}).get("n_blocks"),
-        "parity_passed": parity.get("passed"),
-        "parity_max_abs_diff": parity.get("max_abs_diff"),
-        "parity_argmax_agreement": parity.get("argmax_agreement"),
-        "parity_ppl_rel_diff": parity.get("ppl_rel_diff"),
-        "pte_size_mb": summary["pte"]["size_bytes"] / 1e6 if summary.get("pte", {}).get("size_bytes") else None,
-        **speed,
-        "bandwidth_fraction": pte_bench.get("bandwidth_fraction"),
-        "peak_rss_mb": pte_bench.get("peak_rss_mb"),
-        "decode_speedup_vs_eager": summary.get("bench", {}).get("pte_vs_eager", {}).get("decode_speedup"),
-        "bench_load_avg": summary.get("bench", {}).get("load_avg_1m"),
-        "bench_cpus": summary.get("bench", {}).get("cpus"),
-    }
-    for task, stages in sorted((summary.get("eval") or {}).get("tasks", {}).items()):
-        for stage, values in sorted((stages or {}).items(), key=lambda kv: STAGES.index(kv[0]) if kv[0] in STAGES else 99):
-            for name, value in sorted((values or {}).items()):
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    continue  # lm-eval's "N/A" standard errors are null in eval.json
-                row[f"eval/{task}/{_metric_name(name)}/{stage}"] = float(value)
-    return row
-
-
-def latency_figures(summary: dict) -> dict:
-    """Decode ms/token, decode and prefill tokens/s of the ``.pte`` with their ``_lo``/``_hi`` ranges, and where they
-    come from (``latency_source``): the joint benchmark (``bench_joint``: one value per fresh process, all candidates
-    timed round-robin in one session) when the summary has one, else the run's own ``bench`` (min/max over
-    repetitions inside one process: weak evidence of the noise)."""
-    joint = summary.get("bench_joint")
-    if isinstance(joint, dict) and isinstance(joint.get("decode_ms_per_token"), dict):
-        out = {"latency_source": f"joint ({joint.get('processes')} processes)"}
-        for key in ("decode_ms_per_token", "decode_tok_s", "prefill_tok_s"):
-            d = joint.get(key) if isinstance(joint.get(key), dict) else {}
-            out |= {key: d.get("median"), f"{key}_lo": d.get("min"), f"{key}_hi": d.get("max")}
-        return out
-    own = summary.get("bench", {}).get("pte", {})
-    out = {"latency_source": "own bench (1 process)" if own.get("decode_tok_s") is not None else None}
-    for key in ("decode_tok_s", "prefill_tok_s"):
-        d = own.get(key)
-        out |= {key: _median(d), f"{key}_lo": _end(d, "min"), f"{key}_hi": _end(d, "max")}
-    for end, tok_s in (("", "decode_tok_s"), ("_lo", "decode_tok_s_hi"), ("_hi", "decode_tok_s_lo")):
-        v = out[tok_s]
-        out[f"decode_ms_per_token{end}"] = 1000.0 / v if _number(v) and v > 0 else None
-    return out
-
-
-def _end(d, end: str):
-    return d.get(end) if isinstance(d, dict) else None
-
-
-def noise_of(summary: dict) -> dict:
-    """What the report needs to call ties and that no table shows (private ``_`` keys): per-block losses by stage,
-    their standard errors, the validation blocks' id, the ``.pte``'s sha256, the per-process decode timings."""
-    m = summary.get("metrics", {})
-    joint = summary.get("bench_joint")
-    samples = joint.get("decode_ms_per_token", {}).get("per_process") if isinstance(joint, dict) else None
-    return {
-        "_blocks": {k: m[k]["block_losses"] for k in STAGES if isinstance(m.get(k, {}).get("block_losses"), list)},
-        "_loss_se": {k: m[k]["loss_se"] for k in STAGES if _number(m.get(k, {}).get("loss_se"))},
-        "_val": summary.get("val_blocks"),
-        "_sha256": summary.get("pte", {}).get("sha256"),
-        "_decode_ms_samples": [float(v) for v in samples] if isinstance(samples, list) and samples else None,
-    }
 
 
 # --- many runs ----------------------------------------------------------------------------------
@@ -164,10 +52,10 @@ def collect(runs_dir: str | Path) -> list[dict]:
         if "wandb" in path.relative_to(runs_dir).parts:
             continue
         try:
-            summary = json.loads(path.read_text())
+            summary = RunSummary.read(path).to_dict()
             run = str(path.parent.relative_to(runs_dir)) if path.parent != runs_dir else runs_dir.name
             rows.append(summary_row(summary, run=run) | noise_of(summary))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (UserError, KeyError, TypeError) as e:
             log.warning("skipping %s: %s", path, e)
     if not rows:
         raise UserError(f"no summary.json under {runs_dir}", fix="run qharness fit/calibrate/sweep first, or pass the directory that holds their runs")
@@ -192,10 +80,6 @@ def resolve_metric(metric: str, rows: list[dict]) -> tuple[str, bool]:
                 fix="use ppl, a column of the table" + (f", or a task metric: {', '.join(known)}" if known else " (no run has lm-eval results)"),
             )
     return column, bool(LOWER_IS_BETTER.search(column.split("/")[-2] if column.startswith("eval/") else column))
-
-
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def eligible(row: dict, column: str) -> bool:

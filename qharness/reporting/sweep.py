@@ -161,13 +161,15 @@ def plan(spec: dict) -> list[SweepRun]:
 
 def is_done(run: SweepRun) -> bool:
     """Finished with this very config: exit 0 recorded for the same config digest, and its summary.json is there."""
+    from qharness.run.summary import RunSummary
+
     try:
         status = json.loads((run.run_dir / STATUS).read_text())
-        summary = json.loads((run.run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
+        summary = RunSummary.read(run.run_dir / "summary.json")
+    except (OSError, ValueError, UserError):
         return False
     return (status.get("returncode") == 0 and status.get("config_sha256") == run.digest()
-            and summary.get("recipe") == Path(run.recipe).stem and summary.get("mode") == run.mode)
+            and summary.recipe == Path(run.recipe).stem and summary.mode == run.mode)
 
 
 def child_env() -> dict:
@@ -228,6 +230,8 @@ Runner = Callable[[list[str], Path], int]
 def bench_joint(sweep_dir: Path, records: list[dict], processes: int) -> dict | None:
     """Time the ``.pte`` of every finished run jointly (round-robin fresh processes, ``processes`` each), with each
     run's own bench lengths; add ``bench_joint`` to each run's summary.json and write ``<sweep_dir>/bench_joint.json``."""
+    from qharness.run.summary import RunSummary
+
     from qharness.runtime.bench import bench_jointly, joint_entry
 
     ptes, summaries = {}, {}
@@ -235,18 +239,18 @@ def bench_joint(sweep_dir: Path, records: list[dict], processes: int) -> dict | 
         path = Path(r["run_dir"]) / "summary.json"
         if r["state"] == "failed" or not path.is_file():
             continue
-        summary = json.loads(path.read_text())
-        pte = Path(summary.get("pte", {}).get("path", ""))
-        if summary.get("bench") and pte.suffix == ".pte" and pte.is_file():  # benchmarked runs only (runs here, passed the gate)
+        summary = RunSummary.read(path)
+        pte = Path(summary.pte.get("path", ""))
+        if summary.bench and pte.suffix == ".pte" and pte.is_file():  # benchmarked runs only (runs here, passed the gate)
             ptes[r["name"]], summaries[r["name"]] = pte, (path, summary)
     if not ptes or processes == 0:
         return None
-    b = next(iter(summaries.values()))[1]["bench"]  # the same bench options in every run of a sweep (shared config)
+    b = next(iter(summaries.values()))[1].bench  # the same bench options in every run of a sweep (shared config)
     print(f"[sweep] timing {len(ptes)} programs jointly: {processes} fresh processes each, round-robin", flush=True)
     joint = bench_jointly(list(ptes.values()), b.get("prompt_len", 128), b.get("decode_tokens", 64), max(10, b.get("reps", 5)), processes,
                           names=list(ptes), log=lambda line: print(line, flush=True))
-    for name, (path, summary) in summaries.items():
-        write_json_atomic(path, {**json.loads(path.read_text()), "bench_joint": joint_entry(joint, name)})
+    for name, (path, _) in summaries.items():
+        RunSummary.update(path, bench_joint=joint_entry(joint, name))
     write_json_atomic(sweep_dir / "bench_joint.json", joint)
     return joint
 

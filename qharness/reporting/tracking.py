@@ -2,7 +2,7 @@
 
 Every ``fit|calibrate|export|validate|test`` logs through Lightning's ``WandbLogger`` into
 ``<run dir>/wandb/`` (beside Lightning's CSV logs): the run's config, the train/val curves and, after the
-``.pte`` is checked and benchmarked, one final row (``qharness.reporting.report.summary_row``: model, recipe, mode,
+``.pte`` is checked and benchmarked, one final row (``qharness.reporting.rows.summary_row``: model, recipe, mode,
 FP / fake-quant / ``.pte`` perplexities with their 95% intervals (``ppl_<model>_lo``/``_hi``) and the ``.pte``'s
 paired ratio to FP (``ppl_pte_vs_fp`` and its ``_lo``/``_hi``), lm-eval metrics with their standard errors
 (``eval/<task>/<metric>_stderr/<model>``), parity figures, ``.pte`` size, prefill/decode tokens/s with their
@@ -89,7 +89,7 @@ def log_final_row(loggers, summary: dict) -> dict | None:
     its wandb run so the offline files are complete. Returns the row (None: no WandbLogger)."""
     from lightning.pytorch.loggers import WandbLogger
 
-    from qharness.reporting.report import summary_row
+    from qharness.reporting.rows import summary_row
 
     wandb_loggers = [lg for lg in loggers if isinstance(lg, WandbLogger)]
     if not wandb_loggers:

@@ -19,7 +19,8 @@ import torch
 from qharness.upstream import process
 from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.errors import ParityError, UserError
-from qharness.io import write_bytes_atomic, write_json_atomic
+from qharness.io import write_bytes_atomic
+from qharness.run.summary import RunSummary
 from qharness.checks.parity import compare_decoding, fold_constants, gate, score_batched, score_deployed
 from qharness.progress import stage
 from qharness.checks.stats import with_intervals
@@ -137,40 +138,33 @@ def deploy_and_check(
     else:
         failed.unlink(missing_ok=True)  # a stale failure from an earlier export of this run
 
-    summary = {
-        "run_dir": str(run_dir),
-        "model": module.hparams.checkpoint,
-        "recipe": recipe.name,
-        "backend": recipe.backend,
-        "mode": module.hparams.mode,
-        "quantized": recipe.quantized,
-        "seq_len": dm.seq_len,
-        "eval_blocks": n_eval,
-        "val_blocks": validation_blocks_id(vx, vy),
-        "metrics": metrics,
-        "parity": figures,
-        "pte": {"path": str(pte_path), "size_bytes": pte_path.stat().st_size, "max_seq_len": export_cfg.max_seq_len,
-                "export_path": export_path(deployed), "fallback_reason": fallback_reason(deployed),
-                "sha256": hashlib.sha256(pte_bytes).hexdigest()},
-        "timings": timings,
-    }
-    write_json_atomic(run_dir / "summary.json", summary)
-    print(format_table(summary))
+    summary = RunSummary(
+        run_dir=str(run_dir), model=module.hparams.checkpoint, recipe=recipe.name, backend=recipe.backend,
+        mode=module.hparams.mode, quantized=recipe.quantized, seq_len=dm.seq_len, eval_blocks=n_eval,
+        val_blocks=validation_blocks_id(vx, vy), metrics=metrics, parity=figures,
+        pte={"path": str(pte_path), "size_bytes": pte_path.stat().st_size, "max_seq_len": export_cfg.max_seq_len,
+             "export_path": export_path(deployed), "fallback_reason": fallback_reason(deployed),
+             "sha256": hashlib.sha256(pte_bytes).hexdigest()},
+        timings=timings,
+    )
+    summary.write(run_dir / "summary.json")
+    print(format_table(summary.to_dict()))
     if reasons:
         raise ParityError(f"parity gate failed for {pte_path}: " + "; ".join(reasons))
     if bench_cfg.enabled and recipe.runs_here:
-        summary["bench"] = bench(pte_path, module.model_source() if bench_cfg.eager else None, bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
-        write_json_atomic(run_dir / "summary.json", summary)
-        print(format_bench(summary["bench"]))
+        summary.bench = bench(pte_path, module.model_source() if bench_cfg.eager else None, bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
+        summary.write(run_dir / "summary.json")
+        print(format_bench(summary.bench))
     if eval_cfg.enabled:
-        summary["eval"] = evaluate_run(module, dm, fp_model, tokenizer, reference, pte_path if recipe.runs_here else None, run_dir, eval_cfg)
-        write_json_atomic(run_dir / "summary.json", summary)
-    return summary
+        summary.eval = evaluate_run(module, dm, fp_model, tokenizer, reference, pte_path if recipe.runs_here else None, run_dir, eval_cfg)
+        summary.write(run_dir / "summary.json")
+    return summary.to_dict()
 
 
-def evaluate_run(module, dm, fp_model, tokenizer, converted, pte_path, run_dir: Path, cfg: EvalConfig) -> dict:
+def evaluate_run(module, dm, fp_model, tokenizer, converted, pte_path, run_dir: Path, cfg: EvalConfig,
+                 filename: str = "eval.json") -> dict:
     """lm-eval of what a run has: the FP model, the QAT graph (``module.graph``), the converted model and the
-    ``.pte``; prints the table and writes ``eval.json``."""
+    ``.pte``; prints the table and writes ``run_dir/<filename>``."""
     from qharness.evaluation.harness import eval_texts, evaluate_models, format_eval_table, max_length
     from qharness.evaluation.lm_eval_adapter import BatchedForward, CachedStep, hf_backend, pte_backend
 
@@ -183,7 +177,8 @@ def evaluate_run(module, dm, fp_model, tokenizer, converted, pte_path, run_dir: 
         backends["converted"] = lambda: CachedStep(lambda tokens, start: converted(tokens, torch.tensor([start], dtype=torch.long)), length)
     if pte_path is not None:
         backends["pte"] = lambda: pte_backend(pte_path, length)
-    result = evaluate_models(backends, tokenizer, cfg, eval_texts(cfg, dm), run_dir, {"max_length": length, "pte": str(pte_path) if pte_path else None})
+    result = evaluate_models(backends, tokenizer, cfg, eval_texts(cfg, dm), run_dir, {"max_length": length, "pte": str(pte_path) if pte_path else None},
+                             filename)
     print(format_eval_table(result))
     return result
 
