@@ -69,7 +69,9 @@ def test_bench_cli_times_two_programs_round_robin_and_writes_bench_joint(tiny_pt
     for p in (a, b):
         p.parent.mkdir()
         shutil.copy(tiny_pte, p)
-    (tmp_path / "a" / "summary.json").write_text(json.dumps({"recipe": "xnnpack_fp32", "bench": {"kept": 1}}))
+    (tmp_path / "a" / "summary.json").write_text(json.dumps({
+        "run_dir": str(tmp_path / "a"), "model": "m", "recipe": "xnnpack_fp32", "backend": "xnnpack", "mode": "ptq",
+        "quantized": False, "seq_len": 32, "eval_blocks": 8, "bench": {"kept": 1}}))
     out = tmp_path / "joint.json"
     r = run_cli("bench", "--pte", a, "--pte", b, "--processes", "2", "--reps", "1", "--prompt_len", "8", "--decode_tokens", "4", "--threads", "1", "--out", out)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -51,7 +51,7 @@ class FakeRunner:
         write_json_atomic(f"{run_dir}/summary.json", {
             "run_dir": run_dir, "model": "m", "recipe": cfg["model"]["recipe"], "backend": "xnnpack", "mode": cfg["model"]["mode"],
             "quantized": cfg["model"]["recipe"] != "xnnpack_fp32", "metrics": {"fp": {"ppl": 98.0}, "pte": {"ppl": PPL[name]}},
-            "parity": {"passed": True}, "pte": pte,
+            "seq_len": 32, "eval_blocks": 8, "parity": {"passed": True}, "pte": pte,
             "bench": {"prompt_len": 8, "decode_tokens": 4, "reps": 2, "pte": {"decode_tok_s": {"median": 1000 / MS[name]}}},
         })
         return 0
