@@ -9,11 +9,13 @@ HEAVY = {"torch", "lightning", "executorch", "torchao", "transformers", "dataset
 def test_top_level_help_lists_subcommands_without_importing_heavy_libraries():
     """``qharness --help`` answers at once because it imports none of the libraries that take seconds to load
     (read from ``python -X importtime``, not from a clock)."""
-    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "qharness", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    cmd = [sys.executable, "-X", "importtime", "-m", "qharness", "--help"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     for sub in ("fit", "validate", "test", "export", "recipes"):
         assert sub in r.stdout
-    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in r.stderr.splitlines() if line.startswith("import time:")}
+    lines = [line for line in r.stderr.splitlines() if line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[-1].strip().split(".")[0] for line in lines}
     assert "qharness" in imported and imported & HEAVY == set()
 
 
