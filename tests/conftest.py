@@ -1,4 +1,5 @@
-"""Shared fixtures: offline environment, a private cache, a tiny Llama + BPE tokenizer on Tiny Shakespeare."""
+"""Shared fixtures: offline environment, a private cache, a text corpus the package generates (no files
+beside the project), a tiny Llama + BPE tokenizer trained on it."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ os.environ.update(
 )
 
 ROOT = Path(__file__).resolve().parent.parent
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+CORPUS_CHARS = 1_100_000  # about Tiny Shakespeare's size: tests slice up to 340k characters from the front
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -29,10 +30,14 @@ def _private_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def shakespeare() -> Path:
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} is not here (it lies beside the project in CI)")
-    return SHAKESPEARE
+def corpus(tmp_path_factory) -> Path:
+    """A plain-text file of ``embedded_corpus()`` (Python's own documentation and standard-library source, shipped
+    with CPython): the same text in CI, on a fresh clone and on a wheel install, with nothing to download."""
+    from qharness.sources.text import embedded_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n".join(embedded_corpus(CORPUS_CHARS))[:CORPUS_CHARS], encoding="utf-8")
+    return path
 
 
 def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, vocab_size_override: int | None = None) -> Path:
@@ -73,8 +78,8 @@ def make_tiny_hf(out: Path, model_type: str, text: str, layers: int = 1, tie: bo
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory, shakespeare) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), shakespeare.read_text()[:200_000])
+def tiny_llama(tmp_path_factory, corpus) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), corpus.read_text()[:200_000])
 
 
 def run_cli(*args: str, cwd: Path | None = None, timeout: int = 900) -> subprocess.CompletedProcess:
@@ -111,9 +116,9 @@ def write_config(path, model_dir, data_source, run_dir, **sections):
 
 
 @pytest.fixture(scope="session")
-def fitted(tmp_path_factory, tiny_llama, shakespeare):
+def fitted(tmp_path_factory, tiny_llama, corpus):
     """``qharness fit`` of the tiny Llama, logged to wandb offline: (run dir, config, CompletedProcess)."""
     tmp = tmp_path_factory.mktemp("e2e")
-    cfg = write_config(tmp / "run.yaml", tiny_llama, shakespeare, tmp / "run", trainer={"log_every_n_steps": 2}, wandb={"enabled": True}, eval={"enabled": True})
+    cfg = write_config(tmp / "run.yaml", tiny_llama, corpus, tmp / "run", trainer={"log_every_n_steps": 2}, wandb={"enabled": True}, eval={"enabled": True})
     result = run_cli("fit", cfg)
     return tmp / "run", cfg, result

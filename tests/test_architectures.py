@@ -29,8 +29,8 @@ FAMILIES = {
 
 
 @pytest.fixture(scope="session")
-def text(shakespeare):
-    return shakespeare.read_text()[:200_000]
+def text(corpus):
+    return corpus.read_text()[:200_000]
 
 
 @pytest.fixture(scope="session")
@@ -134,13 +134,13 @@ def test_family_trains_and_quantizes_for_deploy(name, family_dir):
 
 
 @pytest.mark.slow  # ~100 s; the default suite keeps the Gemma2 stage test (export, QAT step, deploy graph)
-def test_qwen2_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, family_dir, shakespeare):
+def test_qwen2_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, family_dir, corpus):
     """Qwen2 (untied embeddings, GQA, q/k/v biases) end to end through the real CLI, like a real checkpoint dir."""
     source = family_dir("qwen2")
     config = json.loads((source / "config.json").read_text())
     assert config["model_type"] == "qwen2" and not config["tie_word_embeddings"] and config["num_key_value_heads"] == 2
     cfg = write_config(
-        tmp_path / "q.yaml", source, shakespeare, tmp_path / "run",
+        tmp_path / "q.yaml", source, corpus, tmp_path / "run",
         data={"seq_len": 16, "batch_size": 2}, trainer={"max_steps": 2, "val_check_interval": 2, "limit_val_batches": 1},
         checkpoint={"every_n_train_steps": 2}, deploy={"max_seq_len": 32}, bench={"enabled": False},
         parity={"eval_blocks": 2, "prompts": 1, "prompt_len": 8, "decode_steps": 2},
@@ -155,10 +155,10 @@ def test_qwen2_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, family
 # --- slow: every family through the CLI, with lowering and the runtime parity gate -----------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("name, command", [("gemma2", "fit"), ("phi3", "fit"), ("mistral", "fit"), ("qwen3", "fit"), ("gemma", "calibrate")])
-def test_family_through_the_cli(name, command, tmp_path, family_dir, shakespeare):
+def test_family_through_the_cli(name, command, tmp_path, family_dir, corpus):
     source = family_dir(name, layers=2)
     cfg = write_config(
-        tmp_path / "c.yaml", source, shakespeare, tmp_path / "run", model={"mode": "qat" if command == "fit" else "ptq"},
+        tmp_path / "c.yaml", source, corpus, tmp_path / "run", model={"mode": "qat" if command == "fit" else "ptq"},
         bench={"enabled": False}, trainer={"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1},
     )
     r = run_cli(command, cfg)

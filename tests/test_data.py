@@ -15,12 +15,12 @@ def test_pack_blocks_and_next_token_targets():
     assert torch.equal(y[1], torch.tensor([6, 7, 8, 9, 10]))
 
 
-def test_datamodule_split_is_deterministic_and_disjoint(tiny_llama, shakespeare):
-    a = TextDataModule(source=str(shakespeare), tokenizer=str(tiny_llama), seq_len=32, batch_size=4)
-    b = TextDataModule(source=str(shakespeare), tokenizer=str(tiny_llama), seq_len=32, batch_size=4)
+def test_datamodule_split_is_deterministic_and_disjoint(tiny_llama, corpus):
+    a = TextDataModule(source=str(corpus), tokenizer=str(tiny_llama), seq_len=32, batch_size=4)
+    b = TextDataModule(source=str(corpus), tokenizer=str(tiny_llama), seq_len=32, batch_size=4)
     a.setup(), b.setup()
     assert torch.equal(a.val_x, b.val_x) and torch.equal(a.train_x, b.train_x)
-    stream = tokenize_stream([shakespeare.read_text()], a.tokenizer)
+    stream = tokenize_stream([corpus.read_text()], a.tokenizer)
     n_val = int(len(stream) * 0.1)
     assert torch.equal(a.val_x[0], stream[len(stream) - n_val :][:32])
     first_a = next(iter(a.train_dataloader()))[0]
@@ -44,10 +44,10 @@ def test_missing_and_empty_files(tiny_llama, tmp_path):
         TextDataModule(source=str(tmp_path / "empty.txt"), tokenizer=str(tiny_llama)).setup()
 
 
-def test_jsonl_source_with_text_field(tiny_llama, tmp_path, shakespeare):
+def test_jsonl_source_with_text_field(tiny_llama, tmp_path, corpus):
     import json
 
-    lines = shakespeare.read_text()[:60_000].split("\n\n")
+    lines = corpus.read_text()[:60_000].split("\n\n")
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps({"body": t}) for t in lines))
     with pytest.raises(UserError, match="text_field 'text' is not a column"):
@@ -57,16 +57,16 @@ def test_jsonl_source_with_text_field(tiny_llama, tmp_path, shakespeare):
     assert dm.train_x.shape[1] == 16 and len(dm.val_x) >= 2
 
 
-def test_embedded_architecture_pretrains_on_a_given_source_once(shakespeare, tmp_path, monkeypatch):
+def test_embedded_architecture_pretrains_on_a_given_source_once(corpus, tmp_path, monkeypatch):
     from qharness.sources.embedded import EmbeddedSpec, embedded_dir
 
     monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
     spec = EmbeddedSpec(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                         num_key_value_heads=1, batch_size=4, seq_len=32, steps=40)
-    out = embedded_dir(spec, str(shakespeare))
+    out = embedded_dir(spec, str(corpus))
     info = json.loads((out / "qharness_pretrain.json").read_text())
-    assert out.name.startswith(shakespeare.stem + "-llama-") and (out / "config.json").is_file()
+    assert out.name.startswith(corpus.stem + "-llama-") and (out / "config.json").is_file()
     assert [s for s, _ in info["val_loss"]] == list(range(4, 41, 4))  # held-out loss every tenth of the steps
     assert info["val_loss"][-1][1] < info["val_loss"][0][1]
     stamp = (out / "config.json").stat().st_mtime_ns
-    assert embedded_dir(spec, str(shakespeare)) == out and (out / "config.json").stat().st_mtime_ns == stamp  # cached
+    assert embedded_dir(spec, str(corpus)) == out and (out / "config.json").stat().st_mtime_ns == stamp  # cached

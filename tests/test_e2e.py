@@ -1,4 +1,4 @@
-"""The real CLI end to end on a tiny Llama over Tiny Shakespeare: fit -> .pte -> runtime -> parity."""
+"""The real CLI end to end on a tiny Llama over the generated corpus: fit -> .pte -> runtime -> parity."""
 
 import json
 
@@ -44,9 +44,9 @@ def test_the_pte_decodes_token_by_token_like_a_full_prefill(fitted):
     assert full[0, -1].argmax() == tokens[0, -1]
 
 
-def test_resume_continues_from_the_checkpoint_and_export_finishes_from_it(tmp_path, tiny_llama, shakespeare):
+def test_resume_continues_from_the_checkpoint_and_export_finishes_from_it(tmp_path, tiny_llama, corpus):
     run = tmp_path / "run"
-    cfg = write_config(tmp_path / "r.yaml", tiny_llama, shakespeare, run, deploy={"enabled": False, "max_seq_len": 64}, bench={"enabled": False})
+    cfg = write_config(tmp_path / "r.yaml", tiny_llama, corpus, run, deploy={"enabled": False, "max_seq_len": 64}, bench={"enabled": False})
     first = run_cli("fit", cfg, "--trainer.max_steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
@@ -65,8 +65,8 @@ def test_resume_continues_from_the_checkpoint_and_export_finishes_from_it(tmp_pa
     assert "parity PASSED" in export.stdout and (run / "model.pte").is_file()
 
 
-def test_export_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_llama, shakespeare):
-    cfg = write_config(tmp_path / "r.yaml", tiny_llama, shakespeare, tmp_path / "nothing_here")
+def test_export_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_llama, corpus):
+    cfg = write_config(tmp_path / "r.yaml", tiny_llama, corpus, tmp_path / "nothing_here")
     r = run_cli("export", cfg)
     assert r.returncode == 2
     assert "last.ckpt does not exist" in r.stderr and "Traceback" not in r.stderr
@@ -84,12 +84,12 @@ def test_gate_names_each_failed_tolerance():
     assert "parity.max_ppl_rel_diff" in reasons[0] and "parity.min_argmax_agreement" in reasons[1] and "parity.max_abs_diff" in reasons[2]
 
 
-def test_calibrate_ptq_static_with_its_own_calibration_data(tmp_path, tiny_llama, shakespeare):
+def test_calibrate_ptq_static_with_its_own_calibration_data(tmp_path, tiny_llama, corpus):
     run = tmp_path / "ptq"
     calib = tmp_path / "calib.txt"
-    calib.write_text(shakespeare.read_text()[300_000:340_000])
+    calib.write_text(corpus.read_text()[300_000:340_000])
     cfg = write_config(
-        tmp_path / "ptq.yaml", tiny_llama, shakespeare, run,
+        tmp_path / "ptq.yaml", tiny_llama, corpus, run,
         model={"mode": "ptq", "recipe": "xnnpack_int8_static"}, calibration={"source": str(calib), "blocks": 8}, bench={"enabled": False},
     )
     r = run_cli("calibrate", cfg)
@@ -101,13 +101,13 @@ def test_calibrate_ptq_static_with_its_own_calibration_data(tmp_path, tiny_llama
     assert summary["metrics"]["converted"]["ppl"] != summary["metrics"]["fp"]["ppl"]  # quantization did something
 
 
-def test_calibrate_refuses_qat_mode(tmp_path, tiny_llama, shakespeare):
-    cfg = write_config(tmp_path / "q.yaml", tiny_llama, shakespeare, tmp_path / "q")
+def test_calibrate_refuses_qat_mode(tmp_path, tiny_llama, corpus):
+    cfg = write_config(tmp_path / "q.yaml", tiny_llama, corpus, tmp_path / "q")
     r = run_cli("calibrate", cfg)
     assert r.returncode == 2 and "calibrate needs model.mode: ptq" in r.stderr
 
 
-def test_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, shakespeare):
+def test_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, corpus):
     """A run killed right after its step-3 checkpoint (mid-epoch) and resumed with ``--ckpt_path last``
     ends with the same weights and observer state as the uninterrupted 8-step run.
 
@@ -115,8 +115,8 @@ def test_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, 
     import shutil
 
     off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
-    a_cfg = write_config(tmp_path / "a.yaml", tiny_llama, shakespeare, tmp_path / "a", trainer={"max_steps": 8}, checkpoint={"save_top_k": -1}, **off)
-    b_cfg = write_config(tmp_path / "b.yaml", tiny_llama, shakespeare, tmp_path / "b", trainer={"max_steps": 8}, **off)
+    a_cfg = write_config(tmp_path / "a.yaml", tiny_llama, corpus, tmp_path / "a", trainer={"max_steps": 8}, checkpoint={"save_top_k": -1}, **off)
+    b_cfg = write_config(tmp_path / "b.yaml", tiny_llama, corpus, tmp_path / "b", trainer={"max_steps": 8}, **off)
     assert run_cli("fit", a_cfg).returncode == 0
     step3 = next((tmp_path / "a" / "checkpoints").glob("*step=3.ckpt"))
     (tmp_path / "b" / "checkpoints").mkdir(parents=True)
@@ -142,22 +142,22 @@ def _final_val_loss(run):
     return [float(r["val/loss"]) for r in rows if r.get("val/loss")][-1]
 
 
-def test_same_config_and_seed_give_the_same_final_validation_loss(tmp_path, tiny_llama, shakespeare):
+def test_same_config_and_seed_give_the_same_final_validation_loss(tmp_path, tiny_llama, corpus):
     off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
     losses = []
     for name in ("x", "y"):
-        cfg = write_config(tmp_path / f"{name}.yaml", tiny_llama, shakespeare, tmp_path / name, trainer={"max_steps": 6}, **off)
+        cfg = write_config(tmp_path / f"{name}.yaml", tiny_llama, corpus, tmp_path / name, trainer={"max_steps": 6}, **off)
         assert run_cli("fit", cfg).returncode == 0
         losses.append(_final_val_loss(tmp_path / name))
     assert losses[0] == losses[1]
-    other = write_config(tmp_path / "z.yaml", tiny_llama, shakespeare, tmp_path / "z", trainer={"max_steps": 6}, data={"seed": 7}, **off)
+    other = write_config(tmp_path / "z.yaml", tiny_llama, corpus, tmp_path / "z", trainer={"max_steps": 6}, data={"seed": 7}, **off)
     assert run_cli("fit", other).returncode == 0
     assert _final_val_loss(tmp_path / "z") != losses[0]  # another shuffle seed is another run
 
 
-def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, tiny_llama, shakespeare):
+def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, tiny_llama, corpus):
     cfg = write_config(
-        tmp_path / "nan.yaml", tiny_llama, shakespeare, tmp_path / "nan",
+        tmp_path / "nan.yaml", tiny_llama, corpus, tmp_path / "nan",
         model={"lr": 1.0e30, "warmup_steps": 0}, trainer={"max_steps": 30}, checkpoint={"every_n_train_steps": 1},
         bench={"enabled": False},
     )
@@ -192,13 +192,13 @@ def _kill_after_first_checkpoint(cfg, run, sig):
 
 
 @pytest.mark.parametrize("sig_name", ["SIGTERM", "SIGKILL"])
-def test_killed_run_resumes_to_the_uninterrupted_result(sig_name, tmp_path, tiny_llama, shakespeare):
+def test_killed_run_resumes_to_the_uninterrupted_result(sig_name, tmp_path, tiny_llama, corpus):
     import signal
 
     off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
     sections = dict(trainer={"max_steps": 40, "val_check_interval": 20}, checkpoint={"every_n_train_steps": 5}, **off)
-    straight = write_config(tmp_path / "a.yaml", tiny_llama, shakespeare, tmp_path / "a", **sections)
-    killed = write_config(tmp_path / "b.yaml", tiny_llama, shakespeare, tmp_path / "b", **sections)
+    straight = write_config(tmp_path / "a.yaml", tiny_llama, corpus, tmp_path / "a", **sections)
+    killed = write_config(tmp_path / "b.yaml", tiny_llama, corpus, tmp_path / "b", **sections)
     assert run_cli("fit", straight).returncode == 0
     step = _kill_after_first_checkpoint(killed, tmp_path / "b", getattr(signal, sig_name))
     assert 0 < step < 40
@@ -210,11 +210,11 @@ def test_killed_run_resumes_to_the_uninterrupted_result(sig_name, tmp_path, tiny
     assert max((a["state_dict"][k].float() - b["state_dict"][k].float()).abs().max().item() for k in a["state_dict"]) < 1e-6
 
 
-def test_a_crash_while_lowering_keeps_the_checkpoint_and_export_finishes(tmp_path, tiny_llama, shakespeare, monkeypatch):
+def test_a_crash_while_lowering_keeps_the_checkpoint_and_export_finishes(tmp_path, tiny_llama, corpus, monkeypatch):
     import qharness.deploy.lower
     from qharness.cli.main import main
 
-    cfg = write_config(tmp_path / "c.yaml", tiny_llama, shakespeare, tmp_path / "c", bench={"enabled": False})
+    cfg = write_config(tmp_path / "c.yaml", tiny_llama, corpus, tmp_path / "c", bench={"enabled": False})
 
     def broken(*args, **kwargs):
         raise RuntimeError("forced failure while lowering")
@@ -231,11 +231,11 @@ def test_a_crash_while_lowering_keeps_the_checkpoint_and_export_finishes(tmp_pat
 
 
 @pytest.mark.slow
-def test_a_crash_while_evaluating_keeps_the_run_and_evaluate_finishes(tmp_path, tiny_llama, shakespeare, monkeypatch):
+def test_a_crash_while_evaluating_keeps_the_run_and_evaluate_finishes(tmp_path, tiny_llama, corpus, monkeypatch):
     import qharness.evaluation.harness
     from qharness.cli.main import main
 
-    cfg = write_config(tmp_path / "c.yaml", tiny_llama, shakespeare, tmp_path / "c", bench={"enabled": False}, eval={"enabled": True})
+    cfg = write_config(tmp_path / "c.yaml", tiny_llama, corpus, tmp_path / "c", bench={"enabled": False}, eval={"enabled": True})
 
     def broken(*args, **kwargs):
         raise RuntimeError("forced failure while evaluating")

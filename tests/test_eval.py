@@ -64,9 +64,9 @@ def test_loglikelihood_equals_log_softmax_of_a_direct_forward(fp):
         assert lm.loglikelihood([_req("All:\nSpeak, ", "speak.")])[0][0] == pytest.approx(got[1][0], abs=1e-4)
 
 
-def test_rolling_loglikelihood_matches_a_direct_window_by_window_computation(fp, shakespeare):
+def test_rolling_loglikelihood_matches_a_direct_window_by_window_computation(fp, corpus):
     model, tok = fp
-    text = shakespeare.read_text()[5000:5600]
+    text = corpus.read_text()[5000:5600]
     ids = tok(text, add_special_tokens=False)["input_ids"]
     L = 24
     assert len(ids) > 3 * L
@@ -108,10 +108,10 @@ def test_generate_until_greedy_stop_sequences_and_seeded_sampling(fp):
     assert runs[0][0] != greedy12  # temperature 1.5 over a random model: sampling leaves the greedy path
 
 
-def test_offline_documents_are_deterministic_and_well_formed(shakespeare, tmp_path):
+def test_offline_documents_are_deterministic_and_well_formed(corpus, tmp_path):
     from qharness.evaluation.tasks import build_documents, write_offline_tasks
 
-    text = shakespeare.read_text()[-60_000:]
+    text = corpus.read_text()[-60_000:]
     docs = build_documents([text], seed=3)
     assert docs == build_documents([text], seed=3)
     assert len(docs["qharness_ppl"]) >= 8 and all(len(d["text"]) <= 2000 for d in docs["qharness_ppl"])
@@ -127,13 +127,13 @@ def test_offline_documents_are_deterministic_and_well_formed(shakespeare, tmp_pa
         assert cfg["task"] == name and (out / "data" / f"{name}.jsonl").is_file()
 
 
-def test_offline_tasks_run_through_lm_eval(fp, shakespeare, tmp_path):
+def test_offline_tasks_run_through_lm_eval(fp, corpus, tmp_path):
     from qharness.config import EvalConfig
     from qharness.evaluation.harness import format_eval_table, run_eval
     from qharness.evaluation.lm_eval_adapter import QHarnessLM, hf_backend
 
     model, tok = fp
-    result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, EvalConfig(limit=3, bootstrap_iters=0), [shakespeare.read_text()[-40_000:]], tmp_path, {"max_length": 32})
+    result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, EvalConfig(limit=3, bootstrap_iters=0), [corpus.read_text()[-40_000:]], tmp_path, {"max_length": 32})
     metrics = result["tasks"]
     assert set(metrics) == {"qharness_ppl", "qharness_mc", "qharness_gen"}
     assert metrics["qharness_ppl"]["fp"]["bits_per_byte"] > 0 and math.isfinite(metrics["qharness_ppl"]["fp"]["word_perplexity"])
@@ -162,7 +162,7 @@ def test_fit_ends_with_the_three_way_table(fitted):
     assert pte["word_perplexity"] == pytest.approx(fq["word_perplexity"], rel=0.02)  # parity tolerance
 
 
-def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, tiny_llama, shakespeare, tmp_path):
+def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, tiny_llama, corpus, tmp_path):
     import shutil
 
     from qharness.runtime.pte import PteModel
@@ -171,7 +171,7 @@ def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, ti
     run_dir = tmp_path / "run"  # a copy: evaluate adds to summary.json, which other tests read
     shutil.copytree(fitted[0], run_dir)
     own_eval = (run_dir / "eval.json").read_text()
-    cfg = write_config(tmp_path / "run.yaml", tiny_llama, shakespeare, run_dir)
+    cfg = write_config(tmp_path / "run.yaml", tiny_llama, corpus, run_dir)
     r = run_cli("evaluate", cfg, "--tasks", "qharness_ppl", "--limit", "2", "--models", "converted,pte")
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"word_perplexity\s+\S+\s+\S+", r.stdout)
@@ -236,7 +236,7 @@ def test_own_task_yaml_through_include_path(fp, tmp_path):
     assert result["tasks"]["my_ppl"]["fp"]["word_perplexity"] == pytest.approx(math.exp(-ll / 10), rel=1e-6)
 
 
-def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, shakespeare, tmp_path):
+def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus, tmp_path):
     from qharness.config import EvalConfig
     from qharness.evaluation.harness import format_eval_table, run_eval
     from qharness.evaluation.lm_eval_adapter import QHarnessLM, hf_backend
@@ -244,7 +244,7 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, shakes
 
     model, tok = fp
     cfg = EvalConfig(tasks=["qharness_mc"], limit=6, bootstrap_iters=10)  # acc's stderr is closed-form (no bootstrap pool)
-    result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, cfg, [shakespeare.read_text()[-40_000:]], tmp_path, {"max_length": 32})
+    result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, cfg, [corpus.read_text()[-40_000:]], tmp_path, {"max_length": 32})
     mc = result["tasks"]["qharness_mc"]["fp"]
     n, acc = 6, mc["acc"]
     assert mc["acc_stderr"] == pytest.approx(math.sqrt(acc * (1 - acc) * n / (n - 1) / n))  # sample sd of 0/1 scores / sqrt(n)

@@ -97,12 +97,12 @@ def emb4_run(tmp_path_factory, tiny_llama):
 
 
 @pytest.fixture(scope="module")
-def generic_run(tmp_path_factory, shakespeare):
+def generic_run(tmp_path_factory, corpus):
     """A tiny Gemma2 (soft-capping: no fast path) through xnnpack_int8_dynamic: the generic HF static-cache export."""
     from qharness.deploy.lower import export_path
 
     out = tmp_path_factory.mktemp("generic")
-    model_dir = make_tiny_hf(out / "gemma2", "gemma2", shakespeare.read_text()[:100_000])
+    model_dir = make_tiny_hf(out / "gemma2", "gemma2", corpus.read_text()[:100_000])
     run, graph = _lowered_run(out, model_dir, "xnnpack_int8_dynamic")
     assert export_path(graph) == "generic"
     return run

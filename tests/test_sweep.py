@@ -188,8 +188,8 @@ def test_the_shipped_sweep_covers_fp_ptq_and_qat():
 
 
 @pytest.mark.slow
-def test_a_real_tiny_sweep_and_its_rerun(tmp_path, tiny_llama, shakespeare):
-    base = yaml.safe_load(write_config(tmp_path / "base.yaml", tiny_llama, shakespeare, tmp_path / "unused").read_text())
+def test_a_real_tiny_sweep_and_its_rerun(tmp_path, tiny_llama, corpus):
+    base = yaml.safe_load(write_config(tmp_path / "base.yaml", tiny_llama, corpus, tmp_path / "unused").read_text())
     del base["trainer"]["default_root_dir"]
     spec = {"sweep_dir": str(tmp_path / "sweep"), "runs": [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"]}], "config": base,
             "report": {"wandb": False}}

@@ -84,10 +84,10 @@ def test_non_llama_builder_is_refused(tmp_path, monkeypatch):
 
 @needs_torchtune
 @pytest.mark.slow
-def test_torchtune_builder_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, tiny_llama, shakespeare):
+def test_torchtune_builder_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, tiny_llama, corpus):
     """The builder spec is ``model.checkpoint`` (with the tiny Llama's tokenizer): QAT, checkpoint, .pte, parity."""
     spec = TINY.format(f", tokenizer='{tiny_llama}'")
-    cfg = write_config(tmp_path / "t.yaml", spec, shakespeare, tmp_path / "run", bench={"enabled": False})
+    cfg = write_config(tmp_path / "t.yaml", spec, corpus, tmp_path / "run", bench={"enabled": False})
     r = run_cli("fit", cfg)
     assert r.returncode == 0, r.stderr[-3000:]
     ckpt = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)

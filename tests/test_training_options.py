@@ -205,7 +205,7 @@ def test_rebuilding_the_graph_on_another_device_keeps_the_trained_state(make):
 
 
 @pytest.mark.slow
-def test_resume_with_gradient_accumulation_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, shakespeare):
+def test_resume_with_gradient_accumulation_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, corpus):
     """accumulate_grad_batches=2 over passes of an odd number of batches (Lightning also steps at each pass end):
     a run resumed from its step-3 checkpoint matches the uninterrupted 6-step run."""
     import shutil
@@ -214,7 +214,7 @@ def test_resume_with_gradient_accumulation_ends_where_an_uninterrupted_run_ends(
 
     from qharness.data.datamodule import TextDataModule
 
-    text = shakespeare.read_text()
+    text = corpus.read_text()
     for chars in range(800, 4000, 100):  # a small text whose pass has an odd number of batches (steps cross it)
         data = tmp_path / f"small{chars}.txt"  # a new name each time: datasets caches by path
         data.write_text(text[:chars])
