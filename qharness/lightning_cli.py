@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -25,6 +25,7 @@ from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportCo
 from qharness.data import TextDataModule
 from qharness.errors import UserError
 from qharness.module import QuantLM
+from qharness.progress import lightning_progress_bar
 
 log = logging.getLogger("qharness")
 
@@ -138,7 +139,7 @@ class SaveOnSigterm(Callback):
                 # mid gradient accumulation: a checkpoint here would resume out of step; keep the last one
                 log.warning("SIGTERM during gradient accumulation: keeping the last step-boundary checkpoint")
                 return
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)  # the full state (optimizer, loops): resumable
 
 
 class QTrainer(Trainer):
@@ -211,6 +212,9 @@ class QTrainer(Trainer):
 
             if not pte_path.is_file():
                 raise UserError(f"no .pte at {pte_path}", fix="run qharness export (or fit/calibrate) first, or pass --pte PATH")
+            from qharness.quiet import quiet_executorch_threadpool
+
+            quiet_executorch_threadpool()
             PteModel(pte_path)  # a corrupt file fails here, before the other models are evaluated
         datamodule.setup("fit")
         fp_model, tokenizer = model.load_fp()
@@ -306,6 +310,11 @@ class QHarnessCLI(LightningCLI):
 
                 name = f"{Path(cfg.model.recipe).stem}-{cfg.model.mode}"
                 config["logger"].append(make_wandb_logger(root, cfg.wandb, name, run_config(cfg.as_dict()), job_type=self.subcommand))
+        extra = config.get("callbacks") or []
+        if config.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, ProgressBar) for c in [*(extra if isinstance(extra, list) else [extra]), *callbacks]
+        ):
+            callbacks = [*callbacks, lightning_progress_bar()]  # no "Epoch 0/-2" (see qharness.progress)
         return super()._instantiate_trainer(config, callbacks)
 
     def _attach_configs(self) -> None:
@@ -325,7 +334,7 @@ class QHarnessCLI(LightningCLI):
         if self.trainer.interrupted:
             return
         final = Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"
-        self.trainer.save_checkpoint(final)  # the finished run is safe before export starts
+        self.trainer.save_checkpoint(final, weights_only=False)  # the finished run, resumable, is safe before export starts
         if self.trainer.export_config.enabled and self.trainer.is_global_zero:
             self.trainer.deploy(self.model, self.datamodule)
 
@@ -360,7 +369,6 @@ class QHarnessCLI(LightningCLI):
 
 
 def run_lightning_cli(argv: list[str]) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     sys.argv = [sys.argv[0], *argv]  # LightningCLI reads sys.argv (passing args= as well makes it warn)
     QHarnessCLI(
         QuantLM,

@@ -33,7 +33,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from qharness import quiet
 from qharness.errors import UserError
+
+quiet.quiet_lm_eval_git()  # lm-eval's git lookup without git's "fatal: not a git repository" (unless verbose)
 
 Choose = Callable[[torch.Tensor], int]  # last-position logits [V] -> next token
 Stop = Callable[[int, list[int]], bool]  # (request index, tokens generated so far) -> stop?
@@ -107,6 +110,7 @@ def pte_backend(path: str | Path, max_length: int | None = None) -> CachedStep:
     """The ``.pte`` through ``executorch.runtime``; ``max_length`` defaults to the cache size minus one."""
     from qharness.runtime import PteModel
 
+    quiet.quiet_executorch_threadpool()
     pte = PteModel(path)
     cache = int(pte.metadata().get("get_max_context_len", 0)) or None
     if max_length is None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from qharness import compat
+from qharness import compat, quiet
 from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
@@ -110,6 +110,7 @@ def deploy_and_check(
     metrics["converted"] = score_deployed(lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)), vx, vy, desc="scoring the converted model")
     reasons = []
     if recipe.runs_here:
+        quiet.quiet_executorch_threadpool()  # before the runtime's first use (see qharness.quiet)
         pte = PteModel(pte_path)
         metrics["pte"] = score_deployed(pte, vx, vy, desc="scoring the .pte")
         prompts = dm.val_x[: parity_cfg.prompts, : parity_cfg.prompt_len]
