@@ -52,7 +52,12 @@ class ParityConfig:
         decode_steps: Greedy decode steps after the prefill, one token at a time through the KV cache.
         eval_blocks: Validation blocks (at most) scored for perplexity by every model (FP, fake-quant, converted, .pte).
         max_ppl_rel_diff: Fail when |ppl(.pte) - ppl(converted)| / ppl(converted) exceeds this.
-        min_argmax_agreement: Fail when the .pte and converted model pick the same next token less often than this.
+        min_argmax_agreement: Fail when the .pte and converted model pick the same next token less often than this,
+            counted over the positions that are not near ties (see tie_margin).
+        tie_margin: Positions where the converted model's top-1/top-2 logit gap is at most this are near ties: a
+            logit error of half the margin flips their token, so they are reported (parity.near_ties) but not
+            counted in the agreement. Flat logits (random init) are mostly near ties; real drift still flips
+            the decided positions.
         max_abs_diff: Fail when the largest logit difference exceeds this (null: report only).
     """
 
@@ -62,6 +67,7 @@ class ParityConfig:
     eval_blocks: int = 32
     max_ppl_rel_diff: float = 0.02
     min_argmax_agreement: float = 0.9
+    tie_margin: float = 0.2
     max_abs_diff: float | None = None
 
     def __post_init__(self):

@@ -7,6 +7,7 @@ Example::
         pte_bytes = lower_to_pte(...)
     for x in bar(blocks, "scoring the .pte"):
         ...
+    trainer = Trainer(callbacks=[lightning_progress_bar()])   # training bar: "Epoch 0", never "Epoch 0/-2"
 """
 
 from __future__ import annotations
@@ -47,3 +48,22 @@ def bar(iterable: Iterable, desc: str, total: int | None = None, unit: str = "it
     from tqdm import tqdm
 
     return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
+
+
+def lightning_progress_bar():
+    """Lightning's default progress bar (Rich when installed, else tqdm), except that Rich's training bar reads
+    ``Epoch 0`` when training is bounded by ``max_steps``: Rich writes ``Epoch {epoch}/{max_epochs - 1}``, which is
+    ``Epoch 0/-2`` under the ``max_epochs=-1`` Lightning sets then."""
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+    from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+    if not _RICH_AVAILABLE:
+        return TQDMProgressBar()  # writes "Epoch N" alone
+
+    class StepBoundRichProgressBar(RichProgressBar):
+        def _get_train_description(self, current_epoch: int) -> str:
+            if (self.trainer.max_epochs or -1) > 0:
+                return super()._get_train_description(current_epoch)
+            return f"{f'Epoch {current_epoch}':{len(self.validation_description)}}"
+
+    return StepBoundRichProgressBar()

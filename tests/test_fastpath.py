@@ -127,3 +127,48 @@ def test_fold_constants_computes_weight_math_once_and_keeps_the_cache_state():
     for _ in range(3):  # the caches of both advance alike
         x = torch.randn(2, 4)
         torch.testing.assert_close(folded(x), graph(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe, rel", [  # tolerance as a fraction of the logits' spread (std ~0.1 here)
+    ("xnnpack_fp32", 1e-4),
+    ("xnnpack_8da4w", 0.02),  # per-token dynamic activations: only float rounding flips an int8 rounding now and then
+    ("xnnpack_int8_dynamic", 0.15),  # per-tensor dynamic activations: one scale over the block vs one per token
+])
+def test_all_logits_twin_scores_blocks_as_the_per_token_path(recipe, rel):
+    """A wrong twin (e.g. logits of the next position) is off by several times the spread."""
+    from qharness.deploy.lower import export_path, quantize_for_deploy
+    from qharness.checks.parity import fold_constants
+    from qharness.recipes.registry import load_recipe
+
+    model = _tiny("LlamaForCausalLM")
+    blocks = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    deployed = quantize_for_deploy(model, load_recipe(recipe), 48, calibrate=lambda g: [g(b[None], torch.tensor([0])) for b in blocks])
+    reference = fold_constants(deployed)
+    twin = fastpath.all_logits_twin(reference)
+    assert export_path(twin) == "fast"
+    shared = {t.data_ptr() for t in reference.state_dict().values()}
+    assert all(t.data_ptr() in shared for t in twin.state_dict().values())  # weights and KV cache shared, not copied
+    with torch.no_grad():
+        for block in blocks:
+            per_token = block_logits(_step(reference), block)  # n calls
+            all_positions = twin(block[None], torch.tensor([0]))[0]  # one call
+            assert all_positions.shape == per_token.shape == (24, 96)
+            atol = rel * per_token.std().item()
+            torch.testing.assert_close(all_positions, per_token, atol=atol, rtol=0)
+        # the twin's prefill leaves the shared cache as the per-token path does: decoding goes on alike
+        nxt = torch.tensor([[5]])
+        twin(blocks[0][None], torch.tensor([0]))
+        after_twin = reference(nxt, torch.tensor([24]))
+        block_logits(_step(reference), blocks[0])
+        torch.testing.assert_close(after_twin, reference(nxt, torch.tensor([24])), atol=atol, rtol=0)
+
+
+def test_all_logits_twin_of_a_generic_graph_is_the_graph():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from qharness.deploy.lower import quantize_for_deploy
+    from qharness.recipes.registry import load_recipe
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0, bos_token_id=0)).eval()
+    graph = quantize_for_deploy(gpt2, load_recipe("xnnpack_fp32"), 32, calibrate=lambda g: None)
+    assert fastpath.all_logits_twin(graph) is graph

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -26,6 +26,7 @@ from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportCo
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
 from qharness.training.module import QuantLM
+from qharness.progress import lightning_progress_bar
 
 log = logging.getLogger("qharness")
 
@@ -140,7 +141,7 @@ class SaveOnSigterm(Callback):
                 # mid gradient accumulation: a checkpoint here would resume out of step; keep the last one
                 log.warning("SIGTERM during gradient accumulation: keeping the last step-boundary checkpoint")
                 return
-            trainer.save_checkpoint(self.path)
+            trainer.save_checkpoint(self.path, weights_only=False)  # the full state (optimizer, loops): resumable
 
 
 class QTrainer(Trainer):
@@ -311,6 +312,11 @@ class QHarnessCLI(LightningCLI):
 
                 name = f"{Path(cfg.model.recipe).stem}-{cfg.model.mode}"
                 kwargs["logger"].append(make_wandb_logger(root, cfg.wandb, name, run_config(cfg.as_dict()), job_type=self.subcommand))
+        trainer_cfg = self.config_init[self.subcommand]["trainer"]
+        given = trainer_cfg.get("callbacks") or []
+        given = given if isinstance(given, list) else [given]
+        if trainer_cfg.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
+            kwargs["callbacks"] = [*given, lightning_progress_bar()]  # no "Epoch 0/-2" (see qharness.progress)
         return super().instantiate_trainer(**kwargs)
 
     def _attach_configs(self) -> None:
@@ -330,7 +336,7 @@ class QHarnessCLI(LightningCLI):
         if self.trainer.interrupted:
             return
         final = Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"
-        self.trainer.save_checkpoint(final)  # the finished run is safe before export starts
+        self.trainer.save_checkpoint(final, weights_only=False)  # the finished run, resumable, is safe before export starts
         if self.trainer.export_config.enabled and self.trainer.is_global_zero:
             self.trainer.deploy(self.model, self.datamodule)
 
@@ -365,7 +371,6 @@ class QHarnessCLI(LightningCLI):
 
 
 def run_lightning_cli(argv: list[str]) -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     sys.argv = [sys.argv[0], *argv]  # LightningCLI reads sys.argv (passing args= as well makes it warn)
     QHarnessCLI(
         QuantLM,

@@ -22,6 +22,8 @@ import argparse
 import os
 import sys
 
+from qharness.upstream import quiet
+
 SUBCOMMANDS = {
     "fit": "train with quantization-aware training, then export, lower and check the .pte",
     "calibrate": "post-training quantization: calibrate, convert, export, lower and check the .pte",
@@ -36,7 +38,7 @@ SUBCOMMANDS = {
     "sweep": "run the FP baseline and recipes x modes (PTQ, QAT) from one sweep config, then the report",
 }
 
-USAGE = "usage: qharness {" + ",".join(SUBCOMMANDS) + "} [CONFIG.yaml] [--field value ...]\n"
+USAGE = "usage: qharness {" + ",".join(SUBCOMMANDS) + "} [CONFIG.yaml] [--field value ...] [--verbose]\n"
 
 
 def _print_help() -> None:
@@ -45,6 +47,7 @@ def _print_help() -> None:
     for name, text in SUBCOMMANDS.items():
         print(f"  {name:<10} {text}")
     print("\n`qharness SUBCOMMAND --help` lists every config field with its documentation.")
+    print("--verbose (or QHARNESS_VERBOSE=1) shows every upstream message, including those qharness/upstream/quiet.py hides.")
 
 
 def rewrite_argv(argv: list[str]) -> list[str]:
@@ -199,13 +202,14 @@ def _fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = quiet.take_verbose_flag(list(sys.argv[1:] if argv is None else argv))
     if not argv or argv[0] in ("-h", "--help"):
         _print_help()
         return
     if argv[0] not in SUBCOMMANDS:
         _fail(f"unknown subcommand {argv[0]!r}. fix: use one of {', '.join(SUBCOMMANDS)}")
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    quiet.install()  # known-harmless upstream messages hidden (not with --verbose)
     from qharness.errors import ParityError, UserError
 
     try:

@@ -12,15 +12,18 @@ cache position, so numerics equal the HF model's up to float rounding.
 ``forward(tokens[1, n], input_pos[1]) -> logits[1, 1, vocab]``: the logits of the last token only, as
 ExecuTorch's LLM export returns them (its runner samples from the last position). Prefill then skips
 the final norm and ``lm_head`` for ``n - 1`` positions; all-position scores come from feeding a block
-one token at a time (``qharness.checks.parity.score_deployed``).
+one token at a time, or from ``all_logits_twin(graph)``: the same quantized weights and ops, one call per block.
 
 Example::
 
     reason = unsupported_reason(model, max_seq_len=256)      # None: the fast path applies
     graph = export_fast(model, max_seq_len=256).module()     # (tokens, input_pos) -> last-token logits
+    scorer = all_logits_twin(graph)                          # (tokens, input_pos) -> logits of every position
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch.export import Dim
@@ -142,3 +145,50 @@ def export_fast(model, max_seq_len: int, all_logits: bool = False) -> torch.expo
         return torch.export.export(
             FastDecoder(model, max_seq_len, all_logits), example_inputs(max_seq_len), dynamic_shapes=dynamic_shapes(max_seq_len), strict=True
         )
+
+
+def _last_token_slices(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The ``h[:, -1:, :]`` of ``FastDecoder.forward``: ``aten.slice(h, 1, -1, <end>)`` nodes."""
+    return [
+        n for n in graph.graph.nodes
+        if n.op == "call_function" and n.target == torch.ops.aten.slice.Tensor and tuple(n.args[1:3]) == (1, -1)
+    ]
+
+
+def export_path(graph: torch.fx.GraphModule) -> str:
+    """``"fast"`` or ``"generic"``: the export ``quantize_for_deploy`` used for ``graph``."""
+    return graph.meta.get("qharness_export_path", "generic")
+
+
+def fallback_reason(graph: torch.fx.GraphModule) -> str | None:
+    """Why ``graph`` took the generic export (``None`` for the fast path)."""
+    return graph.meta.get("qharness_fallback_reason")
+
+
+def all_logits_twin(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The twin of a fast-path deploy graph (exported, maybe quantized and folded) that returns the logits of
+    every position: the same graph without its last-token slice, over the same attributes (weights,
+    quantization parameters and KV-cache buffers are shared, not copied). Scoring a block then takes one
+    call instead of one per token. A graph of the generic export returns every position already and comes
+    back as it is.
+
+    Example::
+
+        scorer = all_logits_twin(deployed)   # scorer(block[None], torch.tensor([0]))[0]: logits[n, vocab]
+    """
+    if export_path(graph) != "fast":
+        return graph
+    slices = _last_token_slices(graph)
+    if len(slices) != 1:
+        raise RuntimeError(f"expected one last-token slice in the fast-path graph, found {len(slices)}")
+    new_graph = torch.fx.Graph()
+    new_graph._codegen = copy.deepcopy(graph.graph._codegen)  # keeps the (tokens, input_pos) calling convention
+    remap: dict[torch.fx.Node, torch.fx.Node] = {}
+    output = new_graph.graph_copy(graph.graph, remap)
+    new_graph.output(output)
+    cut = remap[slices[0]]
+    cut.replace_all_uses_with(remap[slices[0].args[0]])
+    new_graph.erase_node(cut)
+    twin = torch.fx.GraphModule(graph, new_graph)
+    twin.meta.update(graph.meta)
+    return twin

@@ -24,6 +24,7 @@ from collections.abc import Callable
 import torch
 from torch.export import Dim
 
+from qharness.deploy.fastpath import export_path, fallback_reason  # noqa: F401  (which export a graph took)
 from qharness.upstream import imports
 from qharness.upstream import lowering
 
@@ -55,16 +56,6 @@ def export_static_cache(model, max_seq_len: int) -> torch.export.ExportedProgram
     wrapper = TokensAndPos(imports.hf_static_cache_exportable(model, batch_size=1, max_cache_len=max_seq_len))
     with torch.no_grad():  # with grad on, torchao weight subclasses export as parametrizations the quant fusion misses
         return torch.export.export(wrapper, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True)
-
-
-def export_path(graph: torch.fx.GraphModule) -> str:
-    """``"fast"`` or ``"generic"``: the export ``quantize_for_deploy`` used for ``graph``."""
-    return graph.meta.get("qharness_export_path", "generic")
-
-
-def fallback_reason(graph: torch.fx.GraphModule) -> str | None:
-    """Why ``graph`` took the generic export (``None`` for the fast path)."""
-    return graph.meta.get("qharness_fallback_reason")
 
 
 def export_deploy(model, max_seq_len: int) -> tuple[torch.export.ExportedProgram, str | None]:

@@ -108,7 +108,7 @@ def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra:
     manager = TaskManager(include_path=include or None, include_defaults=standard, verbosity="ERROR")
     result = {"tasks": {}, "models": list(lms), "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "seconds": {}, **(extra or {})}
     for kind, lm in lms.items():
-        log.warning("lm-eval: %s on %s ...", MODEL_KINDS[kind], ", ".join(cfg.tasks))
+        log.info("lm-eval: %s on %s ...", MODEL_KINDS[kind], ", ".join(cfg.tasks))
         t = time.perf_counter()
         res = lm_eval.simple_evaluate(
             model=lm, tasks=list(cfg.tasks), num_fewshot=cfg.num_fewshot, limit=cfg.limit, task_manager=manager,
@@ -136,7 +136,7 @@ def evaluate_models(backends: dict, tokenizer, cfg: EvalConfig, texts: list[str]
     lms = {}
     for kind in cfg.models:
         if kind == "fake_quant" and kind not in backends and "converted" in backends and "converted" not in cfg.models:
-            log.warning("eval: no trained fake-quant graph (PTQ); the converted model stands in for it")
+            log.info("eval: no trained fake-quant graph (PTQ); the converted model stands in for it")
             kind = "converted"
         if kind not in backends:
             log.warning("eval: %s is not available in this run; skipped", MODEL_KINDS[kind])

@@ -7,7 +7,8 @@ over a *backend*:
   (any shape) or the QAT fake-quant graph (exported with a fixed ``[B, T]``: inputs are right-padded,
   which a causal model cannot see). Requests are batched.
 * ``CachedStep``: a static-KV-cache model ``step(tokens[1, n], start) -> logits[1, n, V]``: the converted
-  PyTorch model or the ``.pte`` through ``executorch.runtime`` (prefill, then one token per call).
+  PyTorch model (``converted_backend``: every position in one call) or the ``.pte`` through
+  ``executorch.runtime`` (prefill, then one token per call).
 
 Every backend scores through the same ``max_length`` window, so rolling perplexities are comparable.
 It is registered with lm-eval as ``qharness``, for ``.pte`` files and HF directories::
@@ -32,7 +33,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
+from qharness.upstream import quiet
 from qharness.errors import UserError
+
+quiet.quiet_lm_eval_git()  # lm-eval's git lookup without git's "fatal: not a git repository" (unless verbose)
 
 Choose = Callable[[torch.Tensor], int]  # last-position logits [V] -> next token
 Stop = Callable[[int, list[int]], bool]  # (request index, tokens generated so far) -> stop?
@@ -115,6 +119,16 @@ def pte_backend(path: str | Path, max_length: int | None = None) -> CachedStep:
     if cache is not None and max_length >= cache:
         raise UserError(f"max_length={max_length} does not fit the .pte's KV cache of {cache} positions", fix=f"use max_length <= {cache - 1}")
     return CachedStep(pte, max_length)
+
+
+def converted_backend(graph, max_length: int) -> CachedStep:
+    """A deploy graph ``(tokens[1, n], input_pos[1]) -> logits`` (the converted PyTorch model), scored through
+    its all-logits twin (``fastpath.all_logits_twin``: the same weights and ops): one call per sequence, where
+    a last-token graph takes one call per token."""
+    from qharness.deploy.fastpath import all_logits_twin
+
+    scorer = all_logits_twin(graph)
+    return CachedStep(lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)), max_length)
 
 
 def hf_backend(model, max_length: int, batch_size: int = 8) -> BatchedForward:

@@ -21,6 +21,7 @@ from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportCo
 from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic
 from qharness.run.summary import RunSummary
+from qharness.deploy.fastpath import all_logits_twin
 from qharness.checks.parity import compare_decoding, fold_constants, gate, score_batched, score_deployed
 from qharness.progress import stage
 from qharness.checks.stats import with_intervals
@@ -110,18 +111,19 @@ def deploy_and_check(
     tokenizer.save_pretrained(run_dir / "tokenizer")
 
     t = time.perf_counter()
-    reference = fold_constants(deployed)  # same outputs; scoring a last-token-logits graph calls it once per token
+    reference = fold_constants(deployed)  # the same outputs, the weight math done once
+    scorer = all_logits_twin(reference)  # the same weights and ops (and KV cache), every position's logits: one call per block
 
-    def ref(tokens, start):
+    def ref(tokens, start):  # called as the .pte is: last-token logits on the fast path (decode parity)
         return reference(tokens, torch.tensor([start], dtype=torch.long))
 
-    metrics["converted"] = score_deployed(ref, vx, vy, desc="scoring the converted model")
+    metrics["converted"] = score_deployed(lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)), vx, vy, desc="scoring the converted model")
     reasons = []
     if recipe.runs_here:
         pte = PteModel(pte_path)
         metrics["pte"] = score_deployed(pte, vx, vy, desc="scoring the .pte")
         prompts = dm.val_x[: parity_cfg.prompts, : parity_cfg.prompt_len]
-        figures = compare_decoding(pte, ref, prompts, parity_cfg.decode_steps, desc="parity: .pte vs converted decoding")
+        figures = compare_decoding(pte, ref, prompts, parity_cfg.decode_steps, desc="parity: .pte vs converted decoding", tie_margin=parity_cfg.tie_margin)
         figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
         reasons = gate(figures, parity_cfg)
         figures["passed"] = not reasons
@@ -166,7 +168,7 @@ def evaluate_run(module, dm, fp_model, tokenizer, converted, pte_path, run_dir: 
     """lm-eval of what a run has: the FP model, the QAT graph (``module.graph``), the converted model and the
     ``.pte``; prints the table and writes ``run_dir/<filename>``."""
     from qharness.evaluation.harness import eval_texts, evaluate_models, format_eval_table, max_length
-    from qharness.evaluation.lm_eval_adapter import BatchedForward, CachedStep, hf_backend, pte_backend
+    from qharness.evaluation.lm_eval_adapter import BatchedForward, converted_backend, hf_backend, pte_backend
 
     length = max_length(cfg, dm.seq_len)
     backends = {"fp": lambda: hf_backend(fp_model, length, dm.batch_size)}
@@ -174,7 +176,7 @@ def evaluate_run(module, dm, fp_model, tokenizer, converted, pte_path, run_dir: 
         module._to_eval()
         backends["fake_quant"] = lambda: BatchedForward(module.graph, length, dm.batch_size, shape=(dm.batch_size, dm.seq_len))
     if converted is not None:
-        backends["converted"] = lambda: CachedStep(lambda tokens, start: converted(tokens, torch.tensor([start], dtype=torch.long)), length)
+        backends["converted"] = lambda: converted_backend(converted, length)
     if pte_path is not None:
         backends["pte"] = lambda: pte_backend(pte_path, length)
     result = evaluate_models(backends, tokenizer, cfg, eval_texts(cfg, dm), run_dir, {"max_length": length, "pte": str(pte_path) if pte_path else None},
@@ -200,6 +202,15 @@ def format_table(summary: dict) -> str:
     else:
         lines.append(
             size + f"{'PASSED' if p['passed'] else 'FAILED'}: max|Δlogit|={p['max_abs_diff']:.4g}, "
-            f"argmax agreement={p['argmax_agreement']:.3f}, ppl diff={p['ppl_rel_diff']:.2%}"
+            f"argmax agreement={_decided(p)}, ppl diff={p['ppl_rel_diff']:.2%}"
         )
     return "\n".join(lines)
+
+
+def _decided(parity: dict) -> str:
+    """``0.981 (12/160 near ties)``: the gated agreement, over the positions that are not near ties."""
+    if "near_ties" not in parity:  # a summary written before near ties were counted
+        return f"{parity['argmax_agreement']:.3f}"
+    decided = parity["argmax_agreement_decided"]
+    value = "n/a" if decided is None else f"{decided:.3f}"
+    return f"{value} ({parity['near_ties']}/{parity['positions']} near ties)"

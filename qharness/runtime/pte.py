@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from qharness.upstream import imports
+from qharness.upstream import imports, quiet
 from qharness.errors import UserError
 
 
@@ -66,6 +66,7 @@ def runtime_threads() -> int:
 def set_runtime_threads(n: int) -> None:
     """Size ExecuTorch's threadpool to ``n`` threads and cap torch's intra-op threads at ``n``."""
     global _THREADS
+    quiet.quiet_executorch_threadpool()  # creates the pool without its cpuinfo probe lines
     pool = imports.executorch_threadpool()
     if pool.get_thread_count() != n:
         pool.reset(n)

@@ -132,7 +132,7 @@ def embedded_dir(spec: EmbeddedSpec = EmbeddedSpec(), source: str = EMBEDDED) ->
     name = "embedded" if source == EMBEDDED else Path(source).stem
     out = cache_dir() / f"{name}-llama-{h.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
-        log.warning("pretraining the %s model once (cached in %s)", "embedded default" if source == EMBEDDED else source, out)
+        log.info("pretraining the %s model once (cached in %s)", "embedded default" if source == EMBEDDED else source, out)
         out.parent.mkdir(parents=True, exist_ok=True)
         pretrain_embedded(spec, out, texts)
     return out

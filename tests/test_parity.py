@@ -1,0 +1,93 @@
+"""The parity gate judges numerics, not ties: near ties (flat logits) cannot fail it, real drift does."""
+
+import pytest
+import torch
+
+from qharness.config import ParityConfig
+from qharness.checks.parity import compare_decoding, gate
+
+VOCAB, LENGTH = 64, 48
+
+
+class Table:
+    """A stateless stand-in for a deploy model: ``logits[pos] = by_pos[pos] + by_token[token]`` for every fed position."""
+
+    def __init__(self, by_pos: torch.Tensor, by_token: torch.Tensor):
+        self.by_pos, self.by_token = by_pos, by_token
+
+    def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
+        n = tokens.shape[1]
+        return (self.by_pos[start : start + n] + self.by_token[tokens[0]])[None]
+
+
+def _models(scale: float, error: float, seed: int = 0):
+    """A reference with logits of spread ``scale`` and a copy whose every logit is off by up to ``error``."""
+    g = torch.Generator().manual_seed(seed)
+    by_pos, by_token = scale * torch.randn(LENGTH, VOCAB, generator=g), scale * torch.randn(VOCAB, VOCAB, generator=g)
+    noise = error * (2 * torch.rand(LENGTH, VOCAB, generator=g) - 1)
+    return Table(by_pos + noise, by_token), Table(by_pos, by_token)
+
+
+PROMPTS = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _figures(pte, ref, margin):
+    figures = compare_decoding(pte, ref, PROMPTS, decode_steps=8, tie_margin=margin)
+    return {**figures, "ppl_rel_diff": 0.0}
+
+
+def test_flat_logits_with_tiny_error_pass_though_many_tokens_flip():
+    pte, ref = _models(scale=0.01, error=0.04)  # random init: top-2 gaps far below the error
+    figures = _figures(pte, ref, ParityConfig().tie_margin)
+    assert figures["positions"] == 4 * (16 + 8)
+    assert figures["argmax_agreement"] < 0.9  # the old criterion failed such a .pte
+    assert figures["near_ties"] > 0.9 * figures["positions"]
+    assert figures["max_abs_diff"] <= 0.04
+    assert gate(figures, ParityConfig()) == []
+
+
+def test_real_drift_fails_on_the_decided_positions():
+    pte, ref = _models(scale=2.0, error=3.0)  # errors as large as the logits' spread
+    figures = _figures(pte, ref, ParityConfig().tie_margin)
+    assert figures["near_ties"] < 0.2 * figures["positions"]
+    assert figures["argmax_agreement_decided"] < 0.9
+    reasons = gate(figures, ParityConfig())
+    assert len(reasons) == 1 and "parity.min_argmax_agreement" in reasons[0] and "parity.tie_margin=0.2" in reasons[0]
+
+
+def test_shuffled_vocabulary_fails():
+    _, ref = _models(scale=2.0, error=0.0)
+    perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))
+    shuffled = Table(ref.by_pos[:, perm], ref.by_token[:, perm])
+    figures = _figures(shuffled, ref, ParityConfig().tie_margin)
+    assert figures["argmax_agreement_decided"] < 0.5
+    assert gate(figures, ParityConfig()) != []
+
+
+def test_small_error_on_spread_logits_passes_and_agrees_everywhere_decided():
+    pte, ref = _models(scale=2.0, error=0.09)  # below half the margin: no decided position can flip
+    figures = _figures(pte, ref, 0.2)
+    assert figures["argmax_agreement_decided"] == 1.0
+    assert gate(figures, ParityConfig()) == []
+
+
+def test_near_ties_are_the_positions_within_the_margin():
+    by_pos = torch.zeros(LENGTH, VOCAB)
+    by_pos[:, 0] = torch.linspace(0.0, 0.94, LENGTH)  # token 0 leads by 0, 0.02, ..., 0.94
+    ref = Table(by_pos, torch.zeros(VOCAB, VOCAB))
+    figures = compare_decoding(ref, ref, torch.zeros(1, LENGTH, dtype=torch.long), decode_steps=0, tie_margin=0.3)
+    gaps = torch.linspace(0.0, 0.94, LENGTH)
+    assert figures["near_ties"] == int((gaps <= 0.3).sum()) and figures["argmax_agreement_decided"] == 1.0
+
+
+def test_all_near_ties_leave_the_judgment_to_perplexity():
+    pte, ref = _models(scale=0.001, error=0.01)
+    figures = _figures(pte, ref, 0.2)
+    assert figures["near_ties"] == figures["positions"] and figures["argmax_agreement_decided"] is None
+    assert gate(figures, ParityConfig()) == []
+    assert "parity.max_ppl_rel_diff" in gate({**figures, "ppl_rel_diff": 0.5}, ParityConfig())[0]
+
+
+@pytest.mark.parametrize("figures", [{"ppl_rel_diff": 0.0, "argmax_agreement": 0.5, "max_abs_diff": 0.1}])
+def test_figures_without_near_ties_are_judged_on_every_position(figures):
+    assert "argmax agreement 0.500 < parity.min_argmax_agreement=0.9" in gate(figures, ParityConfig())[0]
