@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # look alike and a genuine warning.
 SCRIPT = r"""
 import logging, sys, warnings
-from qharness import cli, quiet
+from qharness.cli import main as cli
+from qharness.upstream import quiet
 cli.main(sys.argv[1:])
 import torchao  # torch's pytree enum records; torchao's CUDA-only .so load failures
 warnings.warn_explicit("_check_is_size will be removed in a future PyTorch release", FutureWarning,

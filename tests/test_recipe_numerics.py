@@ -9,6 +9,7 @@ import torch
 from qharness.config import CalibrationConfig, ExportConfig, ParityConfig
 from qharness.data.datamodule import TextDataModule
 from qharness.training.module import QuantLM
+from qharness.run.from_lightning import held_out, trained
 from qharness.run.pipeline import deploy_and_check
 from qharness.recipes.registry import known_recipes, load_recipe
 
@@ -22,16 +23,16 @@ def run_recipe(recipe, mode, model_dir, data, run_dir, steps=4):
     module = QuantLM(checkpoint=str(model_dir), recipe=recipe, mode=mode, lr=1e-3)
     if mode == "qat":
         module.build(dm.batch_size, dm.seq_len)
-        module._to_train()
+        module.to_train()
         opt = torch.optim.AdamW(module.graph.parameters(), lr=1e-3)
         for batch, _ in zip(dm.train_dataloader(), range(steps)):
             loss = module.loss(batch)
             opt.zero_grad()
             loss.backward()
             opt.step()
-    return deploy_and_check(
-        module, dm, run_dir, ExportConfig(max_seq_len=64), ParityConfig(eval_blocks=8, prompts=2, prompt_len=16, decode_steps=4), CalibrationConfig(blocks=8)
-    )
+    parity = ParityConfig(eval_blocks=8, prompts=2, prompt_len=16, decode_steps=4)
+    # the stages take plain inputs: the trained module and the data as models and tensors
+    return deploy_and_check(trained(module), held_out(dm, parity, CalibrationConfig(blocks=8)), run_dir, ExportConfig(max_seq_len=64), parity)
 
 
 @pytest.mark.parametrize(

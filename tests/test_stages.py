@@ -26,7 +26,7 @@ def test_exported_training_graph_matches_eager(fp):
 
 def test_qat_graph_trains(tiny_llama):
     m = _module(tiny_llama)
-    m._to_train()
+    m.to_train()
     x = torch.randint(0, 300, (2, 16))
     opt = torch.optim.AdamW(m.graph.parameters(), lr=3e-3)
     losses = []
@@ -41,19 +41,19 @@ def test_qat_graph_trains(tiny_llama):
 
 def test_validation_does_not_move_weight_scales(tiny_llama):
     m = _module(tiny_llama)
-    m._to_train()
+    m.to_train()
     x = torch.randint(0, 300, (2, 16))
     m.loss((x, x))
     scales = {k: v.clone() for k, v in m.graph.state_dict().items() if k.endswith(".scale")}
     with torch.no_grad():  # perturb weights, then validate: frozen observers must keep the scales
         for p in m.graph.parameters():
             p.mul_(1.5)
-    m._to_eval()
+    m.to_eval()
     m.loss((x, x))
     after = {k: v for k, v in m.graph.state_dict().items() if k.endswith(".scale")}
     static = [k for k in scales if scales[k].numel() > 1]  # per-channel weight scales
     assert static and all(torch.equal(scales[k], after[k]) for k in static)
-    m._to_train()
+    m.to_train()
     m.loss((x, x))
     moved = {k: v for k, v in m.graph.state_dict().items() if k.endswith(".scale")}
     assert any(not torch.equal(scales[k], moved[k]) for k in static)
@@ -62,7 +62,7 @@ def test_validation_does_not_move_weight_scales(tiny_llama):
 def test_qat_weight_fake_quant_uses_the_deploy_scale(tiny_llama):
     """Numerics in one place: QAT weight scales equal convert_pt2e's per-channel amax/127."""
     m = _module(tiny_llama)
-    m._to_train()
+    m.to_train()
     x = torch.randint(0, 300, (2, 16))
     m.loss((x, x))
     sd = m.graph.state_dict()
@@ -78,14 +78,14 @@ def test_qat_weight_fake_quant_uses_the_deploy_scale(tiny_llama):
 
 def test_state_dict_round_trip_into_a_rebuilt_graph(tiny_llama):
     a = _module(tiny_llama)
-    a._to_train()
+    a.to_train()
     x = torch.randint(0, 300, (2, 16))
     opt = torch.optim.SGD(a.graph.parameters(), lr=0.1)
     a.loss((x, x)).backward()
     opt.step()
     b = _module(tiny_llama)
     b.load_state_dict(a.state_dict())
-    a._to_eval(), b._to_eval()
+    a.to_eval(), b.to_eval()
     with torch.no_grad():
         torch.testing.assert_close(a.graph(x), b.graph(x), rtol=0, atol=0)
 

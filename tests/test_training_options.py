@@ -37,7 +37,7 @@ def make(built):
         m.hparams.freeze_observers_after_n_steps = freeze_observers_after_n_steps
         m.trainer = FakeTrainer()
         set_fake_quant(m.graph, True)
-        m._to_train()
+        m.to_train()
         return m
 
     return reset
@@ -87,7 +87,7 @@ def test_frozen_observers_keep_their_scales_while_weights_train(make):
     moved = lambda a, b: any(not torch.equal(a[k], b[k]) for k in a)  # noqa: E731
     assert moved(history[1], history[2])  # steps 0 and 1 observe the changing weights
     assert not moved(history[2], history[3]) and not moved(history[3], history[4])  # frozen from step 2 on
-    m._to_eval(), m._to_train()  # a validation round does not thaw them
+    m.to_eval(), m.to_train()  # a validation round does not thaw them
     _step(m, x, opt)
     assert not moved(history[4], _weight_scales(m))
 
@@ -174,14 +174,14 @@ def test_batches_done_counts_the_short_accumulation_at_the_end_of_each_pass():
 def test_validation_before_the_first_training_step_runs(make):
     """Lightning's sanity check validates before any training: static observers that saw nothing stay on."""
     m = make()
-    m._to_eval()
+    m.to_eval()
     x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.isfinite(m.graph(x)).all()
         scales = _weight_scales(m)
         for p in m.graph.parameters():
             p.mul_(2.0)
-        m._to_eval()
+        m.to_eval()
         m.graph(x)
     assert scales and all(torch.equal(v, _weight_scales(m)[k]) for k, v in scales.items())  # observed once, now frozen
 
@@ -193,12 +193,12 @@ def test_rebuilding_the_graph_on_another_device_keeps_the_trained_state(make):
     opt = torch.optim.SGD(m.graph.parameters(), lr=0.5)
     _step(m, x, opt)
     m.loss((x, x))  # observers see the updated weights
-    m._to_eval()
+    m.to_eval()
     with torch.no_grad():
         before = m.graph(x)
     old = m.graph
     m.rebuild_on("cpu")
-    m._to_eval()
+    m.to_eval()
     with torch.no_grad():
         assert m.graph is not old
         torch.testing.assert_close(m.graph(x), before, rtol=0, atol=0)

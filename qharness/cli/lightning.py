@@ -157,14 +157,15 @@ class QTrainer(Trainer):
         """``deploy_and_check``, then the run's final row to wandb (a failed parity gate's row too)."""
 
         from qharness.errors import ParityError
-        from qharness.run.pipeline import deploy_and_check
         from qharness.reporting.tracking import log_final_row
+        from qharness.run.from_lightning import held_out, trained
+        from qharness.run.pipeline import deploy_and_check
 
         run_dir = Path(self.default_root_dir)
         try:
             summary = deploy_and_check(
-                model, datamodule, run_dir, self.export_config, self.parity_config, self.calibration_config,
-                self.bench_config, self.eval_config,
+                trained(model), held_out(datamodule, self.parity_config, self.calibration_config, self.eval_config), run_dir,
+                self.export_config, self.parity_config, self.bench_config, self.eval_config,
             )
         except ParityError:
             from qharness.run.summary import RunSummary
@@ -202,9 +203,9 @@ class QTrainer(Trainer):
             models: Comma-separated models among fp, fake_quant, converted, pte (overrides eval.models).
         """
 
-        from qharness.deploy.lower import quantize_for_deploy
         from qharness.checks.parity import fold_constants
-        from qharness.run.pipeline import evaluate_run
+        from qharness.run.from_lightning import held_out, trained
+        from qharness.run.pipeline import deploy_graph, evaluate_run
 
         cfg = self.eval_config
         run_dir = Path(self.default_root_dir)
@@ -216,25 +217,16 @@ class QTrainer(Trainer):
                 raise UserError(f"no .pte at {pte_path}", fix="run qharness export (or fit/calibrate) first, or pass --pte PATH")
             PteModel(pte_path)  # a corrupt file fails here, before the other models are evaluated
         datamodule.setup("fit")
-        fp_model, tokenizer = model.load_fp()
         qat = model.hparams.mode == "qat"
         if qat and ("fake_quant" in cfg.models or "converted" in cfg.models):
             load_checkpoint(model, datamodule, resolve_ckpt(ckpt_path or "last", self.default_root_dir))
+        run, data = trained(model), held_out(datamodule, self.parity_config, self.calibration_config, cfg)
         converted = None
         if "converted" in cfg.models or (not qat and "fake_quant" in cfg.models):
-            import copy
-
-            from qharness.training.calibration import calibrate, calibration_blocks
-
-            trained = copy.deepcopy(fp_model)
-            if qat:
-                model.load_into(trained)
-            blocks = calibration_blocks(self.calibration_config, datamodule)
-            converted = fold_constants(quantize_for_deploy(trained, model.recipe, self.export_config.max_seq_len, lambda g: calibrate(g, blocks)))
+            converted = fold_constants(deploy_graph(run, data.calibration, self.export_config.max_seq_len))
         # beside the run's own eval.json, never over it: each evaluation has its own file and summary entry
         filename = time.strftime("eval-%Y%m%d-%H%M%S.json", time.gmtime())
-        result = evaluate_run(model, datamodule, fp_model, tokenizer, converted, pte_path if "pte" in cfg.models else None, run_dir, cfg,
-                              filename)
+        result = evaluate_run(run, data, run.fp_model, converted, pte_path if "pte" in cfg.models else None, run_dir, cfg, filename)
         summary_path = run_dir / "summary.json"
         if summary_path.is_file():
             from qharness.run.summary import RunSummary

@@ -1,8 +1,7 @@
 """The tail of every run: deploy (export -> quantize -> lower -> ``.pte``), parity gate, summary.
 
-Example::
-
-    summary = deploy_and_check(module, datamodule, Path("runs/x"), ExportConfig(), ParityConfig(), CalibrationConfig(), BenchConfig())
+Stages take plain inputs (``Trained``, ``HeldOut``: models, recipe, tensors, tokenizer); Lightning's side
+(``qharness.cli.lightning``) builds them from the LightningModule and the DataModule.
 """
 
 from __future__ import annotations
@@ -12,12 +11,14 @@ import hashlib
 import logging
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from qharness.upstream import process
-from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig
+from qharness.config import BenchConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic
 from qharness.run.summary import RunSummary
@@ -53,61 +54,114 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
 
 
+@dataclass
+class Trained:
+    """What training hands to deployment, as plain objects (no Lightning): build it with ``QuantLM.trained()``.
+
+    Args:
+        fp_model: The FP model as loaded (HF causal LM, eval mode, CPU).
+        tokenizer: Its tokenizer.
+        recipe: The backend recipe.
+        mode: ``qat`` or ``ptq``.
+        checkpoint: ``model.checkpoint`` as configured (recorded in the summary).
+        model_dir: The directory ``fp_model`` was loaded from (the eager benchmark loads it in a fresh process).
+        fake_quant: QAT: the trained fake-quant graph, eval mode, CPU: ``fake_quant(x[B, T]) -> logits``.
+        load_trained: QAT: ``load_trained(hf_model)`` puts the trained weights into an FP model of the same shape.
+    """
+
+    fp_model: torch.nn.Module
+    tokenizer: object
+    recipe: object
+    mode: str
+    checkpoint: str
+    model_dir: str
+    fake_quant: torch.nn.Module | None = None
+    load_trained: Callable[[torch.nn.Module], None] | None = None
+
+
+@dataclass
+class HeldOut:
+    """The data deployment checks with, as tensors: validation blocks ``x``/``y`` ``[n, seq_len]`` (scored by every
+    model; the parity prompts are their prefixes), calibration blocks ``[m, seq_len]``, and the text lm-eval's offline
+    tasks are built from (``texts()``, called only when lm-eval runs). Build it with ``held_out(datamodule, ...)``."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    batch_size: int
+    calibration: torch.Tensor
+    texts: Callable[[], list[str]]
+
+    @property
+    def seq_len(self) -> int:
+        return self.x.shape[1]
+
+
+def deploy_graph(trained: Trained, calibration: torch.Tensor, max_seq_len: int, copy_fp: bool = True) -> torch.fx.GraphModule:
+    """The converted (quantized) static-KV-cache graph of the trained weights: the FP model (a copy unless
+    ``copy_fp`` is False), the trained weights loaded into it (QAT), exported and quantized by the recipe with
+    ``calibration`` blocks through its observers. What the ``.pte`` is lowered from, and the parity reference."""
+    from qharness.deploy.lower import quantize_for_deploy
+    from qharness.training.calibration import calibrate
+
+    model = copy.deepcopy(trained.fp_model) if copy_fp else trained.fp_model
+    if trained.load_trained is not None:
+        trained.load_trained(model)
+    return quantize_for_deploy(model, trained.recipe, max_seq_len, lambda graph: calibrate(graph, calibration))
+
+
 def deploy_and_check(
-    module,
-    dm,
+    trained: Trained,
+    data: HeldOut,
     run_dir: Path,
     export_cfg: ExportConfig,
     parity_cfg: ParityConfig,
-    calib_cfg: CalibrationConfig = CalibrationConfig(),
     bench_cfg: BenchConfig = BenchConfig(enabled=False),
     eval_cfg: EvalConfig = EvalConfig(enabled=False),
 ) -> dict:
-    """Write ``model.pte``, the tokenizer and ``summary.json`` into ``run_dir``; raise ParityError on failure.
+    """Write the ``.pte``, the tokenizer and ``summary.json`` into ``run_dir``; raise ParityError on failure.
 
-    A ``.pte`` that passes the gate is benchmarked (``bench_cfg``) against the eager FP model, then the FP,
-    fake-quant and ``.pte`` models are evaluated with lm-eval (``eval_cfg``; ``eval.json``, summary ``eval``).
+    The ``.pte`` is written as ``<name>.pending.pte`` and takes its final name only once the parity gate passed
+    (a failed one is kept as ``<name>.FAILED_PARITY.pte``). A ``.pte`` that passed is benchmarked (``bench_cfg``)
+    against the eager FP model, then the FP, fake-quant and ``.pte`` models are evaluated with lm-eval
+    (``eval_cfg``; ``eval.json``, summary ``eval``).
+
+    Example::
+
+        summary = deploy_and_check(module.trained(), held_out(dm, parity_cfg, calib_cfg), Path("runs/x"),
+                                   ExportConfig(), ParityConfig())
     """
+    from qharness.deploy.lower import export_path, fallback_reason, lower_to_pte, runner_metadata
     from qharness.runtime.bench import bench, format_bench
-    from qharness.training.calibration import calibrate, calibration_blocks
-    from qharness.deploy.lower import export_path, fallback_reason, lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.runtime.pte import PteModel
 
     process.map_large_allocations_separately()  # freed weight-sized temporaries leave RSS (see qharness/upstream/process.py)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    recipe = module.recipe
+    recipe, fp_model, tokenizer = trained.recipe, trained.fp_model, trained.tokenizer
     timings = {}
-    fp_model, tokenizer = module.load_fp()
     text_config = fp_model.config.get_text_config()
-    check_export_config(export_cfg, dm.seq_len, getattr(text_config, "max_position_embeddings", None))
+    check_export_config(export_cfg, data.seq_len, getattr(text_config, "max_position_embeddings", None))
     metadata = runner_metadata(export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, eos_ids(fp_model, tokenizer))
 
     keep_fp = eval_cfg.enabled  # lm-eval scores the FP model after the .pte is written
-    n_eval = min(parity_cfg.eval_blocks, len(dm.val_x)) // dm.batch_size * dm.batch_size
-    vx, vy = dm.val_x[:n_eval], dm.val_y[:n_eval]
-    metrics = {"fp": score_batched(lambda x: fp_model(input_ids=x).logits, vx, vy, dm.batch_size, desc="scoring the FP model")}
-    if module.graph is not None:  # QAT: the trained fake-quant graph and its weights
-        module.graph_to_cpu()  # trained on a GPU: deployment and its checks run on CPU
-        module._to_eval()
-        metrics["fake_quant"] = score_batched(module.graph, vx, vy, dm.batch_size, desc="scoring the fake-quant model")
-        trained = copy.deepcopy(fp_model) if keep_fp else fp_model  # no copy unless lm-eval scores the FP model later
-        module.load_into(trained)
-    else:  # PTQ: the FP weights, calibrated below (source-level recipes quantize the model in place)
-        trained = copy.deepcopy(fp_model) if recipe.kind == "source" and keep_fp else fp_model
+    vx, vy = data.x, data.y
+    metrics = {"fp": score_batched(lambda x: fp_model(input_ids=x).logits, vx, vy, data.batch_size, desc="scoring the FP model")}
+    if trained.fake_quant is not None:  # QAT: the trained fake-quant graph
+        metrics["fake_quant"] = score_batched(trained.fake_quant, vx, vy, data.batch_size, desc="scoring the fake-quant model")
     t = time.perf_counter()
-    blocks = calibration_blocks(calib_cfg, dm)
     with stage(f"static-KV-cache export + quantization ({recipe.name})"):
-        deployed = quantize_for_deploy(trained, recipe, export_cfg.max_seq_len, lambda graph: calibrate(graph, blocks))
-    del trained  # the deployed graph holds the weights it uses; the FP copies of quantized ones go
+        # no copy of the FP model unless lm-eval scores it later and the trained weights or torchao would change it in place
+        deployed = deploy_graph(trained, data.calibration, export_cfg.max_seq_len,
+                                copy_fp=keep_fp and (trained.load_trained is not None or recipe.kind == "source"))
     if not keep_fp:
-        fp_model = None
+        fp_model = trained.fp_model = None  # the deployed graph holds the weights it uses; the FP copies of quantized ones go
     timings["export_quantize_s"] = time.perf_counter() - t
     t = time.perf_counter()
     with stage(f"lowering to ExecuTorch ({recipe.name}, {recipe.backend})"):
         pte_bytes = lower_to_pte(deployed, recipe, export_cfg.max_seq_len, metadata)
     timings["lower_s"] = time.perf_counter() - t
-    pte_path = write_bytes_atomic(run_dir / export_cfg.filename, pte_bytes)
+    final = run_dir / export_cfg.filename
+    pending = write_bytes_atomic(final.with_name(final.stem + ".pending.pte"), pte_bytes)  # not the name anyone ships
     tokenizer.save_pretrained(run_dir / "tokenizer")
 
     t = time.perf_counter()
@@ -120,29 +174,29 @@ def deploy_and_check(
     metrics["converted"] = score_deployed(lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)), vx, vy, desc="scoring the converted model")
     reasons = []
     if recipe.runs_here:
-        pte = PteModel(pte_path)
+        pte = PteModel(pending)
         metrics["pte"] = score_deployed(pte, vx, vy, desc="scoring the .pte")
-        prompts = dm.val_x[: parity_cfg.prompts, : parity_cfg.prompt_len]
+        prompts = vx[: parity_cfg.prompts, : parity_cfg.prompt_len]
         figures = compare_decoding(pte, ref, prompts, parity_cfg.decode_steps, desc="parity: .pte vs converted decoding", tie_margin=parity_cfg.tie_margin)
         figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
         reasons = gate(figures, parity_cfg)
         figures["passed"] = not reasons
         figures["reasons"] = reasons
+        del pte
     else:
         figures = {"passed": None, "skipped": f"the {recipe.backend} backend cannot run on this machine (recipe runs_here: false)"}
         log.warning("parity gate skipped: %s", figures["skipped"])
     timings["parity_s"] = time.perf_counter() - t
     metrics = with_intervals(metrics)  # every model scored on the same blocks vx: paired against FP
-    failed = pte_path.with_name(pte_path.stem + ".FAILED_PARITY.pte")
-    if reasons:  # keep the file for inspection, under a name no one ships by mistake
-        os.replace(pte_path, failed)
-        pte_path = failed
-    else:
+    failed = final.with_name(final.stem + ".FAILED_PARITY.pte")
+    pte_path = failed if reasons else final  # a failed one is kept for inspection, under a name no one ships by mistake
+    os.replace(pending, pte_path)
+    if not reasons:
         failed.unlink(missing_ok=True)  # a stale failure from an earlier export of this run
 
     summary = RunSummary(
-        run_dir=str(run_dir), model=module.hparams.checkpoint, recipe=recipe.name, backend=recipe.backend,
-        mode=module.hparams.mode, quantized=recipe.quantized, seq_len=dm.seq_len, eval_blocks=n_eval,
+        run_dir=str(run_dir), model=trained.checkpoint, recipe=recipe.name, backend=recipe.backend,
+        mode=trained.mode, quantized=recipe.quantized, seq_len=data.seq_len, eval_blocks=len(vx),
         val_blocks=validation_blocks_id(vx, vy), metrics=metrics, parity=figures,
         pte={"path": str(pte_path), "size_bytes": pte_path.stat().st_size, "max_seq_len": export_cfg.max_seq_len,
              "export_path": export_path(deployed), "fallback_reason": fallback_reason(deployed),
@@ -154,32 +208,31 @@ def deploy_and_check(
     if reasons:
         raise ParityError(f"parity gate failed for {pte_path}: " + "; ".join(reasons))
     if bench_cfg.enabled and recipe.runs_here:
-        summary.bench = bench(pte_path, module.model_source() if bench_cfg.eager else None, bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
+        summary.bench = bench(pte_path, trained.model_dir if bench_cfg.eager else None, bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
         summary.write(run_dir / "summary.json")
         print(format_bench(summary.bench))
     if eval_cfg.enabled:
-        summary.eval = evaluate_run(module, dm, fp_model, tokenizer, reference, pte_path if recipe.runs_here else None, run_dir, eval_cfg)
+        summary.eval = evaluate_run(trained, data, fp_model, reference, pte_path if recipe.runs_here else None, run_dir, eval_cfg)
         summary.write(run_dir / "summary.json")
     return summary.to_dict()
 
 
-def evaluate_run(module, dm, fp_model, tokenizer, converted, pte_path, run_dir: Path, cfg: EvalConfig,
+def evaluate_run(trained: Trained, data: HeldOut, fp_model, converted, pte_path, run_dir: Path, cfg: EvalConfig,
                  filename: str = "eval.json") -> dict:
-    """lm-eval of what a run has: the FP model, the QAT graph (``module.graph``), the converted model and the
+    """lm-eval of what a run has: the FP model, the QAT graph (``trained.fake_quant``), the converted model and the
     ``.pte``; prints the table and writes ``run_dir/<filename>``."""
-    from qharness.evaluation.harness import eval_texts, evaluate_models, format_eval_table, max_length
+    from qharness.evaluation.harness import evaluate_models, format_eval_table, max_length
     from qharness.evaluation.lm_eval_adapter import BatchedForward, converted_backend, hf_backend, pte_backend
 
-    length = max_length(cfg, dm.seq_len)
-    backends = {"fp": lambda: hf_backend(fp_model, length, dm.batch_size)}
-    if module.graph is not None:
-        module._to_eval()
-        backends["fake_quant"] = lambda: BatchedForward(module.graph, length, dm.batch_size, shape=(dm.batch_size, dm.seq_len))
+    length = max_length(cfg, data.seq_len)
+    backends = {"fp": lambda: hf_backend(fp_model, length, data.batch_size)}
+    if trained.fake_quant is not None:
+        backends["fake_quant"] = lambda: BatchedForward(trained.fake_quant, length, data.batch_size, shape=(data.batch_size, data.seq_len))
     if converted is not None:
         backends["converted"] = lambda: converted_backend(converted, length)
     if pte_path is not None:
         backends["pte"] = lambda: pte_backend(pte_path, length)
-    result = evaluate_models(backends, tokenizer, cfg, eval_texts(cfg, dm), run_dir, {"max_length": length, "pte": str(pte_path) if pte_path else None},
+    result = evaluate_models(backends, trained.tokenizer, cfg, data.texts(), run_dir, {"max_length": length, "pte": str(pte_path) if pte_path else None},
                              filename)
     print(format_eval_table(result))
     return result

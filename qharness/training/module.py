@@ -257,14 +257,14 @@ class QuantLM(L.LightningModule):
         n = self.hparams.freeze_observers_after_n_steps
         return n is None or step < n
 
-    def _to_eval(self) -> None:
+    def to_eval(self) -> None:
         if isinstance(self.graph, torch.fx.GraphModule):
             imports.pt2e().move_to_eval(self.graph)
         else:  # eager torchao QAT modules
             self.graph.eval()
         set_static_observers(self.graph, enabled=False)
 
-    def _to_train(self) -> None:
+    def to_train(self) -> None:
         if isinstance(self.graph, torch.fx.GraphModule):
             imports.pt2e().move_to_train(self.graph)
         else:
@@ -272,7 +272,7 @@ class QuantLM(L.LightningModule):
         set_static_observers(self.graph, enabled=self.observers_on(self.global_step))
 
     def on_fit_start(self) -> None:
-        self._to_train()
+        self.to_train()
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         """Fake quantization off before ``fake_quant_after_n_steps``; static observers frozen from
@@ -283,11 +283,11 @@ class QuantLM(L.LightningModule):
             set_fake_quant(self.graph, self.fake_quant_on(self.global_step))
             set_static_observers(self.graph, enabled=self.observers_on(self.global_step))
 
-    on_validation_model_eval = _to_eval
-    on_validation_model_train = _to_train
-    on_test_model_eval = _to_eval
-    on_test_model_train = _to_train
-    on_predict_model_eval = _to_eval
+    on_validation_model_eval = to_eval
+    on_validation_model_train = to_train
+    on_test_model_eval = to_eval
+    on_test_model_train = to_train
+    on_predict_model_eval = to_eval
 
     # --- steps ----------------------------------------------------------------------------------
     def loss(self, batch) -> torch.Tensor:

@@ -1,0 +1,36 @@
+"""The Lightning side of a run handed to the plain stages: ``QuantLM`` -> ``Trained``, ``TextDataModule`` -> ``HeldOut``.
+
+Example::
+
+    summary = deploy_and_check(trained(module), held_out(dm, parity_cfg, calib_cfg), run_dir, export_cfg, parity_cfg)
+"""
+
+from __future__ import annotations
+
+from qharness.config import CalibrationConfig, EvalConfig, ParityConfig
+from qharness.run.pipeline import HeldOut, Trained
+
+
+def trained(module) -> Trained:
+    """The FP model, the recipe and (QAT) the trained fake-quant graph of a ``QuantLM``, on CPU, in eval mode."""
+    fp_model, tokenizer = module.load_fp()
+    fake_quant = None
+    if module.graph is not None:
+        module.graph_to_cpu()  # trained on a GPU: deployment and its checks run on CPU
+        module.to_eval()
+        fake_quant = module.graph
+    return Trained(fp_model=fp_model, tokenizer=tokenizer, recipe=module.recipe, mode=module.hparams.mode,
+                   checkpoint=module.hparams.checkpoint, model_dir=module.model_source(), fake_quant=fake_quant,
+                   load_trained=module.load_into if fake_quant is not None else None)
+
+
+def held_out(dm, parity_cfg: ParityConfig, calib_cfg: CalibrationConfig, eval_cfg: EvalConfig | None = None) -> HeldOut:
+    """``parity.eval_blocks`` validation blocks (whole batches), the calibration blocks and the lm-eval text of a
+    set-up ``TextDataModule``."""
+    from qharness.evaluation.harness import eval_texts
+    from qharness.training.calibration import calibration_blocks
+
+    n = min(parity_cfg.eval_blocks, len(dm.val_x)) // dm.batch_size * dm.batch_size
+    cfg = eval_cfg or EvalConfig(enabled=False)
+    return HeldOut(x=dm.val_x[:n], y=dm.val_y[:n], batch_size=dm.batch_size, calibration=calibration_blocks(calib_cfg, dm),
+                   texts=lambda: eval_texts(cfg, dm))
