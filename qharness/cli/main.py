@@ -18,7 +18,6 @@ so ``qharness --help`` answers at once.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -37,6 +36,10 @@ SUBCOMMANDS = {
     "report": "accuracy vs latency of every run under a directory: table, Pareto plot, best under a budget",
     "sweep": "run the FP baseline and recipes x modes (PTQ, QAT) from one sweep config, then the report",
 }
+
+# Run-config subcommands go through LightningCLI (cli/lightning.py); the plain ones are the functions of cli/commands.py.
+LIGHTNING = ("fit", "calibrate", "validate", "test", "export", "evaluate")
+PLAIN = ("recipes", "generate", "bench", "report", "sweep")
 
 USAGE = "usage: qharness {" + ",".join(SUBCOMMANDS) + "} [CONFIG.yaml] [--field value ...] [--verbose]\n"
 
@@ -98,104 +101,6 @@ def check_tasks_early(argv: list[str]) -> None:
     check_tasks([str(t) for t in tasks], _option(argv, "--eval.include_path") or ev.get("include_path"))
 
 
-def list_recipes() -> None:
-    from qharness.recipes.registry import known_recipes, load_recipe
-
-    rows = [load_recipe(n) for n in known_recipes()]
-    width = max(len(r.name) for r in rows)
-    for r in rows:
-        print(f"{r.name:<{width}}  {r.backend:<8} {'/'.join(r.modes):<8} {r.description}")
-
-
-def generate_cmd(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="qharness generate", description=SUBCOMMANDS["generate"])
-    p.add_argument("--pte", required=True, help="the .pte file")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    p.add_argument("--top_k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    p.add_argument("--seed", type=int, default=None, help="fixed seed: the same text every run")
-    p.add_argument("--tokenizer", default=None, help="directory with tokenizer.json (default: tokenizer/ beside the .pte)")
-    a = p.parse_args(argv)
-    from pathlib import Path
-
-    from qharness.runtime.generate import generate, load_tokenizer
-    from qharness.runtime.pte import PteModel
-
-    tokenizer = load_tokenizer(a.tokenizer or Path(a.pte).parent / "tokenizer")
-    pte = PteModel(a.pte)
-
-    def stream(piece: str) -> None:
-        print(piece, end="", flush=True)
-
-    stream(a.prompt)
-    out = generate(pte, tokenizer, a.prompt, a.max_new_tokens, a.temperature, a.top_k, a.seed, on_text=stream)
-    print()
-    print(f"[{out['prompt_tokens']} prompt tokens, {len(out['new_tokens'])} generated] prefill {out['prefill_tok_s']:.1f} tok/s, "
-          f"decode {out['decode_tok_s']:.1f} tok/s", file=sys.stderr)
-
-
-def bench_cmd(argv: list[str]) -> None:
-    p = argparse.ArgumentParser(prog="qharness bench", description=SUBCOMMANDS["bench"] + " (the eager model when a summary.json lies beside the "
-                                ".pte). Several --pte (or --processes): every program timed in N fresh processes each, round-robin, "
-                                "with the spread over processes; added to each summary.json as bench_joint")
-    p.add_argument("--pte", required=True, action="append", help="a .pte file; repeat to time several jointly")
-    p.add_argument("--prompt_len", type=int, default=128, help="tokens prefilled in one call")
-    p.add_argument("--decode_tokens", type=int, default=64, help="tokens decoded one at a time after the prefill")
-    p.add_argument("--reps", type=int, default=None, help="repetitions per process (median and min-max reported; default 5, joint 10)")
-    p.add_argument("--processes", type=int, default=None, help="fresh processes per program, round-robin (default 5 with several --pte)")
-    p.add_argument("--threads", type=int, default=None, help="ExecuTorch/torch threads in every process (default: the cores free now)")
-    p.add_argument("--out", default=None, help="also write the joint result to this JSON file")
-    a = p.parse_args(argv)
-    from pathlib import Path
-
-    from qharness.errors import UserError
-    from qharness.io import write_json_atomic
-    from qharness.run.summary import RunSummary
-
-    if a.threads is not None and a.threads < 1:
-        raise UserError(f"bench --threads must be >= 1 (got {a.threads})", fix="pass --threads 1, or leave it out (free cores)")
-    if a.processes is not None and a.processes < 1:
-        raise UserError(f"bench --processes must be >= 1 (got {a.processes})", fix="pass --processes 5")
-    if len(a.pte) > 1 or a.processes is not None:
-        from qharness.runtime.bench import bench_jointly, format_joint, joint_entry
-
-        for pte in a.pte:
-            if not Path(pte).is_file():
-                raise UserError(f".pte file {pte} does not exist")
-        joint = bench_jointly(a.pte, a.prompt_len, a.decode_tokens, a.reps or 10, 5 if a.processes is None else a.processes, a.threads)
-        print(format_joint(joint))
-        if a.out:
-            write_json_atomic(Path(a.out), joint)
-            print(f"joint result written to {a.out}")
-        for pte in a.pte:
-            summary_path = Path(pte).parent / "summary.json"
-            if summary_path.is_file() and len({Path(x).parent for x in a.pte}) == len(a.pte):  # one .pte per run dir
-                RunSummary.update(summary_path, bench_joint=joint_entry(joint, pte))
-                print(f"bench_joint added to {summary_path}")
-        return
-
-    from qharness.runtime.bench import bench, format_bench
-
-    summary_path = Path(a.pte[0]).parent / "summary.json"
-    summary = RunSummary.read(summary_path) if summary_path.is_file() else None
-    model_dir = None
-    if summary is not None:
-        # The eager comparison loads the run's model only from this machine (a directory, or the embedded default):
-        # a summary.json lying beside a downloaded .pte never makes qharness build, import or download anything.
-        if summary.model == "embedded" or Path(summary.model).expanduser().is_dir():
-            from qharness.sources.models import resolve_checkpoint
-
-            model_dir = resolve_checkpoint(summary.model)
-        else:
-            print(f"eager FP comparison skipped: the model of {summary_path} ({summary.model!r}) is not a local directory", file=sys.stderr)
-    result = bench(a.pte[0], model_dir, a.prompt_len, a.decode_tokens, a.reps or 5, a.threads)
-    print(format_bench(result))
-    if summary is not None:
-        RunSummary.update(summary_path, bench=result)
-        print(f"bench results added to {summary_path}")
-
-
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -213,16 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     from qharness.errors import ParityError, UserError
 
     try:
-        if argv[0] == "recipes":
-            list_recipes()
-            return
-        if argv[0] in ("generate", "bench"):
-            (generate_cmd if argv[0] == "generate" else bench_cmd)(argv[1:])
-            return
-        if argv[0] in ("report", "sweep"):
-            from qharness.reporting import report, sweep
+        if argv[0] in PLAIN:
+            from qharness.cli import commands
+            from qharness.cli.args import call
 
-            (report.report_cmd if argv[0] == "report" else sweep.sweep_cmd)(argv[1:])
+            call(getattr(commands, argv[0]), argv[1:], prog=f"qharness {argv[0]}")
             return
         argv = rewrite_argv(argv)
         check_tasks_early(argv)

@@ -529,29 +529,3 @@ def write_report(runs_dir: str | Path, out: str | Path | None = None, metric: st
     result["paths"] = {k: str(v) for k, v in paths.items()}
     result["wandb_dir"] = str(log_to_wandb(rows, columns, column, paths["png"], out, runs_dir.name)) if wandb else None
     return result
-
-
-def report_cmd(argv: list[str]) -> None:
-    """``qharness report RUNS_DIR [--out DIR] [--metric ppl] [--max_latency_ms X] [--max_size_mb Y] [--no_wandb]``."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="qharness report", description="accuracy vs latency over the runs under RUNS_DIR: "
-                                "table (report.md/.csv), Pareto plot (pareto.png), best run under a budget; logged to wandb")
-    p.add_argument("runs_dir", help="directory searched (recursively) for summary.json files")
-    p.add_argument("--out", default=None, help="where report.md/.csv/.json and pareto.png go (default: RUNS_DIR)")
-    p.add_argument("--metric", default="ppl", help="accuracy axis: ppl (the .pte's validation perplexity), TASK/METRIC "
-                   "(the .pte's lm-eval metric, e.g. hellaswag/acc), TASK/METRIC/STAGE, or a column of report.csv")
-    p.add_argument("--max_latency_ms", type=float, default=None, help="latency budget: decode ms/token of the .pte")
-    p.add_argument("--max_size_mb", type=float, default=None, help="size budget: .pte MB (1 MB = 1e6 bytes)")
-    p.add_argument("--no_wandb", action="store_true", help="do not log the report to wandb")
-    a = p.parse_args(argv)
-    for name in ("max_latency_ms", "max_size_mb"):
-        v = getattr(a, name)
-        if v is not None and not v > 0:
-            raise UserError(f"--{name} must be positive (got {v})")
-    result = write_report(a.runs_dir, a.out, a.metric, a.max_latency_ms, a.max_size_mb, wandb=not a.no_wandb)
-    print(result["text"])
-    print(f"table: {result['paths']['markdown']} and {result['paths']['csv']}")
-    print(f"Pareto plot: {result['paths']['png']}")
-    if result["wandb_dir"]:
-        print(f"wandb run: {result['wandb_dir']}")

@@ -311,32 +311,3 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
             print(f"[sweep] no report: {e}", flush=True)
     result["wall_s"] = time.perf_counter() - t0
     return result
-
-
-def sweep_cmd(argv: list[str]) -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="qharness sweep", description="run the FP baseline and recipes x modes of a sweep config "
-                                "(each its own run dir; finished runs are skipped), then write the report")
-    p.add_argument("config", help="sweep YAML, e.g. configs/sweep_xnnpack.yaml")
-    p.add_argument("--force", action="store_true", help="rerun runs that already finished")
-    p.add_argument("--dry_run", action="store_true", help="print the runs and whether each would be skipped; run nothing")
-    a = p.parse_args(argv)
-    if a.dry_run:
-        for run in plan(load_sweep(a.config)):
-            done = is_done(run) and not a.force
-            print(f"{run.name:<32} qharness {run.subcommand} {run.config_path}  {'(finished: skipped)' if done else ''}")
-        return
-    result = run_sweep(a.config, force=a.force)
-    rep = result["report"]
-    print()
-    if rep is not None:
-        print(rep["text"])
-    done = sum(r["state"] != "failed" for r in result["runs"])
-    print(f"\nsweep: {done}/{len(result['runs'])} runs finished in {format_seconds(result['wall_s'])}"
-          + (f"; failed: {', '.join(r['name'] for r in result['runs'] if r['state'] == 'failed')}" if done < len(result["runs"]) else ""))
-    if rep is not None:
-        print(f"table: {rep['paths']['markdown']} and {rep['paths']['csv']}")
-        print(f"Pareto plot: {rep['paths']['png']}")
-    if done < len(result["runs"]):
-        raise SystemExit(1)

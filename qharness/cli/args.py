@@ -1,0 +1,80 @@
+"""One grammar for the plain subcommands: a function's signature and docstring are its command line (litgpt's way).
+
+Positional-or-keyword parameters without a default are positional arguments; keyword-only ones without a default
+are required ``--options``; ``bool`` with a ``False`` default is a flag; ``list[str]`` is an option given once per
+value (``--pte a --pte b``); ``X | None`` takes an ``X``. Help text comes from the docstring's ``Args:`` section.
+
+Example::
+
+    def report(runs_dir: str, *, metric: str = "ppl", no_wandb: bool = False) -> None:
+        '''Accuracy vs latency of the runs under RUNS_DIR.
+
+        Args:
+            runs_dir: directory searched for summary.json files.
+        '''
+
+    call(report, ["runs/", "--no_wandb"], prog="qharness report")
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import re
+import types
+import typing
+from collections.abc import Callable
+
+
+def _doc_args(fn: Callable) -> tuple[str, dict[str, str]]:
+    """The docstring's first paragraph and its ``Args:`` entries (``name: text``, continuation lines indented)."""
+    doc = inspect.getdoc(fn) or ""
+    head = doc.split("\n\n")[0].replace("\n", " ")
+    args: dict[str, str] = {}
+    section = doc.split("Args:", 1)[1] if "Args:" in doc else ""
+    name = None
+    for line in section.splitlines():
+        m = re.match(r"^    (\w+): (.*)$", line)
+        if m:
+            name = m.group(1)
+            args[name] = m.group(2)
+        elif name and line.startswith("        "):
+            args[name] += " " + line.strip()
+        elif line.strip():
+            break
+    return head, args
+
+
+def _base(t):
+    """``X`` of ``X | None``; the type itself otherwise."""
+    if typing.get_origin(t) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return t
+
+
+def parser_for(fn: Callable, prog: str) -> argparse.ArgumentParser:
+    head, helps = _doc_args(fn)
+    p = argparse.ArgumentParser(prog=prog, description=head)
+    hints = typing.get_type_hints(fn)
+    for name, param in inspect.signature(fn).parameters.items():
+        t, help_ = _base(hints.get(name, str)), helps.get(name)
+        required = param.default is inspect.Parameter.empty
+        if param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and required:
+            p.add_argument(name, type=t, help=help_)
+        elif t is bool:
+            p.add_argument(f"--{name}", action="store_true", help=help_)
+        elif typing.get_origin(t) is list:
+            (item,) = typing.get_args(t)
+            p.add_argument(f"--{name}", type=item, action="append", required=required, default=None if required else param.default,
+                           help=(help_ or "") + " (repeat for several)")
+        else:
+            default = None if required else param.default
+            p.add_argument(f"--{name}", type=t, required=required, default=default,
+                           help=(help_ or "") + ("" if required or default is None else f" (default: {default})"))
+    return p
+
+
+def call(fn: Callable, argv: list[str], prog: str):
+    """Parse ``argv`` by ``fn``'s signature and call it."""
+    return fn(**vars(parser_for(fn, prog).parse_args(argv)))

@@ -1,0 +1,176 @@
+"""The plain subcommands as typed functions: their signatures and docstrings are the command line
+(``qharness.cli.args``). Each imports what it needs when it runs, so ``qharness --help`` stays instant.
+
+Example::
+
+    from qharness.cli.commands import report
+    report("runs/sweep_xnnpack", max_size_mb=2.0, no_wandb=True)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from qharness.errors import UserError
+
+
+def recipes() -> None:
+    """List the backend recipes: name, backend, modes, what ships."""
+    from qharness.recipes.registry import known_recipes, load_recipe
+
+    rows = [load_recipe(n) for n in known_recipes()]
+    width = max(len(r.name) for r in rows)
+    for r in rows:
+        print(f"{r.name:<{width}}  {r.backend:<8} {'/'.join(r.modes):<8} {r.description}")
+
+
+def generate(*, pte: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 0,
+             seed: int | None = None, tokenizer: str | None = None) -> None:
+    """Stream text from a .pte (our decode loop over the ExecuTorch runtime), with prefill/decode tokens/s on stderr.
+
+    Args:
+        pte: the .pte file.
+        prompt: text to continue.
+        max_new_tokens: tokens to generate.
+        temperature: 0: greedy.
+        top_k: sample among the k most likely tokens (0: all).
+        seed: fixed seed: the same text every run.
+        tokenizer: directory with tokenizer.json (default: tokenizer/ beside the .pte).
+    """
+    from qharness.runtime.generate import generate as run_generate
+    from qharness.runtime.generate import load_tokenizer
+    from qharness.runtime.pte import PteModel
+
+    tok = load_tokenizer(tokenizer or Path(pte).parent / "tokenizer")
+    program = PteModel(pte)
+
+    def stream(piece: str) -> None:
+        print(piece, end="", flush=True)
+
+    stream(prompt)
+    out = run_generate(program, tok, prompt, max_new_tokens, temperature, top_k, seed, on_text=stream)
+    print()
+    print(f"[{out['prompt_tokens']} prompt tokens, {len(out['new_tokens'])} generated] prefill {out['prefill_tok_s']:.1f} tok/s, "
+          f"decode {out['decode_tok_s']:.1f} tok/s", file=sys.stderr)
+
+
+def bench(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 64, reps: int | None = None, processes: int | None = None,
+          threads: int | None = None, out: str | None = None) -> None:
+    """Load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model (when a summary.json lies
+    beside the .pte). Several --pte (or --processes): every program timed in N fresh processes each, round-robin, with the
+    spread over processes; added to each summary.json as bench_joint.
+
+    Args:
+        pte: a .pte file.
+        prompt_len: tokens prefilled in one call.
+        decode_tokens: tokens decoded one at a time after the prefill.
+        reps: repetitions per process (median and min-max reported; default 5, joint 10).
+        processes: fresh processes per program, round-robin (default 5 with several --pte).
+        threads: ExecuTorch/torch threads in every process (default: the cores free now).
+        out: also write the joint result to this JSON file.
+    """
+    from qharness.io import write_json_atomic
+    from qharness.run.summary import RunSummary
+
+    if threads is not None and threads < 1:
+        raise UserError(f"bench --threads must be >= 1 (got {threads})", fix="pass --threads 1, or leave it out (free cores)")
+    if processes is not None and processes < 1:
+        raise UserError(f"bench --processes must be >= 1 (got {processes})", fix="pass --processes 5")
+    if len(pte) > 1 or processes is not None:
+        from qharness.runtime.bench import bench_jointly, format_joint, joint_entry
+
+        for pte in pte:
+            if not Path(pte).is_file():
+                raise UserError(f".pte file {pte} does not exist")
+        joint = bench_jointly(pte, prompt_len, decode_tokens, reps or 10, 5 if processes is None else processes, threads)
+        print(format_joint(joint))
+        if out:
+            write_json_atomic(Path(out), joint)
+            print(f"joint result written to {out}")
+        for pte in pte:
+            summary_path = Path(pte).parent / "summary.json"
+            if summary_path.is_file() and len({Path(x).parent for x in pte}) == len(pte):  # one .pte per run dir
+                RunSummary.update(summary_path, bench_joint=joint_entry(joint, pte))
+                print(f"bench_joint added to {summary_path}")
+        return
+
+    from qharness.runtime.bench import bench as run_bench
+    from qharness.runtime.bench import format_bench
+
+    summary_path = Path(pte[0]).parent / "summary.json"
+    summary = RunSummary.read(summary_path) if summary_path.is_file() else None
+    model_dir = None
+    if summary is not None:
+        # The eager comparison loads the run's model only from this machine (a directory, or the embedded default):
+        # a summary.json lying beside a downloaded .pte never makes qharness build, import or download anything.
+        if summary.model == "embedded" or Path(summary.model).expanduser().is_dir():
+            from qharness.sources.models import resolve_checkpoint
+
+            model_dir = resolve_checkpoint(summary.model)
+        else:
+            print(f"eager FP comparison skipped: the model of {summary_path} ({summary.model!r}) is not a local directory", file=sys.stderr)
+    result = run_bench(pte[0], model_dir, prompt_len, decode_tokens, reps or 5, threads)
+    print(format_bench(result))
+    if summary is not None:
+        RunSummary.update(summary_path, bench=result)
+        print(f"bench results added to {summary_path}")
+
+
+def report(runs_dir: str, *, out: str | None = None, metric: str = "ppl", max_latency_ms: float | None = None,
+           max_size_mb: float | None = None, no_wandb: bool = False) -> None:
+    """Accuracy vs latency over the runs under RUNS_DIR: table (report.md/.csv), Pareto plot (pareto.png), best run under
+    a budget, ties called ties; logged to wandb.
+
+    Args:
+        runs_dir: directory searched (recursively) for summary.json files.
+        out: where report.md/.csv/.json and pareto.png go (default: RUNS_DIR).
+        metric: accuracy axis: ppl (the .pte's validation perplexity), TASK/METRIC (the .pte's lm-eval metric, e.g.
+            hellaswag/acc), TASK/METRIC/STAGE, or a column of report.csv.
+        max_latency_ms: latency budget: decode ms/token of the .pte.
+        max_size_mb: size budget: .pte MB (1 MB = 1e6 bytes).
+        no_wandb: do not log the report to wandb.
+    """
+    from qharness.reporting.report import write_report
+
+    for name, v in (("max_latency_ms", max_latency_ms), ("max_size_mb", max_size_mb)):
+        if v is not None and not v > 0:
+            raise UserError(f"--{name} must be positive (got {v})")
+    result = write_report(runs_dir, out, metric, max_latency_ms, max_size_mb, wandb=not no_wandb)
+    print(result["text"])
+    print(f"table: {result['paths']['markdown']} and {result['paths']['csv']}")
+    print(f"Pareto plot: {result['paths']['png']}")
+    if result["wandb_dir"]:
+        print(f"wandb run: {result['wandb_dir']}")
+
+
+def sweep(config: str, *, force: bool = False, dry_run: bool = False) -> None:
+    """Run the FP baseline and recipes x modes (PTQ, QAT) of a sweep config, each in its own run dir (finished runs are
+    skipped), time every .pte jointly, then write the report.
+
+    Args:
+        config: sweep YAML, e.g. configs/sweep_xnnpack.yaml.
+        force: rerun runs that already finished.
+        dry_run: print the runs and whether each would be skipped; run nothing.
+    """
+    from qharness.progress import format_seconds
+    from qharness.reporting.sweep import is_done, load_sweep, plan, run_sweep
+
+    if dry_run:
+        for run in plan(load_sweep(config)):
+            done = is_done(run) and not force
+            print(f"{run.name:<32} qharness {run.subcommand} {run.config_path}  {'(finished: skipped)' if done else ''}")
+        return
+    result = run_sweep(config, force=force)
+    rep = result["report"]
+    print()
+    if rep is not None:
+        print(rep["text"])
+    done = sum(r["state"] != "failed" for r in result["runs"])
+    print(f"\nsweep: {done}/{len(result['runs'])} runs finished in {format_seconds(result['wall_s'])}"
+          + (f"; failed: {', '.join(r['name'] for r in result['runs'] if r['state'] == 'failed')}" if done < len(result["runs"]) else ""))
+    if rep is not None:
+        print(f"table: {rep['paths']['markdown']} and {rep['paths']['csv']}")
+        print(f"Pareto plot: {rep['paths']['png']}")
+    if done < len(result["runs"]):
+        raise SystemExit(1)
