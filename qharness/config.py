@@ -17,8 +17,16 @@ from qharness.errors import UserError
 def _at_least(section: str, **values) -> None:
     """``values`` are ``name=(value, minimum)``: each must be an int/float >= minimum."""
     for name, (value, minimum) in values.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
-            raise UserError(f"{section}.{name} must be a number >= {minimum} (got {value!r})", fix=f"set {section}.{name} >= {minimum}")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value < minimum
+        ):
+            raise UserError(
+                f"{section}.{name} must be a number >= {minimum} (got {value!r})",
+                fix=f"set {section}.{name} >= {minimum}",
+            )
 
 
 @dataclass
@@ -39,7 +47,10 @@ class ExportConfig:
         _at_least("deploy", max_seq_len=(self.max_seq_len, 3))
         name = PurePath(self.filename)
         if not self.filename or name.name != self.filename or name.suffix != ".pte" or self.filename.startswith("."):
-            raise UserError(f"deploy.filename {self.filename!r} must be a plain file name ending in .pte", fix="e.g. deploy.filename: model.pte")
+            raise UserError(
+                f"deploy.filename {self.filename!r} must be a plain file name ending in .pte",
+                fix="e.g. deploy.filename: model.pte",
+            )
 
 
 @dataclass
@@ -71,8 +82,14 @@ class ParityConfig:
     max_abs_diff: float | None = None
 
     def __post_init__(self):
-        _at_least("parity", prompts=(self.prompts, 1), prompt_len=(self.prompt_len, 1), decode_steps=(self.decode_steps, 0),
-                  eval_blocks=(self.eval_blocks, 1), max_ppl_rel_diff=(self.max_ppl_rel_diff, 0))
+        _at_least(
+            "parity",
+            prompts=(self.prompts, 1),
+            prompt_len=(self.prompt_len, 1),
+            decode_steps=(self.decode_steps, 0),
+            eval_blocks=(self.eval_blocks, 1),
+            max_ppl_rel_diff=(self.max_ppl_rel_diff, 0),
+        )
         if not 0.0 <= self.min_argmax_agreement <= 1.0:
             raise UserError(f"parity.min_argmax_agreement must lie in [0, 1] (got {self.min_argmax_agreement})")
         if self.max_abs_diff is not None:
@@ -183,7 +200,9 @@ class EvalConfig:
     def __post_init__(self):
         unknown = [m for m in self.models if m not in MODEL_KINDS]
         if unknown or not self.models:
-            raise UserError(f"eval.models: unknown {unknown or 'empty list'}", fix=f"choose among {', '.join(MODEL_KINDS)}")
+            raise UserError(
+                f"eval.models: unknown {unknown or 'empty list'}", fix=f"choose among {', '.join(MODEL_KINDS)}"
+            )
         if self.limit is not None:
             _at_least("eval", limit=(self.limit, 1))
         if self.num_fewshot is not None:

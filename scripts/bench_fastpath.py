@@ -46,8 +46,18 @@ def load_model(source: str):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
-                             num_key_value_heads=4, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0)
+        config = LlamaConfig(
+            vocab_size=2048,
+            hidden_size=256,
+            intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=512,
+            tie_word_embeddings=True,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         return LlamaForCausalLM(config).eval(), 0, [0]
     model, tok = load_model_and_tokenizer(resolve_checkpoint(source))
     return model, tok.bos_token_id, [tok.eos_token_id]
@@ -76,10 +86,10 @@ def export_ours(model, recipe_name: str, max_seq_len: int, path: Path, bos_id, e
 def export_ours_all_logits(model, max_seq_len: int, path: Path, bos_id, eos_ids) -> None:
     """Our fp32 fast path returning every position's logits (``FastDecoder(all_logits=True)``): what keeping
     all-position logits would cost in prefill."""
-    from qharness.upstream import imports
     from qharness.deploy.fastpath import export_fast
     from qharness.deploy.lower import runner_metadata
     from qharness.recipes.registry import load_recipe
+    from qharness.upstream import imports
 
     recipe = load_recipe("xnnpack_fp32")
     m = copy.deepcopy(model).requires_grad_(False)
@@ -94,15 +104,25 @@ def hf_to_meta(model) -> tuple[dict, dict]:
     HF's rotate-half layout to Meta's interleaved rotary layout, the tied embedding copied to ``output``."""
     c = model.config
     rope = getattr(c, "rope_parameters", None) or {}
-    if type(model).__name__ != "LlamaForCausalLM" or rope.get("rope_type", "default") != "default" or c.attention_bias or c.mlp_bias:
-        raise SystemExit(f"bench_fastpath maps plain Llamas only (default rotary, no biases); got {type(model).__name__} {rope}")
+    if (
+        type(model).__name__ != "LlamaForCausalLM"
+        or rope.get("rope_type", "default") != "default"
+        or c.attention_bias
+        or c.mlp_bias
+    ):
+        raise SystemExit(
+            f"bench_fastpath maps plain Llamas only (default rotary, no biases); got {type(model).__name__} {rope}"
+        )
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
     def unpermute(w, heads):  # inverse of transformers' convert_llama_weights_to_hf permute
         return w.view(heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
-    sd = {"tok_embeddings.weight": model.model.embed_tokens.weight, "norm.weight": model.model.norm.weight,
-          "output.weight": model.lm_head.weight}
+    sd = {
+        "tok_embeddings.weight": model.model.embed_tokens.weight,
+        "norm.weight": model.model.norm.weight,
+        "output.weight": model.lm_head.weight,
+    }
     for i, layer in enumerate(model.model.layers):
         a, m = layer.self_attn, layer.mlp
         sd |= {
@@ -116,22 +136,33 @@ def hf_to_meta(model) -> tuple[dict, dict]:
             f"layers.{i}.feed_forward.w2.weight": m.down_proj.weight,
             f"layers.{i}.feed_forward.w3.weight": m.up_proj.weight,
         }
-    params = {"dim": c.hidden_size, "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
-              "n_kv_heads": c.num_key_value_heads, "vocab_size": c.vocab_size, "hidden_dim": c.intermediate_size,
-              "head_dim": head_dim, "norm_eps": c.rms_norm_eps, "rope_theta": float(rope["rope_theta"])}
+    params = {
+        "dim": c.hidden_size,
+        "n_layers": c.num_hidden_layers,
+        "n_heads": c.num_attention_heads,
+        "n_kv_heads": c.num_key_value_heads,
+        "vocab_size": c.vocab_size,
+        "hidden_dim": c.intermediate_size,
+        "head_dim": head_dim,
+        "norm_eps": c.rms_norm_eps,
+        "rope_theta": float(rope["rope_theta"]),
+    }
     return {k: v.detach().clone().contiguous() for k, v in sd.items()}, params
 
 
-def export_theirs(model, quant: dict, max_seq_len: int, out_dir: Path, bos_id, eos_ids, fast_lowering: bool = False) -> dict:
+def export_theirs(
+    model, quant: dict, max_seq_len: int, out_dir: Path, bos_id, eos_ids, fast_lowering: bool = False
+) -> dict:
     """``export_llama(LlmConfig)`` of ExecuTorch's Llama holding ``model``'s weights; returns timings and the path.
 
     ``fast_lowering``: run it inside ``qharness.lowering.fast_lowering()`` (the same ``.pte``, byte for byte, in a
     fraction of the time: upstream lowering of a 30-layer model takes tens of minutes here)."""
     import contextlib
 
-    from qharness.upstream import lowering
     from executorch.examples.models.llama.export_llama_lib import export_llama
     from executorch.extension.llm.export.config.llm_config import LlmConfig, ModelType, Pt2eQuantize
+
+    from qharness.upstream import lowering
 
     out_dir.mkdir(parents=True, exist_ok=True)
     sd, params = hf_to_meta(model)
@@ -192,12 +223,25 @@ def time_both(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps
     joint = interleaved(programs, prompt_len, decode_tokens, reps, processes)
     out = {"threads": joint["threads"], "load_avg_1m": joint["load_avg_1m"]}
     for name, p in joint["programs"].items():
-        out[name] = {"prefill": spread([1e3 / x for x in p["prefill_tok_s"]["per_process"]]), "decode": p["decode_ms_per_token"]}
+        out[name] = {
+            "prefill": spread([1e3 / x for x in p["prefill_tok_s"]["per_process"]]),
+            "decode": p["decode_ms_per_token"],
+        }
     return out
 
 
-def run(model_source: str, kinds: list[str], out_dir: Path, max_seq_len: int, prompt_len: int, decode_tokens: int, reps: int, processes: int,
-        all_logits: bool = True, reuse: bool = False) -> list[dict]:
+def run(
+    model_source: str,
+    kinds: list[str],
+    out_dir: Path,
+    max_seq_len: int,
+    prompt_len: int,
+    decode_tokens: int,
+    reps: int,
+    processes: int,
+    all_logits: bool = True,
+    reuse: bool = False,
+) -> list[dict]:
     """Build both ``.pte``s per kind, check they agree, time them; one result row per kind (``all_logits``: for
     fp32 also time our fast path returning every position's logits; ``reuse``: time the ``.pte``s an earlier
     run left in ``out_dir`` instead of exporting again)."""
@@ -220,46 +264,84 @@ def run(model_source: str, kinds: list[str], out_dir: Path, max_seq_len: int, pr
             if "ours_all_logits" in paths:
                 export_ours_all_logits(model, max_seq_len, paths["ours_all_logits"], bos_id, eos_ids)
             (kdir / "export.json").write_text(json.dumps({"ours": ours, "theirs": theirs}))
-        row = {"kind": kind, "recipe": recipe, "export_path": ours["export_path"], "export_s": {"ours": ours["export_s"], "theirs": theirs["export_s"]},
-               "size_mb": {n: p.stat().st_size / 1e6 for n, p in paths.items()}, "agreement": agreement(paths["ours"], paths["theirs"], vocab)}
+        row = {
+            "kind": kind,
+            "recipe": recipe,
+            "export_path": ours["export_path"],
+            "export_s": {"ours": ours["export_s"], "theirs": theirs["export_s"]},
+            "size_mb": {n: p.stat().st_size / 1e6 for n, p in paths.items()},
+            "agreement": agreement(paths["ours"], paths["theirs"], vocab),
+        }
         t = time_both(paths, vocab, prompt_len, decode_tokens, reps, processes)
         row["threads"], row["load_avg_1m"] = t.pop("threads"), t.pop("load_avg_1m")
         row["ms_per_token"] = t
-        row["ratio"] = {k: pair_ratios(t["ours"][k]["per_process"], t["theirs"][k]["per_process"]) for k in ("prefill", "decode")}
+        row["ratio"] = {
+            k: pair_ratios(t["ours"][k]["per_process"], t["theirs"][k]["per_process"]) for k in ("prefill", "decode")
+        }
         if "ours_all_logits" in t:
-            row["all_logits_prefill_ratio"] = pair_ratios(t["ours_all_logits"]["prefill"]["per_process"], t["ours"]["prefill"]["per_process"])
+            row["all_logits_prefill_ratio"] = pair_ratios(
+                t["ours_all_logits"]["prefill"]["per_process"], t["ours"]["prefill"]["per_process"]
+            )
         rows.append(row)
         print(format_rows([row]), flush=True)
     return rows
 
 
 def verdicts(row: dict) -> str:
-    """"MET" when both whole spreads meet their targets, "NOT MET" when either misses entirely, else "TIE/UNDECIDED"."""
+    """ "MET" when both whole spreads meet their targets, "NOT MET" when either misses entirely, else "TIE/UNDECIDED"."""
     v = {verdict(row["ratio"]["decode"], 1.05, False), verdict(row["ratio"]["prefill"], 1.0, False)}
     return "NOT MET" if "NOT MET" in v else "TIE/UNDECIDED" if "TIE/UNDECIDED" in v else "MET"
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = ("kind", "path", "prefill ms/tok ours", "theirs", "ratio (spread)", "decode ms/tok ours", "theirs", "ratio (spread)", "size MB o/t", "max|Δlogit|", "argmax agree")
+    head = (
+        "kind",
+        "path",
+        "prefill ms/tok ours",
+        "theirs",
+        "ratio (spread)",
+        "decode ms/tok ours",
+        "theirs",
+        "ratio (spread)",
+        "size MB o/t",
+        "max|Δlogit|",
+        "argmax agree",
+    )
     table = [head]
     for r in rows:
         t = r["ms_per_token"]
-        table.append((r["kind"], r["export_path"], format_spread(t["ours"]["prefill"], ".3f"), format_spread(t["theirs"]["prefill"], ".3f"), format_spread(r["ratio"]["prefill"]),
-                      format_spread(t["ours"]["decode"], ".3f"), format_spread(t["theirs"]["decode"], ".3f"), format_spread(r["ratio"]["decode"]),
-                      f"{r['size_mb']['ours']:.2f}/{r['size_mb']['theirs']:.2f}", f"{r['agreement']['max_abs_diff']:.3g}", f"{r['agreement']['argmax_agreement']:.2f}"))
+        table.append(
+            (
+                r["kind"],
+                r["export_path"],
+                format_spread(t["ours"]["prefill"], ".3f"),
+                format_spread(t["theirs"]["prefill"], ".3f"),
+                format_spread(r["ratio"]["prefill"]),
+                format_spread(t["ours"]["decode"], ".3f"),
+                format_spread(t["theirs"]["decode"], ".3f"),
+                format_spread(r["ratio"]["decode"]),
+                f"{r['size_mb']['ours']:.2f}/{r['size_mb']['theirs']:.2f}",
+                f"{r['agreement']['max_abs_diff']:.3g}",
+                f"{r['agreement']['argmax_agreement']:.2f}",
+            )
+        )
     width = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in table]
     for r in rows:
         if "all_logits_prefill_ratio" in r:
             t = r["ms_per_token"]["ours_all_logits"]
-            lines.append(f"{r['kind']}: ours with all-position logits: prefill {format_spread(t['prefill'], '.3f')} ms/tok "
-                         f"(x{format_spread(r['all_logits_prefill_ratio'])} of last-token logits), decode {format_spread(t['decode'], '.3f')} ms/tok")
+            lines.append(
+                f"{r['kind']}: ours with all-position logits: prefill {format_spread(t['prefill'], '.3f')} ms/tok "
+                f"(x{format_spread(r['all_logits_prefill_ratio'])} of last-token logits), decode {format_spread(t['decode'], '.3f')} ms/tok"
+            )
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="embedded", help="embedded, random (4 layers, dim 256) or an HF LlamaForCausalLM directory")
+    p.add_argument(
+        "--model", default="embedded", help="embedded, random (4 layers, dim 256) or an HF LlamaForCausalLM directory"
+    )
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
     p.add_argument("--out", default="runs/bench_fastpath", help="directory for the .pte files and results.json")
     p.add_argument("--max_seq_len", type=int, default=256)
@@ -267,19 +349,38 @@ def main(argv=None) -> None:
     p.add_argument("--decode_tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=10, help="repetitions per fresh process (after a warm-up)")
     p.add_argument("--processes", "--rounds", type=int, default=5, help="fresh processes per model, round-robin")
-    p.add_argument("--no_all_logits", action="store_true", help="skip timing the fp32 fast path with all-position logits")
-    p.add_argument("--reuse", action="store_true", help="time the .pte files an earlier run of the same --model left in --out")
+    p.add_argument(
+        "--no_all_logits", action="store_true", help="skip timing the fp32 fast path with all-position logits"
+    )
+    p.add_argument(
+        "--reuse", action="store_true", help="time the .pte files an earlier run of the same --model left in --out"
+    )
     a = p.parse_args(argv)
     out = Path(a.out)
-    rows = run(a.model, a.kinds, out, a.max_seq_len, a.prompt_len, a.decode_tokens, a.reps, a.processes, not a.no_all_logits, a.reuse)
-    print(f"\nmodel {a.model}: HF weights mapped into ExecuTorch's Llama for export_llm; prompt {a.prompt_len} tokens, "
-          f"{a.decode_tokens} decode steps, {a.reps} reps x {a.processes} fresh processes per program, round-robin; ms/token: median (min-max) "
-          f"of the process medians; ratios: median (min-max) over the rounds' ours/theirs; {rows[0]['threads']} threads; {os.cpu_count()} CPUs, "
-          f"load average " + ", ".join(f"{r['load_avg_1m'][0]:.1f}->{r['load_avg_1m'][1]:.1f}" for r in rows))
+    rows = run(
+        a.model,
+        a.kinds,
+        out,
+        a.max_seq_len,
+        a.prompt_len,
+        a.decode_tokens,
+        a.reps,
+        a.processes,
+        not a.no_all_logits,
+        a.reuse,
+    )
+    print(
+        f"\nmodel {a.model}: HF weights mapped into ExecuTorch's Llama for export_llm; prompt {a.prompt_len} tokens, "
+        f"{a.decode_tokens} decode steps, {a.reps} reps x {a.processes} fresh processes per program, round-robin; ms/token: median (min-max) "
+        f"of the process medians; ratios: median (min-max) over the rounds' ours/theirs; {rows[0]['threads']} threads; {os.cpu_count()} CPUs, "
+        f"load average " + ", ".join(f"{r['load_avg_1m'][0]:.1f}->{r['load_avg_1m'][1]:.1f}" for r in rows)
+    )
     print(format_rows(rows))
     for r in rows:
-        print(f"{r['kind']}: decode ours/theirs {format_spread(r['ratio']['decode'])} (target <= 1.05), "
-              f"prefill {format_spread(r['ratio']['prefill'])} (target <= 1.00): {verdicts(r)}")
+        print(
+            f"{r['kind']}: decode ours/theirs {format_spread(r['ratio']['decode'])} (target <= 1.05), "
+            f"prefill {format_spread(r['ratio']['prefill'])} (target <= 1.00): {verdicts(r)}"
+        )
     (out / "results.json").write_text(json.dumps(rows, indent=2))
 
 

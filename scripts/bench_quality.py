@@ -35,7 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 RECIPES = ["xnnpack_int8_dynamic", "xnnpack_int4w_dynamic", "xnnpack_8da4w"]
 FOUR_BIT = {"xnnpack_int4w_dynamic", "xnnpack_8da4w"}
-PRETRAIN_STEPS = 1500  # tinyshakespeare's held-out loss is lowest here (3.92 at 1500 of 3000 steps; 3.98 at 3000: overfit)
+PRETRAIN_STEPS = (
+    1500  # tinyshakespeare's held-out loss is lowest here (3.92 at 1500 of 3000 steps; 3.98 at 3000: overfit)
+)
 
 
 def benchmark_model(corpus: str, steps: int) -> Path:
@@ -48,8 +50,10 @@ def benchmark_model(corpus: str, steps: int) -> Path:
 def fp_finetune_recipe(out: Path) -> Path:
     """An fp32 recipe that allows ``fit``: the FP fine-tuning control (same pipeline, no fake quantization)."""
     path = out / "fp32_finetune.yaml"
-    path.write_text("# fp32 with training allowed: the FP fine-tuning control of bench_quality.py\n"
-                    "base: xnnpack_fp32\ndescription: XNNPACK fp32, FP fine-tuned (control)\nmodes: [qat]\n")
+    path.write_text(
+        "# fp32 with training allowed: the FP fine-tuning control of bench_quality.py\n"
+        "base: xnnpack_fp32\ndescription: XNNPACK fp32, FP fine-tuned (control)\nmodes: [qat]\n"
+    )
     return path
 
 
@@ -57,11 +61,16 @@ def sweep_config(out: Path, model_dir: Path, corpus: str, recipes: list[str], ar
     config = {
         "sweep_dir": str(out / "sweep"),
         "baseline": "xnnpack_fp32",
-        "runs": [{"recipe": str(fp_finetune_recipe(out)), "modes": ["qat"]}] + [{"recipe": r, "modes": ["ptq", "qat"]} for r in recipes],
+        "runs": [{"recipe": str(fp_finetune_recipe(out)), "modes": ["qat"]}]
+        + [{"recipe": r, "modes": ["ptq", "qat"]} for r in recipes],
         "config": {
             "model": {"checkpoint": str(model_dir), "lr": args.lr, "warmup_steps": max(1, args.qat_steps // 10)},
             "data": {"source": str(corpus), "seq_len": 128, "batch_size": args.batch_size},
-            "trainer": {"max_steps": args.qat_steps, "val_check_interval": min(args.qat_steps, 100), "limit_val_batches": 8},
+            "trainer": {
+                "max_steps": args.qat_steps,
+                "val_check_interval": min(args.qat_steps, 100),
+                "limit_val_batches": 8,
+            },
             "deploy": {"max_seq_len": 256},
             "parity": {"eval_blocks": args.eval_blocks},
             "calibration": {"blocks": 64},
@@ -117,24 +126,45 @@ def format_rows(ppl_fp: float, ppl_ft: float | None, rows: list[dict]) -> str:
     def f(v, spec=".3f"):
         return "n/a" if v is None else format(v, spec)
 
-    table = [("recipe", "ppl FP", "ppl PTQ", "ppl QAT", "PTQ - FP", "QAT - FP", "recovered", "recovered vs FP fine-tuned")]
+    table = [
+        ("recipe", "ppl FP", "ppl PTQ", "ppl QAT", "PTQ - FP", "QAT - FP", "recovered", "recovered vs FP fine-tuned")
+    ]
     for r in rows:
-        d = (lambda v: None if v is None else v - ppl_fp)
-        table.append((r["recipe"], f(ppl_fp), f(r["ppl_ptq"]), f(r["ppl_qat"]), f(d(r["ppl_ptq"]), "+.3f"), f(d(r["ppl_qat"]), "+.3f"),
-                      f(r["recovered"], ".1%"), f(r.get("recovered_vs_finetuned_fp"), ".1%")))
+        d = lambda v: None if v is None else v - ppl_fp
+        table.append(
+            (
+                r["recipe"],
+                f(ppl_fp),
+                f(r["ppl_ptq"]),
+                f(r["ppl_qat"]),
+                f(d(r["ppl_ptq"]), "+.3f"),
+                f(d(r["ppl_qat"]), "+.3f"),
+                f(r["recovered"], ".1%"),
+                f(r.get("recovered_vs_finetuned_fp"), ".1%"),
+            )
+        )
     width = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in table]
     if ppl_ft is not None:
-        lines.append(f"control: the FP model fine-tuned with the QAT runs' steps and learning rate: .pte ppl {ppl_ft:.3f} ({ppl_ft / ppl_fp - 1:+.2%} of FP)")
+        lines.append(
+            f"control: the FP model fine-tuned with the QAT runs' steps and learning rate: .pte ppl {ppl_ft:.3f} ({ppl_ft / ppl_fp - 1:+.2%} of FP)"
+        )
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="text file (or data.source) to pretrain and evaluate on")
+    p.add_argument(
+        "--corpus", default=str(DEFAULT_CORPUS), help="text file (or data.source) to pretrain and evaluate on"
+    )
     p.add_argument("--recipes", nargs="+", default=RECIPES)
     p.add_argument("--out", default="runs/bench_quality", help="directory of the sweep, its runs and results.json")
-    p.add_argument("--pretrain_steps", type=int, default=PRETRAIN_STEPS, help="pretraining steps of the benchmark model (batch 16 x 128)")
+    p.add_argument(
+        "--pretrain_steps",
+        type=int,
+        default=PRETRAIN_STEPS,
+        help="pretraining steps of the benchmark model (batch 16 x 128)",
+    )
     p.add_argument("--qat_steps", type=int, default=200, help="QAT (and FP control) optimizer steps")
     p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate of QAT (cosine decay after 10%% warm-up)")
     p.add_argument("--batch_size", type=int, default=16)
@@ -143,8 +173,10 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     corpus = Path(a.corpus).expanduser()
     if not corpus.exists():
-        sys.exit(f"error: --corpus {corpus} does not exist. fix: pass --corpus PATH (a text file), "
-                 f"or put tinyshakespeare at {DEFAULT_CORPUS}")
+        sys.exit(
+            f"error: --corpus {corpus} does not exist. fix: pass --corpus PATH (a text file), "
+            f"or put tinyshakespeare at {DEFAULT_CORPUS}"
+        )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -154,7 +186,13 @@ def main(argv=None) -> None:
     model_dir = benchmark_model(str(corpus.resolve()), a.pretrain_steps)
     info = json.loads((model_dir / "qharness_pretrain.json").read_text())
     t_pretrain = time.perf_counter() - t0
-    cmd = [sys.executable, "-m", "qharness", "sweep", str(sweep_config(out, model_dir, str(corpus.resolve()), a.recipes, a))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "qharness",
+        "sweep",
+        str(sweep_config(out, model_dir, str(corpus.resolve()), a.recipes, a)),
+    ]
     if a.force:
         cmd.append("--force")
     print("$ " + " ".join(cmd), flush=True)
@@ -165,16 +203,27 @@ def main(argv=None) -> None:
 
     ppl_fp, ppl_ft, rows = recovery_rows(out / "sweep", a.recipes)
     curve = ", ".join(f"{s}: {v:.3f}" for s, v in info.get("val_loss", []))
-    print(f"\nbenchmark model: {model_dir} ({corpus.name}; pretrained {info['spec']['steps']} steps, batch "
-          f"{info['spec']['batch_size']} x {info['spec']['seq_len']}; held-out loss by step: {curve or 'n/a'})")
-    print(f"QAT: {a.qat_steps} steps, batch {a.batch_size} x 128, lr {a.lr:g}; every ppl: the .pte through the ExecuTorch runtime on "
-          f"{a.eval_blocks} held-out blocks of 128 tokens; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
-          f"pretraining/cache {t_pretrain:.0f} s, sweep {t_sweep:.0f} s")
+    print(
+        f"\nbenchmark model: {model_dir} ({corpus.name}; pretrained {info['spec']['steps']} steps, batch "
+        f"{info['spec']['batch_size']} x {info['spec']['seq_len']}; held-out loss by step: {curve or 'n/a'})"
+    )
+    print(
+        f"QAT: {a.qat_steps} steps, batch {a.batch_size} x 128, lr {a.lr:g}; every ppl: the .pte through the ExecuTorch runtime on "
+        f"{a.eval_blocks} held-out blocks of 128 tokens; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+        f"pretraining/cache {t_pretrain:.0f} s, sweep {t_sweep:.0f} s"
+    )
     print(format_rows(ppl_fp, ppl_ft, rows))
     for r in rows:
         print(f"{r['recipe']}: {verdict(r)}")
-    result = {"model_dir": str(model_dir), "pretrain": info, "ppl_fp": ppl_fp, "ppl_fp_finetuned": ppl_ft, "rows": rows,
-              "args": vars(a), "sweep_s": t_sweep}
+    result = {
+        "model_dir": str(model_dir),
+        "pretrain": info,
+        "ppl_fp": ppl_fp,
+        "ppl_fp_finetuned": ppl_ft,
+        "rows": rows,
+        "args": vars(a),
+        "sweep_s": t_sweep,
+    }
     (out / "results.json").write_text(json.dumps(result, indent=2))
 
 

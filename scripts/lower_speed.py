@@ -41,7 +41,14 @@ def model_dir(name: str, work: Path) -> str:
         from qharness.sources.tokenizer import train_bpe_tokenizer
 
         tok = train_bpe_tokenizer(embedded_corpus(max_chars=200_000), 384)
-        spec = EmbeddedSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+        spec = EmbeddedSpec(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+        )
         torch.manual_seed(0)
         new_llama(spec, len(tok)).save_pretrained(out)
         tok.save_pretrained(out)
@@ -52,8 +59,8 @@ def child(path: str, recipe_name: str, max_seq_len: int) -> dict:
     import torch
 
     from qharness.deploy.lower import lower_to_pte, quantize_for_deploy
-    from qharness.sources.models import load_model_and_tokenizer
     from qharness.recipes.registry import load_recipe
+    from qharness.sources.models import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(path)
     recipe = load_recipe(recipe_name)
@@ -66,11 +73,20 @@ def child(path: str, recipe_name: str, max_seq_len: int) -> dict:
     deployed = quantize_for_deploy(model, recipe, max_seq_len, calibrate)
     wall, cpu = time.perf_counter(), time.process_time()
     pte = lower_to_pte(deployed, recipe, max_seq_len, {"get_max_seq_len": max_seq_len})
-    return {"wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu, "sha256": hashlib.sha256(pte).hexdigest(), "bytes": len(pte)}
+    return {
+        "wall_s": time.perf_counter() - wall,
+        "cpu_s": time.process_time() - cpu,
+        "sha256": hashlib.sha256(pte).hexdigest(),
+        "bytes": len(pte),
+    }
 
 
 def run_child(path: str, recipe: str, max_seq_len: int, upstream: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), HF_HUB_OFFLINE="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        HF_HUB_OFFLINE="1",
+    )
     env.pop("QHARNESS_UPSTREAM_LOWERING", None)
     if upstream:
         env["QHARNESS_UPSTREAM_LOWERING"] = "1"
@@ -95,7 +111,9 @@ def main() -> None:
         print("RESULT " + json.dumps(child(*json.loads(args.child))))
         return
     args.work.mkdir(parents=True, exist_ok=True)
-    print(f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; lower_to_pte, median of {args.reps} fresh process(es) each")
+    print(
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; lower_to_pte, median of {args.reps} fresh process(es) each"
+    )
     header = f"{'model':9s} {'recipe':22s} {'upstream wall/cpu s':>20s} {'qharness wall/cpu s':>20s} {'speed-up (cpu)':>15s}  same .pte"
     print(header)
     for name in args.models:
@@ -105,10 +123,16 @@ def main() -> None:
             for _ in range(args.reps):
                 for upstream in (True, False):
                     runs[upstream].append(run_child(path, recipe, args.max_seq_len, upstream))
-            med = {k: (statistics.median(r["wall_s"] for r in v), statistics.median(r["cpu_s"] for r in v)) for k, v in runs.items()}
+            med = {
+                k: (statistics.median(r["wall_s"] for r in v), statistics.median(r["cpu_s"] for r in v))
+                for k, v in runs.items()
+            }
             same = {r["sha256"] for r in runs[True] + runs[False]}
-            print(f"{name:9s} {recipe:22s} {med[True][0]:10.1f}/{med[True][1]:<9.1f} {med[False][0]:10.1f}/{med[False][1]:<9.1f} "
-                  f"{med[True][1] / med[False][1]:14.2f}x  {'yes' if len(same) == 1 else 'NO'}", flush=True)
+            print(
+                f"{name:9s} {recipe:22s} {med[True][0]:10.1f}/{med[True][1]:<9.1f} {med[False][0]:10.1f}/{med[False][1]:<9.1f} "
+                f"{med[True][1] / med[False][1]:14.2f}x  {'yes' if len(same) == 1 else 'NO'}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -89,28 +89,35 @@ class Stages:
 
             def __exit__(self, *exc):
                 if exc[0] is None:
-                    stages.rows.append({"stage": name, "wall_s": time.perf_counter() - self.t, "rss_start_mb": self.rss0, "peak_rss_mb": _peak_rss_mb()})
+                    stages.rows.append(
+                        {
+                            "stage": name,
+                            "wall_s": time.perf_counter() - self.t,
+                            "rss_start_mb": self.rss0,
+                            "peak_rss_mb": _peak_rss_mb(),
+                        }
+                    )
 
         return _Stage()
 
 
-def run_stages(model_dir: Path, recipe_name: str, max_seq_len: int, calib_blocks: int, calib_len: int, out: Path) -> dict:
+def run_stages(
+    model_dir: Path, recipe_name: str, max_seq_len: int, calib_blocks: int, calib_len: int, out: Path
+) -> dict:
     """The measured stages, in this process (call it in a fresh one)."""
     stages = Stages()
     with stages("import libraries"):
         import torch
         import transformers  # noqa: F401
 
-        from qharness.upstream import imports
-        from qharness.upstream import process
-        from qharness.upstream.fixes import xnnpack_scalars
-        from qharness.training.calibration import calibrate
-        from qharness.sources.text import tokenize_stream
         from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
-        from qharness.sources.models import load_model_and_tokenizer
-        from qharness.sources.text import embedded_corpus
-        from qharness.run.pipeline import eos_ids
         from qharness.recipes.registry import load_recipe
+        from qharness.run.pipeline import eos_ids
+        from qharness.sources.models import load_model_and_tokenizer
+        from qharness.sources.text import embedded_corpus, tokenize_stream
+        from qharness.training.calibration import calibrate
+        from qharness.upstream import imports, process
+        from qharness.upstream.fixes import xnnpack_scalars
 
         imports.pt2e(), xnnpack_scalars.xnnpack_quantizer_cls(), imports.executorch_backend_config()
     torch.manual_seed(0)
@@ -129,7 +136,13 @@ def run_stages(model_dir: Path, recipe_name: str, max_seq_len: int, calib_blocks
         pte = lower_to_pte(deployed, recipe, max_seq_len, meta)
         pte_path = out / f"{recipe_name}.pte"
         pte_path.write_bytes(pte)
-    return {"stages": stages.rows, "fp32_bytes": fp32_bytes, "pte_path": str(pte_path), "pte_bytes": len(pte), "params": fp32_bytes // 4}
+    return {
+        "stages": stages.rows,
+        "fp32_bytes": fp32_bytes,
+        "pte_path": str(pte_path),
+        "pte_bytes": len(pte),
+        "params": fp32_bytes // 4,
+    }
 
 
 def main() -> None:
@@ -154,44 +167,80 @@ def main() -> None:
     t = time.perf_counter()
     if not (model_dir / "config.json").is_file():
         print(f"building the random-init SmolLM2-135M-shaped model in {model_dir} ...", flush=True)
-        subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import scale_135m; "
-                        f"scale_135m.make_model(__import__('pathlib').Path({str(model_dir)!r}))"], check=True, env=env)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import scale_135m; "
+                f"scale_135m.make_model(__import__('pathlib').Path({str(model_dir)!r}))",
+            ],
+            check=True,
+            env=env,
+        )
     make_s = time.perf_counter() - t
-    cmd = [sys.executable, __file__, "--child", "--recipe", args.recipe, "--max-seq-len", str(args.max_seq_len),
-           "--calib-blocks", str(args.calib_blocks), "--calib-len", str(args.calib_len), "--work", str(args.work)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--recipe",
+        args.recipe,
+        "--max-seq-len",
+        str(args.max_seq_len),
+        "--calib-blocks",
+        str(args.calib_blocks),
+        "--calib-len",
+        str(args.calib_len),
+        "--work",
+        str(args.work),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode != 0 or not lines:
         sys.exit(f"stages failed:\n{r.stderr[-4000:]}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     rows = result["stages"]
     if not args.no_bench:
         from qharness.runtime.bench import bench
 
         t = time.perf_counter()
         b = bench(result["pte_path"], str(model_dir), prompt_len=64, decode_tokens=32, reps=2)
-        rows.append({"stage": ".pte benchmark (own processes)", "wall_s": time.perf_counter() - t, "rss_start_mb": b["pte"]["base_rss_mb"], "peak_rss_mb": b["pte"]["peak_rss_mb"]})
+        rows.append(
+            {
+                "stage": ".pte benchmark (own processes)",
+                "wall_s": time.perf_counter() - t,
+                "rss_start_mb": b["pte"]["base_rss_mb"],
+                "peak_rss_mb": b["pte"]["peak_rss_mb"],
+            }
+        )
         result["bench"] = b
 
     fp32_mb = result["fp32_bytes"] / 2**20
-    print(f"\nSmolLM2-135M shape, random init: {result['params'] / 1e6:.1f}M parameters, FP32 {fp32_mb:.0f} MiB; "
-          f"recipe {args.recipe}, max_seq_len {args.max_seq_len}, calibration {args.calib_blocks}x{args.calib_len} tokens; "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")
+    print(
+        f"\nSmolLM2-135M shape, random init: {result['params'] / 1e6:.1f}M parameters, FP32 {fp32_mb:.0f} MiB; "
+        f"recipe {args.recipe}, max_seq_len {args.max_seq_len}, calibration {args.calib_blocks}x{args.calib_len} tokens; "
+        f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    )
     if make_s > 1:
         print(f"(building the model and tokenizer once: {make_s:.0f} s, not counted)")
     print(f"{'stage':36s} {'wall s':>8s} {'RSS at start MiB':>17s} {'peak RSS MiB':>13s} {'peak / FP32':>12s}")
     for row in rows:
-        print(f"{row['stage']:36s} {row['wall_s']:8.1f} {row['rss_start_mb']:17.0f} {row['peak_rss_mb']:13.0f} {row['peak_rss_mb'] / fp32_mb:11.2f}x")
+        print(
+            f"{row['stage']:36s} {row['wall_s']:8.1f} {row['rss_start_mb']:17.0f} {row['peak_rss_mb']:13.0f} {row['peak_rss_mb'] / fp32_mb:11.2f}x"
+        )
     export_lower = sum(r["wall_s"] for r in rows if r["stage"] in ("export + PTQ calibrate + convert", "lower to .pte"))
     peak = max(r["peak_rss_mb"] for r in rows)
     print(f".pte: {result['pte_path']} ({result['pte_bytes'] / 1e6:.1f} MB)")
     if "bench" in result:
         p = result["bench"]["pte"]
-        print(f".pte decode {p['decode_tok_s']['median']:.1f} tok/s, prefill {p['prefill_tok_s']['median']:.1f} tok/s "
-              f"(eager FP32: decode {result['bench']['eager']['decode_tok_s']['median']:.1f} tok/s)")
+        print(
+            f".pte decode {p['decode_tok_s']['median']:.1f} tok/s, prefill {p['prefill_tok_s']['median']:.1f} tok/s "
+            f"(eager FP32: decode {result['bench']['eager']['decode_tok_s']['median']:.1f} tok/s)"
+        )
     ok1, ok2 = export_lower <= 120, peak <= 4 * fp32_mb
     print(f"target export + lower <= 120 s: {export_lower:.0f} s {'MET' if ok1 else 'MISSED'}")
-    print(f"target peak RSS <= 4x FP32 ({4 * fp32_mb:.0f} MiB): {peak:.0f} MiB = {peak / fp32_mb:.2f}x {'MET' if ok2 else 'MISSED'}")
+    print(
+        f"target peak RSS <= 4x FP32 ({4 * fp32_mb:.0f} MiB): {peak:.0f} MiB = {peak / fp32_mb:.2f}x {'MET' if ok2 else 'MISSED'}"
+    )
 
 
 if __name__ == "__main__":

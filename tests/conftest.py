@@ -49,7 +49,14 @@ def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, vocab_size_over
     from qharness.sources.tokenizer import train_bpe_tokenizer
 
     tok = train_bpe_tokenizer([text], vocab_size)
-    spec = EmbeddedSpec(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    spec = EmbeddedSpec(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     model = new_llama(spec, vocab_size_override or len(tok))
     model.save_pretrained(out)
@@ -57,7 +64,9 @@ def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, vocab_size_over
     return out
 
 
-def make_tiny_hf(out: Path, model_type: str, text: str, layers: int = 1, tie: bool | None = None, vocab_size: int = 384, **overrides) -> Path:
+def make_tiny_hf(
+    out: Path, model_type: str, text: str, layers: int = 1, tie: bool | None = None, vocab_size: int = 384, **overrides
+) -> Path:
     """A random-init tiny decoder of any HF ``model_type`` (GQA: 4 query heads, 2 KV heads) + BPE tokenizer,
     saved with save_pretrained, the same form as a real checkpoint. ``tie``: None keeps the family's default."""
     import torch
@@ -66,9 +75,18 @@ def make_tiny_hf(out: Path, model_type: str, text: str, layers: int = 1, tie: bo
     from qharness.sources.tokenizer import train_bpe_tokenizer
 
     tok = train_bpe_tokenizer([text], vocab_size)
-    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    dims = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    config = AutoConfig.for_model(model_type, vocab_size=len(tok), max_position_embeddings=256, **dims, **ids, **overrides)
+    config = AutoConfig.for_model(
+        model_type, vocab_size=len(tok), max_position_embeddings=256, **dims, **ids, **overrides
+    )
     if tie is not None:
         config.tie_word_embeddings = tie
     torch.manual_seed(0)
@@ -98,7 +116,13 @@ def write_config(path, model_dir, data_source, run_dir, **sections):
     """A tiny fit/calibrate config (6 QAT steps, a 64-position .pte, a short benchmark, no lm-eval, no wandb: its
     start costs seconds); ``sections`` update its groups, e.g. ``data={"seq_len": 16}``."""
     cfg = {
-        "model": {"checkpoint": str(model_dir), "recipe": "xnnpack_int8_dynamic", "mode": "qat", "lr": 1e-3, "warmup_steps": 2},
+        "model": {
+            "checkpoint": str(model_dir),
+            "recipe": "xnnpack_int8_dynamic",
+            "mode": "qat",
+            "lr": 1e-3,
+            "warmup_steps": 2,
+        },
         "data": {"source": str(data_source), "seq_len": 32, "batch_size": 4},
         "trainer": {"default_root_dir": str(run_dir), "max_steps": 6, "val_check_interval": 3, "limit_val_batches": 2},
         "checkpoint": {"every_n_train_steps": 3},
@@ -119,6 +143,14 @@ def write_config(path, model_dir, data_source, run_dir, **sections):
 def fitted(tmp_path_factory, tiny_llama, corpus):
     """``qharness fit`` of the tiny Llama, logged to wandb offline: (run dir, config, CompletedProcess)."""
     tmp = tmp_path_factory.mktemp("e2e")
-    cfg = write_config(tmp / "run.yaml", tiny_llama, corpus, tmp / "run", trainer={"log_every_n_steps": 2}, wandb={"enabled": True}, eval={"enabled": True})
+    cfg = write_config(
+        tmp / "run.yaml",
+        tiny_llama,
+        corpus,
+        tmp / "run",
+        trainer={"log_every_n_steps": 2},
+        wandb={"enabled": True},
+        eval={"enabled": True},
+    )
     result = run_cli("fit", cfg)
     return tmp / "run", cfg, result

@@ -40,7 +40,9 @@ def family_dir(tmp_path_factory, text):
     def get(name, layers=1):
         if (name, layers) not in made:
             model_type, tie, extra = FAMILIES[name] if name in FAMILIES else (name, None, {})
-            made[name, layers] = make_tiny_hf(tmp_path_factory.mktemp(name), model_type, text, layers=layers, tie=tie, **extra)
+            made[name, layers] = make_tiny_hf(
+                tmp_path_factory.mktemp(name), model_type, text, layers=layers, tie=tie, **extra
+            )
         return made[name, layers]
 
     return get
@@ -49,7 +51,9 @@ def family_dir(tmp_path_factory, text):
 def test_probe_config_keeps_one_layer_of_each_type():
     from transformers import AutoConfig
 
-    config = AutoConfig.for_model("gemma2", num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = AutoConfig.for_model(
+        "gemma2", num_hidden_layers=6, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16
+    )
     assert config.layer_types == ["sliding_attention", "full_attention"] * 3
     probe = probe_config(config)
     assert probe.num_hidden_layers == 2 and probe.layer_types == ["sliding_attention", "full_attention"]
@@ -90,7 +94,9 @@ def test_a_failing_trace_is_refused_and_a_success_is_remembered(tmp_path, family
         raise RuntimeError("Dynamo failed to run FX node")
 
     monkeypatch.setattr(arch, "_trace", broken)
-    with pytest.raises(UserError, match="MistralForCausalLM cannot be exported with torch.export .RuntimeError: Dynamo failed"):
+    with pytest.raises(
+        UserError, match="MistralForCausalLM cannot be exported with torch.export .RuntimeError: Dynamo failed"
+    ):
         check_architecture(source)
     monkeypatch.undo()
     monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
@@ -100,7 +106,9 @@ def test_a_failing_trace_is_refused_and_a_success_is_remembered(tmp_path, family
     check_architecture(source)  # remembered: not traced again
 
 
-@pytest.mark.parametrize("name", ["gemma2", pytest.param("qwen2-tied", marks=pytest.mark.slow), pytest.param("phi3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["gemma2", pytest.param("qwen2-tied", marks=pytest.mark.slow), pytest.param("phi3", marks=pytest.mark.slow)]
+)
 def test_family_trains_and_quantizes_for_deploy(name, family_dir):
     """export_for_training + prepare_qat_pt2e + a train step, weights back into HF, static-cache deploy graph
     (convert_pt2e) close to the trained fake-quant graph."""
@@ -140,9 +148,15 @@ def test_qwen2_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, family
     config = json.loads((source / "config.json").read_text())
     assert config["model_type"] == "qwen2" and not config["tie_word_embeddings"] and config["num_key_value_heads"] == 2
     cfg = write_config(
-        tmp_path / "q.yaml", source, corpus, tmp_path / "run",
-        data={"seq_len": 16, "batch_size": 2}, trainer={"max_steps": 2, "val_check_interval": 2, "limit_val_batches": 1},
-        checkpoint={"every_n_train_steps": 2}, deploy={"max_seq_len": 32}, bench={"enabled": False},
+        tmp_path / "q.yaml",
+        source,
+        corpus,
+        tmp_path / "run",
+        data={"seq_len": 16, "batch_size": 2},
+        trainer={"max_steps": 2, "val_check_interval": 2, "limit_val_batches": 1},
+        checkpoint={"every_n_train_steps": 2},
+        deploy={"max_seq_len": 32},
+        bench={"enabled": False},
         parity={"eval_blocks": 2, "prompts": 1, "prompt_len": 8, "decode_steps": 2},
     )
     r = run_cli("fit", cfg)
@@ -154,12 +168,19 @@ def test_qwen2_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, family
 
 # --- slow: every family through the CLI, with lowering and the runtime parity gate -----------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("name, command", [("gemma2", "fit"), ("phi3", "fit"), ("mistral", "fit"), ("qwen3", "fit"), ("gemma", "calibrate")])
+@pytest.mark.parametrize(
+    "name, command", [("gemma2", "fit"), ("phi3", "fit"), ("mistral", "fit"), ("qwen3", "fit"), ("gemma", "calibrate")]
+)
 def test_family_through_the_cli(name, command, tmp_path, family_dir, corpus):
     source = family_dir(name, layers=2)
     cfg = write_config(
-        tmp_path / "c.yaml", source, corpus, tmp_path / "run", model={"mode": "qat" if command == "fit" else "ptq"},
-        bench={"enabled": False}, trainer={"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1},
+        tmp_path / "c.yaml",
+        source,
+        corpus,
+        tmp_path / "run",
+        model={"mode": "qat" if command == "fit" else "ptq"},
+        bench={"enabled": False},
+        trainer={"max_steps": 4, "val_check_interval": 2, "limit_val_batches": 1},
     )
     r = run_cli(command, cfg)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -29,7 +29,9 @@ def _fake_ckpt(t, recipe):
     import torch
 
     path = t.tmp / "other.ckpt"
-    torch.save({"state_dict": {}, "hyper_parameters": {"checkpoint": str(t.model), "recipe": recipe, "mode": "qat"}}, path)
+    torch.save(
+        {"state_dict": {}, "hyper_parameters": {"checkpoint": str(t.model), "recipe": recipe, "mode": "qat"}}, path
+    )
     return path
 
 
@@ -37,7 +39,9 @@ def _t5_dir(t):
     from transformers import T5Config, T5ForConditionalGeneration
 
     d = t.tmp / "t5"
-    T5ForConditionalGeneration(T5Config(vocab_size=400, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(d)
+    T5ForConditionalGeneration(
+        T5Config(vocab_size=400, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+    ).save_pretrained(d)
     shutil.copy(t.model / "tokenizer.json", d)
     shutil.copy(t.model / "tokenizer_config.json", d)
     return d
@@ -60,7 +64,10 @@ def _small_vocab_model(t):
 CASES = {
     "unknown subcommand": (lambda t: ["fitt"], "unknown subcommand 'fitt'"),
     "unknown recipe": (lambda t: [*_cfg(t), "--model.recipe", "xnnpack_int3"], "unknown recipe 'xnnpack_int3'"),
-    "unknown recipe field": (lambda t: [*_cfg(t), "--model.recipe", str(_write(t, "r.yaml", "base: xnnpack_fp32\nbackends: x\n"))], "unknown field(s) backends"),
+    "unknown recipe field": (
+        lambda t: [*_cfg(t), "--model.recipe", str(_write(t, "r.yaml", "base: xnnpack_fp32\nbackends: x\n"))],
+        "unknown field(s) backends",
+    ),
     "recipe without mode": (lambda t: [*_cfg(t), "--model.recipe", "xnnpack_fp32"], "does not support mode 'qat'"),
     "unknown mode": (lambda t: [*_cfg(t), "--model.mode", "int8"], "does not support mode 'int8'"),
     "unknown config field": (lambda t: [*_cfg(t), "--model.recipee", "x"], "model.recipee"),
@@ -69,60 +76,180 @@ CASES = {
     "missing data file": (lambda t: _cfg(t, data={"source": str(t.tmp / "none.txt")}), "data.source"),
     "empty data file": (lambda t: _cfg(t, data={"source": str(_write(t, "empty.txt", ""))}), "is empty"),
     "data dir without text": (lambda t: _cfg(t, data={"source": str(_mkdir(t, "nodata"))}), "holds no"),
-    "unsupported data type": (lambda t: _cfg(t, data={"source": str(_write(t, "d.xml", "<a/>"))}), "unsupported file type '.xml'"),
-    "dataset too small": (lambda t: _cfg(t, data={"source": str(_write(t, "tiny.txt", "to be or not " * 20))}), "fewer than one batch"),
-    "missing text column": (lambda t: _cfg(t, data={"source": str(_write(t, "d.jsonl", json.dumps({"body": "x " * 2000})))}), "data.text_field 'text'"),
-    "seq_len above context": (lambda t: _cfg(t, data={"seq_len": 300}, deploy={"max_seq_len": 301}), "exceeds the model's context"),
+    "unsupported data type": (
+        lambda t: _cfg(t, data={"source": str(_write(t, "d.xml", "<a/>"))}),
+        "unsupported file type '.xml'",
+    ),
+    "dataset too small": (
+        lambda t: _cfg(t, data={"source": str(_write(t, "tiny.txt", "to be or not " * 20))}),
+        "fewer than one batch",
+    ),
+    "missing text column": (
+        lambda t: _cfg(t, data={"source": str(_write(t, "d.jsonl", json.dumps({"body": "x " * 2000})))}),
+        "data.text_field 'text'",
+    ),
+    "seq_len above context": (
+        lambda t: _cfg(t, data={"seq_len": 300}, deploy={"max_seq_len": 301}),
+        "exceeds the model's context",
+    ),
     "seq_len too small": (lambda t: _cfg(t, data={"seq_len": 1}), "data.seq_len must be at least 2"),
     "zero batch size": (lambda t: _cfg(t, data={"batch_size": 0}), "data.batch_size positive"),
     "val_fraction out of range": (lambda t: _cfg(t, data={"val_fraction": 1.5}), "data.val_fraction"),
     "model dir missing": (lambda t: _cfg(t, model={"checkpoint": str(t.tmp / "no_model")}), "does not exist"),
     "model path is a file": (lambda t: _cfg(t, model={"checkpoint": str(_write(t, "m.bin", "x"))}), "is a file"),
-    "model dir without config": (lambda t: _cfg(t, model={"checkpoint": str(_model_copy(t, ["config.json"]))}), "no config.json"),
-    "model dir without weights": (lambda t: _cfg(t, model={"checkpoint": str(_model_copy(t, ["*.safetensors"]))}), "has no weights"),
+    "model dir without config": (
+        lambda t: _cfg(t, model={"checkpoint": str(_model_copy(t, ["config.json"]))}),
+        "no config.json",
+    ),
+    "model dir without weights": (
+        lambda t: _cfg(t, model={"checkpoint": str(_model_copy(t, ["*.safetensors"]))}),
+        "has no weights",
+    ),
     "unsupported architecture": (lambda t: _cfg(t, model={"checkpoint": str(_t5_dir(t))}), "unsupported model"),
-    "recurrent architecture": (lambda t: _cfg(t, model={"checkpoint": str(_mamba_dir(t))}), "keeps a recurrent state, not a KV cache"),
-    "torchtune builder with positional args": (lambda t: _cfg(t, model={"checkpoint": "torchtune:llama3_2.llama3_2(2048)"}), "give builder arguments by keyword"),
-    "tokenizer/model vocab mismatch": (lambda t: _cfg(t, model={"checkpoint": str(_small_vocab_model(t))}), "vocab_size"),
+    "recurrent architecture": (
+        lambda t: _cfg(t, model={"checkpoint": str(_mamba_dir(t))}),
+        "keeps a recurrent state, not a KV cache",
+    ),
+    "torchtune builder with positional args": (
+        lambda t: _cfg(t, model={"checkpoint": "torchtune:llama3_2.llama3_2(2048)"}),
+        "give builder arguments by keyword",
+    ),
+    "tokenizer/model vocab mismatch": (
+        lambda t: _cfg(t, model={"checkpoint": str(_small_vocab_model(t))}),
+        "vocab_size",
+    ),
     "zero max_steps": (lambda t: _cfg(t, trainer={"max_steps": 0}), "trainer.max_steps must be positive"),
     "negative max_steps": (lambda t: _cfg(t, trainer={"max_steps": -5}), "trainer.max_steps must be positive"),
     "zero learning rate": (lambda t: _cfg(t, model={"lr": 0.0}), "model.lr must be positive"),
     "negative warmup": (lambda t: _cfg(t, model={"warmup_steps": -1}), "model.warmup_steps"),
-    "half-precision QAT": (lambda t: _cfg(t, trainer={"precision": "bf16-true"}), "trainer.precision=bf16-true does not work with fake quantization"),
-    "mixed precision with torchao 8da4w": (lambda t: _cfg(t, model={"recipe": "xnnpack_8da4w"}, trainer={"precision": "bf16-mixed"}), "does not work with recipe 'xnnpack_8da4w'"),
-    "negative fake-quant delay": (lambda t: _cfg(t, model={"fake_quant_after_n_steps": -1}), "model.fake_quant_after_n_steps"),
-    "negative checkpoint interval": (lambda t: _cfg(t, checkpoint={"every_n_train_steps": -1}), "checkpoint.every_n_train_steps"),
-    "output dir is a file": (lambda t: _cfg(t, trainer={"default_root_dir": str(_write(t, "runfile", "x"))}), "is a file"),
-    "output dir under a file": (lambda t: _cfg(t, trainer={"default_root_dir": str(_write(t, "f2", "x") / "run")}), "is a file"),
-    "max_seq_len not above seq_len": (lambda t: _cfg(t, deploy={"max_seq_len": 32}), "deploy.max_seq_len=32 must exceed"),
-    "max_seq_len above context": (lambda t: _cfg(t, deploy={"max_seq_len": 512}), "deploy.max_seq_len=512 exceeds the model's context"),
-    "zero calibration blocks": (lambda t: _cfg(t, calibration={"blocks": 0}), "calibration.blocks must be a number >= 1 (got 0)"),
+    "half-precision QAT": (
+        lambda t: _cfg(t, trainer={"precision": "bf16-true"}),
+        "trainer.precision=bf16-true does not work with fake quantization",
+    ),
+    "mixed precision with torchao 8da4w": (
+        lambda t: _cfg(t, model={"recipe": "xnnpack_8da4w"}, trainer={"precision": "bf16-mixed"}),
+        "does not work with recipe 'xnnpack_8da4w'",
+    ),
+    "negative fake-quant delay": (
+        lambda t: _cfg(t, model={"fake_quant_after_n_steps": -1}),
+        "model.fake_quant_after_n_steps",
+    ),
+    "negative checkpoint interval": (
+        lambda t: _cfg(t, checkpoint={"every_n_train_steps": -1}),
+        "checkpoint.every_n_train_steps",
+    ),
+    "output dir is a file": (
+        lambda t: _cfg(t, trainer={"default_root_dir": str(_write(t, "runfile", "x"))}),
+        "is a file",
+    ),
+    "output dir under a file": (
+        lambda t: _cfg(t, trainer={"default_root_dir": str(_write(t, "f2", "x") / "run")}),
+        "is a file",
+    ),
+    "max_seq_len not above seq_len": (
+        lambda t: _cfg(t, deploy={"max_seq_len": 32}),
+        "deploy.max_seq_len=32 must exceed",
+    ),
+    "max_seq_len above context": (
+        lambda t: _cfg(t, deploy={"max_seq_len": 512}),
+        "deploy.max_seq_len=512 exceeds the model's context",
+    ),
+    "zero calibration blocks": (
+        lambda t: _cfg(t, calibration={"blocks": 0}),
+        "calibration.blocks must be a number >= 1 (got 0)",
+    ),
     "missing calibration file": (lambda t: _cfg(t, calibration={"source": str(t.tmp / "c.txt")}), "calibration.source"),
     "parity prompt too long": (lambda t: _cfg(t, parity={"prompt_len": 64}), "parity.prompt_len=64"),
-    "missing checkpoint to resume": (lambda t: [*_cfg(t), "--ckpt_path", str(t.tmp / "x.ckpt")], "x.ckpt does not exist"),
+    "missing checkpoint to resume": (
+        lambda t: [*_cfg(t), "--ckpt_path", str(t.tmp / "x.ckpt")],
+        "x.ckpt does not exist",
+    ),
     "resume with no last.ckpt": (lambda t: [*_cfg(t), "--ckpt_path", "last"], "last.ckpt does not exist"),
-    "checkpoint of another recipe": (lambda t: [*_cfg(t), "--ckpt_path", str(_fake_ckpt(t, "xnnpack_8da4w"))], "model.recipe='xnnpack_8da4w'"),
-    "corrupt checkpoint": (lambda t: [*_cfg(t), "--ckpt_path", str(_write(t, "bad.ckpt", "not a checkpoint"))], "cannot be read"),
+    "checkpoint of another recipe": (
+        lambda t: [*_cfg(t), "--ckpt_path", str(_fake_ckpt(t, "xnnpack_8da4w"))],
+        "model.recipe='xnnpack_8da4w'",
+    ),
+    "corrupt checkpoint": (
+        lambda t: [*_cfg(t), "--ckpt_path", str(_write(t, "bad.ckpt", "not a checkpoint"))],
+        "cannot be read",
+    ),
     "export without checkpoint": (lambda t: ["export", *_cfg(t)[1:]], "last.ckpt does not exist"),
     "calibrate in qat mode": (lambda t: ["calibrate", *_cfg(t)[1:]], "calibrate needs model.mode: ptq"),
-    "generate: corrupt .pte": (lambda t: ["generate", "--pte", str(_write(t, "bad.pte", "not a program")), "--prompt", "x", "--tokenizer", str(t.model)], "is not a loadable ExecuTorch program"),
-    "generate: missing .pte": (lambda t: ["generate", "--pte", str(t.tmp / "none.pte"), "--prompt", "x", "--tokenizer", str(t.model)], "none.pte does not exist"),
-    "unknown lm-eval task": (lambda t: _cfg(t, eval={"enabled": True, "tasks": ["hellawag"]}), "unknown lm-eval task 'hellawag' (did you mean hellaswag"),
-    "unknown lm-eval task (evaluate)": (lambda t: ["evaluate", *_cfg(t)[1:], "--tasks", "qharness_ppl,arc_eazy"], "unknown lm-eval task 'arc_eazy'"),
-    "hub task offline": (lambda t: _cfg(t, eval={"enabled": True, "tasks": ["hellaswag"]}), "needs dataset Rowan/hellaswag from the Hugging Face hub"),
-    "unknown eval model": (lambda t: _cfg(t, eval={"enabled": True, "models": ["fp", "gguf"]}), "eval.models: unknown ['gguf']"),
+    "generate: corrupt .pte": (
+        lambda t: [
+            "generate",
+            "--pte",
+            str(_write(t, "bad.pte", "not a program")),
+            "--prompt",
+            "x",
+            "--tokenizer",
+            str(t.model),
+        ],
+        "is not a loadable ExecuTorch program",
+    ),
+    "generate: missing .pte": (
+        lambda t: ["generate", "--pte", str(t.tmp / "none.pte"), "--prompt", "x", "--tokenizer", str(t.model)],
+        "none.pte does not exist",
+    ),
+    "unknown lm-eval task": (
+        lambda t: _cfg(t, eval={"enabled": True, "tasks": ["hellawag"]}),
+        "unknown lm-eval task 'hellawag' (did you mean hellaswag",
+    ),
+    "unknown lm-eval task (evaluate)": (
+        lambda t: ["evaluate", *_cfg(t)[1:], "--tasks", "qharness_ppl,arc_eazy"],
+        "unknown lm-eval task 'arc_eazy'",
+    ),
+    "hub task offline": (
+        lambda t: _cfg(t, eval={"enabled": True, "tasks": ["hellaswag"]}),
+        "needs dataset Rowan/hellaswag from the Hugging Face hub",
+    ),
+    "unknown eval model": (
+        lambda t: _cfg(t, eval={"enabled": True, "models": ["fp", "gguf"]}),
+        "eval.models: unknown ['gguf']",
+    ),
     "eval window above seq_len": (lambda t: _cfg(t, eval={"enabled": True, "max_length": 48}), "eval.max_length=48"),
-    "zero eval limit": (lambda t: _cfg(t, eval={"enabled": True, "limit": 0}), "eval.limit must be a number >= 1 (got 0)"),
+    "zero eval limit": (
+        lambda t: _cfg(t, eval={"enabled": True, "limit": 0}),
+        "eval.limit must be a number >= 1 (got 0)",
+    ),
     "evaluate: missing .pte": (lambda t: ["evaluate", *_cfg(t)[1:], "--pte", str(t.tmp / "none.pte")], "no .pte at"),
-    "evaluate: corrupt .pte": (lambda t: ["evaluate", *_cfg(t)[1:], "--pte", str(_write(t, "bad.pte", "not a program"))], "is not a loadable ExecuTorch program"),
-    "bench: corrupt .pte": (lambda t: ["bench", "--pte", str(_write(t, "bad.pte", "not a program"))], "is not a loadable ExecuTorch program"),
-    ".pte name outside the run dir": (lambda t: _cfg(t, deploy={"filename": "../../x.pte"}), "deploy.filename '../../x.pte' must be a plain file name"),
+    "evaluate: corrupt .pte": (
+        lambda t: ["evaluate", *_cfg(t)[1:], "--pte", str(_write(t, "bad.pte", "not a program"))],
+        "is not a loadable ExecuTorch program",
+    ),
+    "bench: corrupt .pte": (
+        lambda t: ["bench", "--pte", str(_write(t, "bad.pte", "not a program"))],
+        "is not a loadable ExecuTorch program",
+    ),
+    ".pte name outside the run dir": (
+        lambda t: _cfg(t, deploy={"filename": "../../x.pte"}),
+        "deploy.filename '../../x.pte' must be a plain file name",
+    ),
     "empty .pte name": (lambda t: _cfg(t, deploy={"filename": ""}), "deploy.filename '' must be a plain file name"),
-    "agreement above 1": (lambda t: _cfg(t, parity={"min_argmax_agreement": 5.0}), "parity.min_argmax_agreement must lie in [0, 1]"),
-    "NaN ppl tolerance": (lambda t: _cfg(t, parity={"max_ppl_rel_diff": float("nan")}), "parity.max_ppl_rel_diff must be a number >= 0"),
+    "agreement above 1": (
+        lambda t: _cfg(t, parity={"min_argmax_agreement": 5.0}),
+        "parity.min_argmax_agreement must lie in [0, 1]",
+    ),
+    "NaN ppl tolerance": (
+        lambda t: _cfg(t, parity={"max_ppl_rel_diff": float("nan")}),
+        "parity.max_ppl_rel_diff must be a number >= 0",
+    ),
     "zero bench reps": (lambda t: _cfg(t, bench={"reps": 0}), "reps must be >= 1 (got 16, 8, 0)"),
-    "recipe YAML syntax error": (lambda t: _cfg(t, model={"recipe": str(_write(t, "r.yaml", "description: d\nbackend: x\nquantizer: {name: xnnpack\n"))}), "is not valid YAML (line"),
-    "recipe setting of the wrong type": (lambda t: _cfg(t, model={"recipe": str(_write(t, "r2.yaml", "base: xnnpack_int8_dynamic\nquantizer: {weight_bits: three}\n"))}), "weight_bits='three' must be int"),
+    "recipe YAML syntax error": (
+        lambda t: _cfg(
+            t, model={"recipe": str(_write(t, "r.yaml", "description: d\nbackend: x\nquantizer: {name: xnnpack\n"))}
+        ),
+        "is not valid YAML (line",
+    ),
+    "recipe setting of the wrong type": (
+        lambda t: _cfg(
+            t,
+            model={
+                "recipe": str(_write(t, "r2.yaml", "base: xnnpack_int8_dynamic\nquantizer: {weight_bits: three}\n"))
+            },
+        ),
+        "weight_bits='three' must be int",
+    ),
 }
 
 

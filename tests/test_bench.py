@@ -18,11 +18,18 @@ def make_tiny_pte(path, max_seq_len: int = 32):
     import torch
 
     from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
-    from qharness.sources.embedded import EmbeddedSpec, new_llama
     from qharness.recipes.registry import load_recipe
+    from qharness.sources.embedded import EmbeddedSpec, new_llama
 
     torch.manual_seed(0)
-    spec = EmbeddedSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    spec = EmbeddedSpec(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
     recipe = load_recipe("xnnpack_fp32")
     graph = quantize_for_deploy(new_llama(spec, 128).eval(), recipe, max_seq_len, lambda g: None)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -51,15 +58,18 @@ def test_pair_ratios_pair_process_k_of_a_with_process_k_of_b():
         pair_ratios([1.0], [1.0, 2.0])
 
 
-@pytest.mark.parametrize("values, target, higher, expected", [
-    ([0.88, 0.93, 0.99], 1.05, False, "MET"),          # whole spread at or below the target
-    ([0.95, 1.00, 1.10], 1.05, False, "TIE/UNDECIDED"),  # straddles it
-    ([1.10, 1.20, 1.30], 1.05, False, "NOT MET"),
-    ([2.1, 2.5, 3.0], 2.0, True, "MET"),
-    ([1.9, 2.5, 3.0], 2.0, True, "TIE/UNDECIDED"),
-    ([1.2, 1.5, 1.9], 2.0, True, "NOT MET"),
-    ([1.05, 1.05], 1.05, False, "MET"),
-])
+@pytest.mark.parametrize(
+    "values, target, higher, expected",
+    [
+        ([0.88, 0.93, 0.99], 1.05, False, "MET"),  # whole spread at or below the target
+        ([0.95, 1.00, 1.10], 1.05, False, "TIE/UNDECIDED"),  # straddles it
+        ([1.10, 1.20, 1.30], 1.05, False, "NOT MET"),
+        ([2.1, 2.5, 3.0], 2.0, True, "MET"),
+        ([1.9, 2.5, 3.0], 2.0, True, "TIE/UNDECIDED"),
+        ([1.2, 1.5, 1.9], 2.0, True, "NOT MET"),
+        ([1.05, 1.05], 1.05, False, "MET"),
+    ],
+)
 def test_verdict_needs_the_whole_spread_on_the_right_side(values, target, higher, expected):
     assert verdict(spread(values), target, higher) == expected
 
@@ -69,11 +79,41 @@ def test_bench_cli_times_two_programs_round_robin_and_writes_bench_joint(tiny_pt
     for p in (a, b):
         p.parent.mkdir()
         shutil.copy(tiny_pte, p)
-    (tmp_path / "a" / "summary.json").write_text(json.dumps({
-        "run_dir": str(tmp_path / "a"), "model": "m", "recipe": "xnnpack_fp32", "backend": "xnnpack", "mode": "ptq",
-        "quantized": False, "seq_len": 32, "eval_blocks": 8, "bench": {"kept": 1}}))
+    (tmp_path / "a" / "summary.json").write_text(
+        json.dumps(
+            {
+                "run_dir": str(tmp_path / "a"),
+                "model": "m",
+                "recipe": "xnnpack_fp32",
+                "backend": "xnnpack",
+                "mode": "ptq",
+                "quantized": False,
+                "seq_len": 32,
+                "eval_blocks": 8,
+                "bench": {"kept": 1},
+            }
+        )
+    )
     out = tmp_path / "joint.json"
-    r = run_cli("bench", "--pte", a, "--pte", b, "--processes", "2", "--reps", "1", "--prompt_len", "8", "--decode_tokens", "4", "--threads", "1", "--out", out)
+    r = run_cli(
+        "bench",
+        "--pte",
+        a,
+        "--pte",
+        b,
+        "--processes",
+        "2",
+        "--reps",
+        "1",
+        "--prompt_len",
+        "8",
+        "--decode_tokens",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        out,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     joint = json.loads(out.read_text())
     assert joint["sequence"] == [str(a), str(b), str(a), str(b)]  # round-robin, one fresh process each
@@ -83,10 +123,20 @@ def test_bench_cli_times_two_programs_round_robin_and_writes_bench_joint(tiny_pt
         for key in ("decode_tok_s", "prefill_tok_s", "decode_ms_per_token"):
             s = p[key]
             assert len(s["per_process"]) == 2 and s["min"] <= s["median"] <= s["max"] and 0 < s["min"]
-        assert [round(1e3 / x, 9) for x in p["decode_tok_s"]["per_process"]] == [round(x, 9) for x in p["decode_ms_per_token"]["per_process"]]
+        assert [round(1e3 / x, 9) for x in p["decode_tok_s"]["per_process"]] == [
+            round(x, 9) for x in p["decode_ms_per_token"]["per_process"]
+        ]
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
     assert summary["bench"] == {"kept": 1} and summary["recipe"] == "xnnpack_fp32"  # merged, not replaced
-    assert set(summary["bench_joint"]) == {"processes", "order", "load_avg_1m", "threads", "decode_tok_s", "prefill_tok_s", "decode_ms_per_token"}
+    assert set(summary["bench_joint"]) == {
+        "processes",
+        "order",
+        "load_avg_1m",
+        "threads",
+        "decode_tok_s",
+        "prefill_tok_s",
+        "decode_ms_per_token",
+    }
     assert summary["bench_joint"]["decode_tok_s"] == joint["programs"][str(a)]["decode_tok_s"]
     assert not (tmp_path / "b" / "summary.json").exists()
     assert "round-robin" in r.stdout and str(b) in r.stdout
@@ -101,10 +151,24 @@ def test_bench_cli_refuses_bad_counts(tiny_pte):
 
 def test_the_runtime_sets_executorch_and_torch_threads(tiny_pte, tmp_path):
     """QHARNESS_THREADS sizes ExecuTorch's threadpool and caps torch's threads in a process that loads a .pte."""
-    code = (f"import torch; torch.set_num_threads(2); from qharness.runtime.pte import PteModel; PteModel({str(tiny_pte)!r});"
-            "from executorch.extension.pybindings import portable_lib as p; print(p._threadpool_get_thread_count(), torch.get_num_threads())")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, env={**os.environ, "QHARNESS_THREADS": "1"})
+    code = (
+        f"import torch; torch.set_num_threads(2); from qharness.runtime.pte import PteModel; PteModel({str(tiny_pte)!r});"
+        "from executorch.extension.pybindings import portable_lib as p; print(p._threadpool_get_thread_count(), torch.get_num_threads())"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "QHARNESS_THREADS": "1"},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["1", "1"]
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, env={**os.environ, "QHARNESS_THREADS": "two"})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "QHARNESS_THREADS": "two"},
+    )
     assert r.returncode != 0 and "QHARNESS_THREADS='two' is not a thread count" in r.stderr

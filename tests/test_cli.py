@@ -28,7 +28,16 @@ def test_unknown_subcommand_exits_2_with_the_known_ones():
 def test_fit_help_documents_fields():
     r = run_cli("fit", "--help")
     assert r.returncode == 0, r.stderr
-    for text in ("--model.recipe", "Backend recipe name", "--data.seq_len", "Tokens per block", "--deploy.max_seq_len", "--parity.max_ppl_rel_diff", "--bench.prompt_len", "Tokens prefilled in one call"):
+    for text in (
+        "--model.recipe",
+        "Backend recipe name",
+        "--data.seq_len",
+        "Tokens per block",
+        "--deploy.max_seq_len",
+        "--parity.max_ppl_rel_diff",
+        "--bench.prompt_len",
+        "Tokens prefilled in one call",
+    ):
         assert text in r.stdout, text
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from qharness.data.datamodule import TextDataModule, pack
-from qharness.sources.text import tokenize_stream
 from qharness.errors import UserError
+from qharness.sources.text import tokenize_stream
 
 
 def test_pack_blocks_and_next_token_targets():
@@ -61,8 +61,17 @@ def test_embedded_architecture_pretrains_on_a_given_source_once(corpus, tmp_path
     from qharness.sources.embedded import EmbeddedSpec, embedded_dir
 
     monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
-    spec = EmbeddedSpec(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                        num_key_value_heads=1, batch_size=4, seq_len=32, steps=40)
+    spec = EmbeddedSpec(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        batch_size=4,
+        seq_len=32,
+        steps=40,
+    )
     out = embedded_dir(spec, str(corpus))
     info = json.loads((out / "qharness_pretrain.json").read_text())
     assert out.name.startswith(corpus.stem + "-llama-") and (out / "config.json").is_file()

@@ -32,9 +32,22 @@ def test_too_few_blocks_for_every_rank_is_a_clear_error():
 def test_cpu_ddp_two_processes_train_and_rank_zero_deploys_once(tmp_path, tiny_llama, corpus):
     run = tmp_path / "run"
     cfg = write_config(
-        tmp_path / "ddp.yaml", tiny_llama, corpus, run, bench={"enabled": False},
-        data={"seq_len": 16, "batch_size": 2}, deploy={"max_seq_len": 32}, checkpoint={"every_n_train_steps": 3},
-        trainer={"accelerator": "cpu", "devices": 2, "strategy": "ddp", "max_steps": 3, "val_check_interval": 3, "limit_val_batches": 1},
+        tmp_path / "ddp.yaml",
+        tiny_llama,
+        corpus,
+        run,
+        bench={"enabled": False},
+        data={"seq_len": 16, "batch_size": 2},
+        deploy={"max_seq_len": 32},
+        checkpoint={"every_n_train_steps": 3},
+        trainer={
+            "accelerator": "cpu",
+            "devices": 2,
+            "strategy": "ddp",
+            "max_steps": 3,
+            "val_check_interval": 3,
+            "limit_val_batches": 1,
+        },
         parity={"eval_blocks": 2, "prompts": 1, "prompt_len": 8, "decode_steps": 2},
     )
     r = run_cli("fit", cfg)

@@ -3,9 +3,7 @@
 import json
 
 import pytest
-
 import torch
-
 from conftest import run_cli, write_config
 
 
@@ -46,7 +44,14 @@ def test_the_pte_decodes_token_by_token_like_a_full_prefill(fitted):
 
 def test_resume_continues_from_the_checkpoint_and_export_finishes_from_it(tmp_path, tiny_llama, corpus):
     run = tmp_path / "run"
-    cfg = write_config(tmp_path / "r.yaml", tiny_llama, corpus, run, deploy={"enabled": False, "max_seq_len": 64}, bench={"enabled": False})
+    cfg = write_config(
+        tmp_path / "r.yaml",
+        tiny_llama,
+        corpus,
+        run,
+        deploy={"enabled": False, "max_seq_len": 64},
+        bench={"enabled": False},
+    )
     first = run_cli("fit", cfg, "--trainer.max_steps", "3")
     assert first.returncode == 0, first.stderr[-3000:]
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
@@ -73,15 +78,19 @@ def test_export_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_llama, corp
 
 
 def test_gate_names_each_failed_tolerance():
-    from qharness.config import ParityConfig
     from qharness.checks.parity import gate
+    from qharness.config import ParityConfig
 
     ok = {"ppl_rel_diff": 0.001, "argmax_agreement": 0.99, "max_abs_diff": 0.1}
     assert gate(ok, ParityConfig(max_abs_diff=0.2)) == []
     bad = {"ppl_rel_diff": 0.05, "argmax_agreement": 0.5, "max_abs_diff": 0.3}
     reasons = gate(bad, ParityConfig(max_abs_diff=0.2))
     assert len(reasons) == 3
-    assert "parity.max_ppl_rel_diff" in reasons[0] and "parity.min_argmax_agreement" in reasons[1] and "parity.max_abs_diff" in reasons[2]
+    assert (
+        "parity.max_ppl_rel_diff" in reasons[0]
+        and "parity.min_argmax_agreement" in reasons[1]
+        and "parity.max_abs_diff" in reasons[2]
+    )
 
 
 def test_calibrate_ptq_static_with_its_own_calibration_data(tmp_path, tiny_llama, corpus):
@@ -89,8 +98,13 @@ def test_calibrate_ptq_static_with_its_own_calibration_data(tmp_path, tiny_llama
     calib = tmp_path / "calib.txt"
     calib.write_text(corpus.read_text()[300_000:340_000])
     cfg = write_config(
-        tmp_path / "ptq.yaml", tiny_llama, corpus, run,
-        model={"mode": "ptq", "recipe": "xnnpack_int8_static"}, calibration={"source": str(calib), "blocks": 8}, bench={"enabled": False},
+        tmp_path / "ptq.yaml",
+        tiny_llama,
+        corpus,
+        run,
+        model={"mode": "ptq", "recipe": "xnnpack_int8_static"},
+        calibration={"source": str(calib), "blocks": 8},
+        bench={"enabled": False},
     )
     r = run_cli("calibrate", cfg)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -115,7 +129,15 @@ def test_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, 
     import shutil
 
     off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
-    a_cfg = write_config(tmp_path / "a.yaml", tiny_llama, corpus, tmp_path / "a", trainer={"max_steps": 8}, checkpoint={"save_top_k": -1}, **off)
+    a_cfg = write_config(
+        tmp_path / "a.yaml",
+        tiny_llama,
+        corpus,
+        tmp_path / "a",
+        trainer={"max_steps": 8},
+        checkpoint={"save_top_k": -1},
+        **off,
+    )
     b_cfg = write_config(tmp_path / "b.yaml", tiny_llama, corpus, tmp_path / "b", trainer={"max_steps": 8}, **off)
     assert run_cli("fit", a_cfg).returncode == 0
     step3 = next((tmp_path / "a" / "checkpoints").glob("*step=3.ckpt"))
@@ -129,7 +151,9 @@ def test_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, 
     assert a["global_step"] == b["global_step"] == 8 and s3["global_step"] == 3
 
     def max_diff(x, y):
-        return max((x["state_dict"][k].float() - y["state_dict"][k].float()).abs().max().item() for k in x["state_dict"])
+        return max(
+            (x["state_dict"][k].float() - y["state_dict"][k].float()).abs().max().item() for k in x["state_dict"]
+        )
 
     assert max_diff(a, b) < 1e-6
     assert max_diff(a, s3) > 1e-4  # the comparison can tell different training states apart
@@ -146,19 +170,28 @@ def test_same_config_and_seed_give_the_same_final_validation_loss(tmp_path, tiny
     off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
     losses = []
     for name in ("x", "y"):
-        cfg = write_config(tmp_path / f"{name}.yaml", tiny_llama, corpus, tmp_path / name, trainer={"max_steps": 6}, **off)
+        cfg = write_config(
+            tmp_path / f"{name}.yaml", tiny_llama, corpus, tmp_path / name, trainer={"max_steps": 6}, **off
+        )
         assert run_cli("fit", cfg).returncode == 0
         losses.append(_final_val_loss(tmp_path / name))
     assert losses[0] == losses[1]
-    other = write_config(tmp_path / "z.yaml", tiny_llama, corpus, tmp_path / "z", trainer={"max_steps": 6}, data={"seed": 7}, **off)
+    other = write_config(
+        tmp_path / "z.yaml", tiny_llama, corpus, tmp_path / "z", trainer={"max_steps": 6}, data={"seed": 7}, **off
+    )
     assert run_cli("fit", other).returncode == 0
     assert _final_val_loss(tmp_path / "z") != losses[0]  # another shuffle seed is another run
 
 
 def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path, tiny_llama, corpus):
     cfg = write_config(
-        tmp_path / "nan.yaml", tiny_llama, corpus, tmp_path / "nan",
-        model={"lr": 1.0e30, "warmup_steps": 0}, trainer={"max_steps": 30}, checkpoint={"every_n_train_steps": 1},
+        tmp_path / "nan.yaml",
+        tiny_llama,
+        corpus,
+        tmp_path / "nan",
+        model={"lr": 1.0e30, "warmup_steps": 0},
+        trainer={"max_steps": 30},
+        checkpoint={"every_n_train_steps": 1},
         bench={"enabled": False},
     )
     r = run_cli("fit", cfg)
@@ -173,14 +206,19 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_p
 def _kill_after_first_checkpoint(cfg, run, sig):
     """Start ``qharness fit``, send ``sig`` once its first periodic checkpoint exists; return the step reached."""
     import os
-    import signal
     import subprocess
     import sys
     import time
 
     from conftest import ROOT
 
-    proc = subprocess.Popen([sys.executable, "-m", "qharness", "fit", str(cfg)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=os.environ.copy())
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qharness", "fit", str(cfg)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=os.environ.copy(),
+    )
     deadline = time.time() + 300
     while not (run / "checkpoints" / "last.ckpt").exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
@@ -207,7 +245,10 @@ def test_killed_run_resumes_to_the_uninterrupted_result(sig_name, tmp_path, tiny
     a = torch.load(tmp_path / "a" / "checkpoints" / "last.ckpt", weights_only=True)
     b = torch.load(tmp_path / "b" / "checkpoints" / "last.ckpt", weights_only=True)
     assert a["global_step"] == b["global_step"] == 40
-    assert max((a["state_dict"][k].float() - b["state_dict"][k].float()).abs().max().item() for k in a["state_dict"]) < 1e-6
+    assert (
+        max((a["state_dict"][k].float() - b["state_dict"][k].float()).abs().max().item() for k in a["state_dict"])
+        < 1e-6
+    )
 
 
 def test_a_crash_while_lowering_keeps_the_checkpoint_and_export_finishes(tmp_path, tiny_llama, corpus, monkeypatch):
@@ -235,7 +276,9 @@ def test_a_crash_while_evaluating_keeps_the_run_and_evaluate_finishes(tmp_path, 
     import qharness.evaluation.harness
     from qharness.cli.main import main
 
-    cfg = write_config(tmp_path / "c.yaml", tiny_llama, corpus, tmp_path / "c", bench={"enabled": False}, eval={"enabled": True})
+    cfg = write_config(
+        tmp_path / "c.yaml", tiny_llama, corpus, tmp_path / "c", bench={"enabled": False}, eval={"enabled": True}
+    )
 
     def broken(*args, **kwargs):
         raise RuntimeError("forced failure while evaluating")
@@ -249,4 +292,8 @@ def test_a_crash_while_evaluating_keeps_the_run_and_evaluate_finishes(tmp_path, 
     monkeypatch.undo()
     r = run_cli("evaluate", cfg)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert set(json.loads((run / "summary.json").read_text())["eval"]["tasks"]) == {"qharness_ppl", "qharness_mc", "qharness_gen"}
+    assert set(json.loads((run / "summary.json").read_text())["eval"]["tasks"]) == {
+        "qharness_ppl",
+        "qharness_mc",
+        "qharness_gen",
+    }

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-
 from conftest import run_cli, write_config
 
 
@@ -49,13 +48,22 @@ def _adapters(model, tok, max_length=64):
 def test_loglikelihood_equals_log_softmax_of_a_direct_forward(fp):
     model, tok = fp
     long_ctx = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 3
-    pairs = [("First Citizen:\nBefore we proceed", " any further, hear me speak."), ("All:\nSpeak,", " speak."), ("", "You are all resolved"), (long_ctx.rstrip(), "\nFirst Citizen:")]
+    pairs = [
+        ("First Citizen:\nBefore we proceed", " any further, hear me speak."),
+        ("All:\nSpeak,", " speak."),
+        ("", "You are all resolved"),
+        (long_ctx.rstrip(), "\nFirst Citizen:"),
+    ]
     L = 32
     for name, lm in _adapters(model, tok, L).items():
         got = lm.loglikelihood([_req(*p) for p in pairs])
         for (ctx, cont), (score, greedy) in zip(pairs, got):
             ctx_ids = tok(ctx, add_special_tokens=False)["input_ids"] if ctx else [tok.bos_token_id]
-            whole = tok(ctx + cont, add_special_tokens=False)["input_ids"] if ctx else ctx_ids + tok(cont, add_special_tokens=False)["input_ids"]
+            whole = (
+                tok(ctx + cont, add_special_tokens=False)["input_ids"]
+                if ctx
+                else ctx_ids + tok(cont, add_special_tokens=False)["input_ids"]
+            )
             # the model sees the last L tokens (the long context is cut on the left)
             ref = _direct_loglikelihood(model, whole[-(L + 1) :], len(whole) - len(ctx_ids))
             assert score == pytest.approx(ref, abs=1e-3), name
@@ -133,10 +141,18 @@ def test_offline_tasks_run_through_lm_eval(fp, corpus, tmp_path):
     from qharness.evaluation.lm_eval_adapter import QHarnessLM, hf_backend
 
     model, tok = fp
-    result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, EvalConfig(limit=3, bootstrap_iters=0), [corpus.read_text()[-40_000:]], tmp_path, {"max_length": 32})
+    result = run_eval(
+        {"fp": QHarnessLM(hf_backend(model, 32, 4), tok)},
+        EvalConfig(limit=3, bootstrap_iters=0),
+        [corpus.read_text()[-40_000:]],
+        tmp_path,
+        {"max_length": 32},
+    )
     metrics = result["tasks"]
     assert set(metrics) == {"qharness_ppl", "qharness_mc", "qharness_gen"}
-    assert metrics["qharness_ppl"]["fp"]["bits_per_byte"] > 0 and math.isfinite(metrics["qharness_ppl"]["fp"]["word_perplexity"])
+    assert metrics["qharness_ppl"]["fp"]["bits_per_byte"] > 0 and math.isfinite(
+        metrics["qharness_ppl"]["fp"]["word_perplexity"]
+    )
     assert 0.0 <= metrics["qharness_mc"]["fp"]["acc"] <= 1.0
     assert 0.0 <= metrics["qharness_gen"]["fp"]["chrf"] <= 100.0
     assert result["documents"] == {"qharness_ppl": 3, "qharness_mc": 3, "qharness_gen": 3}
@@ -165,8 +181,9 @@ def test_fit_ends_with_the_three_way_table(fitted):
 def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, tiny_llama, corpus, tmp_path):
     import shutil
 
-    from qharness.runtime.pte import PteModel
     from transformers import AutoTokenizer
+
+    from qharness.runtime.pte import PteModel
 
     run_dir = tmp_path / "run"  # a copy: evaluate adds to summary.json, which other tests read
     shutil.copytree(fitted[0], run_dir)
@@ -183,9 +200,14 @@ def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, ti
     report = run_cli("report", run_dir, "--no_wandb")
     assert report.returncode == 0, report.stderr[-3000:]
     header = (run_dir / "report.csv").read_text().splitlines()[0]
-    assert "eval/qharness_mc/acc/pte" in header and "eval/qharness_ppl/word_perplexity/converted" in header  # both tables
+    assert (
+        "eval/qharness_mc/acc/pte" in header and "eval/qharness_ppl/word_perplexity/converted" in header
+    )  # both tables
     L = ev["max_length"]
-    docs = [json.loads(line)["text"] for line in (run_dir / "eval" / "tasks" / "data" / "qharness_ppl.jsonl").read_text().splitlines()[:2]]
+    docs = [
+        json.loads(line)["text"]
+        for line in (run_dir / "eval" / "tasks" / "data" / "qharness_ppl.jsonl").read_text().splitlines()[:2]
+    ]
     tok = AutoTokenizer.from_pretrained(run_dir / "tokenizer")
     pte = PteModel(run_dir / "model.pte")
     total, words = 0.0, 0
@@ -231,8 +253,15 @@ def test_own_task_yaml_through_include_path(fp, tmp_path):
     cfg.update(task="my_ppl", dataset_kwargs={"data_files": {"test": str(data)}})
     (tmp_path / "mine" / "my_ppl.yaml").write_text(yaml.safe_dump(cfg))
     check_tasks(["my_ppl"], str(tmp_path / "mine"))
-    result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, EvalConfig(tasks=["my_ppl"], include_path=str(tmp_path / "mine"), bootstrap_iters=0), [], tmp_path / "run")
-    (ll,) = QHarnessLM(hf_backend(model, 32, 4), tok).loglikelihood_rolling([_req("To be, or not to be, that is the question.")])
+    result = run_eval(
+        {"fp": QHarnessLM(hf_backend(model, 32, 4), tok)},
+        EvalConfig(tasks=["my_ppl"], include_path=str(tmp_path / "mine"), bootstrap_iters=0),
+        [],
+        tmp_path / "run",
+    )
+    (ll,) = QHarnessLM(hf_backend(model, 32, 4), tok).loglikelihood_rolling(
+        [_req("To be, or not to be, that is the question.")]
+    )
     assert result["tasks"]["my_ppl"]["fp"]["word_perplexity"] == pytest.approx(math.exp(-ll / 10), rel=1e-6)
 
 
@@ -243,12 +272,24 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus
     from qharness.reporting.report import summary_row
 
     model, tok = fp
-    cfg = EvalConfig(tasks=["qharness_mc"], limit=6, bootstrap_iters=10)  # acc's stderr is closed-form (no bootstrap pool)
-    result = run_eval({"fp": QHarnessLM(hf_backend(model, 32, 4), tok)}, cfg, [corpus.read_text()[-40_000:]], tmp_path, {"max_length": 32})
+    cfg = EvalConfig(
+        tasks=["qharness_mc"], limit=6, bootstrap_iters=10
+    )  # acc's stderr is closed-form (no bootstrap pool)
+    result = run_eval(
+        {"fp": QHarnessLM(hf_backend(model, 32, 4), tok)},
+        cfg,
+        [corpus.read_text()[-40_000:]],
+        tmp_path,
+        {"max_length": 32},
+    )
     mc = result["tasks"]["qharness_mc"]["fp"]
     n, acc = 6, mc["acc"]
-    assert mc["acc_stderr"] == pytest.approx(math.sqrt(acc * (1 - acc) * n / (n - 1) / n))  # sample sd of 0/1 scores / sqrt(n)
-    assert json.loads((tmp_path / "eval.json").read_text())["tasks"]["qharness_mc"]["fp"]["acc_stderr"] == mc["acc_stderr"]
+    assert mc["acc_stderr"] == pytest.approx(
+        math.sqrt(acc * (1 - acc) * n / (n - 1) / n)
+    )  # sample sd of 0/1 scores / sqrt(n)
+    assert (
+        json.loads((tmp_path / "eval.json").read_text())["tasks"]["qharness_mc"]["fp"]["acc_stderr"] == mc["acc_stderr"]
+    )
     assert f"{acc:.4f} ± {mc['acc_stderr']:.4f}" in format_eval_table(result)
     row = summary_row({"metrics": {}, "recipe": "xnnpack_fp32", "mode": "ptq", "quantized": False, "eval": result})
     assert row["eval/qharness_mc/acc/fp"] == acc and row["eval/qharness_mc/acc_stderr/fp"] == mc["acc_stderr"]
@@ -257,10 +298,21 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus
 def test_eval_table_shows_standard_errors_of_filtered_metrics():
     from qharness.evaluation.harness import format_eval_table
 
-    result = {"models": ["fp", "pte"], "max_length": 32, "documents": {"t": 5},
-              "tasks": {"t": {"fp": {"exact_match,strict": 0.4, "exact_match_stderr,strict": 0.2, "acc": 0.5, "acc_stderr": None},
-                              "pte": {"exact_match,strict": 0.2, "exact_match_stderr,strict": 0.1, "acc": 0.25, "acc_stderr": None}}}}
+    result = {
+        "models": ["fp", "pte"],
+        "max_length": 32,
+        "documents": {"t": 5},
+        "tasks": {
+            "t": {
+                "fp": {"exact_match,strict": 0.4, "exact_match_stderr,strict": 0.2, "acc": 0.5, "acc_stderr": None},
+                "pte": {"exact_match,strict": 0.2, "exact_match_stderr,strict": 0.1, "acc": 0.25, "acc_stderr": None},
+            }
+        },
+    }
     lines = format_eval_table(result).splitlines()
-    assert [line.split()[:2] for line in lines[2:]] == [["t", "exact_match,strict"], ["acc", "0.5000"]]  # no stderr rows
+    assert [line.split()[:2] for line in lines[2:]] == [
+        ["t", "exact_match,strict"],
+        ["acc", "0.5000"],
+    ]  # no stderr rows
     assert "0.4000 ± 0.2000" in lines[2] and "0.2000 ± 0.1000" in lines[2]
     assert lines[3].split() == ["acc", "0.5000", "0.2500"]  # lm-eval gave no stderr ("N/A"): the value alone

@@ -5,8 +5,8 @@ import logging
 import pytest
 import torch
 
-from qharness.deploy import fastpath
 from qharness.checks.parity import block_logits
+from qharness.deploy import fastpath
 
 
 def _step(decoder):
@@ -42,19 +42,41 @@ def _tiny(arch: str, **extra):
     import transformers
 
     config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = config_cls(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, max_position_embeddings=128, **extra)
+    config = config_cls(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        **extra,
+    )
     torch.manual_seed(0)
     return getattr(transformers, arch)(config).eval()
 
 
-@pytest.mark.parametrize("arch, extra", [
-    ("Qwen2ForCausalLM", {}),  # q/k/v biases
-    ("Qwen3ForCausalLM", {"head_dim": 16}),  # q/k head norms, head_dim != hidden / heads
-    ("MistralForCausalLM", {"sliding_window": None}),
-    ("LlamaForCausalLM", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
-                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
-])
+@pytest.mark.parametrize(
+    "arch, extra",
+    [
+        ("Qwen2ForCausalLM", {}),  # q/k/v biases
+        ("Qwen3ForCausalLM", {"head_dim": 16}),  # q/k head norms, head_dim != hidden / heads
+        ("MistralForCausalLM", {"sliding_window": None}),
+        (
+            "LlamaForCausalLM",
+            {
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 5e5,
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 16,
+                }
+            },
+        ),
+    ],
+)
 def test_fast_decoder_equals_other_supported_architectures(arch, extra):
     model = _tiny(arch, **extra)
     assert fastpath.unsupported_reason(model, 48) is None
@@ -71,7 +93,7 @@ def test_exported_fast_graph_equals_the_eager_one(tiny_llama):
     with torch.no_grad():
         for tokens, start in ((x[:, :9], 0), (x[:, 9:10], 9), (x[:, 10:12], 10)):  # other lengths than the example's 8
             torch.testing.assert_close(graph(tokens, torch.tensor([start])), eager(tokens, torch.tensor([start])))
-    with pytest.raises(Exception):  # past the cache: the exported bound check refuses it
+    with pytest.raises(RuntimeError):  # past the cache: the exported bound check refuses it
         graph(x[:, :4], torch.tensor([30]))
 
 
@@ -94,12 +116,16 @@ def test_an_unsupported_architecture_falls_back_to_the_generic_export(caplog):
     from qharness.recipes.registry import load_recipe
 
     torch.manual_seed(0)
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0, bos_token_id=0)).eval()
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0, bos_token_id=0)
+    ).eval()
     x = torch.randint(0, 64, (1, 5))
     ref = gpt2(x).logits
     with caplog.at_level(logging.WARNING, logger="qharness.deploy.lower"):
         graph = quantize_for_deploy(gpt2, load_recipe("xnnpack_fp32"), 32, calibrate=lambda g: None)
-    assert export_path(graph) == "generic" and fallback_reason(graph).startswith("GPT2LMHeadModel: not a supported architecture")
+    assert export_path(graph) == "generic" and fallback_reason(graph).startswith(
+        "GPT2LMHeadModel: not a supported architecture"
+    )
     assert "falling back to the generic HF static-cache export" in caplog.text and "GPT2LMHeadModel" in caplog.text
     torch.testing.assert_close(graph(x, torch.tensor([0])), ref)  # all-position logits, as before
 
@@ -121,28 +147,38 @@ def test_fold_constants_computes_weight_math_once_and_keeps_the_cache_state():
 
     graph = torch.export.export(M(), (torch.randn(2, 4),)).module()
     folded = fold_constants(graph)
+
     def count(g, op):
         return sum(n.target == op for n in g.graph.nodes)
+
     assert count(graph, torch.ops.aten.mul.Tensor) == 1 and count(folded, torch.ops.aten.mul.Tensor) == 0
     for _ in range(3):  # the caches of both advance alike
         x = torch.randn(2, 4)
         torch.testing.assert_close(folded(x), graph(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("recipe, rel", [  # tolerance as a fraction of the logits' spread (std ~0.1 here)
-    ("xnnpack_fp32", 1e-4),
-    ("xnnpack_8da4w", 0.02),  # per-token dynamic activations: only float rounding flips an int8 rounding now and then
-    ("xnnpack_int8_dynamic", 0.15),  # per-tensor dynamic activations: one scale over the block vs one per token
-])
+@pytest.mark.parametrize(
+    "recipe, rel",
+    [  # tolerance as a fraction of the logits' spread (std ~0.1 here)
+        ("xnnpack_fp32", 1e-4),
+        (
+            "xnnpack_8da4w",
+            0.02,
+        ),  # per-token dynamic activations: only float rounding flips an int8 rounding now and then
+        ("xnnpack_int8_dynamic", 0.15),  # per-tensor dynamic activations: one scale over the block vs one per token
+    ],
+)
 def test_all_logits_twin_scores_blocks_as_the_per_token_path(recipe, rel):
     """A wrong twin (e.g. logits of the next position) is off by several times the spread."""
-    from qharness.deploy.lower import export_path, quantize_for_deploy
     from qharness.checks.parity import fold_constants
+    from qharness.deploy.lower import export_path, quantize_for_deploy
     from qharness.recipes.registry import load_recipe
 
     model = _tiny("LlamaForCausalLM")
     blocks = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1))
-    deployed = quantize_for_deploy(model, load_recipe(recipe), 48, calibrate=lambda g: [g(b[None], torch.tensor([0])) for b in blocks])
+    deployed = quantize_for_deploy(
+        model, load_recipe(recipe), 48, calibrate=lambda g: [g(b[None], torch.tensor([0])) for b in blocks]
+    )
     reference = fold_constants(deployed)
     twin = fastpath.all_logits_twin(reference)
     assert export_path(twin) == "fast"
@@ -169,6 +205,8 @@ def test_all_logits_twin_of_a_generic_graph_is_the_graph():
     from qharness.deploy.lower import quantize_for_deploy
     from qharness.recipes.registry import load_recipe
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0, bos_token_id=0)).eval()
+    gpt2 = GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0, bos_token_id=0)
+    ).eval()
     graph = quantize_for_deploy(gpt2, load_recipe("xnnpack_fp32"), 32, calibrate=lambda g: None)
     assert fastpath.all_logits_twin(graph) is graph

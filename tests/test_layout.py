@@ -14,7 +14,20 @@ PACKAGE = Path(qharness.__file__).parent
 
 # The flow, in order (ARCHITECTURE.md). A module may import its own package and the packages before it.
 # Base: shared by every stage (errors, atomic writes, progress, the typed configs, upstream adapters).
-FLOW = ["base", "sources", "data", "recipes", "training", "deploy", "checks", "runtime", "evaluation", "run", "reporting", "cli"]
+FLOW = [
+    "base",
+    "sources",
+    "data",
+    "recipes",
+    "training",
+    "deploy",
+    "checks",
+    "runtime",
+    "evaluation",
+    "run",
+    "reporting",
+    "cli",
+]
 BASE = {"errors", "io", "progress", "config", "upstream", "__init__"}
 
 
@@ -33,7 +46,9 @@ def imports_of(path: Path, known: set[str]) -> set[str]:
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name.startswith("qharness"))
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qharness") and node.level == 0:
+        elif (
+            isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("qharness") and node.level == 0
+        ):
             for a in node.names:
                 sub = f"{node.module}.{a.name}"
                 out.add(sub if sub in known else node.module)
@@ -86,7 +101,9 @@ def test_no_import_cycles():
 
 
 def test_every_package_is_in_the_flow():
-    assert {layer(m) for m in modules()} <= set(FLOW), "a new package: add it to FLOW (and ARCHITECTURE.md) in flow order"
+    assert {layer(m) for m in modules()} <= set(FLOW), (
+        "a new package: add it to FLOW (and ARCHITECTURE.md) in flow order"
+    )
 
 
 def test_packages_import_only_earlier_stages():
@@ -96,3 +113,14 @@ def test_packages_import_only_earlier_stages():
             if FLOW.index(layer(dep)) > FLOW.index(layer(module)):
                 late.append(f"{module} imports {dep} ({layer(dep)} comes after {layer(module)})")
     assert not late, "\n".join(sorted(late))
+
+
+def test_ruff_lint_and_format_are_clean():
+    """The linter and formatter configured in pyproject.toml ([tool.ruff]) pass on the whole tree."""
+    import subprocess
+    import sys
+
+    root = PACKAGE.parent
+    for args in (["check", "qharness", "tests", "scripts"], ["format", "--check", "qharness", "tests", "scripts"]):
+        r = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=root, capture_output=True, text=True)
+        assert r.returncode == 0, f"ruff {' '.join(args)}:\n{r.stdout[-3000:]}{r.stderr[-1000:]}"

@@ -6,7 +6,6 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import run_cli
 
 PROMPT = "To be, or not to be"
@@ -28,8 +27,8 @@ def varied_run(tmp_path_factory, tiny_llama):
     never picks them: TextLLMRunner's Python ``token_callback`` raises UnicodeDecodeError on such pieces.
     """
     from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
-    from qharness.sources.models import load_model_and_tokenizer
     from qharness.recipes.registry import load_recipe
+    from qharness.sources.models import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(str(tiny_llama))
     torch.manual_seed(0)
@@ -42,7 +41,9 @@ def varied_run(tmp_path_factory, tiny_llama):
     calibration = torch.randint(0, len(tok), (1, 16))
     graph = quantize_for_deploy(model, recipe, 64, lambda g: g(calibration, torch.tensor([0])))
     run = tmp_path_factory.mktemp("varied")
-    (run / "model.pte").write_bytes(lower_to_pte(graph, recipe, 64, runner_metadata(64, len(tok), tok.bos_token_id, [tok.eos_token_id])))
+    (run / "model.pte").write_bytes(
+        lower_to_pte(graph, recipe, 64, runner_metadata(64, len(tok), tok.bos_token_id, [tok.eos_token_id]))
+    )
     tok.save_pretrained(run / "tokenizer")
     return run
 
@@ -72,8 +73,12 @@ def test_text_llm_runner_generates_what_our_greedy_loop_does(request, which, pro
     from qharness.runtime.generate import generate, load_tokenizer
     from qharness.runtime.pte import PteModel
 
-    run = request.getfixturevalue(which)  # in-process: qharness loaded the kernels; a fresh process: test_readme_runner.py
-    ours = generate(PteModel(run / "model.pte"), load_tokenizer(run / "tokenizer"), prompt, max_new_tokens=new_tokens, temperature=0)
+    run = request.getfixturevalue(
+        which
+    )  # in-process: qharness loaded the kernels; a fresh process: test_readme_runner.py
+    ours = generate(
+        PteModel(run / "model.pte"), load_tokenizer(run / "tokenizer"), prompt, max_new_tokens=new_tokens, temperature=0
+    )
     runner = TextLLMRunner(str(run / "model.pte"), str(run / "tokenizer"))
     pieces, stats = [], []
     # num_bos=1: the runner applies tokenizer.json's BOS post-processor only when asked to add BOS
@@ -91,13 +96,32 @@ def test_generate_streams_the_text_piece_by_piece(varied_run):
     from qharness.runtime.pte import PteModel
 
     pieces = []
-    out = generate(PteModel(varied_run / "model.pte"), load_tokenizer(varied_run / "tokenizer"), PROMPT, max_new_tokens=12, temperature=0, on_text=pieces.append)
+    out = generate(
+        PteModel(varied_run / "model.pte"),
+        load_tokenizer(varied_run / "tokenizer"),
+        PROMPT,
+        max_new_tokens=12,
+        temperature=0,
+        on_text=pieces.append,
+    )
     assert len([p for p in pieces if p]) > 5 and "".join(pieces) == out["text"]
     assert out["prefill_tok_s"] > 0 and out["decode_tok_s"] > 0
 
 
 def test_generate_cli_is_deterministic_with_a_seed(varied_run):
-    args = ["generate", "--pte", varied_run / "model.pte", "--prompt", PROMPT, "--max_new_tokens", "20", "--temperature", "1.0", "--top_k", "50"]
+    args = [
+        "generate",
+        "--pte",
+        varied_run / "model.pte",
+        "--prompt",
+        PROMPT,
+        "--max_new_tokens",
+        "20",
+        "--temperature",
+        "1.0",
+        "--top_k",
+        "50",
+    ]
     first, second, other = run_cli(*args, "--seed", "7"), run_cli(*args, "--seed", "7"), run_cli(*args, "--seed", "8")
     for r in (first, second, other):
         assert r.returncode == 0, r.stderr[-3000:]
@@ -137,8 +161,12 @@ def test_fit_benchmarks_the_pte_and_the_eager_model(fit_run):
 
 def test_bench_cli_prints_a_table_and_adds_it_to_summary_json(varied_run, tiny_llama, tmp_path):
     shutil.copytree(varied_run, tmp_path / "run")
-    (tmp_path / "run" / "summary.json").write_text(json.dumps({"model": str(tiny_llama), "recipe": "xnnpack_int8_dynamic"}))
-    r = run_cli("bench", "--pte", tmp_path / "run" / "model.pte", "--prompt_len", "8", "--decode_tokens", "4", "--reps", "2")
+    (tmp_path / "run" / "summary.json").write_text(
+        json.dumps({"model": str(tiny_llama), "recipe": "xnnpack_int8_dynamic"})
+    )
+    r = run_cli(
+        "bench", "--pte", tmp_path / "run" / "model.pte", "--prompt_len", "8", "--decode_tokens", "4", "--reps", "2"
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert ".pte (ExecuTorch)" in r.stdout and "eager FP (PyTorch)" in r.stdout and ".pte vs eager" in r.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -84,11 +84,17 @@ def test_installed_wheel_calibrates_a_tiny_model_to_a_pte_that_passes_parity(sit
     data.write_text(corpus.read_text()[:100_000])
     run = tmp_path / "run"
     cfg = write_config(
-        tmp_path / "ptq.yaml", tiny_llama, data, run,
-        model={"mode": "ptq", "recipe": "xnnpack_int8_dynamic"}, data={"seq_len": 16, "batch_size": 2},
-        deploy={"max_seq_len": 32}, calibration={"blocks": 2},
+        tmp_path / "ptq.yaml",
+        tiny_llama,
+        data,
+        run,
+        model={"mode": "ptq", "recipe": "xnnpack_int8_dynamic"},
+        data={"seq_len": 16, "batch_size": 2},
+        deploy={"max_seq_len": 32},
+        calibration={"blocks": 2},
         parity={"eval_blocks": 2, "prompts": 1, "prompt_len": 8, "decode_steps": 2},
-        bench={"enabled": False}, eval={"enabled": False},
+        bench={"enabled": False},
+        eval={"enabled": False},
     )
     r = run_installed(site, tmp_path, "-m", "qharness", "calibrate", str(cfg))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from qharness.config import ParityConfig
 from qharness.checks.parity import compare_decoding, gate
+from qharness.config import ParityConfig
 
 VOCAB, LENGTH = 64, 48
 

@@ -56,7 +56,14 @@ def _run(tmp_path, *args, verbose_env=None):
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     if verbose_env:
         env["QHARNESS_VERBOSE"] = verbose_env
-    r = subprocess.run([sys.executable, "-c", SCRIPT, "recipes", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", SCRIPT, "recipes", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout + r.stderr
 

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, make_tiny_hf
 
 HEADING = "## On-device runner"
@@ -116,7 +115,11 @@ def test_readme_snippet_generates_text_in_a_fresh_process(request, which, tmp_pa
 def test_without_the_kernel_imports_the_runner_misses_the_ops_the_readme_names(emb4_run, tmp_path):
     """Why the snippet's first two imports are there: the wheel's runner alone lacks these kernels."""
     snippet = readme_runner_snippet()
-    bare = "\n".join(line for line in snippet.splitlines() if not re.match(r"import executorch\.(extension\.llm\.custom_ops|kernels)", line))
+    bare = "\n".join(
+        line
+        for line in snippet.splitlines()
+        if not re.match(r"import executorch\.(extension\.llm\.custom_ops|kernels)", line)
+    )
     assert len(bare.splitlines()) == len(snippet.splitlines()) - 2
     r = run_code_on(emb4_run, tmp_path, bare)
     assert r.returncode != 0

@@ -8,10 +8,10 @@ import torch
 
 from qharness.config import CalibrationConfig, ExportConfig, ParityConfig
 from qharness.data.datamodule import TextDataModule
-from qharness.training.module import QuantLM
+from qharness.recipes.registry import known_recipes, load_recipe
 from qharness.run.from_lightning import held_out, trained
 from qharness.run.pipeline import deploy_and_check
-from qharness.recipes.registry import known_recipes, load_recipe
+from qharness.training.module import QuantLM
 
 FAST = {("xnnpack_int4w_dynamic", "qat"), ("xnnpack_8da4w", "qat")}
 CASES = [(r, m) for r in known_recipes() for m in load_recipe(r).modes]
@@ -32,11 +32,18 @@ def run_recipe(recipe, mode, model_dir, data, run_dir, steps=4):
             opt.step()
     parity = ParityConfig(eval_blocks=8, prompts=2, prompt_len=16, decode_steps=4)
     # the stages take plain inputs: the trained module and the data as models and tensors
-    return deploy_and_check(trained(module), held_out(dm, parity, CalibrationConfig(blocks=8)), run_dir, ExportConfig(max_seq_len=64), parity)
+    return deploy_and_check(
+        trained(module),
+        held_out(dm, parity, CalibrationConfig(blocks=8)),
+        run_dir,
+        ExportConfig(max_seq_len=64),
+        parity,
+    )
 
 
 @pytest.mark.parametrize(
-    "recipe,mode", [pytest.param(r, m, marks=() if (r, m) in FAST else pytest.mark.slow, id=f"{r}-{m}") for r, m in CASES]
+    "recipe,mode",
+    [pytest.param(r, m, marks=() if (r, m) in FAST else pytest.mark.slow, id=f"{r}-{m}") for r, m in CASES],
 )
 def test_recipe_numerics(recipe, mode, tiny_llama, corpus, tmp_path):
     summary = run_recipe(recipe, mode, tiny_llama, corpus, tmp_path)

@@ -103,7 +103,10 @@ def test_settings_are_typed_and_checked_when_read(tmp_path, quantizer, message):
     "text, message",
     [
         ("description: d\nbackend: x\nquantizer: {name: xnnpack\n", "not valid YAML \\(line"),
-        ("description: d\nbackend: x\nexecutorch_config: {do_quant_fusion: true}\n", "unknown executorch_config field.*do_quant_fusion"),
+        (
+            "description: d\nbackend: x\nexecutorch_config: {do_quant_fusion: true}\n",
+            "unknown executorch_config field.*do_quant_fusion",
+        ),
         ("description: d\nbackend: x\npartitioners: xnnpack\n", "partitioners must be a list of names"),
         ("description: d\nbackend: x\nruns_here: maybe\n", "runs_here must be true or false"),
         ("- a\n- b\n", "must hold a mapping"),
@@ -129,7 +132,9 @@ def test_executorch_config_fields_are_the_installed_ones():
 
 def test_every_recipe_has_a_kind():
     kinds = {name: load_recipe(name).kind for name in known_recipes()}
-    assert kinds["xnnpack_fp32"] == "fp" and kinds["xnnpack_8da4w"] == "source" and kinds["xnnpack_int8_dynamic"] == "pt2e"
+    assert (
+        kinds["xnnpack_fp32"] == "fp" and kinds["xnnpack_8da4w"] == "source" and kinds["xnnpack_int8_dynamic"] == "pt2e"
+    )
     assert set(kinds.values()) <= {"fp", "pt2e", "source"}
 
 

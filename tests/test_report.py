@@ -4,8 +4,8 @@ import csv
 import json
 
 import pytest
-
 from conftest import run_cli
+
 from qharness.io import write_json_atomic
 from qharness.reporting.report import best_under, pareto_front, resolve_metric, summary_row, write_report
 
@@ -25,17 +25,47 @@ FRONT = ["int4-ptq", "8da4w-qat", "int8-ptq", "fp"]
 
 def summary(name, recipe, mode, quantized, ppl, ms, mb, passed, acc):
     out = {
-        "run_dir": f"runs/s/{name}", "model": "embedded", "recipe": recipe, "backend": "xnnpack", "mode": mode,
-        "quantized": quantized, "seq_len": 128, "eval_blocks": 32,
-        "metrics": {"fp": {"loss": 4.58, "ppl": 98.0}, "converted": {"loss": 4.6, "ppl": ppl}, "pte": {"loss": 4.6, "ppl": ppl}},
-        "parity": {"max_abs_diff": 0.3, "argmax_agreement": 0.97 if passed else 0.5, "positions": 160, "ppl_rel_diff": 0.001, "passed": passed, "reasons": []},
+        "run_dir": f"runs/s/{name}",
+        "model": "embedded",
+        "recipe": recipe,
+        "backend": "xnnpack",
+        "mode": mode,
+        "quantized": quantized,
+        "seq_len": 128,
+        "eval_blocks": 32,
+        "metrics": {
+            "fp": {"loss": 4.58, "ppl": 98.0},
+            "converted": {"loss": 4.6, "ppl": ppl},
+            "pte": {"loss": 4.6, "ppl": ppl},
+        },
+        "parity": {
+            "max_abs_diff": 0.3,
+            "argmax_agreement": 0.97 if passed else 0.5,
+            "positions": 160,
+            "ppl_rel_diff": 0.001,
+            "passed": passed,
+            "reasons": [],
+        },
         "pte": {"path": f"runs/s/{name}/model.pte", "size_bytes": int(mb * 1e6), "max_seq_len": 256},
-        "eval": {"tasks": {"toy": {"fp": {"acc,none": 0.5, "acc_stderr,none": 0.01}, "pte": {"acc,none": acc, "acc_stderr,none": 0.01}}}},
+        "eval": {
+            "tasks": {
+                "toy": {
+                    "fp": {"acc,none": 0.5, "acc_stderr,none": 0.01},
+                    "pte": {"acc,none": acc, "acc_stderr,none": 0.01},
+                }
+            }
+        },
     }
     if passed:
         tok_s = 1000.0 / ms  # repetitions within +-2%
-        out["bench"] = {"pte": {"decode_tok_s": {"median": tok_s, "min": 0.98 * tok_s, "max": 1.02 * tok_s}, "prefill_tok_s": {"median": 5000.0},
-                                "bandwidth_fraction": 0.1, "peak_rss_mb": 300.0}}
+        out["bench"] = {
+            "pte": {
+                "decode_tok_s": {"median": tok_s, "min": 0.98 * tok_s, "max": 1.02 * tok_s},
+                "prefill_tok_s": {"median": 5000.0},
+                "bandwidth_fraction": 0.1,
+                "peak_rss_mb": 300.0,
+            }
+        }
     return out
 
 
@@ -88,11 +118,14 @@ def test_pareto_front_unit_cases():
 def test_table_csv_and_png_are_written(runs_dir):
     import matplotlib.pyplot as plt
 
-    result = write_report(runs_dir, runs_dir / "out", max_latency_ms=0.95, wandb=False)
+    write_report(runs_dir, runs_dir / "out", max_latency_ms=0.95, wandb=False)
     md = (runs_dir / "out" / "report.md").read_text()
     lines = [line for line in md.splitlines() if line.startswith("| ")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    body = {cells[0]: dict(zip(header, cells)) for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])}
+    body = {
+        cells[0]: dict(zip(header, cells))
+        for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines[1:])
+    }
     assert set(body) == set(RUNS)  # the unreadable summary is skipped
     assert {n for n, r in body.items() if r["Pareto"] == "*"} == set(FRONT)
     assert body["broken"]["parity"] == "FAILED" and body["int8-ptq"]["parity"] == "passed"
@@ -109,7 +142,11 @@ def test_table_csv_and_png_are_written(runs_dir):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     img = plt.imread(png)[..., :3]
     assert img.shape[:2] == (720, 1080)
-    crimson = ((abs(img[..., 0] - 220 / 255) < 0.08) & (abs(img[..., 1] - 20 / 255) < 0.08) & (abs(img[..., 2] - 60 / 255) < 0.08)).sum()
+    crimson = (
+        (abs(img[..., 0] - 220 / 255) < 0.08)
+        & (abs(img[..., 1] - 20 / 255) < 0.08)
+        & (abs(img[..., 2] - 60 / 255) < 0.08)
+    ).sum()
     assert crimson > 200  # the front's line and labels are drawn
 
 
@@ -120,7 +157,10 @@ def test_a_busy_machine_during_benchmarks_is_noted(runs_dir):
     busy["bench"].update(load_avg_1m=5.5, cpus=2)
     write_json_atomic(path, busy)
     text = write_report(runs_dir, wandb=False)["text"]
-    assert "Note: 1 of 6 benchmarks ran while other processes kept the CPUs busy (load average up to 5.5 on 2 CPUs)" in text
+    assert (
+        "Note: 1 of 6 benchmarks ran while other processes kept the CPUs busy (load average up to 5.5 on 2 CPUs)"
+        in text
+    )
 
 
 def test_report_cli_and_its_wandb_table(runs_dir):
@@ -148,7 +188,9 @@ def test_summary_row_of_a_real_summary_layout():
     assert row["run"] == "x" and row["decode_ms_per_token"] == pytest.approx(1.25) and row["decode_tok_s"] == 800.0
     assert row["eval/toy/acc/pte"] == 0.47 and row["eval/toy/acc/fp"] == 0.5
     assert row["eval/toy/acc_stderr/pte"] == 0.01  # lm-eval's standard error travels with its metric (table, wandb row)
-    assert row["latency_source"] == "own bench (1 process)" and row["ppl_pte_lo"] is None  # no block losses: no interval
+    assert (
+        row["latency_source"] == "own bench (1 process)" and row["ppl_pte_lo"] is None
+    )  # no block losses: no interval
     del s["quantized"]  # an older summary: the recipe says whether it quantizes (RunSummary reads it)
     from qharness.run.summary import RunSummary
 

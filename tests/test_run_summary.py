@@ -12,8 +12,18 @@ from qharness.run.summary import SCHEMA_VERSION, RunSummary
 
 
 def _summary(**kw):
-    base = dict(run_dir="runs/x", model="embedded", recipe="xnnpack_int8_dynamic", backend="xnnpack", mode="ptq",
-                quantized=True, seq_len=32, eval_blocks=8, metrics={"pte": {"ppl": 3.0}}, pte={"size_bytes": 10})
+    base = dict(
+        run_dir="runs/x",
+        model="embedded",
+        recipe="xnnpack_int8_dynamic",
+        backend="xnnpack",
+        mode="ptq",
+        quantized=True,
+        seq_len=32,
+        eval_blocks=8,
+        metrics={"pte": {"ppl": 3.0}},
+        pte={"size_bytes": 10},
+    )
     return RunSummary(**{**base, **kw})
 
 
@@ -48,8 +58,15 @@ def test_version_1_summaries_are_read_and_newer_ones_refused(tmp_path):
         RunSummary.read(tmp_path / "v9.json")
 
 
-@pytest.mark.parametrize("content, message", [("[1, 2]", "not a JSON object"), ("{", "cannot be read"),
-                                               ('{"run_dir": "x"}', "lacks field"), ('{"zzz": 1}', "unknown field")])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[1, 2]", "not a JSON object"),
+        ("{", "cannot be read"),
+        ('{"run_dir": "x"}', "lacks field"),
+        ('{"zzz": 1}', "unknown field"),
+    ],
+)
 def test_malformed_summaries_are_one_line_errors(tmp_path, content, message):
     (tmp_path / "s.json").write_text(content)
     with pytest.raises(UserError, match=message):

@@ -71,7 +71,11 @@ def test_qat_weight_fake_quant_uses_the_deploy_scale(tiny_llama):
         if w.dim() != 2 or "embed" in name:
             continue
         amax = w.detach().abs().amax(dim=1)
-        hits = [k for k, v in sd.items() if k.endswith(".scale") and v.shape == amax.shape and torch.allclose(v, amax / 127, rtol=1e-5)]
+        hits = [
+            k
+            for k, v in sd.items()
+            if k.endswith(".scale") and v.shape == amax.shape and torch.allclose(v, amax / 127, rtol=1e-5)
+        ]
         checked += bool(hits)
     assert checked >= 10  # q/k/v/o/gate/up/down of 2 layers + lm_head
 
@@ -104,5 +108,5 @@ def test_trained_weights_go_back_into_the_hf_model(tiny_llama, fp):
     fp_params = dict(fp.named_parameters(remove_duplicate=False))
     assert len(graph_params) >= len(dict(hf.named_parameters())) > 10
     for name, p in graph_params.items():
-        assert torch.equal(p, hf_params[name[len("model."):]]), name
-        assert not torch.equal(p, fp_params[name[len("model."):]]), name
+        assert torch.equal(p, hf_params[name[len("model.") :]]), name
+        assert not torch.equal(p, fp_params[name[len("model.") :]]), name

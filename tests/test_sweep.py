@@ -14,14 +14,27 @@ from qharness.errors import UserError
 from qharness.io import write_json_atomic
 from qharness.reporting.sweep import is_done, load_sweep, plan, run_logged, run_sweep
 
-PPL = {"xnnpack_fp32-ptq": 98.0, "xnnpack_int8_dynamic-ptq": 98.1, "xnnpack_int8_dynamic-qat": 98.6, "xnnpack_int4w_dynamic-ptq": 101.0}
-MS = {"xnnpack_fp32-ptq": 3.0, "xnnpack_int8_dynamic-ptq": 1.0, "xnnpack_int8_dynamic-qat": 1.1, "xnnpack_int4w_dynamic-ptq": 0.9}
+PPL = {
+    "xnnpack_fp32-ptq": 98.0,
+    "xnnpack_int8_dynamic-ptq": 98.1,
+    "xnnpack_int8_dynamic-qat": 98.6,
+    "xnnpack_int4w_dynamic-ptq": 101.0,
+}
+MS = {
+    "xnnpack_fp32-ptq": 3.0,
+    "xnnpack_int8_dynamic-ptq": 1.0,
+    "xnnpack_int8_dynamic-qat": 1.1,
+    "xnnpack_int4w_dynamic-ptq": 0.9,
+}
 
 
 def sweep_yaml(tmp_path, max_steps=5, **extra):
     spec = {
         "sweep_dir": str(tmp_path / "sweep"),
-        "runs": [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq", "qat"]}, {"recipe": "xnnpack_int4w_dynamic", "mode": "ptq"}],
+        "runs": [
+            {"recipe": "xnnpack_int8_dynamic", "modes": ["ptq", "qat"]},
+            {"recipe": "xnnpack_int4w_dynamic", "mode": "ptq"},
+        ],
         "config": {"model": {"checkpoint": str(tmp_path / "some_model")}, "trainer": {"max_steps": max_steps}},
         "report": {"max_latency_ms": 1.05, "wandb": False},
         **extra,
@@ -48,27 +61,57 @@ class FakeRunner:
         pte = {"size_bytes": 2_000_000}
         if self.pte:  # a real (tiny) program in the run dir, as fit/calibrate leave one
             pte["path"] = str(shutil.copy(self.pte, f"{run_dir}/model.pte"))
-        write_json_atomic(f"{run_dir}/summary.json", {
-            "run_dir": run_dir, "model": "m", "recipe": cfg["model"]["recipe"], "backend": "xnnpack", "mode": cfg["model"]["mode"],
-            "quantized": cfg["model"]["recipe"] != "xnnpack_fp32", "metrics": {"fp": {"ppl": 98.0}, "pte": {"ppl": PPL[name]}},
-            "seq_len": 32, "eval_blocks": 8, "parity": {"passed": True}, "pte": pte,
-            "bench": {"prompt_len": 8, "decode_tokens": 4, "reps": 2, "pte": {"decode_tok_s": {"median": 1000 / MS[name]}}},
-        })
+        write_json_atomic(
+            f"{run_dir}/summary.json",
+            {
+                "run_dir": run_dir,
+                "model": "m",
+                "recipe": cfg["model"]["recipe"],
+                "backend": "xnnpack",
+                "mode": cfg["model"]["mode"],
+                "quantized": cfg["model"]["recipe"] != "xnnpack_fp32",
+                "metrics": {"fp": {"ppl": 98.0}, "pte": {"ppl": PPL[name]}},
+                "seq_len": 32,
+                "eval_blocks": 8,
+                "parity": {"passed": True},
+                "pte": pte,
+                "bench": {
+                    "prompt_len": 8,
+                    "decode_tokens": 4,
+                    "reps": 2,
+                    "pte": {"decode_tok_s": {"median": 1000 / MS[name]}},
+                },
+            },
+        )
         return 0
 
 
 def test_plan_puts_the_baseline_first_with_one_run_dir_each(tmp_path):
     runs = plan(load_sweep(sweep_yaml(tmp_path)))
     assert [(r.name, r.subcommand) for r in runs] == [
-        ("xnnpack_fp32-ptq", "calibrate"), ("xnnpack_int8_dynamic-ptq", "calibrate"), ("xnnpack_int8_dynamic-qat", "fit"), ("xnnpack_int4w_dynamic-ptq", "calibrate"),
+        ("xnnpack_fp32-ptq", "calibrate"),
+        ("xnnpack_int8_dynamic-ptq", "calibrate"),
+        ("xnnpack_int8_dynamic-qat", "fit"),
+        ("xnnpack_int4w_dynamic-ptq", "calibrate"),
     ]
     qat = runs[2]
     assert qat.run_dir == tmp_path / "sweep" / "xnnpack_int8_dynamic-qat"
     assert qat.config["trainer"] == {"max_steps": 5, "default_root_dir": str(qat.run_dir)}
-    assert qat.config["model"] == {"checkpoint": str(tmp_path / "some_model"), "recipe": "xnnpack_int8_dynamic", "mode": "qat"}
+    assert qat.config["model"] == {
+        "checkpoint": str(tmp_path / "some_model"),
+        "recipe": "xnnpack_int8_dynamic",
+        "mode": "qat",
+    }
     assert qat.config["wandb"] == {"group": "sweep"}
-    assert "bench" not in runs[0].config and qat.config["bench"] == {"eager": False}  # the eager FP model is measured once
-    assert [r.config["eval"]["models"] for r in runs] == [["fp", "pte"], ["pte"], ["fake_quant", "pte"], ["pte"]]  # FP evaluated once
+    assert "bench" not in runs[0].config and qat.config["bench"] == {
+        "eager": False
+    }  # the eager FP model is measured once
+    assert [r.config["eval"]["models"] for r in runs] == [
+        ["fp", "pte"],
+        ["pte"],
+        ["fake_quant", "pte"],
+        ["pte"],
+    ]  # FP evaluated once
 
 
 def test_rerun_skips_finished_runs_retries_failed_ones_and_reruns_changed_configs(tmp_path):
@@ -79,7 +122,11 @@ def test_rerun_skips_finished_runs_retries_failed_ones_and_reruns_changed_config
     assert {r["name"]: r["state"] for r in result["runs"]}["xnnpack_int8_dynamic-qat"] == "failed"
     assert [c[0] for c in first.calls] == ["calibrate", "calibrate", "fit", "calibrate"]
     rep = result["report"]
-    assert {r["run"] for r in rep["rows"]} == {"xnnpack_fp32-ptq", "xnnpack_int8_dynamic-ptq", "xnnpack_int4w_dynamic-ptq"}
+    assert {r["run"] for r in rep["rows"]} == {
+        "xnnpack_fp32-ptq",
+        "xnnpack_int8_dynamic-ptq",
+        "xnnpack_int4w_dynamic-ptq",
+    }
     assert rep["best"]["run"] == "xnnpack_int8_dynamic-ptq"  # <= 1.05 ms/token: int8 (98.1) beats int4 (101)
     assert "Failed run: xnnpack_int8_dynamic-qat (exit 1)" in rep["text"]
     assert json.loads((tmp_path / "sweep" / "sweep.json").read_text())["runs"][2]["returncode"] == 1
@@ -123,42 +170,72 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
         k = sum(c["path"] == kw["path"] for c in calls)
         calls.append(kw)
         tok_s = 10.0 * (k + 1)
-        return {"decode_tok_s": {"median": tok_s}, "prefill_tok_s": {"median": 2 * tok_s}, "decode_cpu_share": {"median": 1.0},
-                "decode_tok_per_cpu_s": {"median": tok_s},
-                "size_bytes": 1, "weight_bytes": 1}
+        return {
+            "decode_tok_s": {"median": tok_s},
+            "prefill_tok_s": {"median": 2 * tok_s},
+            "decode_cpu_share": {"median": 1.0},
+            "decode_tok_per_cpu_s": {"median": tok_s},
+            "size_bytes": 1,
+            "weight_bytes": 1,
+        }
 
     monkeypatch.setattr(qharness.runtime.bench, "measure_in_fresh_process", fake_measure)
     path = sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 3})
     result = run_sweep(path, runner=FakeRunner(fail={"xnnpack_int8_dynamic-qat"}, pte=pte))
     names = ["xnnpack_fp32-ptq", "xnnpack_int8_dynamic-ptq", "xnnpack_int4w_dynamic-ptq"]
     sweep = tmp_path / "sweep"
-    assert [c["path"] for c in calls] == [str(sweep / n / "model.pte") for n in names] * 3  # round-robin, 3 processes each
-    assert {(c["prompt_len"], c["decode_tokens"], c["reps"]) for c in calls} == {(8, 4, 10)}  # the runs' lengths, >= 10 reps
+    assert [c["path"] for c in calls] == [
+        str(sweep / n / "model.pte") for n in names
+    ] * 3  # round-robin, 3 processes each
+    assert {(c["prompt_len"], c["decode_tokens"], c["reps"]) for c in calls} == {
+        (8, 4, 10)
+    }  # the runs' lengths, >= 10 reps
     assert len({c["threads"] for c in calls}) == 1  # one thread count for the whole session
     joint = json.loads((sweep / "bench_joint.json").read_text())
     assert list(joint["programs"]) == names and joint["sequence"] == names * 3
     for name in names:
         entry = json.loads((sweep / name / "summary.json").read_text())["bench_joint"]
-        assert list(entry) == ["processes", "order", "load_avg_1m", "threads", "decode_tok_s", "prefill_tok_s", "decode_ms_per_token"]
+        assert list(entry) == [
+            "processes",
+            "order",
+            "load_avg_1m",
+            "threads",
+            "decode_tok_s",
+            "prefill_tok_s",
+            "decode_ms_per_token",
+        ]
         assert (entry["processes"], entry["order"], len(entry["load_avg_1m"])) == (3, "round-robin", 2)
         assert entry["decode_tok_s"] == {"median": 20.0, "min": 10.0, "max": 30.0, "per_process": [10.0, 20.0, 30.0]}
         assert entry["prefill_tok_s"]["median"] == 40.0
-        assert entry["decode_ms_per_token"] == {"median": 50.0, "min": 1e3 / 30, "max": 100.0, "per_process": [100.0, 50.0, 1e3 / 30]}
+        assert entry["decode_ms_per_token"] == {
+            "median": 50.0,
+            "min": 1e3 / 30,
+            "max": 100.0,
+            "per_process": [100.0, 50.0, 1e3 / 30],
+        }
     assert result["bench_joint"]["threads"] == joint["threads"]
 
     calls.clear()  # bench_processes: 0 turns the joint benchmark off
-    run_sweep(sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 0}), runner=FakeRunner(pte=pte), report=False)
+    run_sweep(
+        sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 0}), runner=FakeRunner(pte=pte), report=False
+    )
     assert calls == []
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["qat"]}]}, "does not support mode 'qat'"),
-    ({"runs": [{"recipe": "nope", "modes": ["ptq"]}]}, "unknown recipe 'nope'"),
-    ({"runs": []}, "needs runs"),
-    ({"runs": [{"recipe": "xnnpack_fp32"}]}, "names no modes"),
-    ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "extra": 1}, "unknown keys ['extra']"),
-    ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "report": {"bench_processes": -1}}, "bench_processes must be a whole number"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["qat"]}]}, "does not support mode 'qat'"),
+        ({"runs": [{"recipe": "nope", "modes": ["ptq"]}]}, "unknown recipe 'nope'"),
+        ({"runs": []}, "needs runs"),
+        ({"runs": [{"recipe": "xnnpack_fp32"}]}, "names no modes"),
+        ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "extra": 1}, "unknown keys ['extra']"),
+        (
+            {"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "report": {"bench_processes": -1}},
+            "bench_processes must be a whole number",
+        ),
+    ],
+)
 def test_bad_sweep_configs_fail_before_any_run(tmp_path, spec, message):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(spec))
@@ -174,7 +251,10 @@ def test_sweep_cli_bad_config_is_one_line_exit_2(tmp_path):
 
 
 def test_run_logged_tees_output_and_returns_the_exit_code(tmp_path, capfdbinary):
-    code = run_logged([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"], tmp_path / "x.log")
+    code = run_logged(
+        [sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"],
+        tmp_path / "x.log",
+    )
     assert code == 3
     log = (tmp_path / "x.log").read_text()
     assert "out" in log and "err" in log
@@ -191,8 +271,12 @@ def test_the_shipped_sweep_covers_fp_ptq_and_qat():
 def test_a_real_tiny_sweep_and_its_rerun(tmp_path, tiny_llama, corpus):
     base = yaml.safe_load(write_config(tmp_path / "base.yaml", tiny_llama, corpus, tmp_path / "unused").read_text())
     del base["trainer"]["default_root_dir"]
-    spec = {"sweep_dir": str(tmp_path / "sweep"), "runs": [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"]}], "config": base,
-            "report": {"wandb": False}}
+    spec = {
+        "sweep_dir": str(tmp_path / "sweep"),
+        "runs": [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"]}],
+        "config": base,
+        "report": {"wandb": False},
+    }
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
     r = run_cli("sweep", tmp_path / "s.yaml")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

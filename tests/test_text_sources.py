@@ -20,7 +20,9 @@ def test_a_folder_of_mixed_and_compressed_files_loads_every_document(tmp_path):
         f.write(json.dumps({"text": "bz2 row"}) + "\n")
     (tmp_path / "e.csv").write_text("text,n\ncsv row,1\n")
     (tmp_path / "notes.md").write_text("not a data file: ignored")
-    assert sorted(load_texts(str(tmp_path))) == sorted(["plain text", "gzip text", "row one", "row two", "bz2 row", "csv row"])
+    assert sorted(load_texts(str(tmp_path))) == sorted(
+        ["plain text", "gzip text", "row one", "row two", "bz2 row", "csv row"]
+    )
 
 
 def test_utf8_bom_is_dropped(tmp_path):

@@ -10,11 +10,13 @@ import pytest
 import torch
 from conftest import run_cli, write_config
 
-from qharness.upstream import torchtune as torchtune_compat
 from qharness.errors import UserError
 from qharness.sources.torchtune import parse_spec
+from qharness.upstream import torchtune as torchtune_compat
 
-needs_torchtune = pytest.mark.skipif(not torchtune_compat.torchtune_installed(), reason="torchtune is not installed (pip install -e '.[torchtune]')")
+needs_torchtune = pytest.mark.skipif(
+    not torchtune_compat.torchtune_installed(), reason="torchtune is not installed (pip install -e '.[torchtune]')"
+)
 
 TINY = "torchtune:llama3_2.llama3_2(vocab_size=384, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256, intermediate_dim=128{})"
 
@@ -61,7 +63,9 @@ def test_builder_becomes_an_hf_llama_with_the_same_logits(tmp_path, monkeypatch)
     path = resolve_checkpoint(spec)
     assert resolve_checkpoint(spec) == path  # cached
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
-    assert type(hf).__name__ == "LlamaForCausalLM" and hf.config.tie_word_embeddings and hf.config.num_key_value_heads == 2
+    assert (
+        type(hf).__name__ == "LlamaForCausalLM" and hf.config.tie_word_embeddings and hf.config.num_key_value_heads == 2
+    )
     torch.manual_seed(3)
     tt = resolve_builder(parse_spec(spec)[0])(**{k: v for k, v in parse_spec(spec)[1].items() if k != "seed"}).eval()
     x = torch.randint(0, 384, (2, 24))
@@ -77,7 +81,9 @@ def test_non_llama_builder_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path))
     with pytest.raises(UserError, match="does not map onto HF Llama"):
-        resolve_checkpoint("torchtune:qwen2.qwen2(vocab_size=384, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256, intermediate_dim=128)")
+        resolve_checkpoint(
+            "torchtune:qwen2.qwen2(vocab_size=384, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256, intermediate_dim=128)"
+        )
     with pytest.raises(UserError, match="torchtune has no model builder"):
         resolve_checkpoint("torchtune:llama3_2.no_such_builder")
 

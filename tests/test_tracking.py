@@ -3,10 +3,10 @@
 import json
 
 import pytest
+from wandb_offline import config, history, offline_run, tables
 
 from qharness.reporting.report import summary_row
 from qharness.reporting.tracking import wandb_logged_in, wandb_mode
-from wandb_offline import config, history, offline_run, tables
 
 
 def test_fit_logs_config_curves_and_the_final_row_offline(fitted):
@@ -19,12 +19,28 @@ def test_fit_logs_config_curves_and_the_final_row_offline(fitted):
     row = dict(zip(logged["columns"], logged["data"][0]))
     expected = summary_row(summary)
     assert row.keys() == expected.keys()
-    for key in ("model", "recipe", "mode", "ppl_fp", "ppl_fake_quant", "ppl_pte", "parity_passed", "parity_argmax_agreement",
-                "parity_max_abs_diff", "pte_size_mb", "prefill_tok_s", "decode_tok_s", "bandwidth_fraction"):
+    for key in (
+        "model",
+        "recipe",
+        "mode",
+        "ppl_fp",
+        "ppl_fake_quant",
+        "ppl_pte",
+        "parity_passed",
+        "parity_argmax_agreement",
+        "parity_max_abs_diff",
+        "pte_size_mb",
+        "prefill_tok_s",
+        "decode_tok_s",
+        "bandwidth_fraction",
+    ):
         assert row[key] == pytest.approx(expected[key]), key
     assert row["mode"] == "qat" and row["recipe"] == "xnnpack_int8_dynamic" and row["parity_passed"] is True
     assert row["ppl_pte"] == pytest.approx(summary["metrics"]["pte"]["ppl"])
-    assert row["decode_tok_s"] == pytest.approx(summary["bench"]["pte"]["decode_tok_s"]["median"]) and row["decode_tok_s"] > 0
+    assert (
+        row["decode_tok_s"] == pytest.approx(summary["bench"]["pte"]["decode_tok_s"]["median"])
+        and row["decode_tok_s"] > 0
+    )
     assert row["pte_size_mb"] == pytest.approx((run_dir / "model.pte").stat().st_size / 1e6)
     # noise bands: every model's per-block losses on the same blocks, its interval, and the paired ratio to FP
     m = summary["metrics"]
@@ -34,8 +50,17 @@ def test_fit_logs_config_curves_and_the_final_row_offline(fitted):
     assert m["pte"]["vs_fp"]["ppl_ratio"] == pytest.approx(m["pte"]["ppl"] / m["fp"]["ppl"], rel=1e-4)
     assert m["pte"]["vs_fp"]["ci"][0] <= m["pte"]["vs_fp"]["ppl_ratio"] <= m["pte"]["vs_fp"]["ci"][1]
     assert len(summary["val_blocks"]) == 16 and len(summary["pte"]["sha256"]) == 64
-    for key in ("ppl_pte_lo", "ppl_pte_hi", "ppl_pte_vs_fp_lo", "ppl_pte_vs_fp_hi", "decode_ms_per_token_lo", "latency_source"):
-        assert row[key] == pytest.approx(expected[key]) if isinstance(expected[key], float) else row[key] == expected[key], key
+    for key in (
+        "ppl_pte_lo",
+        "ppl_pte_hi",
+        "ppl_pte_vs_fp_lo",
+        "ppl_pte_vs_fp_hi",
+        "decode_ms_per_token_lo",
+        "latency_source",
+    ):
+        assert (
+            row[key] == pytest.approx(expected[key]) if isinstance(expected[key], float) else row[key] == expected[key]
+        ), key
     assert row["ppl_pte_lo"] < row["ppl_pte"] < row["ppl_pte_hi"]
 
     steps = history(run)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from qharness.errors import UserError
+from qharness.recipes.registry import load_recipe
 from qharness.sources.models import load_model_and_tokenizer
 from qharness.training.module import QuantLM, check_precision, export_for_training, set_fake_quant
-from qharness.recipes.registry import load_recipe
 
 
 class FakeTrainer:
@@ -96,7 +96,9 @@ def test_schedule_fields_are_refused_for_source_level_recipes(tiny_llama):
     with pytest.raises(UserError, match="need a PT2E recipe"):
         QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da4w", mode="qat", fake_quant_after_n_steps=10)
     with pytest.raises(UserError, match="must be >= 0"):
-        QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_int8_dynamic", mode="qat", freeze_observers_after_n_steps=-1)
+        QuantLM(
+            checkpoint=str(tiny_llama), recipe="xnnpack_int8_dynamic", mode="qat", freeze_observers_after_n_steps=-1
+        )
 
 
 def test_precision_policy():
@@ -120,7 +122,9 @@ def test_pt2e_qat_graph_trains_under_bf16_autocast(make):
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x.flatten())
     loss.backward()
     assert logits.dtype == torch.bfloat16 and torch.isfinite(loss)
-    assert all(p.dtype == torch.float32 and p.grad is not None and torch.isfinite(p.grad).all() for p in m.graph.parameters())
+    assert all(
+        p.dtype == torch.float32 and p.grad is not None and torch.isfinite(p.grad).all() for p in m.graph.parameters()
+    )
 
 
 @pytest.mark.slow
@@ -229,7 +233,16 @@ def test_resume_with_gradient_accumulation_ends_where_an_uninterrupted_run_ends(
     off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
     trainer = {"max_steps": 6, "accumulate_grad_batches": 2, "val_check_interval": None, "check_val_every_n_epoch": 1}
     small = {"val_fraction": 0.3}
-    a_cfg = write_config(tmp_path / "a.yaml", tiny_llama, data, tmp_path / "a", trainer=trainer, data=small, checkpoint={"save_top_k": -1}, **off)
+    a_cfg = write_config(
+        tmp_path / "a.yaml",
+        tiny_llama,
+        data,
+        tmp_path / "a",
+        trainer=trainer,
+        data=small,
+        checkpoint={"save_top_k": -1},
+        **off,
+    )
     b_cfg = write_config(tmp_path / "b.yaml", tiny_llama, data, tmp_path / "b", trainer=trainer, data=small, **off)
     assert run_cli("fit", a_cfg).returncode == 0
     step3 = next((tmp_path / "a" / "checkpoints").glob("*step=3.ckpt"))
@@ -237,11 +250,16 @@ def test_resume_with_gradient_accumulation_ends_where_an_uninterrupted_run_ends(
     shutil.copy(step3, tmp_path / "b" / "checkpoints" / "last.ckpt")
     r = run_cli("fit", b_cfg, "--ckpt_path", "last")
     assert r.returncode == 0, r.stderr[-3000:]
-    a, b, s3 = (torch.load(p, weights_only=True) for p in (tmp_path / "a" / "checkpoints" / "last.ckpt", tmp_path / "b" / "checkpoints" / "last.ckpt", step3))
+    a, b, s3 = (
+        torch.load(p, weights_only=True)
+        for p in (tmp_path / "a" / "checkpoints" / "last.ckpt", tmp_path / "b" / "checkpoints" / "last.ckpt", step3)
+    )
     assert a["global_step"] == b["global_step"] == 6 and s3["global_step"] == 3
 
     def max_diff(x, y):
-        return max((x["state_dict"][k].float() - y["state_dict"][k].float()).abs().max().item() for k in x["state_dict"])
+        return max(
+            (x["state_dict"][k].float() - y["state_dict"][k].float()).abs().max().item() for k in x["state_dict"]
+        )
 
     assert max_diff(a, b) < 1e-6 < max_diff(a, s3)
 
@@ -258,7 +276,9 @@ def test_sigterm_mid_accumulation_keeps_the_last_step_boundary_checkpoint(tmp_pa
     def trainer(completed, accumulate):
         progress = SimpleNamespace(current=SimpleNamespace(completed=completed))
         return SimpleNamespace(
-            global_step=3, accumulate_grad_batches=accumulate, save_checkpoint=saved.append,
+            global_step=3,
+            accumulate_grad_batches=accumulate,
+            save_checkpoint=saved.append,
             fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
         )
 

@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
+from qharness.checks.stats import latency_tie, loss_interval, paired_ratio, rank_test_p, with_intervals
 from qharness.io import write_json_atomic
 from qharness.reporting.report import compare_accuracy, compare_latency, write_report
-from qharness.checks.stats import latency_tie, loss_interval, paired_ratio, rank_test_p, with_intervals
 
 
 # --- numerics -----------------------------------------------------------------------------------
@@ -18,7 +18,9 @@ def test_loss_interval_is_a_t_interval_on_the_mean_block_loss_exponentiated():
     blocks = [4.0, 4.2, 4.4, 4.6]  # mean 4.3, sample sd 0.2582, se 0.1291; t(0.975, 3) = 3.1824
     r = loss_interval(blocks)
     assert r["n_blocks"] == 4 and r["loss_se"] == pytest.approx(0.129099, rel=1e-5)
-    assert r["ppl_ci"] == pytest.approx([math.exp(4.3 - 3.18245 * 0.129099), math.exp(4.3 + 3.18245 * 0.129099)], rel=1e-5)
+    assert r["ppl_ci"] == pytest.approx(
+        [math.exp(4.3 - 3.18245 * 0.129099), math.exp(4.3 + 3.18245 * 0.129099)], rel=1e-5
+    )
     assert loss_interval([4.0])["ppl_ci"] is None  # one block: no interval
 
 
@@ -36,9 +38,13 @@ def test_paired_ratio_removes_the_block_to_block_variation_both_models_share():
 
 
 def test_with_intervals_adds_ci_se_and_vs_fp_and_keeps_old_entries():
-    m = with_intervals({"fp": {"loss": 4.5, "ppl": math.exp(4.5), "block_losses": [4.4, 4.6]},
-                        "pte": {"loss": 4.6, "ppl": math.exp(4.6), "block_losses": [4.5, 4.7]},
-                        "other": {"loss": 1.0, "ppl": math.e}})
+    m = with_intervals(
+        {
+            "fp": {"loss": 4.5, "ppl": math.exp(4.5), "block_losses": [4.4, 4.6]},
+            "pte": {"loss": 4.6, "ppl": math.exp(4.6), "block_losses": [4.5, 4.7]},
+            "other": {"loss": 1.0, "ppl": math.e},
+        }
+    )
     assert m["pte"]["vs_fp"]["ppl_ratio"] == pytest.approx(math.exp(0.1)) and m["pte"]["n_blocks"] == 2
     assert m["pte"]["vs_fp"]["ci"] == pytest.approx([math.exp(0.1), math.exp(0.1)])  # the same shift on every block
     assert "vs_fp" not in m["fp"] and m["other"] == {"loss": 1.0, "ppl": math.e}
@@ -95,19 +101,46 @@ def joint(per_process):
     ms = sorted(per_process)
     spread = {"median": ms[len(ms) // 2], "min": ms[0], "max": ms[-1], "per_process": per_process}
     tok = [1000 / v for v in per_process]
-    return {"processes": len(per_process), "decode_ms_per_token": spread,
-            "decode_tok_s": {"median": sorted(tok)[len(tok) // 2], "min": min(tok), "max": max(tok), "per_process": tok},
-            "prefill_tok_s": {"median": 5000.0, "min": 4900.0, "max": 5100.0, "per_process": [5000.0] * len(tok)}}
+    return {
+        "processes": len(per_process),
+        "decode_ms_per_token": spread,
+        "decode_tok_s": {"median": sorted(tok)[len(tok) // 2], "min": min(tok), "max": max(tok), "per_process": tok},
+        "prefill_tok_s": {"median": 5000.0, "min": 4900.0, "max": 5100.0, "per_process": [5000.0] * len(tok)},
+    }
 
 
 def new_summary(name, recipe, mode, blocks, per_process, mb, sha=None, val="v1"):
-    metrics = with_intervals({"fp": {"loss": sum(FP) / 32, "ppl": math.exp(sum(FP) / 32), "block_losses": FP},
-                              "pte": {"loss": sum(blocks) / 32, "ppl": math.exp(sum(blocks) / 32), "block_losses": blocks}})
+    metrics = with_intervals(
+        {
+            "fp": {"loss": sum(FP) / 32, "ppl": math.exp(sum(FP) / 32), "block_losses": FP},
+            "pte": {"loss": sum(blocks) / 32, "ppl": math.exp(sum(blocks) / 32), "block_losses": blocks},
+        }
+    )
     return {
-        "run_dir": f"runs/s/{name}", "model": "embedded", "recipe": recipe, "backend": "xnnpack", "mode": mode, "quantized": True,
-        "seq_len": 128, "eval_blocks": 32, "val_blocks": val, "metrics": metrics,
-        "parity": {"max_abs_diff": 0.3, "argmax_agreement": 0.97, "positions": 160, "ppl_rel_diff": 0.001, "passed": True, "reasons": []},
-        "pte": {"path": f"runs/s/{name}/model.pte", "size_bytes": int(mb * 1e6), "max_seq_len": 256, "sha256": sha or name * 4},
+        "run_dir": f"runs/s/{name}",
+        "model": "embedded",
+        "recipe": recipe,
+        "backend": "xnnpack",
+        "mode": mode,
+        "quantized": True,
+        "seq_len": 128,
+        "eval_blocks": 32,
+        "val_blocks": val,
+        "metrics": metrics,
+        "parity": {
+            "max_abs_diff": 0.3,
+            "argmax_agreement": 0.97,
+            "positions": 160,
+            "ppl_rel_diff": 0.001,
+            "passed": True,
+            "reasons": [],
+        },
+        "pte": {
+            "path": f"runs/s/{name}/model.pte",
+            "size_bytes": int(mb * 1e6),
+            "max_seq_len": 256,
+            "sha256": sha or name * 4,
+        },
         "bench": {"pte": {"decode_tok_s": {"median": 1000.0, "min": 900.0, "max": 1100.0}}},  # the joint benchmark wins
         "bench_joint": joint(per_process),
     }
@@ -117,9 +150,27 @@ def new_summary(name, recipe, mode, blocks, per_process, mb, sha=None, val="v1")
 SWEEP = {
     "a": ("xnnpack_8da4w", "ptq", shifted(0.050, 1), [0.90, 0.92, 0.95, 0.91, 0.93], 1.6),
     "b": ("xnnpack_8da4w_hqq", "ptq", shifted(0.052, 2), [0.93, 0.96, 0.97, 0.92, 0.94], 1.8),  # ties a on both axes
-    "c": ("xnnpack_int4w", "ptq", shifted(0.100, 3), [0.70, 0.71, 0.72, 0.70, 0.73], 1.4),  # clearly worse, clearly faster
-    "d": ("xnnpack_8da4w", "qat", shifted(0.049, 4), [1.20, 1.22, 1.25, 1.21, 1.23], 1.6),  # ties a on ppl, clearly slower
-    "e": ("xnnpack_int8_dynamic", "ptq", shifted(0.005, 5), [1.50, 1.52, 1.55, 1.51, 1.53], 2.5),  # clearly better, slower
+    "c": (
+        "xnnpack_int4w",
+        "ptq",
+        shifted(0.100, 3),
+        [0.70, 0.71, 0.72, 0.70, 0.73],
+        1.4,
+    ),  # clearly worse, clearly faster
+    "d": (
+        "xnnpack_8da4w",
+        "qat",
+        shifted(0.049, 4),
+        [1.20, 1.22, 1.25, 1.21, 1.23],
+        1.6,
+    ),  # ties a on ppl, clearly slower
+    "e": (
+        "xnnpack_int8_dynamic",
+        "ptq",
+        shifted(0.005, 5),
+        [1.50, 1.52, 1.55, 1.51, 1.53],
+        2.5,
+    ),  # clearly better, slower
 }
 
 
@@ -139,8 +190,12 @@ def test_block_losses_inside_the_noise_tie_and_a_clear_difference_wins(sweep):
     ab = compare_accuracy(rows["a"], rows["b"], "ppl_pte", True)
     assert ab.sign == 0 and "paired over 32 blocks" in ab.text  # 0.2% apart per block, inside the noise
     ac = compare_accuracy(rows["a"], rows["c"], "ppl_pte", True)
-    assert ac.sign == 1 and compare_accuracy(rows["c"], rows["a"], "ppl_pte", True).sign == -1  # 5% apart on every block
-    assert rows["a"]["ppl_pte_lo"] < rows["c"]["ppl_pte"] < rows["a"]["ppl_pte_hi"]  # though c's ppl lies in a's own interval
+    assert (
+        ac.sign == 1 and compare_accuracy(rows["c"], rows["a"], "ppl_pte", True).sign == -1
+    )  # 5% apart on every block
+    assert (
+        rows["a"]["ppl_pte_lo"] < rows["c"]["ppl_pte"] < rows["a"]["ppl_pte_hi"]
+    )  # though c's ppl lies in a's own interval
     assert rows["a"]["ppl_pte_vs_fp_lo"] < rows["a"]["ppl_pte_vs_fp"] < rows["a"]["ppl_pte_vs_fp_hi"]
 
 
@@ -151,14 +206,19 @@ def test_pareto_front_and_best_under_budget_treat_noise_as_ties(sweep):
     assert rows["a"]["ties"] == "tie with b" and rows["b"]["ties"] == "tie with a" and rows["c"]["ties"] is None
     assert result["best"]["run"] == "a" and result["best_tied_with"] == ["b"]
     best_line = next(line for line in result["text"].splitlines() if line.startswith("Best under"))
-    assert best_line.startswith("Best under .pte <= 2 MB: tie between xnnpack_8da4w/ptq (a) and xnnpack_8da4w_hqq/ptq (b) (vs xnnpack_8da4w_hqq/ptq (b): ppl ")
+    assert best_line.startswith(
+        "Best under .pte <= 2 MB: tie between xnnpack_8da4w/ptq (a) and xnnpack_8da4w_hqq/ptq (b) (vs xnnpack_8da4w_hqq/ptq (b): ppl "
+    )
     assert "paired over 32 blocks" in best_line and "ranges overlap (joint benchmark, 5 and 5 processes)" in best_line
     assert "; pick by size: xnnpack_8da4w/ptq (a): ppl " in best_line
     assert "tie with b" in result["text"] and "Latency noise" not in result["text"]  # every run has a joint benchmark
     md = (sweep / "report.md").read_text()
     row_a = next(line for line in md.splitlines() if line.startswith("| a |"))
     assert f"{rows['a']['decode_ms_per_token']:.3f} [0.900, 0.950]" in row_a and "tie with b" in row_a
-    assert f"| {rows['a']['ppl_pte']:.3f} [{rows['a']['ppl_pte_lo']:.3f}, {rows['a']['ppl_pte_hi']:.3f}] | +5.27% [+4.94%, +5.60%] |" in row_a
+    assert (
+        f"| {rows['a']['ppl_pte']:.3f} [{rows['a']['ppl_pte_lo']:.3f}, {rows['a']['ppl_pte_hi']:.3f}] | +5.27% [+4.94%, +5.60%] |"
+        in row_a
+    )
     assert "xnnpack_8da4w/ptq (a, tie with b); xnnpack_8da4w_hqq/ptq (b, tie with a);" in result["text"]
     saved = json.loads((sweep / "report.json").read_text())
     assert not any(k.startswith("_") for r in saved["rows"] for k in r)  # block losses stay in the summaries
@@ -187,7 +247,10 @@ def test_the_decision_is_the_same_whatever_order_and_point_estimates(sweep):
 def test_the_bench_joint_overlap_rule_and_the_own_bench_fallback(sweep):
     rows = rows_of(write_report(sweep, wandb=False))
     assert compare_latency(rows["a"], rows["b"]).sign == 0  # per-process ranges overlap
-    assert compare_latency(rows["c"], rows["a"]).sign == 1 and "rank test p=0.0079" in compare_latency(rows["c"], rows["a"]).text
+    assert (
+        compare_latency(rows["c"], rows["a"]).sign == 1
+        and "rank test p=0.0079" in compare_latency(rows["c"], rows["a"]).text
+    )
     few = dict(rows["c"], _decode_ms_samples=[0.70, 0.71, 0.72])
     far = dict(rows["a"], _decode_ms_samples=[0.90, 0.92, 0.95])
     assert compare_latency(few, far).sign == 0  # apart, but 3 processes each: the rank test cannot tell (p = 0.1)
@@ -200,7 +263,9 @@ def test_the_bench_joint_overlap_rule_and_the_own_bench_fallback(sweep):
         write_json_atomic(path, s)
     result = write_report(sweep, wandb=False)
     rows = rows_of(result)
-    assert rows["a"]["latency_source"] == "own bench (1 process)" and rows["a"]["decode_ms_per_token_hi"] == pytest.approx(1.0)
+    assert rows["a"]["latency_source"] == "own bench (1 process)" and rows["a"][
+        "decode_ms_per_token_hi"
+    ] == pytest.approx(1.0)
     cmp = compare_latency(rows["a"], rows["b"])
     assert cmp.sign == 0 and "weak evidence" in cmp.text
     assert "Latency noise: 2 of 5 runs have no joint benchmark" in result["text"]
@@ -209,12 +274,18 @@ def test_the_bench_joint_overlap_rule_and_the_own_bench_fallback(sweep):
 def test_identical_programs_never_appear_different(sweep):
     # the QAT run produced the very .pte of the PTQ run; its own latency measurement happened to be slower
     spec = SWEEP["a"]
-    write_json_atomic(sweep / "a_qat" / "summary.json", new_summary("a_qat", spec[0], "qat", spec[2], [1.20, 1.22, 1.25, 1.21, 1.23], spec[4], sha="a" * 4))
+    write_json_atomic(
+        sweep / "a_qat" / "summary.json",
+        new_summary("a_qat", spec[0], "qat", spec[2], [1.20, 1.22, 1.25, 1.21, 1.23], spec[4], sha="a" * 4),
+    )
     result = write_report(sweep, wandb=False)
     assert {"a", "a_qat"} <= set(result["front"])
     rows = rows_of(result)
     assert "a_qat" in rows["a"]["ties"] and "a" in rows["a_qat"]["ties"]
-    assert "the same .pte (sha256), so the difference is measurement noise" in compare_latency(rows["a"], rows["a_qat"]).text
+    assert (
+        "the same .pte (sha256), so the difference is measurement noise"
+        in compare_latency(rows["a"], rows["a_qat"]).text
+    )
 
 
 def test_runs_on_other_validation_blocks_are_compared_unpaired_and_said_so(sweep):
@@ -242,7 +313,12 @@ def test_the_png_draws_error_bars(sweep):
 
     def dark_blue(png):  # the bars: opaque lines in the ptq colour, beyond the translucent markers
         img = plt.imread(io.BytesIO(png))[..., :3]
-        return ((abs(img[..., 0] - 0.12) < 0.08) & (abs(img[..., 1] - 0.47) < 0.08) & (abs(img[..., 2] - 0.71) < 0.08)).sum()
+        return (
+            (abs(img[..., 0] - 0.12) < 0.08) & (abs(img[..., 1] - 0.47) < 0.08) & (abs(img[..., 2] - 0.71) < 0.08)
+        ).sum()
 
-    with_bars, without = dark_blue(plot_pareto(rows, "ppl_pte", True, front, "t")), dark_blue(plot_pareto(bare, "ppl_pte", True, front, "t"))
+    with_bars, without = (
+        dark_blue(plot_pareto(rows, "ppl_pte", True, front, "t")),
+        dark_blue(plot_pareto(bare, "ppl_pte", True, front, "t")),
+    )
     assert with_bars > without + 60  # 145 vs 17 pixels when written

@@ -16,7 +16,11 @@ def _graph_with_int_add():
 
 
 def _lifted_dtypes(gm):
-    return {n.target: getattr(gm, n.target).dtype for n in gm.graph.nodes if n.op == "get_attr" and n.target.startswith("_tensor_constant")}
+    return {
+        n.target: getattr(gm, n.target).dtype
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and n.target.startswith("_tensor_constant")
+    }
 
 
 def test_upstream_xnnpack_still_lifts_int_scalars_as_float():

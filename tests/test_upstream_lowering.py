@@ -29,7 +29,9 @@ def _lower_toy(dynamic_quant: bool, patches=lowering.PATCHES) -> bytes:
     parts = [imports.xnnpack_partitioner(dynamic_quant=False)]
     if dynamic_quant:
         pt2e = imports.pt2e()
-        quantizer = xnnpack_scalars.xnnpack_quantizer_cls()().set_global(imports.xnnpack_symmetric_config(is_per_channel=True, is_dynamic=True))
+        quantizer = xnnpack_scalars.xnnpack_quantizer_cls()().set_global(
+            imports.xnnpack_symmetric_config(is_per_channel=True, is_dynamic=True)
+        )
         module = pt2e.prepare_pt2e(torch.export.export(module, x).module(), quantizer)
         module(*x)
         module = pt2e.convert_pt2e(module)
@@ -84,7 +86,9 @@ def test_fast_lowering_writes_the_same_pte_with_less_work(monkeypatch):
             c = {
                 "decompositions": _count_calls(m, ExportedProgram, "run_decompositions"),
                 "node copies": _count_calls(m, torch.fx.Graph, "node_copy"),
-                "xnnpack passes": _count_calls(m, PassBase, "__call__", lambda p, *_: type(p).__module__.startswith("executorch.backends")),
+                "xnnpack passes": _count_calls(
+                    m, PassBase, "__call__", lambda p, *_: type(p).__module__.startswith("executorch.backends")
+                ),
             }
             pte = _lower_toy(dynamic_quant=True)  # both XNNPACK partitioners, float and quantized partitions
         counts[upstream] = ({k: len(v) for k, v in c.items()}, pte)
@@ -113,10 +117,23 @@ def test_xnnpack_pass_list_is_the_one_the_skip_table_was_read_from():
 
     names = [p.__name__ for p in XNNPACKPassManager(None).passes]
     assert names == [
-        "XNNPACKRemoveCloneOpsTransform", "DimOrderOpsRevertPass", "ConvertToUpsampleBilinear2d", "ConvertToLinearPass",
-        "PropagateCustomMetaPass", "ConvertToSDPAPass", "ConstPropPass", "FuseBatchNormPass", "DecomposeBatchNorm",
-        "FuseActivationPass", "DecomposeConcatenate", "RemoveGetItemPass", "InsertPadQDQPass", "Conv1dUnsqueezePass",
-        "PReLUReshapePass", "ChannelsLastTaggedReshapePass", "RemoveRedundantCopyPass",
+        "XNNPACKRemoveCloneOpsTransform",
+        "DimOrderOpsRevertPass",
+        "ConvertToUpsampleBilinear2d",
+        "ConvertToLinearPass",
+        "PropagateCustomMetaPass",
+        "ConvertToSDPAPass",
+        "ConstPropPass",
+        "FuseBatchNormPass",
+        "DecomposeBatchNorm",
+        "FuseActivationPass",
+        "DecomposeConcatenate",
+        "RemoveGetItemPass",
+        "InsertPadQDQPass",
+        "Conv1dUnsqueezePass",
+        "PReLUReshapePass",
+        "ChannelsLastTaggedReshapePass",
+        "RemoveRedundantCopyPass",
     ]
     assert set(xnnpack_passes.pass_triggers()) <= set(names)
 
@@ -127,7 +144,10 @@ def test_xnnpack_pattern_passes_need_their_trigger_ops():
     from executorch.backends.xnnpack.partition.graphs import bilinear_2d, sdpa
 
     triggers = xnnpack_passes.pass_triggers()
-    for pass_name, patterns in (("ConvertToSDPAPass", sdpa.get_graphs()), ("ConvertToUpsampleBilinear2d", bilinear_2d.get_graphs())):
+    for pass_name, patterns in (
+        ("ConvertToSDPAPass", sdpa.get_graphs()),
+        ("ConvertToUpsampleBilinear2d", bilinear_2d.get_graphs()),
+    ):
         for pattern in patterns:
             assert triggers[pass_name](patching.called_ops(pattern)), pass_name
 
@@ -165,9 +185,17 @@ def test_legalize_in_place_matches_upstream_legalize():
         assert state(ours) == state(theirs)
         for attr in ("_used_names", "_base_count"):
             assert getattr(ours.graph._graph_namespace, attr) == getattr(theirs.graph._graph_namespace, attr)
-        assert [n.name for n in ours.graph._graph_namespace._obj_to_name] == [n.name for n in theirs.graph._graph_namespace._obj_to_name]
-        assert partition_cutting._namespace_by_create_name(list(ours.graph.nodes))._base_count == ours.graph._graph_namespace._base_count
-        new = [g.graph.create_node("call_function", torch.ops.aten.neg.default, (next(iter(g.graph.nodes)),)) for g in (ours, theirs)]
+        assert [n.name for n in ours.graph._graph_namespace._obj_to_name] == [
+            n.name for n in theirs.graph._graph_namespace._obj_to_name
+        ]
+        assert (
+            partition_cutting._namespace_by_create_name(list(ours.graph.nodes))._base_count
+            == ours.graph._graph_namespace._base_count
+        )
+        new = [
+            g.graph.create_node("call_function", torch.ops.aten.neg.default, (next(iter(g.graph.nodes)),))
+            for g in (ours, theirs)
+        ]
         assert new[0].name == new[1].name  # the name space is the same
         for g, node in zip((ours, theirs), new):
             g.graph.erase_node(node)
@@ -175,5 +203,3 @@ def test_legalize_in_place_matches_upstream_legalize():
         assert ours.code == theirs.code
         x, y = torch.randn(5, 4), torch.randn(5, 4)
         torch.testing.assert_close(ours(x, y), theirs(x, y))
-
-

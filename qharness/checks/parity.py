@@ -57,7 +57,9 @@ def fold_constants(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.target is operator.getitem:
             return True
         schema = getattr(node.target, "_schema", None)
-        return schema is not None and not schema.is_mutable and torch.Tag.nondeterministic_seeded not in node.target.tags
+        return (
+            schema is not None and not schema.is_mutable and torch.Tag.nondeterministic_seeded not in node.target.tags
+        )
 
     values: dict[torch.fx.Node, object] = {}
     for node in gm.graph.nodes:
@@ -116,7 +118,13 @@ def score_deployed(step: StepFn, x: torch.Tensor, y: torch.Tensor, desc: str | N
     return perplexity(total, count, blocks)
 
 
-def score_batched(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor, batch_size: int, desc: str | None = None) -> dict:
+def score_batched(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch_size: int,
+    desc: str | None = None,
+) -> dict:
     """Validation loss/perplexity of a no-cache model taking ``[batch_size, seq_len]`` batches (``desc``: progress bar),
     with the mean loss of each block (``block_losses``, the order of ``x``)."""
     total, count, blocks = 0.0, 0, []
@@ -132,7 +140,9 @@ def score_batched(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tens
     return perplexity(total, count, blocks)
 
 
-def compare_decoding(pte: StepFn, ref: StepFn, prompts: torch.Tensor, decode_steps: int, desc: str | None = None, tie_margin: float = 0.0) -> dict:
+def compare_decoding(
+    pte: StepFn, ref: StepFn, prompts: torch.Tensor, decode_steps: int, desc: str | None = None, tie_margin: float = 0.0
+) -> dict:
     """Prefill each prompt in both models, then decode greedily (the ``.pte``'s tokens fed to both).
 
     Over every prompt position (``block_logits``) and decode step (``desc``: progress bar), returns the
@@ -176,13 +186,19 @@ def gate(figures: dict, cfg) -> list[str]:
     that are not near ties (``compare_decoding``); with none, perplexity and ``max_abs_diff`` judge alone."""
     reasons = []
     if figures["ppl_rel_diff"] > cfg.max_ppl_rel_diff:
-        reasons.append(f"perplexity differs by {figures['ppl_rel_diff']:.2%} > parity.max_ppl_rel_diff={cfg.max_ppl_rel_diff:.2%}")
-    decided = figures.get("argmax_agreement_decided", figures["argmax_agreement"])  # no near ties counted: every position
+        reasons.append(
+            f"perplexity differs by {figures['ppl_rel_diff']:.2%} > parity.max_ppl_rel_diff={cfg.max_ppl_rel_diff:.2%}"
+        )
+    decided = figures.get(
+        "argmax_agreement_decided", figures["argmax_agreement"]
+    )  # no near ties counted: every position
     if decided is not None and decided < cfg.min_argmax_agreement:
         over = ""
         if "near_ties" in figures:
-            over = (f" over the {figures['positions'] - figures['near_ties']} of {figures['positions']} positions whose "
-                    f"top-1/top-2 logit gap exceeds parity.tie_margin={figures['tie_margin']}")
+            over = (
+                f" over the {figures['positions'] - figures['near_ties']} of {figures['positions']} positions whose "
+                f"top-1/top-2 logit gap exceeds parity.tie_margin={figures['tie_margin']}"
+            )
         reasons.append(f"argmax agreement {decided:.3f} < parity.min_argmax_agreement={cfg.min_argmax_agreement}{over}")
     if cfg.max_abs_diff is not None and figures["max_abs_diff"] > cfg.max_abs_diff:
         reasons.append(f"max abs logit diff {figures['max_abs_diff']:.4g} > parity.max_abs_diff={cfg.max_abs_diff}")

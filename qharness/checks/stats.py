@@ -71,7 +71,11 @@ def paired_ratio(a: list[float], b: list[float]) -> dict:
         raise ValueError(f"paired comparison needs the same blocks on both sides (got {len(a)} and {len(b)})")
     mean, se = mean_se([x - y for x, y in zip(a, b)])
     half = 0.0 if se is None else t_quantile(len(a) - 1) * se
-    return {"ppl_ratio": _exp(mean), "ci": None if se is None else [_exp(mean - half), _exp(mean + half)], "n_blocks": len(a)}
+    return {
+        "ppl_ratio": _exp(mean),
+        "ci": None if se is None else [_exp(mean - half), _exp(mean + half)],
+        "n_blocks": len(a),
+    }
 
 
 def diff_interval(diff: float, se_a: float, se_b: float) -> list[float]:

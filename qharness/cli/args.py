@@ -66,12 +66,23 @@ def parser_for(fn: Callable, prog: str) -> argparse.ArgumentParser:
             p.add_argument(f"--{name}", action="store_true", help=help_)
         elif typing.get_origin(t) is list:
             (item,) = typing.get_args(t)
-            p.add_argument(f"--{name}", type=item, action="append", required=required, default=None if required else param.default,
-                           help=(help_ or "") + " (repeat for several)")
+            p.add_argument(
+                f"--{name}",
+                type=item,
+                action="append",
+                required=required,
+                default=None if required else param.default,
+                help=(help_ or "") + " (repeat for several)",
+            )
         else:
             default = None if required else param.default
-            p.add_argument(f"--{name}", type=t, required=required, default=default,
-                           help=(help_ or "") + ("" if required or default is None else f" (default: {default})"))
+            p.add_argument(
+                f"--{name}",
+                type=t,
+                required=required,
+                default=default,
+                help=(help_ or "") + ("" if required or default is None else f" (default: {default})"),
+            )
     return p
 
 

@@ -25,8 +25,16 @@ def recipes() -> None:
         print(f"{r.name:<{width}}  {r.backend:<8} {'/'.join(r.modes):<8} {r.description}")
 
 
-def generate(*, pte: str, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 0,
-             seed: int | None = None, tokenizer: str | None = None) -> None:
+def generate(
+    *,
+    pte: str,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    seed: int | None = None,
+    tokenizer: str | None = None,
+) -> None:
     """Stream text from a .pte (our decode loop over the ExecuTorch runtime), with prefill/decode tokens/s on stderr.
 
     Args:
@@ -51,12 +59,23 @@ def generate(*, pte: str, prompt: str, max_new_tokens: int = 64, temperature: fl
     stream(prompt)
     out = run_generate(program, tok, prompt, max_new_tokens, temperature, top_k, seed, on_text=stream)
     print()
-    print(f"[{out['prompt_tokens']} prompt tokens, {len(out['new_tokens'])} generated] prefill {out['prefill_tok_s']:.1f} tok/s, "
-          f"decode {out['decode_tok_s']:.1f} tok/s", file=sys.stderr)
+    print(
+        f"[{out['prompt_tokens']} prompt tokens, {len(out['new_tokens'])} generated] prefill {out['prefill_tok_s']:.1f} tok/s, "
+        f"decode {out['decode_tok_s']:.1f} tok/s",
+        file=sys.stderr,
+    )
 
 
-def bench(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 64, reps: int | None = None, processes: int | None = None,
-          threads: int | None = None, out: str | None = None) -> None:
+def bench(
+    *,
+    pte: list[str],
+    prompt_len: int = 128,
+    decode_tokens: int = 64,
+    reps: int | None = None,
+    processes: int | None = None,
+    threads: int | None = None,
+    out: str | None = None,
+) -> None:
     """Load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model (when a summary.json lies
     beside the .pte). Several --pte (or --processes): every program timed in N fresh processes each, round-robin, with the
     spread over processes; added to each summary.json as bench_joint.
@@ -74,24 +93,28 @@ def bench(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 64, rep
     from qharness.run.summary import RunSummary
 
     if threads is not None and threads < 1:
-        raise UserError(f"bench --threads must be >= 1 (got {threads})", fix="pass --threads 1, or leave it out (free cores)")
+        raise UserError(
+            f"bench --threads must be >= 1 (got {threads})", fix="pass --threads 1, or leave it out (free cores)"
+        )
     if processes is not None and processes < 1:
         raise UserError(f"bench --processes must be >= 1 (got {processes})", fix="pass --processes 5")
     if len(pte) > 1 or processes is not None:
         from qharness.runtime.bench import bench_jointly, format_joint, joint_entry
 
-        for pte in pte:
-            if not Path(pte).is_file():
-                raise UserError(f".pte file {pte} does not exist")
-        joint = bench_jointly(pte, prompt_len, decode_tokens, reps or 10, 5 if processes is None else processes, threads)
+        for path in pte:
+            if not Path(path).is_file():
+                raise UserError(f".pte file {path} does not exist")
+        joint = bench_jointly(
+            pte, prompt_len, decode_tokens, reps or 10, 5 if processes is None else processes, threads
+        )
         print(format_joint(joint))
         if out:
             write_json_atomic(Path(out), joint)
             print(f"joint result written to {out}")
-        for pte in pte:
-            summary_path = Path(pte).parent / "summary.json"
+        for path in pte:
+            summary_path = Path(path).parent / "summary.json"
             if summary_path.is_file() and len({Path(x).parent for x in pte}) == len(pte):  # one .pte per run dir
-                RunSummary.update(summary_path, bench_joint=joint_entry(joint, pte))
+                RunSummary.update(summary_path, bench_joint=joint_entry(joint, path))
                 print(f"bench_joint added to {summary_path}")
         return
 
@@ -109,7 +132,10 @@ def bench(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 64, rep
 
             model_dir = resolve_checkpoint(summary.model)
         else:
-            print(f"eager FP comparison skipped: the model of {summary_path} ({summary.model!r}) is not a local directory", file=sys.stderr)
+            print(
+                f"eager FP comparison skipped: the model of {summary_path} ({summary.model!r}) is not a local directory",
+                file=sys.stderr,
+            )
     result = run_bench(pte[0], model_dir, prompt_len, decode_tokens, reps or 5, threads)
     print(format_bench(result))
     if summary is not None:
@@ -117,8 +143,15 @@ def bench(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 64, rep
         print(f"bench results added to {summary_path}")
 
 
-def report(runs_dir: str, *, out: str | None = None, metric: str = "ppl", max_latency_ms: float | None = None,
-           max_size_mb: float | None = None, no_wandb: bool = False) -> None:
+def report(
+    runs_dir: str,
+    *,
+    out: str | None = None,
+    metric: str = "ppl",
+    max_latency_ms: float | None = None,
+    max_size_mb: float | None = None,
+    no_wandb: bool = False,
+) -> None:
     """Accuracy vs latency over the runs under RUNS_DIR: table (report.md/.csv), Pareto plot (pareto.png), best run under
     a budget, ties called ties; logged to wandb.
 
@@ -159,7 +192,9 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False) -> None:
     if dry_run:
         for run in plan(load_sweep(config)):
             done = is_done(run) and not force
-            print(f"{run.name:<32} qharness {run.subcommand} {run.config_path}  {'(finished: skipped)' if done else ''}")
+            print(
+                f"{run.name:<32} qharness {run.subcommand} {run.config_path}  {'(finished: skipped)' if done else ''}"
+            )
         return
     result = run_sweep(config, force=force)
     rep = result["report"]
@@ -167,8 +202,14 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False) -> None:
     if rep is not None:
         print(rep["text"])
     done = sum(r["state"] != "failed" for r in result["runs"])
-    print(f"\nsweep: {done}/{len(result['runs'])} runs finished in {format_seconds(result['wall_s'])}"
-          + (f"; failed: {', '.join(r['name'] for r in result['runs'] if r['state'] == 'failed')}" if done < len(result["runs"]) else ""))
+    print(
+        f"\nsweep: {done}/{len(result['runs'])} runs finished in {format_seconds(result['wall_s'])}"
+        + (
+            f"; failed: {', '.join(r['name'] for r in result['runs'] if r['state'] == 'failed')}"
+            if done < len(result["runs"])
+            else ""
+        )
+    )
     if rep is not None:
         print(f"table: {rep['paths']['markdown']} and {rep['paths']['csv']}")
         print(f"Pareto plot: {rep['paths']['png']}")

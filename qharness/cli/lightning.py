@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,8 +25,8 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig, WandbConfig
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
-from qharness.training.module import QuantLM
 from qharness.progress import lightning_progress_bar
+from qharness.training.module import QuantLM
 
 log = logging.getLogger("qharness")
 
@@ -51,7 +51,10 @@ def read_checkpoint(ckpt_path: str, model_cfg) -> dict:
     try:
         ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
-        raise UserError(f"checkpoint {ckpt_path} cannot be read ({type(e).__name__})", fix="pass a Lightning .ckpt written by qharness") from e
+        raise UserError(
+            f"checkpoint {ckpt_path} cannot be read ({type(e).__name__})",
+            fix="pass a Lightning .ckpt written by qharness",
+        ) from e
     saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
     if "state_dict" not in ckpt or not saved:
         raise UserError(f"checkpoint {ckpt_path} is not a qharness training checkpoint")
@@ -77,7 +80,9 @@ def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None
 def preflight(cfg, subcommand: str | None = None) -> None:
     """Bad input found from the config alone: one clear error (exit 2) instead of a failure hours later."""
     if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
-        raise UserError(f"data.seq_len must be at least 2 and data.batch_size positive (got {cfg.data.seq_len}, {cfg.data.batch_size})")
+        raise UserError(
+            f"data.seq_len must be at least 2 and data.batch_size positive (got {cfg.data.seq_len}, {cfg.data.batch_size})"
+        )
     steps = cfg.trainer.max_steps
     if steps is not None and (steps == 0 or steps < -1):
         raise UserError(f"trainer.max_steps must be positive, or -1 to use trainer.max_epochs (got {steps})")
@@ -91,12 +96,19 @@ def preflight(cfg, subcommand: str | None = None) -> None:
             if not parent.is_dir():
                 raise UserError(f"trainer.default_root_dir {root}: {parent} is a file", fix="point it at a directory")
             if not os.access(parent, os.W_OK):
-                raise UserError(f"trainer.default_root_dir {root}: {parent} is not writable", fix="choose a writable directory")
+                raise UserError(
+                    f"trainer.default_root_dir {root}: {parent} is not writable", fix="choose a writable directory"
+                )
             break
     seq_len, deploy = cfg.data.seq_len, cfg.deploy
     if deploy.max_seq_len <= seq_len:
-        raise UserError(f"deploy.max_seq_len={deploy.max_seq_len} must exceed data.seq_len={seq_len}", fix=f"set deploy.max_seq_len >= {seq_len + 1}")
-    par = cfg.parity  # each section checked its own fields when it was built (qharness/config.py); here: across sections
+        raise UserError(
+            f"deploy.max_seq_len={deploy.max_seq_len} must exceed data.seq_len={seq_len}",
+            fix=f"set deploy.max_seq_len >= {seq_len + 1}",
+        )
+    par = (
+        cfg.parity
+    )  # each section checked its own fields when it was built (qharness/config.py); here: across sections
     if par.eval_blocks < cfg.data.batch_size:
         raise UserError(f"parity.eval_blocks={par.eval_blocks} must be >= data.batch_size={cfg.data.batch_size}")
     if par.prompt_len > seq_len or par.prompt_len + par.decode_steps >= deploy.max_seq_len:
@@ -109,8 +121,8 @@ def preflight(cfg, subcommand: str | None = None) -> None:
 
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
     if cfg.model.mode == "qat" and str(cfg.trainer.precision or "32-true") not in ("32", "32-true"):
-        from qharness.training.module import check_precision
         from qharness.recipes.registry import load_recipe
+        from qharness.training.module import check_precision
 
         check_precision(cfg.trainer.precision, load_recipe(cfg.model.recipe), cfg.model.mode)
     source = cfg.calibration.source
@@ -164,8 +176,13 @@ class QTrainer(Trainer):
         run_dir = Path(self.default_root_dir)
         try:
             summary = deploy_and_check(
-                trained(model), held_out(datamodule, self.parity_config, self.calibration_config, self.eval_config), run_dir,
-                self.export_config, self.parity_config, self.bench_config, self.eval_config,
+                trained(model),
+                held_out(datamodule, self.parity_config, self.calibration_config, self.eval_config),
+                run_dir,
+                self.export_config,
+                self.parity_config,
+                self.bench_config,
+                self.eval_config,
             )
         except ParityError:
             from qharness.run.summary import RunSummary
@@ -185,10 +202,16 @@ class QTrainer(Trainer):
         load_checkpoint(model, datamodule, resolve_ckpt(ckpt_path, self.default_root_dir))
         return self.deploy(model, datamodule)
 
-
     def evaluate(
-        self, model: QuantLM, datamodule: TextDataModule, pte: str | None = None, ckpt_path: str | None = None,
-        tasks: str | None = None, limit: int | None = None, num_fewshot: int | None = None, models: str | None = None,
+        self,
+        model: QuantLM,
+        datamodule: TextDataModule,
+        pte: str | None = None,
+        ckpt_path: str | None = None,
+        tasks: str | None = None,
+        limit: int | None = None,
+        num_fewshot: int | None = None,
+        models: str | None = None,
     ) -> dict:
         """lm-eval of a finished run: the FP model, the fake-quant model (QAT: the trained checkpoint; PTQ: the
         converted model, re-calibrated as at export) and the ``.pte``. Prints the table, writes ``eval-<UTC time>.json``
@@ -214,7 +237,9 @@ class QTrainer(Trainer):
             from qharness.runtime.pte import PteModel
 
             if not pte_path.is_file():
-                raise UserError(f"no .pte at {pte_path}", fix="run qharness export (or fit/calibrate) first, or pass --pte PATH")
+                raise UserError(
+                    f"no .pte at {pte_path}", fix="run qharness export (or fit/calibrate) first, or pass --pte PATH"
+                )
             PteModel(pte_path)  # a corrupt file fails here, before the other models are evaluated
         datamodule.setup("fit")
         qat = model.hparams.mode == "qat"
@@ -226,7 +251,9 @@ class QTrainer(Trainer):
             converted = fold_constants(deploy_graph(run, data.calibration, self.export_config.max_seq_len))
         # beside the run's own eval.json, never over it: each evaluation has its own file and summary entry
         filename = time.strftime("eval-%Y%m%d-%H%M%S.json", time.gmtime())
-        result = evaluate_run(run, data, run.fp_model, converted, pte_path if "pte" in cfg.models else None, run_dir, cfg, filename)
+        result = evaluate_run(
+            run, data, run.fp_model, converted, pte_path if "pte" in cfg.models else None, run_dir, cfg, filename
+        )
         summary_path = run_dir / "summary.json"
         if summary_path.is_file():
             from qharness.run.summary import RunSummary
@@ -238,7 +265,10 @@ class QTrainer(Trainer):
         """PTQ: calibrate the recipe's observers (``calibration.*``: blocks of training or other data), convert,
         export, lower and check the ``.pte``; writes summary.json. Needs ``model.mode: ptq``."""
         if model.hparams.mode != "ptq":
-            raise UserError(f"calibrate needs model.mode: ptq (got {model.hparams.mode!r})", fix="set --model.mode ptq, or use qharness fit for QAT")
+            raise UserError(
+                f"calibrate needs model.mode: ptq (got {model.hparams.mode!r})",
+                fix="set --model.mode ptq, or use qharness fit for QAT",
+            )
         datamodule.setup("fit")
         return self.deploy(model, datamodule)
 
@@ -285,7 +315,12 @@ class QHarnessCLI(LightningCLI):
         """Check the config before any long work (model loading, pretraining, tokenization) starts."""
         cfg = self.config[self.subcommand]
         if self.subcommand == "evaluate":
-            overrides = {"tasks": cfg.get("tasks"), "limit": cfg.get("limit"), "num_fewshot": cfg.get("num_fewshot"), "models": cfg.get("models")}
+            overrides = {
+                "tasks": cfg.get("tasks"),
+                "limit": cfg.get("limit"),
+                "num_fewshot": cfg.get("num_fewshot"),
+                "models": cfg.get("models"),
+            }
             for key, value in overrides.items():
                 if value is not None:
                     cfg.eval[key] = [t for t in value.split(",") if t] if key in ("tasks", "models") else value
@@ -303,11 +338,15 @@ class QHarnessCLI(LightningCLI):
                 from qharness.reporting.tracking import make_wandb_logger, run_config
 
                 name = f"{Path(cfg.model.recipe).stem}-{cfg.model.mode}"
-                kwargs["logger"].append(make_wandb_logger(root, cfg.wandb, name, run_config(cfg.as_dict()), job_type=self.subcommand))
+                kwargs["logger"].append(
+                    make_wandb_logger(root, cfg.wandb, name, run_config(cfg.as_dict()), job_type=self.subcommand)
+                )
         trainer_cfg = self.config_init[self.subcommand]["trainer"]
         given = trainer_cfg.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
-        if trainer_cfg.get("enable_progress_bar", True) is not False and not any(isinstance(c, ProgressBar) for c in given):
+        if trainer_cfg.get("enable_progress_bar", True) is not False and not any(
+            isinstance(c, ProgressBar) for c in given
+        ):
             kwargs["callbacks"] = [*given, lightning_progress_bar()]  # no "Epoch 0/-2" (see qharness.progress)
         return super().instantiate_trainer(**kwargs)
 
@@ -328,7 +367,9 @@ class QHarnessCLI(LightningCLI):
         if self.trainer.interrupted:
             return
         final = Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"
-        self.trainer.save_checkpoint(final, weights_only=False)  # the finished run, resumable, is safe before export starts
+        self.trainer.save_checkpoint(
+            final, weights_only=False
+        )  # the finished run, resumable, is safe before export starts
         if self.trainer.export_config.enabled and self.trainer.is_global_zero:
             self.trainer.deploy(self.model, self.datamodule)
 

@@ -50,7 +50,9 @@ def _print_help() -> None:
     for name, text in SUBCOMMANDS.items():
         print(f"  {name:<10} {text}")
     print("\n`qharness SUBCOMMAND --help` lists every config field with its documentation.")
-    print("--verbose (or QHARNESS_VERBOSE=1) shows every upstream message, including those qharness/upstream/quiet.py hides.")
+    print(
+        "--verbose (or QHARNESS_VERBOSE=1) shows every upstream message, including those qharness/upstream/quiet.py hides."
+    )
 
 
 def rewrite_argv(argv: list[str]) -> list[str]:
@@ -59,7 +61,9 @@ def rewrite_argv(argv: list[str]) -> list[str]:
     if len(out) >= 2 and out[1].endswith((".yaml", ".yml")) and not out[1].startswith("-"):
         out[1:2] = ["--config", out[1]]
     if out and out[0] == "evaluate":
-        out = ["--ckpt_path" if a == "--ckpt" else "--ckpt_path=" + a[7:] if a.startswith("--ckpt=") else a for a in out]
+        out = [
+            "--ckpt_path" if a == "--ckpt" else "--ckpt_path=" + a[7:] if a.startswith("--ckpt=") else a for a in out
+        ]
     return out
 
 
@@ -90,7 +94,11 @@ def check_tasks_early(argv: list[str]) -> None:
             return  # LightningCLI reports a broken config
     if not isinstance(ev, dict):
         return
-    tasks = _option(argv, "--tasks" if argv[0] == "evaluate" else "--eval.tasks") or _option(argv, "--eval.tasks") or ev.get("tasks")
+    tasks = (
+        _option(argv, "--tasks" if argv[0] == "evaluate" else "--eval.tasks")
+        or _option(argv, "--eval.tasks")
+        or ev.get("tasks")
+    )
     enabled = str(_option(argv, "--eval.enabled") or ev.get("enabled", True)).lower() not in ("false", "0", "no")
     if tasks is None or (argv[0] != "evaluate" and not enabled):
         return
@@ -132,7 +140,10 @@ def main(argv: list[str] | None = None) -> None:
             run_lightning_cli(argv)
         except SystemExit as e:  # Lightning stops on SIGTERM with SIGTERMException (a SystemExit of code None)
             if type(e).__name__ == "SIGTERMException":
-                print("error: stopped by SIGTERM; the run's last.ckpt holds the last finished step. fix: resume with --ckpt_path last", file=sys.stderr)
+                print(
+                    "error: stopped by SIGTERM; the run's last.ckpt holds the last finished step. fix: resume with --ckpt_path last",
+                    file=sys.stderr,
+                )
                 raise SystemExit(143) from None
             raise
     except UserError as e:

@@ -109,7 +109,9 @@ class TextDataModule(L.LightningDataModule):
         if not 0.0 < val_fraction < 1.0:
             raise UserError(f"data.val_fraction must lie in (0, 1) (got {val_fraction})")
         if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
-            raise UserError(f"data.source {source} does not exist", fix="give an existing file or directory, or a hub dataset id")
+            raise UserError(
+                f"data.source {source} does not exist", fix="give an existing file or directory, or a hub dataset id"
+            )
         self.save_hyperparameters()
         self.source, self.text_field, self.tokenizer_source = source, text_field, tokenizer
         self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
@@ -127,7 +129,9 @@ class TextDataModule(L.LightningDataModule):
             try:
                 self.tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=self.trust_remote_code)
             except (OSError, ValueError) as e:
-                raise UserError(f"could not load the tokenizer of {source}: {str(e).splitlines()[0]}", fix="check model.checkpoint") from e
+                raise UserError(
+                    f"could not load the tokenizer of {source}: {str(e).splitlines()[0]}", fix="check model.checkpoint"
+                ) from e
         return self.tokenizer
 
     def setup(self, stage: str | None = None) -> None:

@@ -33,7 +33,9 @@ def load_config(source: str, trust_remote_code: bool = False):
     try:
         return AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
     except OSError as e:
-        raise UserError(f"could not load the config of model {source!r}: {str(e).splitlines()[0]}", fix="check model.checkpoint") from e
+        raise UserError(
+            f"could not load the config of model {source!r}: {str(e).splitlines()[0]}", fix="check model.checkpoint"
+        ) from e
     except ValueError as e:  # unknown model_type (newer transformers, or remote code without trust_remote_code)
         raise UserError(f"unsupported model {source!r}: {str(e).splitlines()[0]}", fix=FIX) from e
 
@@ -109,6 +111,9 @@ def check_architecture(source: str, trust_remote_code: bool = False) -> None:
             _trace(model)
     except Exception as e:
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
-        raise UserError(f"{what}: {type(model).__name__} cannot be exported with torch.export ({type(e).__name__}: {first})", fix=FIX) from e
+        raise UserError(
+            f"{what}: {type(model).__name__} cannot be exported with torch.export ({type(e).__name__}: {first})",
+            fix=FIX,
+        ) from e
     marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text(f"{source}\n{type(model).__name__}\n")

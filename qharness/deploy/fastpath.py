@@ -50,7 +50,9 @@ def unsupported_reason(model, max_seq_len: int) -> str | None:
     config = model.config.get_text_config()
     window = getattr(config, "sliding_window", None)
     if window is not None and window < max_seq_len:
-        return f"{arch}: sliding-window attention (window {window} < deploy.max_seq_len {max_seq_len}) is not implemented"
+        return (
+            f"{arch}: sliding-window attention (window {window} < deploy.max_seq_len {max_seq_len}) is not implemented"
+        )
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
     if rope_type not in STATIC_ROPE:
@@ -80,7 +82,12 @@ class FastDecoder(torch.nn.Module):
         custom_sdpa.llm_custom_ops()
         config = model.config.get_text_config()
         base = model.model
-        self.embed_tokens, self.layers, self.norm, self.lm_head = base.embed_tokens, base.layers, base.norm, model.lm_head
+        self.embed_tokens, self.layers, self.norm, self.lm_head = (
+            base.embed_tokens,
+            base.layers,
+            base.norm,
+            model.lm_head,
+        )
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
         self.n_heads = config.num_attention_heads
@@ -143,14 +150,18 @@ def export_fast(model, max_seq_len: int, all_logits: bool = False) -> torch.expo
     ``[1, n, vocab]``), ``n`` dynamic."""
     with torch.no_grad():  # with grad on, torchao weight subclasses export as parametrizations the quant fusion misses
         return torch.export.export(
-            FastDecoder(model, max_seq_len, all_logits), example_inputs(max_seq_len), dynamic_shapes=dynamic_shapes(max_seq_len), strict=True
+            FastDecoder(model, max_seq_len, all_logits),
+            example_inputs(max_seq_len),
+            dynamic_shapes=dynamic_shapes(max_seq_len),
+            strict=True,
         )
 
 
 def _last_token_slices(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """The ``h[:, -1:, :]`` of ``FastDecoder.forward``: ``aten.slice(h, 1, -1, <end>)`` nodes."""
     return [
-        n for n in graph.graph.nodes
+        n
+        for n in graph.graph.nodes
         if n.op == "call_function" and n.target == torch.ops.aten.slice.Tensor and tuple(n.args[1:3]) == (1, -1)
     ]
 

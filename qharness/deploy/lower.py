@@ -25,8 +25,7 @@ import torch
 from torch.export import Dim
 
 from qharness.deploy.fastpath import export_path, fallback_reason  # noqa: F401  (which export a graph took)
-from qharness.upstream import imports
-from qharness.upstream import lowering
+from qharness.upstream import imports, lowering
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,9 @@ def export_static_cache(model, max_seq_len: int) -> torch.export.ExportedProgram
     """Export ``(tokens, input_pos) -> logits`` with a static KV cache of ``max_seq_len`` positions."""
     wrapper = TokensAndPos(imports.hf_static_cache_exportable(model, batch_size=1, max_cache_len=max_seq_len))
     with torch.no_grad():  # with grad on, torchao weight subclasses export as parametrizations the quant fusion misses
-        return torch.export.export(wrapper, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True)
+        return torch.export.export(
+            wrapper, _example(max_seq_len), dynamic_shapes=_dynamic_shapes(max_seq_len), strict=True
+        )
 
 
 def export_deploy(model, max_seq_len: int) -> tuple[torch.export.ExportedProgram, str | None]:
@@ -66,11 +67,15 @@ def export_deploy(model, max_seq_len: int) -> tuple[torch.export.ExportedProgram
     reason = fastpath.unsupported_reason(model, max_seq_len)
     if reason is None:
         return fastpath.export_fast(model, max_seq_len), None
-    log.warning("fast export path not used, falling back to the generic HF static-cache export (slower decode): %s", reason)
+    log.warning(
+        "fast export path not used, falling back to the generic HF static-cache export (slower decode): %s", reason
+    )
     return export_static_cache(model, max_seq_len), reason
 
 
-def quantize_for_deploy(model, recipe, max_seq_len: int, calibrate: Callable[[torch.fx.GraphModule], None]) -> torch.fx.GraphModule:
+def quantize_for_deploy(
+    model, recipe, max_seq_len: int, calibrate: Callable[[torch.fx.GraphModule], None]
+) -> torch.fx.GraphModule:
     """The deployable graph ``(tokens, input_pos) -> logits`` of an FP HF model, quantized by the recipe.
 
     PT2E recipes: cache export (``export_deploy``), ``prepare_pt2e`` with the recipe's (non-QAT)
@@ -101,7 +106,9 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate):
     return pt2e.convert_pt2e(prepared), reason
 
 
-def runner_metadata(max_seq_len: int, vocab_size: int, bos_id: int | None, eos_ids: list[int], use_sdpa_with_kv_cache: bool = False) -> dict:
+def runner_metadata(
+    max_seq_len: int, vocab_size: int, bos_id: int | None, eos_ids: list[int], use_sdpa_with_kv_cache: bool = False
+) -> dict:
     """Constant methods for ExecuTorch's LLM runner (``extension/llm/runner/llm_runner_helper.cpp``).
 
     The runner requires ``get_max_seq_len`` (its prefill chunk size) and reads ``get_max_context_len``
@@ -140,7 +147,9 @@ def lower_to_pte(graph: torch.fx.GraphModule, recipe, max_seq_len: int, metadata
         p.requires_grad_(False)
     ep = lowering.export_for_lowering(graph, _example(max_seq_len), _dynamic_shapes(max_seq_len))
     partitioners = recipe.make_partitioners()
-    with lowering.fast_lowering():  # the same program without upstream's redundant work (see qharness/upstream/lowering)
+    with (
+        lowering.fast_lowering()
+    ):  # the same program without upstream's redundant work (see qharness/upstream/lowering)
         ep = lowering.decompose_for_lowering(ep, partitioners)
         edge = imports.to_edge_transform_and_lower(ep, partitioner=partitioners, constant_methods=metadata)
         return edge.to_executorch(imports.executorch_backend_config(**recipe.executorch_config)).buffer

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
+from qharness.checks.stats import is_stderr, stderr_name
 from qharness.config import MODEL_KINDS, EvalConfig
 from qharness.errors import UserError
 from qharness.io import to_jsonable, write_json_atomic
-from qharness.checks.stats import is_stderr, stderr_name
 
 log = logging.getLogger(__name__)
+
 
 def check_eval_config(cfg: EvalConfig, seq_len: int, max_seq_len: int) -> None:
     """``eval.*`` against the rest of the run (lengths, paths, task names and their data), before any long work;
@@ -84,7 +85,9 @@ def format_value(v: float | None, se: float | None = None) -> str:
     return text if se is None else text + (f" ± {se:.4g}" if abs(se) >= 1 else f" ± {se:.4f}")
 
 
-def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None, filename: str = "eval.json") -> dict:
+def run_eval(
+    lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None, filename: str = "eval.json"
+) -> dict:
     """Evaluate each model (``{kind: QHarnessLM}``) on ``cfg.tasks``; write ``run_dir/<filename>``.
 
     The offline tasks are written (YAML + JSONL) to ``run_dir/eval/tasks``, which also works as an
@@ -92,28 +95,47 @@ def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra:
     a standard task is asked for.
     """
     import lm_eval
+    from datasets.utils.logging import disable_progress_bar
     from lm_eval.tasks import TaskManager
 
     from qharness.evaluation.tasks import OFFLINE_TASKS, scan_task_names, write_offline_tasks
 
-    from datasets.utils.logging import disable_progress_bar
-
     disable_progress_bar()  # "Generating test split" bars for every task and model
     run_dir = Path(run_dir)
-    include = [str(write_offline_tasks(texts, run_dir / "eval" / "tasks", cfg.seed))] if any(t in OFFLINE_TASKS for t in cfg.tasks) else []
+    include = (
+        [str(write_offline_tasks(texts, run_dir / "eval" / "tasks", cfg.seed))]
+        if any(t in OFFLINE_TASKS for t in cfg.tasks)
+        else []
+    )
     if cfg.include_path:
         include.append(cfg.include_path)
     own = scan_task_names(cfg.include_path) if cfg.include_path else {}
     standard = any(t not in OFFLINE_TASKS and t not in own for t in cfg.tasks)
     manager = TaskManager(include_path=include or None, include_defaults=standard, verbosity="ERROR")
-    result = {"tasks": {}, "models": list(lms), "limit": cfg.limit, "num_fewshot": cfg.num_fewshot, "seconds": {}, **(extra or {})}
+    result = {
+        "tasks": {},
+        "models": list(lms),
+        "limit": cfg.limit,
+        "num_fewshot": cfg.num_fewshot,
+        "seconds": {},
+        **(extra or {}),
+    }
     for kind, lm in lms.items():
         log.info("lm-eval: %s on %s ...", MODEL_KINDS[kind], ", ".join(cfg.tasks))
         t = time.perf_counter()
         res = lm_eval.simple_evaluate(
-            model=lm, tasks=list(cfg.tasks), num_fewshot=cfg.num_fewshot, limit=cfg.limit, task_manager=manager,
-            bootstrap_iters=cfg.bootstrap_iters, log_samples=False, random_seed=cfg.seed, numpy_random_seed=cfg.seed,
-            torch_random_seed=cfg.seed, fewshot_random_seed=cfg.seed, verbosity="ERROR",
+            model=lm,
+            tasks=list(cfg.tasks),
+            num_fewshot=cfg.num_fewshot,
+            limit=cfg.limit,
+            task_manager=manager,
+            bootstrap_iters=cfg.bootstrap_iters,
+            log_samples=False,
+            random_seed=cfg.seed,
+            numpy_random_seed=cfg.seed,
+            torch_random_seed=cfg.seed,
+            fewshot_random_seed=cfg.seed,
+            verbosity="ERROR",
         )
         result["seconds"][kind] = time.perf_counter() - t
         for task, metrics in res["results"].items():
@@ -124,8 +146,15 @@ def run_eval(lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra:
     return result
 
 
-def evaluate_models(backends: dict, tokenizer, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None,
-                    filename: str = "eval.json") -> dict:
+def evaluate_models(
+    backends: dict,
+    tokenizer,
+    cfg: EvalConfig,
+    texts: list[str],
+    run_dir: Path,
+    extra: dict | None = None,
+    filename: str = "eval.json",
+) -> dict:
     """Run ``cfg.models`` among the available ``backends`` (``{kind: () -> backend}``, built lazily).
 
     A PTQ run has no trained fake-quant graph: the converted model (the quantized PyTorch reference)
@@ -143,7 +172,10 @@ def evaluate_models(backends: dict, tokenizer, cfg: EvalConfig, texts: list[str]
             continue
         lms[kind] = QHarnessLM(backends[kind](), tokenizer, seed=cfg.seed)
     if not lms:
-        raise UserError(f"eval.models={cfg.models}: none of them is available in this run", fix=f"choose among {', '.join(backends)}")
+        raise UserError(
+            f"eval.models={cfg.models}: none of them is available in this run",
+            fix=f"choose among {', '.join(backends)}",
+        )
     return run_eval(lms, cfg, texts, run_dir, extra, filename)
 
 
@@ -154,7 +186,10 @@ def format_eval_table(result: dict) -> str:
     for task, per_model in result["tasks"].items():
         names = [m for m in next(iter(per_model.values())) if not is_stderr(m)]
         for i, metric in enumerate(names):
-            cells = [format_value(per_model.get(k, {}).get(metric), per_model.get(k, {}).get(stderr_name(metric))) for k in kinds]
+            cells = [
+                format_value(per_model.get(k, {}).get(metric), per_model.get(k, {}).get(stderr_name(metric)))
+                for k in kinds
+            ]
             rows.append((task if i == 0 else "", metric, *cells))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     docs = result.get("documents", {})

@@ -33,8 +33,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
-from qharness.upstream import quiet
 from qharness.errors import UserError
+from qharness.upstream import quiet
 
 quiet.quiet_lm_eval_git()  # lm-eval's git lookup without git's "fatal: not a git repository" (unless verbose)
 
@@ -45,7 +45,13 @@ Stop = Callable[[int, list[int]], bool]  # (request index, tokens generated so f
 class BatchedForward:
     """A no-cache model over ``[B, T]`` batches; ``shape=(B, T)`` when the graph only takes that shape."""
 
-    def __init__(self, forward: Callable[[torch.Tensor], torch.Tensor], max_length: int, batch_size: int, shape: tuple[int, int] | None = None):
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor], torch.Tensor],
+        max_length: int,
+        batch_size: int,
+        shape: tuple[int, int] | None = None,
+    ):
         if shape is not None and max_length > shape[1]:
             raise ValueError(f"max_length {max_length} exceeds the graph's sequence length {shape[1]}")
         self.forward, self.max_length, self.batch_size, self.shape = forward, max_length, batch_size, shape
@@ -54,7 +60,7 @@ class BatchedForward:
         out = []
         for i in range(0, len(seqs), self.batch_size):
             group = seqs[i : i + self.batch_size]
-            rows, width = (self.shape if self.shape else (len(group), max(map(len, group))))
+            rows, width = self.shape if self.shape else (len(group), max(map(len, group)))
             x = torch.zeros(rows, width, dtype=torch.long)
             for r, s in enumerate(group):
                 x[r, : len(s)] = torch.tensor(s, dtype=torch.long)
@@ -117,7 +123,10 @@ def pte_backend(path: str | Path, max_length: int | None = None) -> CachedStep:
             raise UserError(f"{path} has no get_max_context_len method", fix="pass max_length")
         max_length = cache - 1
     if cache is not None and max_length >= cache:
-        raise UserError(f"max_length={max_length} does not fit the .pte's KV cache of {cache} positions", fix=f"use max_length <= {cache - 1}")
+        raise UserError(
+            f"max_length={max_length} does not fit the .pte's KV cache of {cache} positions",
+            fix=f"use max_length <= {cache - 1}",
+        )
     return CachedStep(pte, max_length)
 
 
@@ -252,8 +261,10 @@ class QHarnessLM(LM):
             keep = self.max_length - max_new
             contexts = [(self.tok_encode(requests[i].args[0]) or [self.prefix_id])[-keep:] for i in idx]
 
-            def stop(j: int, tokens: list[int]) -> bool:
-                return tokens[-1] == self.eos_id or any(s in self.tokenizer.decode(tokens, skip_special_tokens=True) for s in until)
+            def stop(j: int, tokens: list[int], until=until) -> bool:
+                return tokens[-1] == self.eos_id or any(
+                    s in self.tokenizer.decode(tokens, skip_special_tokens=True) for s in until
+                )
 
             generated = self.backend.generate(contexts, max_new, self._chooser(kwargs), stop)
             for i, tokens in zip(idx, generated):
@@ -272,7 +283,16 @@ class RegisteredQHarnessLM(QHarnessLM):
     The tokenizer defaults to ``tokenizer/`` beside the ``.pte``, or the HF directory itself.
     """
 
-    def __init__(self, pte: str | None = None, pretrained: str | None = None, tokenizer: str | None = None, max_length: int | None = None, batch_size: int | str | None = None, seed: int = 1234, **_):
+    def __init__(
+        self,
+        pte: str | None = None,
+        pretrained: str | None = None,
+        tokenizer: str | None = None,
+        max_length: int | None = None,
+        batch_size: int | str | None = None,
+        seed: int = 1234,
+        **_,
+    ):
         from transformers import AutoTokenizer
 
         if (pte is None) == (pretrained is None):
@@ -285,6 +305,8 @@ class RegisteredQHarnessLM(QHarnessLM):
 
             model, _tok = load_model_and_tokenizer(pretrained)
             context = getattr(model.config.get_text_config(), "max_position_embeddings", 2048)
-            backend = hf_backend(model, int(max_length or context), int(batch_size) if str(batch_size or "").isdigit() else 8)
+            backend = hf_backend(
+                model, int(max_length or context), int(batch_size) if str(batch_size or "").isdigit() else 8
+            )
             tok_dir = tokenizer or pretrained
         super().__init__(backend, AutoTokenizer.from_pretrained(tok_dir), seed=int(seed))

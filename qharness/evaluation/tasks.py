@@ -53,7 +53,9 @@ def _good_line(line: str) -> bool:
     return 16 <= len(line.strip()) <= 120
 
 
-def build_documents(texts: list[str], seed: int = 1234, max_docs: int = 256, doc_chars: int = 2000, context_chars: int = 400) -> dict[str, list[dict]]:
+def build_documents(
+    texts: list[str], seed: int = 1234, max_docs: int = 256, doc_chars: int = 2000, context_chars: int = 400
+) -> dict[str, list[dict]]:
     """Documents for the three offline tasks from plain texts (deterministic for a seed).
 
     Returns ``{"qharness_ppl": [{"text"}], "qharness_mc": [{"context", "choices", "label"}],
@@ -99,7 +101,10 @@ def write_offline_tasks(texts: list[str], out_dir: Path, seed: int = 1234) -> Pa
     docs = build_documents(texts, seed)
     for name, rows in docs.items():
         if not rows:
-            raise UserError(f"the evaluation text is too small or has no usable lines for {name}", fix="give eval.source a larger text file")
+            raise UserError(
+                f"the evaluation text is too small or has no usable lines for {name}",
+                fix="give eval.source a larger text file",
+            )
         data = write_text_atomic(out_dir / "data" / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         cfg = yaml.safe_load((TEMPLATES / f"{name}.yaml").read_text())
         cfg["dataset_kwargs"]["data_files"]["test"] = str(data.resolve())
@@ -202,11 +207,21 @@ def check_tasks(names: list[str], include_path: str | None = None) -> None:
         if name not in index:
             close = difflib.get_close_matches(name, [*OFFLINE_TASKS, *own, *index], n=3)
             hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise UserError(f"eval.tasks: unknown lm-eval task {name!r}{hint}", fix=f"use {', '.join(OFFLINE_TASKS)} or a task name from `lm_eval ls tasks`")
+            raise UserError(
+                f"eval.tasks: unknown lm-eval task {name!r}{hint}",
+                fix=f"use {', '.join(OFFLINE_TASKS)} or a task name from `lm_eval ls tasks`",
+            )
         dataset_path, dataset_name = _dataset_of(index[name])
         if dataset_path is not None and (Path(dataset_path).exists() or _cached_locally(dataset_path)):
             continue
         why = _hub_unreachable()
         if why is not None:
-            what = f"dataset {dataset_path}" + (f" ({dataset_name})" if dataset_name else "") if dataset_path else "its datasets"
-            raise UserError(f"lm-eval task {name!r} needs {what} from the Hugging Face hub, which cannot be reached ({why})", fix=offline_fix)
+            what = (
+                f"dataset {dataset_path}" + (f" ({dataset_name})" if dataset_name else "")
+                if dataset_path
+                else "its datasets"
+            )
+            raise UserError(
+                f"lm-eval task {name!r} needs {what} from the Hugging Face hub, which cannot be reached ({why})",
+                fix=offline_fix,
+            )

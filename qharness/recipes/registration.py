@@ -76,8 +76,10 @@ class SourceQuantizer:
 
         for config, filter_fn, what in self.configs:
             if not any(filter_fn(m, name) for name, m in model.named_modules()):
-                raise UserError(f"the recipe's {type(config).__name__} selects no layer of {type(model).__name__} ({what})",
-                                fix="choose settings that fit the model (e.g. a group_size that divides its hidden sizes)")
+                raise UserError(
+                    f"the recipe's {type(config).__name__} selects no layer of {type(model).__name__} ({what})",
+                    fix="choose settings that fit the model (e.g. a group_size that divides its hidden sizes)",
+                )
             quantize_(model, wrap(config), filter_fn=filter_fn)
 
     def prepare_qat(self, model) -> None:
@@ -91,7 +93,11 @@ class SourceQuantizer:
 
 
 def _type_name(t) -> str:
-    return " or ".join("null" if a is type(None) else a.__name__ for a in typing.get_args(t)) if typing.get_args(t) else t.__name__
+    return (
+        " or ".join("null" if a is type(None) else a.__name__ for a in typing.get_args(t))
+        if typing.get_args(t)
+        else t.__name__
+    )
 
 
 def _fits(value, t) -> bool:
@@ -116,5 +122,8 @@ def parse_settings(cls: type, raw: dict, where: str):
         raise UserError(f"{where}: unknown setting(s) {', '.join(unknown)}", fix=f"known settings: {', '.join(fields)}")
     for key, value in raw.items():
         if not _fits(value, hints[key]):
-            raise UserError(f"{where}: {key}={value!r} must be {_type_name(hints[key])}", fix=f"give {key} a {_type_name(hints[key])} value")
+            raise UserError(
+                f"{where}: {key}={value!r} must be {_type_name(hints[key])}",
+                fix=f"give {key} a {_type_name(hints[key])} value",
+            )
     return cls(**raw)

@@ -129,23 +129,35 @@ def _names(raw: dict, key: str, name: str) -> tuple[str, ...]:
 def load_recipe(name_or_path: str) -> Recipe:
     """Read a recipe by name (``builtin/<name>.yaml``) or path, following ``base:`` chains; settings are typed."""
     if not isinstance(name_or_path, str) or not name_or_path:
-        raise UserError(f"model.recipe must be a recipe name or path (got {name_or_path!r})", fix=f"use one of: {', '.join(known_recipes())}")
+        raise UserError(
+            f"model.recipe must be a recipe name or path (got {name_or_path!r})",
+            fix=f"use one of: {', '.join(known_recipes())}",
+        )
     raw = _read(name_or_path)
     name = Path(name_or_path).stem
     q = raw.get("quantizer")
     quantizer, settings = None, None
     if q is not None:
         if not isinstance(q, dict) or not isinstance(q.get("name"), str):
-            raise UserError(f"recipe {name!r}: quantizer must be a mapping with a name (got {q!r})", fix="quantizer: {name: xnnpack, ...}")
+            raise UserError(
+                f"recipe {name!r}: quantizer must be a mapping with a name (got {q!r})",
+                fix="quantizer: {name: xnnpack, ...}",
+            )
         q = dict(q)
         quantizer = q.pop("name")
         if quantizer not in QUANTIZERS:
-            raise UserError(f"recipe {name!r}: unknown quantizer {quantizer!r}", fix=f"known quantizers: {', '.join(sorted(QUANTIZERS))}")
+            raise UserError(
+                f"recipe {name!r}: unknown quantizer {quantizer!r}",
+                fix=f"known quantizers: {', '.join(sorted(QUANTIZERS))}",
+            )
         settings = parse_settings(QUANTIZERS[quantizer].settings, q, f"recipe {name!r} quantizer {quantizer!r}")
     partitioners = _names(raw, "partitioners", name)
     for p in partitioners:
         if p not in PARTITIONERS:
-            raise UserError(f"recipe {name!r}: unknown partitioner {p!r}", fix=f"known partitioners: {', '.join(sorted(PARTITIONERS))}")
+            raise UserError(
+                f"recipe {name!r}: unknown partitioner {p!r}",
+                fix=f"known partitioners: {', '.join(sorted(PARTITIONERS))}",
+            )
     modes = _names(raw, "modes", name) if "modes" in raw else MODES
     for m in modes:
         if m not in MODES:
@@ -160,20 +172,44 @@ def load_recipe(name_or_path: str) -> Recipe:
     runs_here = raw.get("runs_here", True)
     if not isinstance(runs_here, bool):
         raise UserError(f"recipe {name!r}: runs_here must be true or false (got {runs_here!r})")
-    return Recipe(name=name, description=str(raw["description"]), backend=str(raw["backend"]), modes=modes,
-                  quantizer=quantizer, settings=settings, partitioners=partitioners, executorch_config=dict(config),
-                  runs_here=runs_here)
+    return Recipe(
+        name=name,
+        description=str(raw["description"]),
+        backend=str(raw["backend"]),
+        modes=modes,
+        quantizer=quantizer,
+        settings=settings,
+        partitioners=partitioners,
+        executorch_config=dict(config),
+        runs_here=runs_here,
+    )
 
 
 # ExecutorchBackendConfig's fields in ExecuTorch 1.5.1, listed so a recipe is checked without importing ExecuTorch
 # (seconds); tests/test_recipes.py compares them with the installed class.
-EXECUTORCH_CONFIG_FIELDS = frozenset({
-    "constant_tensor_alignment", "delegate_alignment", "do_quant_fusion_and_const_prop", "dynamic_memory_planning_mode",
-    "emit_mutable_buffer_names", "emit_stacktrace", "enable_non_cpu_memory_planning", "external_constants",
-    "external_mutable_weights", "extract_delegate_segments", "memory_planning_pass", "passes", "propagate_device_config",
-    "reinplace_extra_ops", "remove_view_copy", "run_reinplace_pass", "segment_alignment", "sym_shape_eval_pass",
-    "to_out_var_pass",
-})
+EXECUTORCH_CONFIG_FIELDS = frozenset(
+    {
+        "constant_tensor_alignment",
+        "delegate_alignment",
+        "do_quant_fusion_and_const_prop",
+        "dynamic_memory_planning_mode",
+        "emit_mutable_buffer_names",
+        "emit_stacktrace",
+        "enable_non_cpu_memory_planning",
+        "external_constants",
+        "external_mutable_weights",
+        "extract_delegate_segments",
+        "memory_planning_pass",
+        "passes",
+        "propagate_device_config",
+        "reinplace_extra_ops",
+        "remove_view_copy",
+        "run_reinplace_pass",
+        "segment_alignment",
+        "sym_shape_eval_pass",
+        "to_out_var_pass",
+    }
+)
 
 
 def _check_executorch_config(config: dict, name: str) -> None:
@@ -181,4 +217,7 @@ def _check_executorch_config(config: dict, name: str) -> None:
     known = EXECUTORCH_CONFIG_FIELDS
     unknown = sorted(set(config) - known)
     if unknown:
-        raise UserError(f"recipe {name!r}: unknown executorch_config field(s) {', '.join(unknown)}", fix=f"known: {', '.join(sorted(known))}")
+        raise UserError(
+            f"recipe {name!r}: unknown executorch_config field(s) {', '.join(unknown)}",
+            fix=f"known: {', '.join(sorted(known))}",
+        )

@@ -34,13 +34,17 @@ class Torchao8da4wSettings:
 
     def __post_init__(self):
         if self.group_size < 16 or self.group_size & (self.group_size - 1):
-            raise UserError(f"torchao_8da4w quantizer: group_size={self.group_size} must be a power of two >= 16",
-                            fix="use 32 (or 64, 128, 256)")
+            raise UserError(
+                f"torchao_8da4w quantizer: group_size={self.group_size} must be a power of two >= 16",
+                fix="use 32 (or 64, 128, 256)",
+            )
         if self.weight_bits not in (4, 8) or self.embedding_bits not in (None, 4, 8):
             raise UserError("torchao_8da4w quantizer: weight_bits and embedding_bits must be 4 or 8")
         if self.choose_qparams not in CHOOSE_QPARAMS:
-            raise UserError(f"torchao_8da4w quantizer: choose_qparams {self.choose_qparams!r} is unknown",
-                            fix=f"use {' or '.join(CHOOSE_QPARAMS)}")
+            raise UserError(
+                f"torchao_8da4w quantizer: choose_qparams {self.choose_qparams!r} is unknown",
+                fix=f"use {' or '.join(CHOOSE_QPARAMS)}",
+            )
 
 
 @register_quantizer("torchao_8da4w", Torchao8da4wSettings, kind="source")
@@ -50,17 +54,30 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
     from torchao.quantization.granularity import PerGroup
 
     if is_qat and settings.choose_qparams != "affine":
-        raise UserError(f"torchao_8da4w quantizer: choose_qparams {settings.choose_qparams!r} has no QAT fake quantization "
-                        "(it trains affine scales)", fix="use it in PTQ-only recipes (modes: [ptq]), or choose_qparams: affine")
+        raise UserError(
+            f"torchao_8da4w quantizer: choose_qparams {settings.choose_qparams!r} has no QAT fake quantization "
+            "(it trains affine scales)",
+            fix="use it in PTQ-only recipes (modes: [ptq]), or choose_qparams: affine",
+        )
     bits = {4: torch.int4, 8: torch.int8}
     group = settings.group_size
-    configs = [(
-        Int8DynamicActivationIntxWeightConfig(weight_dtype=bits[settings.weight_bits], weight_granularity=PerGroup(group),
-                                              intx_choose_qparams_algorithm=settings.choose_qparams),
-        lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group == 0,
-        f"nn.Linear layers whose in_features group_size={group} divides",
-    )]
+    configs = [
+        (
+            Int8DynamicActivationIntxWeightConfig(
+                weight_dtype=bits[settings.weight_bits],
+                weight_granularity=PerGroup(group),
+                intx_choose_qparams_algorithm=settings.choose_qparams,
+            ),
+            lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group == 0,
+            f"nn.Linear layers whose in_features group_size={group} divides",
+        )
+    ]
     if settings.embedding_bits is not None:
-        configs.append((IntxWeightOnlyConfig(weight_dtype=bits[settings.embedding_bits], granularity=PerGroup(group)),
-                        lambda m, fqn: isinstance(m, torch.nn.Embedding), "nn.Embedding tables"))
+        configs.append(
+            (
+                IntxWeightOnlyConfig(weight_dtype=bits[settings.embedding_bits], granularity=PerGroup(group)),
+                lambda m, fqn: isinstance(m, torch.nn.Embedding),
+                "nn.Embedding tables",
+            )
+        )
     return SourceQuantizer(configs)

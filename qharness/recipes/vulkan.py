@@ -19,7 +19,9 @@ class VulkanSettings:
         if self.weight_bits not in (4, 8):
             raise UserError(f"vulkan quantizer: weight_bits={self.weight_bits} is not supported", fix="use 4 or 8")
         if self.dynamic:
-            raise UserError("vulkan quantizer: dynamic activations are not supported yet", fix="use dynamic: false (weight-only)")
+            raise UserError(
+                "vulkan quantizer: dynamic activations are not supported yet", fix="use dynamic: false (weight-only)"
+            )
 
 
 @register_quantizer("vulkan", VulkanSettings, kind="pt2e")

@@ -40,10 +40,14 @@ class XnnpackSettings:
             raise UserError(f"xnnpack quantizer: weight_bits={self.weight_bits} is not supported", fix="use 4 or 8")
         if self.activation_observer is not None:
             if self.dynamic:
-                raise UserError("xnnpack quantizer: activation_observer applies to static activations only (dynamic: false)")
+                raise UserError(
+                    "xnnpack quantizer: activation_observer applies to static activations only (dynamic: false)"
+                )
             if self.activation_observer not in ACTIVATION_OBSERVERS:
-                raise UserError(f"xnnpack quantizer: unknown activation_observer {self.activation_observer!r}",
-                                fix=f"use one of {', '.join(ACTIVATION_OBSERVERS)}")
+                raise UserError(
+                    f"xnnpack quantizer: unknown activation_observer {self.activation_observer!r}",
+                    fix=f"use one of {', '.join(ACTIVATION_OBSERVERS)}",
+                )
 
 
 @register_quantizer("xnnpack", XnnpackSettings, kind="pt2e")
@@ -53,7 +57,11 @@ def xnnpack_quantizer(settings: XnnpackSettings, is_qat: bool):
 
     qmin, qmax = WEIGHT_RANGES[settings.weight_bits]
     config = imports.xnnpack_symmetric_config(
-        is_per_channel=settings.per_channel, is_dynamic=settings.dynamic, is_qat=is_qat, weight_qmin=qmin, weight_qmax=qmax
+        is_per_channel=settings.per_channel,
+        is_dynamic=settings.dynamic,
+        is_qat=is_qat,
+        weight_qmin=qmin,
+        weight_qmax=qmax,
     )
     if is_qat:
         config = deploy_matched_weight_fake_quant(config)
@@ -87,7 +95,11 @@ def with_activation_observer(config, name: str):
     from qharness.upstream import imports
 
     ns = imports.pt2e()
-    observers = {"histogram": ns.HistogramObserver, "minmax": ns.MinMaxObserver, "moving_average": ns.MovingAverageMinMaxObserver}
+    observers = {
+        "histogram": ns.HistogramObserver,
+        "minmax": ns.MinMaxObserver,
+        "moving_average": ns.MovingAverageMinMaxObserver,
+    }
     ctr = observers[name].with_args(eps=2**-12)
     act = dataclasses.replace(config.input_activation, observer_or_fake_quant_ctr=ctr)
     return dataclasses.replace(config, input_activation=act, output_activation=act)

@@ -30,11 +30,20 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from qharness.checks.stats import (
+    ALPHA,
+    Z,
+    diff_interval,
+    is_stderr,
+    paired_ratio,
+    ranges_overlap,
+    rank_test_p,
+    stderr_name,
+)
 from qharness.errors import UserError
 from qharness.io import write_bytes_atomic, write_json_atomic
-from qharness.run.summary import RunSummary
 from qharness.reporting.rows import STAGES, _number, latency_figures, noise_of, summary_row  # noqa: F401
-from qharness.checks.stats import ALPHA, Z, diff_interval, is_stderr, paired_ratio, rank_test_p, ranges_overlap, stderr_name
+from qharness.run.summary import RunSummary
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +55,10 @@ def collect(runs_dir: str | Path) -> list[dict]:
     """The rows of every ``summary.json`` under ``runs_dir`` (unreadable ones are skipped with a warning)."""
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
-        raise UserError(f"{runs_dir} is not a directory", fix="pass the directory that holds the runs (e.g. runs/ or runs/sweep_xnnpack)")
+        raise UserError(
+            f"{runs_dir} is not a directory",
+            fix="pass the directory that holds the runs (e.g. runs/ or runs/sweep_xnnpack)",
+        )
     rows = []
     for path in sorted(runs_dir.rglob("summary.json")):
         if "wandb" in path.relative_to(runs_dir).parts:
@@ -58,7 +70,10 @@ def collect(runs_dir: str | Path) -> list[dict]:
         except (UserError, KeyError, TypeError) as e:
             log.warning("skipping %s: %s", path, e)
     if not rows:
-        raise UserError(f"no summary.json under {runs_dir}", fix="run qharness fit/calibrate/sweep first, or pass the directory that holds their runs")
+        raise UserError(
+            f"no summary.json under {runs_dir}",
+            fix="run qharness fit/calibrate/sweep first, or pass the directory that holds their runs",
+        )
     return rows
 
 
@@ -74,10 +89,17 @@ def resolve_metric(metric: str, rows: list[dict]) -> tuple[str, bool]:
         parts = metric.removeprefix("eval/").split("/")
         column = "eval/" + "/".join(parts + ["pte"] if len(parts) == 2 else parts)
         if column not in columns:
-            known = sorted({"/".join(c.split("/")[1:3]) for c in columns if c.startswith("eval/") and not is_stderr(c.split("/")[2])})
+            known = sorted(
+                {
+                    "/".join(c.split("/")[1:3])
+                    for c in columns
+                    if c.startswith("eval/") and not is_stderr(c.split("/")[2])
+                }
+            )
             raise UserError(
                 f"metric {metric!r} is in none of the summaries",
-                fix="use ppl, a column of the table" + (f", or a task metric: {', '.join(known)}" if known else " (no run has lm-eval results)"),
+                fix="use ppl, a column of the table"
+                + (f", or a task metric: {', '.join(known)}" if known else " (no run has lm-eval results)"),
             )
     return column, bool(LOWER_IS_BETTER.search(column.split("/")[-2] if column.startswith("eval/") else column))
 
@@ -97,7 +119,8 @@ def pareto_front(points: list[tuple[float, float]], lower_is_better: bool) -> li
     sign = 1 if lower_is_better else -1
     pts = [(x, sign * y) for x, y in points]  # now lower is better on both axes
     front = [
-        i for i, (x, y) in enumerate(pts)
+        i
+        for i, (x, y) in enumerate(pts)
         if not any(xo <= x and yo <= y and (xo < x or yo < y) for j, (xo, yo) in enumerate(pts) if j != i)
     ]
     return sorted(front, key=lambda i: (points[i][0], sign * points[i][1]))
@@ -136,27 +159,35 @@ def compare_accuracy(a: dict, b: dict, column: str, lower_is_better: bool) -> Co
     va, vb = a[column], b[column]
     if _same_program(a, b):
         return Comparison(0, "same .pte (sha256)")
-    stage = column[len("ppl_"):] if column.startswith("ppl_") and column[len("ppl_"):] in STAGES else None
+    stage = column[len("ppl_") :] if column.startswith("ppl_") and column[len("ppl_") :] in STAGES else None
     if stage is not None:
         ba, bb = a.get("_blocks", {}).get(stage), b.get("_blocks", {}).get(stage)
         if ba and bb and len(ba) == len(bb) and len(ba) > 1 and a.get("_val") == b.get("_val"):
             r = paired_ratio(ba, bb)
             lo, hi = r["ci"]
-            return Comparison(_sign(math.log(lo), math.log(hi), True),
-                              f"ppl {r['ppl_ratio'] - 1:+.2%} [{lo - 1:+.2%}, {hi - 1:+.2%}], paired over {len(ba)} blocks")
+            return Comparison(
+                _sign(math.log(lo), math.log(hi), True),
+                f"ppl {r['ppl_ratio'] - 1:+.2%} [{lo - 1:+.2%}, {hi - 1:+.2%}], paired over {len(ba)} blocks",
+            )
         sa, sb = a.get("_loss_se", {}).get(stage), b.get("_loss_se", {}).get(stage)
         if sa is not None and sb is not None:
             d = math.log(va / vb)
             lo, hi = diff_interval(d, sa, sb)
-            return Comparison(_sign(lo, hi, True), f"ppl {math.exp(d) - 1:+.2%} [{math.exp(lo) - 1:+.2%}, {math.exp(hi) - 1:+.2%}], "
-                                                   "unpaired (different validation blocks)")
+            return Comparison(
+                _sign(lo, hi, True),
+                f"ppl {math.exp(d) - 1:+.2%} [{math.exp(lo) - 1:+.2%}, {math.exp(hi) - 1:+.2%}], "
+                "unpaired (different validation blocks)",
+            )
     elif column.startswith("eval/"):
         _, task, metric, st = column.split("/", 3)
         se_col = f"eval/{task}/{stderr_name(metric)}/{st}"
         sa, sb = a.get(se_col), b.get(se_col)
         if _number(sa) and _number(sb):
             lo, hi = diff_interval(va - vb, sa, sb)
-            return Comparison(_sign(lo, hi, lower_is_better), f"{metric} {va - vb:+.4g} [{lo:+.4g}, {hi:+.4g}] (lm-eval standard errors)")
+            return Comparison(
+                _sign(lo, hi, lower_is_better),
+                f"{metric} {va - vb:+.4g} [{lo:+.4g}, {hi:+.4g}] (lm-eval standard errors)",
+            )
     sign = 0 if va == vb else 1 if (va < vb) == lower_is_better else -1
     name = "ppl" if column == "ppl_pte" else column
     return Comparison(sign, f"{name} {va:.5g} vs {vb:.5g} (no noise estimate)")
@@ -203,7 +234,9 @@ def noisy_front(rows: list[dict], column: str, lower_is_better: bool) -> tuple[l
     front together or not at all (on it when any of them is undominated)."""
     ok = [r for r in rows if eligible(r, column)]
     n = len(ok)
-    acc = {(i, j): compare_accuracy(ok[i], ok[j], column, lower_is_better) for i in range(n) for j in range(n) if i != j}
+    acc = {
+        (i, j): compare_accuracy(ok[i], ok[j], column, lower_is_better) for i in range(n) for j in range(n) if i != j
+    }
     lat = {(i, j): compare_latency(ok[i], ok[j]) for i in range(n) for j in range(n) if i != j}
     undominated = [not any(dominates(acc[j, i], lat[j, i]) for j in range(n) if j != i) for i in range(n)]
     tie = {(i, j) for (i, j) in acc if acc[i, j].sign == 0 and lat[i, j].sign == 0}
@@ -219,25 +252,35 @@ def noisy_front(rows: list[dict], column: str, lower_is_better: bool) -> tuple[l
             group[max(root(i), root(j))] = min(root(i), root(j))
     on = [any(undominated[k] for k in range(n) if root(k) == root(i)) for i in range(n)]
     sign = 1 if lower_is_better else -1
-    front = sorted((ok[i] for i in range(n) if on[i]), key=lambda r: (r["decode_ms_per_token"], sign * r[column], r["run"]))
+    front = sorted(
+        (ok[i] for i in range(n) if on[i]), key=lambda r: (r["decode_ms_per_token"], sign * r[column], r["run"])
+    )
     ties = {ok[i]["run"]: sorted(ok[j]["run"] for j in range(n) if (i, j) in tie) for i in range(n)}
     return front, ties
 
 
-def best_choice(rows: list[dict], column: str, lower_is_better: bool, max_latency_ms: float | None = None,
-                max_size_mb: float | None = None) -> dict:
+def best_choice(
+    rows: list[dict],
+    column: str,
+    lower_is_better: bool,
+    max_latency_ms: float | None = None,
+    max_size_mb: float | None = None,
+) -> dict:
     """The eligible run to pick within the budgets, deterministically: keep the runs no other beats on the metric
     beyond the noise, then those no other of them beats on latency beyond the noise; among the rest (a tie) the
     smallest ``.pte``, then the run name. Returns ``{"best": row or None, "tied": [rows], "text": words}``."""
     fits = [
-        r for r in rows
+        r
+        for r in rows
         if eligible(r, column)
         and (max_latency_ms is None or r["decode_ms_per_token"] <= max_latency_ms)
         and (max_size_mb is None or (r.get("pte_size_mb") is not None and r["pte_size_mb"] <= max_size_mb))
     ]
     if not fits:
         return {"best": None, "tied": [], "text": "none"}
-    top = [r for r in fits if not any(compare_accuracy(o, r, column, lower_is_better).sign > 0 for o in fits if o is not r)]
+    top = [
+        r for r in fits if not any(compare_accuracy(o, r, column, lower_is_better).sign > 0 for o in fits if o is not r)
+    ]
     fast = [r for r in top if not any(compare_latency(o, r).sign > 0 for o in top if o is not r)]
     best = min(fast, key=lambda r: (r["pte_size_mb"] if _number(r.get("pte_size_mb")) else math.inf, r["run"]))
     others = [r for r in fast if r is not best]
@@ -257,12 +300,21 @@ def best_choice(rows: list[dict], column: str, lower_is_better: bool, max_latenc
     else:
         sign = 1 if lower_is_better else -1
         rest = sorted((r for r in fits if r is not best), key=lambda r: (sign * r[column], r["run"]))
-        text = describe(best, column) + (f"; vs the runner-up {label(rest[0])}: {compare_accuracy(best, rest[0], column, lower_is_better).text}"
-                                         if rest else "")
+        text = describe(best, column) + (
+            f"; vs the runner-up {label(rest[0])}: {compare_accuracy(best, rest[0], column, lower_is_better).text}"
+            if rest
+            else ""
+        )
     return {"best": best, "tied": others, "text": text}
 
 
-def best_under(rows: list[dict], column: str, lower_is_better: bool, max_latency_ms: float | None = None, max_size_mb: float | None = None) -> dict | None:
+def best_under(
+    rows: list[dict],
+    column: str,
+    lower_is_better: bool,
+    max_latency_ms: float | None = None,
+    max_size_mb: float | None = None,
+) -> dict | None:
     """The eligible row picked within the budgets (``best_choice``); None if none fits."""
     return best_choice(rows, column, lower_is_better, max_latency_ms, max_size_mb)["best"]
 
@@ -293,7 +345,11 @@ def _cell(row: dict, key: str, kind: str = "") -> str:
         return text
     if _number(lo) and _number(hi):
         v = row[key]
-        bound = (lambda b: _fmt(b, kind)) if kind or not isinstance(v, float) else (lambda b: f"{b:.3f}" if abs(v) < 100 else f"{b:.0f}")
+        bound = (
+            (lambda b: _fmt(b, kind))
+            if kind or not isinstance(v, float)
+            else (lambda b: f"{b:.3f}" if abs(v) < 100 else f"{b:.0f}")
+        )
         return f"{text} [{bound(float(lo))}, {bound(float(hi))}]"
     if key.startswith("eval/") and key.count("/") == 3:
         _, task, metric, stage = key.split("/")
@@ -303,11 +359,13 @@ def _cell(row: dict, key: str, kind: str = "") -> str:
     return text
 
 
-INTERVALS_NOTE = ("Intervals: perplexity [95% interval over validation blocks]; vs FP [95%, paired per block with the run's FP model]. "
-                  "Runs scored on the same blocks are compared through their paired per-block differences, usually far narrower than each "
-                  "run's own interval (which holds the block-to-block variation all runs share). Latency: "
-                  "decode/prefill [min, max] over benchmark processes (joint benchmark) or over repetitions in one process "
-                  "(own benchmark: weak evidence); lm-eval metrics ± their standard error.")
+INTERVALS_NOTE = (
+    "Intervals: perplexity [95% interval over validation blocks]; vs FP [95%, paired per block with the run's FP model]. "
+    "Runs scored on the same blocks are compared through their paired per-block differences, usually far narrower than each "
+    "run's own interval (which holds the block-to-block variation all runs share). Latency: "
+    "decode/prefill [min, max] over benchmark processes (joint benchmark) or over repetitions in one process "
+    "(own benchmark: weak evidence); lm-eval metrics ± their standard error."
+)
 
 
 def table_columns(rows: list[dict], column: str) -> list[tuple[str, str, str]]:
@@ -316,11 +374,24 @@ def table_columns(rows: list[dict], column: str) -> list[tuple[str, str, str]]:
     if column != "ppl_pte":
         cols.append((column, column.removeprefix("eval/").removesuffix("/pte"), ""))
     cols += [
-        ("ppl_pte", ".pte ppl", "ppl"), ("ppl_pte_vs_fp", "vs FP", "pct"), ("ppl_fake_quant", "fake-quant ppl", "ppl"),
-        ("decode_ms_per_token", "decode ms/tok", ""), ("decode_tok_s", "decode tok/s", ""), ("prefill_tok_s", "prefill tok/s", ""),
-        ("pte_size_mb", ".pte MB", ""), ("bandwidth_fraction", "of bw bound", "frac"), ("parity_passed", "parity", ""),
+        ("ppl_pte", ".pte ppl", "ppl"),
+        ("ppl_pte_vs_fp", "vs FP", "pct"),
+        ("ppl_fake_quant", "fake-quant ppl", "ppl"),
+        ("decode_ms_per_token", "decode ms/tok", ""),
+        ("decode_tok_s", "decode tok/s", ""),
+        ("prefill_tok_s", "prefill tok/s", ""),
+        ("pte_size_mb", ".pte MB", ""),
+        ("bandwidth_fraction", "of bw bound", "frac"),
+        ("parity_passed", "parity", ""),
     ]
-    extra = sorted({c for r in rows for c in r if c.startswith("eval/") and c.endswith("/pte") and c != column and not is_stderr(c.split("/")[2])})
+    extra = sorted(
+        {
+            c
+            for r in rows
+            for c in r
+            if c.startswith("eval/") and c.endswith("/pte") and c != column and not is_stderr(c.split("/")[2])
+        }
+    )
     cols += [(c, c.removeprefix("eval/").removesuffix("/pte"), "") for c in extra]
     return cols
 
@@ -367,8 +438,14 @@ def paired_band(row: dict) -> tuple[float, float] | None:
 MODE_COLORS = {"fp": "black", "ptq": "tab:blue", "qat": "tab:orange"}
 
 
-def plot_pareto(rows: list[dict], column: str, lower_is_better: bool, front_runs: set[str], title: str,
-                max_latency_ms: float | None = None) -> bytes:
+def plot_pareto(
+    rows: list[dict],
+    column: str,
+    lower_is_better: bool,
+    front_runs: set[str],
+    title: str,
+    max_latency_ms: float | None = None,
+) -> bytes:
     """The PNG: metric vs decode latency, point area ~ ``.pte`` size, the Pareto front drawn and labelled."""
     import matplotlib
 
@@ -382,21 +459,56 @@ def plot_pareto(rows: list[dict], column: str, lower_is_better: bool, front_runs
     for mode, color in MODE_COLORS.items():
         sel = [r for r in pts if r["mode"] == mode and r.get("parity_passed") is True]
         if sel:
-            ax.scatter([r["decode_ms_per_token"] for r in sel], [r[column] for r in sel], s=[60 + 540 * (r.get("pte_size_mb") or 0) / biggest for r in sel],
-                       c=color, alpha=0.55, edgecolors=color, linewidths=1)
+            ax.scatter(
+                [r["decode_ms_per_token"] for r in sel],
+                [r[column] for r in sel],
+                s=[60 + 540 * (r.get("pte_size_mb") or 0) / biggest for r in sel],
+                c=color,
+                alpha=0.55,
+                edgecolors=color,
+                linewidths=1,
+            )
             ax.scatter([], [], s=60, c=color, alpha=0.55, label=mode)  # legend entry of a fixed size
     for r in pts:
-        (xlo, xhi), (ylo, yhi) = interval(r, "decode_ms_per_token"), (paired_band(r) if column == "ppl_pte" else None) or interval(r, column)
+        (xlo, xhi), (ylo, yhi) = (
+            interval(r, "decode_ms_per_token"),
+            (paired_band(r) if column == "ppl_pte" else None) or interval(r, column),
+        )
         color = MODE_COLORS.get(r["mode"], "gray") if r.get("parity_passed") is True else "gray"
-        ax.errorbar([r["decode_ms_per_token"]], [r[column]], xerr=[[r["decode_ms_per_token"] - xlo], [xhi - r["decode_ms_per_token"]]],
-                    yerr=[[r[column] - ylo], [yhi - r[column]]], fmt="none", ecolor=color, elinewidth=1, capsize=3, alpha=0.8, zorder=2)
+        ax.errorbar(
+            [r["decode_ms_per_token"]],
+            [r[column]],
+            xerr=[[r["decode_ms_per_token"] - xlo], [xhi - r["decode_ms_per_token"]]],
+            yerr=[[r[column] - ylo], [yhi - r[column]]],
+            fmt="none",
+            ecolor=color,
+            elinewidth=1,
+            capsize=3,
+            alpha=0.8,
+            zorder=2,
+        )
     failed = [r for r in pts if r.get("parity_passed") is not True]
     if failed:
-        ax.scatter([r["decode_ms_per_token"] for r in failed], [r[column] for r in failed], s=80, marker="x", c="gray", label="parity failed/skipped")
+        ax.scatter(
+            [r["decode_ms_per_token"] for r in failed],
+            [r[column] for r in failed],
+            s=80,
+            marker="x",
+            c="gray",
+            label="parity failed/skipped",
+        )
     front = sorted((r for r in pts if r["run"] in front_runs), key=lambda r: r["decode_ms_per_token"])
     if front:
-        ax.plot([r["decode_ms_per_token"] for r in front], [r[column] for r in front], "-", drawstyle="steps-post", color="crimson", lw=1.5,
-                zorder=0, label="Pareto front")
+        ax.plot(
+            [r["decode_ms_per_token"] for r in front],
+            [r[column] for r in front],
+            "-",
+            drawstyle="steps-post",
+            color="crimson",
+            lw=1.5,
+            zorder=0,
+            label="Pareto front",
+        )
         ax.scatter([r["decode_ms_per_token"] for r in front], [r[column] for r in front], s=18, c="crimson", zorder=3)
     fp_ppl = {round(r["ppl_fp"], 9) for r in rows if _number(r.get("ppl_fp"))}
     if column == "ppl_pte" and len(fp_ppl) == 1:  # every run starts from the same FP model
@@ -404,8 +516,15 @@ def plot_pareto(rows: list[dict], column: str, lower_is_better: bool, front_runs
     for r in pts:
         on = r["run"] in front_runs
         radius = math.sqrt(60 + 540 * (r.get("pte_size_mb") or 0) / biggest) / 2  # points: label beside the marker
-        ax.annotate(f"{r['recipe']}/{r['mode']}", (r["decode_ms_per_token"], r[column]), xytext=(radius + 2, radius / 2 + 2), textcoords="offset points",
-                    fontsize=8, fontweight="bold" if on else "normal", color="crimson" if on else "dimgray")
+        ax.annotate(
+            f"{r['recipe']}/{r['mode']}",
+            (r["decode_ms_per_token"], r[column]),
+            xytext=(radius + 2, radius / 2 + 2),
+            textcoords="offset points",
+            fontsize=8,
+            fontweight="bold" if on else "normal",
+            color="crimson" if on else "dimgray",
+        )
     if max_latency_ms is not None:
         ax.axvline(max_latency_ms, ls="--", color="gray", lw=1, label=f"latency budget {max_latency_ms:g} ms")
     ax.set_xlabel("decode latency of the .pte (ms/token, median; bars: min-max; lower is better)")
@@ -439,23 +558,31 @@ def noise_notes(rows: list[dict], column: str) -> list[str]:
     """Where the noise bands are weak or missing, in words."""
     ok = [r for r in rows if eligible(r, column)]
     notes = []
-    stage = column[len("ppl_"):] if column.startswith("ppl_") else None
+    stage = column[len("ppl_") :] if column.startswith("ppl_") else None
     if stage in STAGES:
         bare = [r["run"] for r in ok if not r.get("_blocks", {}).get(stage)]
         if bare:
-            notes.append(f"Accuracy noise: {len(bare)} of {len(ok)} runs carry no per-block losses (older summaries: {', '.join(bare)}): their perplexities "
-                         "are compared without a noise band.")
+            notes.append(
+                f"Accuracy noise: {len(bare)} of {len(ok)} runs carry no per-block losses (older summaries: {', '.join(bare)}): their perplexities "
+                "are compared without a noise band."
+            )
         if len({r.get("_val") for r in ok if r.get("_blocks", {}).get(stage)}) > 1:
-            notes.append("Accuracy noise: the runs were scored on different validation blocks (data, seq_len or eval_blocks differ): perplexities are "
-                         "compared unpaired (wider intervals). Give every run the same data section and parity.eval_blocks to pair them.")
+            notes.append(
+                "Accuracy noise: the runs were scored on different validation blocks (data, seq_len or eval_blocks differ): perplexities are "
+                "compared unpaired (wider intervals). Give every run the same data section and parity.eval_blocks to pair them."
+            )
     own = [r["run"] for r in ok if not r.get("_decode_ms_samples")]
     if own:
-        notes.append(f"Latency noise: {len(own)} of {len(ok)} runs have no joint benchmark (bench_joint); their latency ranges are min-max over "
-                     "repetitions inside one process (weak evidence: they miss process-to-process and machine-state variation).")
+        notes.append(
+            f"Latency noise: {len(own)} of {len(ok)} runs have no joint benchmark (bench_joint); their latency ranges are min-max over "
+            "repetitions inside one process (weak evidence: they miss process-to-process and machine-state variation)."
+        )
     return notes
 
 
-def log_to_wandb(rows: list[dict], columns: list[str], column: str, png: Path, out_dir: Path, name: str, project: str = "qharness") -> Path | None:
+def log_to_wandb(
+    rows: list[dict], columns: list[str], column: str, png: Path, out_dir: Path, name: str, project: str = "qharness"
+) -> Path | None:
     """The table, a scatter chart (metric vs decode ms/token) and the PNG in one wandb run under ``out_dir/wandb``."""
     from qharness.reporting.tracking import use_wandb_mode
 
@@ -463,21 +590,38 @@ def log_to_wandb(rows: list[dict], columns: list[str], column: str, png: Path, o
         return None
     import wandb
 
-    run = wandb.init(project=project, dir=str(out_dir), name=f"report-{name}", job_type="report", group=name,
-                     config={"metric": column, "runs": len(rows)})
+    run = wandb.init(
+        project=project,
+        dir=str(out_dir),
+        name=f"report-{name}",
+        job_type="report",
+        group=name,
+        config={"metric": column, "runs": len(rows)},
+    )
     table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
-    run.log({
-        "report/table": table,
-        "report/scatter": wandb.plot.scatter(table, "decode_ms_per_token", column, title=f"{column} vs decode ms/token"),
-        "report/pareto": wandb.Image(str(png)),
-    })
+    run.log(
+        {
+            "report/table": table,
+            "report/scatter": wandb.plot.scatter(
+                table, "decode_ms_per_token", column, title=f"{column} vs decode ms/token"
+            ),
+            "report/pareto": wandb.Image(str(png)),
+        }
+    )
     run_dir = Path(run.dir).parent
     run.finish()
     return run_dir
 
 
-def write_report(runs_dir: str | Path, out: str | Path | None = None, metric: str = "ppl", max_latency_ms: float | None = None,
-                 max_size_mb: float | None = None, wandb: bool = True, notes: list[str] | None = None) -> dict:
+def write_report(
+    runs_dir: str | Path,
+    out: str | Path | None = None,
+    metric: str = "ppl",
+    max_latency_ms: float | None = None,
+    max_size_mb: float | None = None,
+    wandb: bool = True,
+    notes: list[str] | None = None,
+) -> dict:
     """Collect, rank and write ``report.md``, ``report.csv``, ``report.json`` and ``pareto.png`` into ``out``
     (default ``runs_dir``); log them to wandb; return what was written (rows, front, best, paths)."""
     runs_dir = Path(runs_dir)
@@ -493,8 +637,17 @@ def write_report(runs_dir: str | Path, out: str | Path | None = None, metric: st
         r["pareto"] = r["run"] in front_runs
         r["ties"] = "tie with " + ", ".join(ties[r["run"]]) if ties.get(r["run"]) else None
     columns = list(dict.fromkeys(c for r in rows for c in r if not c.startswith("_")))
-    budget = " and ".join(b for b in (f"decode <= {max_latency_ms:g} ms/token" if max_latency_ms is not None else "",
-                                      f".pte <= {max_size_mb:g} MB" if max_size_mb is not None else "") if b) or "no budget"
+    budget = (
+        " and ".join(
+            b
+            for b in (
+                f"decode <= {max_latency_ms:g} ms/token" if max_latency_ms is not None else "",
+                f".pte <= {max_size_mb:g} MB" if max_size_mb is not None else "",
+            )
+            if b
+        )
+        or "no budget"
+    )
     title = f"{runs_dir.name}: {'.pte perplexity' if column == 'ppl_pte' else column} vs decode latency"
     md = markdown_table(rows, column, front_runs)
 
@@ -502,17 +655,28 @@ def write_report(runs_dir: str | Path, out: str | Path | None = None, metric: st
         tied = [t for t in ties[r["run"]] if t in front_runs]
         return f"{r['recipe']}/{r['mode']} ({r['run']}" + (f", tie with {', '.join(tied)})" if tied else ")")
 
-    lines = [md, "", INTERVALS_NOTE, "",
-             f"Pareto front ({'lower' if lower else 'higher'} {column} is better, lower latency is better; differences inside the noise are ties): "
-             + ("; ".join(on_front(r) for r in front) or "no run with a passed parity gate and a benchmark"),
-             f"Best under {budget}: {choice['text']}"]
+    lines = [
+        md,
+        "",
+        INTERVALS_NOTE,
+        "",
+        f"Pareto front ({'lower' if lower else 'higher'} {column} is better, lower latency is better; differences inside the noise are ties): "
+        + ("; ".join(on_front(r) for r in front) or "no run with a passed parity gate and a benchmark"),
+        f"Best under {budget}: {choice['text']}",
+    ]
     lines += noise_notes(rows, column)
-    loaded = [r for r in rows if _number(r.get("bench_load_avg")) and r.get("bench_cpus") and r["bench_load_avg"] > r["bench_cpus"]]
+    loaded = [
+        r
+        for r in rows
+        if _number(r.get("bench_load_avg")) and r.get("bench_cpus") and r["bench_load_avg"] > r["bench_cpus"]
+    ]
     if loaded:
         worst = max(loaded, key=lambda r: r["bench_load_avg"] / r["bench_cpus"])
-        lines.append(f"Note: {len(loaded)} of {len(rows)} benchmarks ran while other processes kept the CPUs busy (load average up to "
-                     f"{worst['bench_load_avg']:.1f} on {worst['bench_cpus']} CPUs): their latencies are noisy. Re-measure on a quiet "
-                     "machine with `qharness bench --pte RUN/model.pte` (it updates summary.json), then rerun `qharness report`.")
+        lines.append(
+            f"Note: {len(loaded)} of {len(rows)} benchmarks ran while other processes kept the CPUs busy (load average up to "
+            f"{worst['bench_load_avg']:.1f} on {worst['bench_cpus']} CPUs): their latencies are noisy. Re-measure on a quiet "
+            "machine with `qharness bench --pte RUN/model.pte` (it updates summary.json), then rerun `qharness report`."
+        )
     lines += notes or []
     text = "\n".join(lines)
     png = plot_pareto(rows, column, lower, front_runs, title, max_latency_ms)
@@ -521,9 +685,16 @@ def write_report(runs_dir: str | Path, out: str | Path | None = None, metric: st
         "csv": write_bytes_atomic(out / "report.csv", csv_text(rows, columns).encode()),
         "png": write_bytes_atomic(out / "pareto.png", png),
     }
-    result = {"metric": column, "lower_is_better": lower, "rows": rows, "front": [r["run"] for r in front],
-              "best": best, "best_tied_with": [r["run"] for r in choice["tied"]],
-              "budget": {"max_latency_ms": max_latency_ms, "max_size_mb": max_size_mb}, "text": text}
+    result = {
+        "metric": column,
+        "lower_is_better": lower,
+        "rows": rows,
+        "front": [r["run"] for r in front],
+        "best": best,
+        "best_tied_with": [r["run"] for r in choice["tied"]],
+        "budget": {"max_latency_ms": max_latency_ms, "max_size_mb": max_size_mb},
+        "text": text,
+    }
     saved = {k: v for k, v in result.items() if k != "text"} | {"rows": [public(r) for r in rows], "best": public(best)}
     paths["json"] = write_json_atomic(out / "report.json", saved)
     result["paths"] = {k: str(v) for k, v in paths.items()}

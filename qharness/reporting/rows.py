@@ -46,7 +46,11 @@ def summary_row(summary: dict, run: str | None = None) -> dict:
         "ppl_pte_vs_fp": ppl["pte"] / ppl["fp"] - 1 if ppl["pte"] and ppl["fp"] else None,
         "ppl_pte_vs_fp_lo": vs_fp["ci"][0] - 1 if vs_fp.get("ci") else None,
         "ppl_pte_vs_fp_hi": vs_fp["ci"][1] - 1 if vs_fp.get("ci") else None,
-        **{f"ppl_{k}_{end}": (m.get(k, {}).get("ppl_ci") or (None, None))[i] for k in STAGES for i, end in enumerate(("lo", "hi"))},
+        **{
+            f"ppl_{k}_{end}": (m.get(k, {}).get("ppl_ci") or (None, None))[i]
+            for k in STAGES
+            for i, end in enumerate(("lo", "hi"))
+        },
         "n_blocks": m.get("pte", {}).get("n_blocks"),
         "parity_passed": parity.get("passed"),
         "parity_max_abs_diff": parity.get("max_abs_diff"),
@@ -62,7 +66,9 @@ def summary_row(summary: dict, run: str | None = None) -> dict:
     }
     tables = [summary.get("eval") or {}, *(summary.get("evaluations") or [])]
     for task, stages in [item for table in tables for item in sorted((table.get("tasks") or {}).items())]:
-        for stage, values in sorted((stages or {}).items(), key=lambda kv: STAGES.index(kv[0]) if kv[0] in STAGES else 99):
+        for stage, values in sorted(
+            (stages or {}).items(), key=lambda kv: STAGES.index(kv[0]) if kv[0] in STAGES else 99
+        ):
             for name, value in sorted((values or {}).items()):
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue  # lm-eval's "N/A" standard errors are null in eval.json

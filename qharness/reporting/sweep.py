@@ -95,7 +95,9 @@ def load_sweep(path: str | Path) -> dict:
     """Read and check a sweep config (unknown keys, recipes and modes) before any run starts."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"sweep config {path} does not exist", fix="pass a sweep YAML such as configs/sweep_xnnpack.yaml")
+        raise UserError(
+            f"sweep config {path} does not exist", fix="pass a sweep YAML such as configs/sweep_xnnpack.yaml"
+        )
     try:
         spec = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
@@ -103,26 +105,36 @@ def load_sweep(path: str | Path) -> dict:
     spec = _mapping(spec, f"sweep config {path}")
     unknown = set(spec) - TOP_KEYS
     if unknown:
-        raise UserError(f"sweep config {path}: unknown keys {sorted(unknown)}", fix=f"use {', '.join(sorted(TOP_KEYS))}")
+        raise UserError(
+            f"sweep config {path}: unknown keys {sorted(unknown)}", fix=f"use {', '.join(sorted(TOP_KEYS))}"
+        )
     if not isinstance(spec.get("runs"), list) or not spec["runs"]:
-        raise UserError(f"sweep config {path} needs runs: a list like [{{recipe: xnnpack_int8_dynamic, modes: [ptq, qat]}}]")
+        raise UserError(
+            f"sweep config {path} needs runs: a list like [{{recipe: xnnpack_int8_dynamic, modes: [ptq, qat]}}]"
+        )
     spec.setdefault("sweep_dir", str(Path("runs") / path.stem))
     spec.setdefault("baseline", "xnnpack_fp32")
     spec["config"] = _mapping(spec.get("config"), "sweep config: config")
     spec["report"] = _mapping(spec.get("report"), "sweep config: report")
     unknown = set(spec["report"]) - REPORT_KEYS
     if unknown:
-        raise UserError(f"sweep config {path}: unknown report keys {sorted(unknown)}", fix=f"use {', '.join(sorted(REPORT_KEYS))}")
+        raise UserError(
+            f"sweep config {path}: unknown report keys {sorted(unknown)}", fix=f"use {', '.join(sorted(REPORT_KEYS))}"
+        )
     processes = spec["report"].get("bench_processes", 5)
     if not isinstance(processes, int) or isinstance(processes, bool) or processes < 0:
-        raise UserError(f"sweep config {path}: report.bench_processes must be a whole number >= 0 (got {processes!r})",
-                        fix="set report.bench_processes: 5 (0 skips the joint benchmark)")
+        raise UserError(
+            f"sweep config {path}: report.bench_processes must be a whole number >= 0 (got {processes!r})",
+            fix="set report.bench_processes: 5 (0 skips the joint benchmark)",
+        )
     for i, run in enumerate(spec["runs"]):
         run = _mapping(run, f"sweep config: runs[{i}]")
         unknown = set(run) - RUN_KEYS
         if unknown or "recipe" not in run:
-            raise UserError(f"sweep config {path}: runs[{i}] needs recipe and modes (unknown keys: {sorted(unknown)})",
-                            fix="write runs entries like {recipe: xnnpack_int8_dynamic, modes: [ptq, qat]}")
+            raise UserError(
+                f"sweep config {path}: runs[{i}] needs recipe and modes (unknown keys: {sorted(unknown)})",
+                fix="write runs entries like {recipe: xnnpack_int8_dynamic, modes: [ptq, qat]}",
+            )
     return spec
 
 
@@ -148,11 +160,16 @@ def plan(spec: dict) -> list[SweepRun]:
             names.add(name)
             run_dir = sweep_dir / name
             config = deep_merge(spec["config"], _mapping(entry.get("config"), f"sweep run {name}: config"))
-            config = deep_merge(config, {"model": {"recipe": entry["recipe"], "mode": mode}, "trainer": {"default_root_dir": str(run_dir)}})
+            config = deep_merge(
+                config,
+                {"model": {"recipe": entry["recipe"], "mode": mode}, "trainer": {"default_root_dir": str(run_dir)}},
+            )
             config.setdefault("wandb", {}).setdefault("group", sweep_dir.name)
             # lm-eval: the FP model once (the baseline run), then each run's trained fake-quant model (QAT) and
             # .pte; the converted model, which would stand in for PTQ's fake-quant, matches the .pte (parity gate)
-            config.setdefault("eval", {}).setdefault("models", (["fp"] if not runs else ["fake_quant"] if mode == "qat" else []) + ["pte"])
+            config.setdefault("eval", {}).setdefault(
+                "models", (["fp"] if not runs else ["fake_quant"] if mode == "qat" else []) + ["pte"]
+            )
             if runs:  # the eager FP model is the same in every run: benchmarked once, in the first (baseline) run
                 config.setdefault("bench", {}).setdefault("eager", False)
             runs.append(SweepRun(name, entry["recipe"], mode, config, run_dir))
@@ -168,13 +185,20 @@ def is_done(run: SweepRun) -> bool:
         summary = RunSummary.read(run.run_dir / "summary.json")
     except (OSError, ValueError, UserError):
         return False
-    return (status.get("returncode") == 0 and status.get("config_sha256") == run.digest()
-            and summary.recipe == Path(run.recipe).stem and summary.mode == run.mode)
+    return (
+        status.get("returncode") == 0
+        and status.get("config_sha256") == run.digest()
+        and summary.recipe == Path(run.recipe).stem
+        and summary.mode == run.mode
+    )
 
 
 def child_env() -> dict:
     """The environment of a run's process: it imports this same qharness (not an installed copy)."""
-    paths = [str(Path(__file__).resolve().parents[2]), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    paths = [
+        str(Path(__file__).resolve().parents[2]),
+        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+    ]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
 
 
@@ -194,7 +218,9 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
                 fcntl.ioctl(slave, termios.TIOCSWINSZ, fcntl.ioctl(sys.stdout.fileno(), termios.TIOCGWINSZ, b"\0" * 8))
             except OSError:
                 pass
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=child_env(), close_fds=True)
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=child_env(), close_fds=True
+            )
             os.close(slave)
             while True:
                 try:
@@ -208,7 +234,9 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
                 log.write(chunk)
             os.close(master)
         else:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env())
+            proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env()
+            )
             for chunk in iter(lambda: proc.stdout.read1(65536), b""):
                 out.write(chunk)
                 out.flush()
@@ -231,7 +259,6 @@ def bench_joint(sweep_dir: Path, records: list[dict], processes: int) -> dict | 
     """Time the ``.pte`` of every finished run jointly (round-robin fresh processes, ``processes`` each), with each
     run's own bench lengths; add ``bench_joint`` to each run's summary.json and write ``<sweep_dir>/bench_joint.json``."""
     from qharness.run.summary import RunSummary
-
     from qharness.runtime.bench import bench_jointly, joint_entry
 
     ptes, summaries = {}, {}
@@ -241,14 +268,23 @@ def bench_joint(sweep_dir: Path, records: list[dict], processes: int) -> dict | 
             continue
         summary = RunSummary.read(path)
         pte = Path(summary.pte.get("path", ""))
-        if summary.bench and pte.suffix == ".pte" and pte.is_file():  # benchmarked runs only (runs here, passed the gate)
+        if (
+            summary.bench and pte.suffix == ".pte" and pte.is_file()
+        ):  # benchmarked runs only (runs here, passed the gate)
             ptes[r["name"]], summaries[r["name"]] = pte, (path, summary)
     if not ptes or processes == 0:
         return None
     b = next(iter(summaries.values()))[1].bench  # the same bench options in every run of a sweep (shared config)
     print(f"[sweep] timing {len(ptes)} programs jointly: {processes} fresh processes each, round-robin", flush=True)
-    joint = bench_jointly(list(ptes.values()), b.get("prompt_len", 128), b.get("decode_tokens", 64), max(10, b.get("reps", 5)), processes,
-                          names=list(ptes), log=lambda line: print(line, flush=True))
+    joint = bench_jointly(
+        list(ptes.values()),
+        b.get("prompt_len", 128),
+        b.get("decode_tokens", 64),
+        max(10, b.get("reps", 5)),
+        processes,
+        names=list(ptes),
+        log=lambda line: print(line, flush=True),
+    )
     for name, (path, _) in summaries.items():
         RunSummary.update(path, bench_joint=joint_entry(joint, name))
     write_json_atomic(sweep_dir / "bench_joint.json", joint)
@@ -266,7 +302,11 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
     sweep_dir = Path(spec["sweep_dir"])
     todo = [r for r in runs if force or not is_done(r)]
     todo_names = {r.name for r in todo}
-    print(f"[sweep] {len(runs)} runs in {sweep_dir} ({len(runs) - len(todo)} already finished): " + ", ".join(r.name for r in runs), flush=True)
+    print(
+        f"[sweep] {len(runs)} runs in {sweep_dir} ({len(runs) - len(todo)} already finished): "
+        + ", ".join(r.name for r in runs),
+        flush=True,
+    )
     if todo:
         resolve_shared_model(todo)
     records = []
@@ -281,13 +321,18 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
         for stale in ("summary.json", STATUS):  # a result of another config must not show up as this run's
             (run.run_dir / stale).unlink(missing_ok=True)
         run.run_dir.mkdir(parents=True, exist_ok=True)
-        header = f"# {record['command']}  (written by qharness sweep {config_path}; edit the sweep config, not this file)\n"
+        header = (
+            f"# {record['command']}  (written by qharness sweep {config_path}; edit the sweep config, not this file)\n"
+        )
         write_bytes_atomic(run.config_path, (header + yaml.safe_dump(run.config, sort_keys=False)).encode())
         print(f"[sweep {i}/{len(runs)}] {run.name}: {record['command']} (log: {run.run_dir / 'sweep.log'})", flush=True)
         t = time.perf_counter()
         code = runner(cmd, run.run_dir / "sweep.log")
         wall = time.perf_counter() - t
-        write_json_atomic(run.run_dir / STATUS, {"config_sha256": run.digest(), "returncode": code, "wall_s": wall, "command": record["command"]})
+        write_json_atomic(
+            run.run_dir / STATUS,
+            {"config_sha256": run.digest(), "returncode": code, "wall_s": wall, "command": record["command"]},
+        )
         state = "done" if code == 0 else "failed"
         records.append({**record, "state": state, "returncode": code, "wall_s": wall})
         outcome = "done" if code == 0 else f"FAILED (exit {code}), see {run.run_dir / 'sweep.log'}"
@@ -303,10 +348,20 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
     if report:
         from qharness.reporting.report import write_report
 
-        notes = [f"Failed run: {r['name']} (exit {r['returncode']}); log {r['run_dir']}/sweep.log; rerun: {r['command']}" for r in failed]
+        notes = [
+            f"Failed run: {r['name']} (exit {r['returncode']}); log {r['run_dir']}/sweep.log; rerun: {r['command']}"
+            for r in failed
+        ]
         try:
-            result["report"] = write_report(sweep_dir, sweep_dir, rep.get("metric", "ppl"), rep.get("max_latency_ms"), rep.get("max_size_mb"),
-                                            wandb=rep.get("wandb", True), notes=notes)
+            result["report"] = write_report(
+                sweep_dir,
+                sweep_dir,
+                rep.get("metric", "ppl"),
+                rep.get("max_latency_ms"),
+                rep.get("max_size_mb"),
+                wandb=rep.get("wandb", True),
+                notes=notes,
+            )
         except UserError as e:
             print(f"[sweep] no report: {e}", flush=True)
     result["wall_s"] = time.perf_counter() - t0

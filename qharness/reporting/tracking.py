@@ -48,7 +48,10 @@ def wandb_mode(requested: str | None = None, env=os.environ) -> str:
     """``requested`` (``wandb.mode``), else ``WANDB_MODE``, else online when logged in, else offline."""
     mode = requested or env.get("WANDB_MODE") or ("online" if wandb_logged_in(env) else "offline")
     if mode not in ("online", "offline", "disabled", "dryrun", "run"):
-        raise UserError(f"wandb mode {mode!r} is not one of online, offline, disabled", fix="set wandb.mode or WANDB_MODE to online or offline")
+        raise UserError(
+            f"wandb mode {mode!r} is not one of online, offline, disabled",
+            fix="set wandb.mode or WANDB_MODE to online or offline",
+        )
     return mode
 
 
@@ -59,23 +62,36 @@ def use_wandb_mode(requested: str | None = None) -> str:
     return mode
 
 
-def make_wandb_logger(run_dir: str | os.PathLike, cfg: WandbConfig, name: str, config: dict, job_type: str | None = None):
+def make_wandb_logger(
+    run_dir: str | os.PathLike, cfg: WandbConfig, name: str, config: dict, job_type: str | None = None
+):
     """A ``WandbLogger`` writing into ``<run_dir>/wandb`` (the run starts lazily, on first use)."""
     from lightning.pytorch.loggers import WandbLogger
 
     use_wandb_mode(cfg.mode)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return WandbLogger(
-        name=cfg.name or name, save_dir=str(run_dir), project=cfg.project, group=cfg.group, job_type=job_type,
-        tags=list(cfg.tags), config=config,
+        name=cfg.name or name,
+        save_dir=str(run_dir),
+        project=cfg.project,
+        group=cfg.group,
+        job_type=job_type,
+        tags=list(cfg.tags),
+        config=config,
     )
 
 
-def run_config(cfg: dict, groups=("model", "data", "trainer", "deploy", "parity", "calibration", "bench", "checkpoint")) -> dict:
+def run_config(
+    cfg: dict, groups=("model", "data", "trainer", "deploy", "parity", "calibration", "bench", "checkpoint")
+) -> dict:
     """The JSON-safe part of a run's config (scalars and lists of scalars) for ``wandb.init(config=...)``."""
 
     def plain(v):
-        return v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, (list, tuple)) and all(plain(x) for x in v))
+        return (
+            v is None
+            or isinstance(v, (bool, int, float, str))
+            or (isinstance(v, (list, tuple)) and all(plain(x) for x in v))
+        )
 
     out = {g: {k: v for k, v in (cfg.get(g) or {}).items() if plain(v)} for g in groups if isinstance(cfg.get(g), dict)}
     for k in ("seed_everything", "ckpt_path"):

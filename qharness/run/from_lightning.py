@@ -19,9 +19,16 @@ def trained(module) -> Trained:
         module.graph_to_cpu()  # trained on a GPU: deployment and its checks run on CPU
         module.to_eval()
         fake_quant = module.graph
-    return Trained(fp_model=fp_model, tokenizer=tokenizer, recipe=module.recipe, mode=module.hparams.mode,
-                   checkpoint=module.hparams.checkpoint, model_dir=module.model_source(), fake_quant=fake_quant,
-                   load_trained=module.load_into if fake_quant is not None else None)
+    return Trained(
+        fp_model=fp_model,
+        tokenizer=tokenizer,
+        recipe=module.recipe,
+        mode=module.hparams.mode,
+        checkpoint=module.hparams.checkpoint,
+        model_dir=module.model_source(),
+        fake_quant=fake_quant,
+        load_trained=module.load_into if fake_quant is not None else None,
+    )
 
 
 def held_out(dm, parity_cfg: ParityConfig, calib_cfg: CalibrationConfig, eval_cfg: EvalConfig | None = None) -> HeldOut:
@@ -32,5 +39,10 @@ def held_out(dm, parity_cfg: ParityConfig, calib_cfg: CalibrationConfig, eval_cf
 
     n = min(parity_cfg.eval_blocks, len(dm.val_x)) // dm.batch_size * dm.batch_size
     cfg = eval_cfg or EvalConfig(enabled=False)
-    return HeldOut(x=dm.val_x[:n], y=dm.val_y[:n], batch_size=dm.batch_size, calibration=calibration_blocks(calib_cfg, dm),
-                   texts=lambda: eval_texts(cfg, dm))
+    return HeldOut(
+        x=dm.val_x[:n],
+        y=dm.val_y[:n],
+        batch_size=dm.batch_size,
+        calibration=calibration_blocks(calib_cfg, dm),
+        texts=lambda: eval_texts(cfg, dm),
+    )

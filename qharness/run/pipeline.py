@@ -17,24 +17,30 @@ from pathlib import Path
 
 import torch
 
-from qharness.upstream import process
+from qharness.checks.parity import compare_decoding, fold_constants, gate, score_batched, score_deployed
+from qharness.checks.stats import with_intervals
 from qharness.config import BenchConfig, EvalConfig, ExportConfig, ParityConfig
+from qharness.deploy.fastpath import all_logits_twin
 from qharness.errors import ParityError, UserError
 from qharness.io import write_bytes_atomic
-from qharness.run.summary import RunSummary
-from qharness.deploy.fastpath import all_logits_twin
-from qharness.checks.parity import compare_decoding, fold_constants, gate, score_batched, score_deployed
 from qharness.progress import stage
-from qharness.checks.stats import with_intervals
+from qharness.run.summary import RunSummary
+from qharness.upstream import process
 
 log = logging.getLogger(__name__)
 
 
 def check_export_config(cfg: ExportConfig, seq_len: int, context: int | None) -> None:
     if cfg.max_seq_len <= seq_len:
-        raise UserError(f"deploy.max_seq_len={cfg.max_seq_len} must exceed data.seq_len={seq_len}", fix=f"set deploy.max_seq_len >= {seq_len + 1}")
+        raise UserError(
+            f"deploy.max_seq_len={cfg.max_seq_len} must exceed data.seq_len={seq_len}",
+            fix=f"set deploy.max_seq_len >= {seq_len + 1}",
+        )
     if context is not None and cfg.max_seq_len > context:
-        raise UserError(f"deploy.max_seq_len={cfg.max_seq_len} exceeds the model's context ({context})", fix=f"set deploy.max_seq_len <= {context}")
+        raise UserError(
+            f"deploy.max_seq_len={cfg.max_seq_len} exceeds the model's context ({context})",
+            fix=f"set deploy.max_seq_len <= {context}",
+        )
 
 
 def validation_blocks_id(x: torch.Tensor, y: torch.Tensor) -> str:
@@ -96,7 +102,9 @@ class HeldOut:
         return self.x.shape[1]
 
 
-def deploy_graph(trained: Trained, calibration: torch.Tensor, max_seq_len: int, copy_fp: bool = True) -> torch.fx.GraphModule:
+def deploy_graph(
+    trained: Trained, calibration: torch.Tensor, max_seq_len: int, copy_fp: bool = True
+) -> torch.fx.GraphModule:
     """The converted (quantized) static-KV-cache graph of the trained weights: the FP model (a copy unless
     ``copy_fp`` is False), the trained weights loaded into it (QAT), exported and quantized by the recipe with
     ``calibration`` blocks through its observers. What the ``.pte`` is lowered from, and the parity reference."""
@@ -141,20 +149,34 @@ def deploy_and_check(
     timings = {}
     text_config = fp_model.config.get_text_config()
     check_export_config(export_cfg, data.seq_len, getattr(text_config, "max_position_embeddings", None))
-    metadata = runner_metadata(export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, eos_ids(fp_model, tokenizer))
+    metadata = runner_metadata(
+        export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, eos_ids(fp_model, tokenizer)
+    )
 
     keep_fp = eval_cfg.enabled  # lm-eval scores the FP model after the .pte is written
     vx, vy = data.x, data.y
-    metrics = {"fp": score_batched(lambda x: fp_model(input_ids=x).logits, vx, vy, data.batch_size, desc="scoring the FP model")}
+    metrics = {
+        "fp": score_batched(
+            lambda x: fp_model(input_ids=x).logits, vx, vy, data.batch_size, desc="scoring the FP model"
+        )
+    }
     if trained.fake_quant is not None:  # QAT: the trained fake-quant graph
-        metrics["fake_quant"] = score_batched(trained.fake_quant, vx, vy, data.batch_size, desc="scoring the fake-quant model")
+        metrics["fake_quant"] = score_batched(
+            trained.fake_quant, vx, vy, data.batch_size, desc="scoring the fake-quant model"
+        )
     t = time.perf_counter()
     with stage(f"static-KV-cache export + quantization ({recipe.name})"):
         # no copy of the FP model unless lm-eval scores it later and the trained weights or torchao would change it in place
-        deployed = deploy_graph(trained, data.calibration, export_cfg.max_seq_len,
-                                copy_fp=keep_fp and (trained.load_trained is not None or recipe.kind == "source"))
+        deployed = deploy_graph(
+            trained,
+            data.calibration,
+            export_cfg.max_seq_len,
+            copy_fp=keep_fp and (trained.load_trained is not None or recipe.kind == "source"),
+        )
     if not keep_fp:
-        fp_model = trained.fp_model = None  # the deployed graph holds the weights it uses; the FP copies of quantized ones go
+        fp_model = trained.fp_model = (
+            None  # the deployed graph holds the weights it uses; the FP copies of quantized ones go
+        )
     timings["export_quantize_s"] = time.perf_counter() - t
     t = time.perf_counter()
     with stage(f"lowering to ExecuTorch ({recipe.name}, {recipe.backend})"):
@@ -166,25 +188,42 @@ def deploy_and_check(
 
     t = time.perf_counter()
     reference = fold_constants(deployed)  # the same outputs, the weight math done once
-    scorer = all_logits_twin(reference)  # the same weights and ops (and KV cache), every position's logits: one call per block
+    scorer = all_logits_twin(
+        reference
+    )  # the same weights and ops (and KV cache), every position's logits: one call per block
 
     def ref(tokens, start):  # called as the .pte is: last-token logits on the fast path (decode parity)
         return reference(tokens, torch.tensor([start], dtype=torch.long))
 
-    metrics["converted"] = score_deployed(lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)), vx, vy, desc="scoring the converted model")
+    metrics["converted"] = score_deployed(
+        lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)),
+        vx,
+        vy,
+        desc="scoring the converted model",
+    )
     reasons = []
     if recipe.runs_here:
         pte = PteModel(pending)
         metrics["pte"] = score_deployed(pte, vx, vy, desc="scoring the .pte")
         prompts = vx[: parity_cfg.prompts, : parity_cfg.prompt_len]
-        figures = compare_decoding(pte, ref, prompts, parity_cfg.decode_steps, desc="parity: .pte vs converted decoding", tie_margin=parity_cfg.tie_margin)
+        figures = compare_decoding(
+            pte,
+            ref,
+            prompts,
+            parity_cfg.decode_steps,
+            desc="parity: .pte vs converted decoding",
+            tie_margin=parity_cfg.tie_margin,
+        )
         figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
         reasons = gate(figures, parity_cfg)
         figures["passed"] = not reasons
         figures["reasons"] = reasons
         del pte
     else:
-        figures = {"passed": None, "skipped": f"the {recipe.backend} backend cannot run on this machine (recipe runs_here: false)"}
+        figures = {
+            "passed": None,
+            "skipped": f"the {recipe.backend} backend cannot run on this machine (recipe runs_here: false)",
+        }
         log.warning("parity gate skipped: %s", figures["skipped"])
     timings["parity_s"] = time.perf_counter() - t
     metrics = with_intervals(metrics)  # every model scored on the same blocks vx: paired against FP
@@ -195,12 +234,25 @@ def deploy_and_check(
         failed.unlink(missing_ok=True)  # a stale failure from an earlier export of this run
 
     summary = RunSummary(
-        run_dir=str(run_dir), model=trained.checkpoint, recipe=recipe.name, backend=recipe.backend,
-        mode=trained.mode, quantized=recipe.quantized, seq_len=data.seq_len, eval_blocks=len(vx),
-        val_blocks=validation_blocks_id(vx, vy), metrics=metrics, parity=figures,
-        pte={"path": str(pte_path), "size_bytes": pte_path.stat().st_size, "max_seq_len": export_cfg.max_seq_len,
-             "export_path": export_path(deployed), "fallback_reason": fallback_reason(deployed),
-             "sha256": hashlib.sha256(pte_bytes).hexdigest()},
+        run_dir=str(run_dir),
+        model=trained.checkpoint,
+        recipe=recipe.name,
+        backend=recipe.backend,
+        mode=trained.mode,
+        quantized=recipe.quantized,
+        seq_len=data.seq_len,
+        eval_blocks=len(vx),
+        val_blocks=validation_blocks_id(vx, vy),
+        metrics=metrics,
+        parity=figures,
+        pte={
+            "path": str(pte_path),
+            "size_bytes": pte_path.stat().st_size,
+            "max_seq_len": export_cfg.max_seq_len,
+            "export_path": export_path(deployed),
+            "fallback_reason": fallback_reason(deployed),
+            "sha256": hashlib.sha256(pte_bytes).hexdigest(),
+        },
         timings=timings,
     )
     summary.write(run_dir / "summary.json")
@@ -208,17 +260,33 @@ def deploy_and_check(
     if reasons:
         raise ParityError(f"parity gate failed for {pte_path}: " + "; ".join(reasons))
     if bench_cfg.enabled and recipe.runs_here:
-        summary.bench = bench(pte_path, trained.model_dir if bench_cfg.eager else None, bench_cfg.prompt_len, bench_cfg.decode_tokens, bench_cfg.reps)
+        summary.bench = bench(
+            pte_path,
+            trained.model_dir if bench_cfg.eager else None,
+            bench_cfg.prompt_len,
+            bench_cfg.decode_tokens,
+            bench_cfg.reps,
+        )
         summary.write(run_dir / "summary.json")
         print(format_bench(summary.bench))
     if eval_cfg.enabled:
-        summary.eval = evaluate_run(trained, data, fp_model, reference, pte_path if recipe.runs_here else None, run_dir, eval_cfg)
+        summary.eval = evaluate_run(
+            trained, data, fp_model, reference, pte_path if recipe.runs_here else None, run_dir, eval_cfg
+        )
         summary.write(run_dir / "summary.json")
     return summary.to_dict()
 
 
-def evaluate_run(trained: Trained, data: HeldOut, fp_model, converted, pte_path, run_dir: Path, cfg: EvalConfig,
-                 filename: str = "eval.json") -> dict:
+def evaluate_run(
+    trained: Trained,
+    data: HeldOut,
+    fp_model,
+    converted,
+    pte_path,
+    run_dir: Path,
+    cfg: EvalConfig,
+    filename: str = "eval.json",
+) -> dict:
     """lm-eval of what a run has: the FP model, the QAT graph (``trained.fake_quant``), the converted model and the
     ``.pte``; prints the table and writes ``run_dir/<filename>``."""
     from qharness.evaluation.harness import evaluate_models, format_eval_table, max_length
@@ -227,13 +295,22 @@ def evaluate_run(trained: Trained, data: HeldOut, fp_model, converted, pte_path,
     length = max_length(cfg, data.seq_len)
     backends = {"fp": lambda: hf_backend(fp_model, length, data.batch_size)}
     if trained.fake_quant is not None:
-        backends["fake_quant"] = lambda: BatchedForward(trained.fake_quant, length, data.batch_size, shape=(data.batch_size, data.seq_len))
+        backends["fake_quant"] = lambda: BatchedForward(
+            trained.fake_quant, length, data.batch_size, shape=(data.batch_size, data.seq_len)
+        )
     if converted is not None:
         backends["converted"] = lambda: converted_backend(converted, length)
     if pte_path is not None:
         backends["pte"] = lambda: pte_backend(pte_path, length)
-    result = evaluate_models(backends, trained.tokenizer, cfg, data.texts(), run_dir, {"max_length": length, "pte": str(pte_path) if pte_path else None},
-                             filename)
+    result = evaluate_models(
+        backends,
+        trained.tokenizer,
+        cfg,
+        data.texts(),
+        run_dir,
+        {"max_length": length, "pte": str(pte_path) if pte_path else None},
+        filename,
+    )
     print(format_eval_table(result))
     return result
 
@@ -241,13 +318,29 @@ def evaluate_run(trained: Trained, data: HeldOut, fp_model, converted, pte_path,
 def format_table(summary: dict) -> str:
     m, p = summary["metrics"], summary["parity"]
     rows = [("model", "val loss", "val ppl", "95% interval", "vs FP [95%, paired]")]
-    for key, label in (("fp", "FP (before)"), ("fake_quant", "fake-quant (trained)"), ("converted", "converted (PyTorch)"), ("pte", ".pte (ExecuTorch)")):
+    for key, label in (
+        ("fp", "FP (before)"),
+        ("fake_quant", "fake-quant (trained)"),
+        ("converted", "converted (PyTorch)"),
+        ("pte", ".pte (ExecuTorch)"),
+    ):
         if key in m:
             ci, vs = m[key].get("ppl_ci"), m[key].get("vs_fp")
-            rows.append((label, f"{m[key]['loss']:.4f}", f"{m[key]['ppl']:.3f}", f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "-",
-                         f"{vs['ppl_ratio'] - 1:+.2%} [{vs['ci'][0] - 1:+.2%}, {vs['ci'][1] - 1:+.2%}]" if vs and vs.get("ci") else "-"))
+            rows.append(
+                (
+                    label,
+                    f"{m[key]['loss']:.4f}",
+                    f"{m[key]['ppl']:.3f}",
+                    f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "-",
+                    f"{vs['ppl_ratio'] - 1:+.2%} [{vs['ci'][0] - 1:+.2%}, {vs['ci'][1] - 1:+.2%}]"
+                    if vs and vs.get("ci")
+                    else "-",
+                )
+            )
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [f"{summary['recipe']} ({summary['mode']}) on {summary['eval_blocks']} validation blocks of {summary['seq_len']} tokens"]
+    lines = [
+        f"{summary['recipe']} ({summary['mode']}) on {summary['eval_blocks']} validation blocks of {summary['seq_len']} tokens"
+    ]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
     size = f".pte: {summary['pte']['path']} ({summary['pte']['size_bytes'] / 1e6:.2f} MB); parity "
     if p["passed"] is None:

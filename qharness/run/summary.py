@@ -91,15 +91,20 @@ class RunSummary:
             raise UserError(f"{where} is not a JSON object")
         version = data.get("schema_version", 1)
         if not isinstance(version, int) or version > SCHEMA_VERSION:
-            raise UserError(f"{where} has schema_version {version!r}, newer than this qharness reads ({SCHEMA_VERSION})",
-                            fix="upgrade qharness")
+            raise UserError(
+                f"{where} has schema_version {version!r}, newer than this qharness reads ({SCHEMA_VERSION})",
+                fix="upgrade qharness",
+            )
         data = dict(data)
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise UserError(f"{where} has unknown field(s) {', '.join(unknown)}", fix="was it written by another tool?")
-        missing = sorted(f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
-                         and f.default_factory is dataclasses.MISSING and f.name not in data)
+        missing = sorted(
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING and f.name not in data
+        )
         if version == 1 and missing == ["quantized"]:  # the oldest summaries: ask the recipe
             from qharness.recipes.registry import load_recipe
 

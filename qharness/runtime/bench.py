@@ -51,7 +51,9 @@ def memory_bandwidth(mib: int = 256, reps: int = 5) -> float:
 
 def check_lengths(prompt_len: int, decode_tokens: int, reps: int, max_context_len: int) -> None:
     if prompt_len < 1 or decode_tokens < 1 or reps < 1:
-        raise UserError(f"bench prompt_len, decode_tokens and reps must be >= 1 (got {prompt_len}, {decode_tokens}, {reps})")
+        raise UserError(
+            f"bench prompt_len, decode_tokens and reps must be >= 1 (got {prompt_len}, {decode_tokens}, {reps})"
+        )
     if prompt_len + decode_tokens > max_context_len:
         raise UserError(
             f"bench prompt_len + decode_tokens = {prompt_len + decode_tokens} exceeds the .pte's KV cache ({max_context_len} positions)",
@@ -107,7 +109,7 @@ def pair_ratios(a: list[float], b: list[float]) -> dict:
 
 
 def verdict(s: dict, target: float, higher_is_better: bool) -> str:
-    """"MET" when the whole spread meets ``target``, "NOT MET" when none of it does, else "TIE/UNDECIDED"."""
+    """ "MET" when the whole spread meets ``target``, "NOT MET" when none of it does, else "TIE/UNDECIDED"."""
     lo, hi = s["min"], s["max"]
     if (lo >= target) if higher_is_better else (hi <= target):
         return "MET"
@@ -121,14 +123,16 @@ def format_spread(s: dict, fmt: str = ".2f") -> str:
     return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
 
 
-def measure(kind: str, path: str, vocab_size: int, prompt_len: int, decode_tokens: int, reps: int, threads: int | None = None) -> dict:
+def measure(
+    kind: str, path: str, vocab_size: int, prompt_len: int, decode_tokens: int, reps: int, threads: int | None = None
+) -> dict:
     """One model (``kind`` "pte" or "eager") in this process; call it in a fresh one (``measure_in_fresh_process``).
     ``threads``: ExecuTorch threadpool and torch intra-op threads (None: ``runtime_threads()``'s choice for a .pte,
     torch's default for eager)."""
     if kind == "pte":
-        from qharness.upstream import imports
         from qharness.runtime.pte import PteModel as load
         from qharness.runtime.pte import runtime_threads, set_runtime_threads
+        from qharness.upstream import imports
 
         imports.executorch_runtime()  # libraries imported before the baseline RSS, as transformers is for eager
         if threads:
@@ -155,7 +159,9 @@ def measure(kind: str, path: str, vocab_size: int, prompt_len: int, decode_token
             prefill_s = time.perf_counter() - t
             t, cpu = time.perf_counter(), time.process_time()
             for i in range(decode_tokens):
-                logits = step(logits.reshape(1, -1, logits.shape[-1])[:, -1:].argmax(-1), prompt_len + i)  # [1, vocab] too
+                logits = step(
+                    logits.reshape(1, -1, logits.shape[-1])[:, -1:].argmax(-1), prompt_len + i
+                )  # [1, vocab] too
             decode_s = time.perf_counter() - t
             if rep > 0:
                 loads.append(load_s)
@@ -163,7 +169,9 @@ def measure(kind: str, path: str, vocab_size: int, prompt_len: int, decode_token
                 decode.append(decode_tokens / decode_s)
                 cpu_s = time.process_time() - cpu
                 cpu_share.append(cpu_s / decode_s)  # < threads: the process waited for a core
-                decode_cpu.append(decode_tokens / max(cpu_s, 1e-9))  # tokens per CPU-second: blind to waiting for a core
+                decode_cpu.append(
+                    decode_tokens / max(cpu_s, 1e-9)
+                )  # tokens per CPU-second: blind to waiting for a core
     if kind == "pte":
         weight_bytes = size_bytes = Path(path).stat().st_size
     else:
@@ -185,9 +193,14 @@ def measure(kind: str, path: str, vocab_size: int, prompt_len: int, decode_token
 
 def measure_in_fresh_process(**kwargs) -> dict:
     """``measure(**kwargs)`` in a new interpreter that imports this same qharness (not an installed copy)."""
-    paths = [str(Path(__file__).resolve().parents[2]), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    paths = [
+        str(Path(__file__).resolve().parents[2]),
+        *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
-    r = subprocess.run([sys.executable, "-m", "qharness.runtime.bench", json.dumps(kwargs)], capture_output=True, text=True, env=env)
+    r = subprocess.run(
+        [sys.executable, "-m", "qharness.runtime.bench", json.dumps(kwargs)], capture_output=True, text=True, env=env
+    )
     if r.returncode != 0:
         raise RuntimeError(f"benchmark of {kwargs['path']} failed:\n{r.stderr[-3000:]}")
     return json.loads(r.stdout.splitlines()[-1])
@@ -199,23 +212,39 @@ def pte_vocab(pte_path: str | Path, prompt_len: int, decode_tokens: int, reps: i
 
     meta = PteModel(pte_path).metadata()
     if not {"get_max_context_len", "get_vocab_size"} <= meta.keys():
-        raise UserError(f"{pte_path} carries no runner metadata (get_max_context_len, get_vocab_size)", fix="re-export it with qharness export")
+        raise UserError(
+            f"{pte_path} carries no runner metadata (get_max_context_len, get_vocab_size)",
+            fix="re-export it with qharness export",
+        )
     check_lengths(prompt_len, decode_tokens, reps, meta["get_max_context_len"])
     return meta["get_vocab_size"]
 
 
-def bench(pte_path: str | Path, model_dir: str | None = None, prompt_len: int = 128, decode_tokens: int = 64, reps: int = 5,
-          threads: int | None = None) -> dict:
+def bench(
+    pte_path: str | Path,
+    model_dir: str | None = None,
+    prompt_len: int = 128,
+    decode_tokens: int = 64,
+    reps: int = 5,
+    threads: int | None = None,
+) -> dict:
     """Measure the ``.pte`` and, when ``model_dir`` is given, the eager FP model it came from (both with ``threads``,
     default: the cores free now)."""
     from qharness.runtime.pte import free_cores
 
-    args = {"vocab_size": pte_vocab(pte_path, prompt_len, decode_tokens, reps), "prompt_len": prompt_len, "decode_tokens": decode_tokens, "reps": reps,
-            "threads": threads or free_cores()}
+    args = {
+        "vocab_size": pte_vocab(pte_path, prompt_len, decode_tokens, reps),
+        "prompt_len": prompt_len,
+        "decode_tokens": decode_tokens,
+        "reps": reps,
+        "threads": threads or free_cores(),
+    }
     result = {**args, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "bandwidth_gb_s": memory_bandwidth()}
     models = {"pte": str(pte_path)} | ({"eager": str(model_dir)} if model_dir else {})
     for kind, path in models.items():
-        with stage(f"benchmarking the {'.pte' if kind == 'pte' else 'eager FP model'} ({reps} reps + warm-up, {args['threads']} threads, fresh process)"):
+        with stage(
+            f"benchmarking the {'.pte' if kind == 'pte' else 'eager FP model'} ({reps} reps + warm-up, {args['threads']} threads, fresh process)"
+        ):
             m = measure_in_fresh_process(kind=kind, path=path, **args)
         m["bandwidth_fraction"] = m["decode_tok_s"]["median"] * m["weight_bytes"] / (result["bandwidth_gb_s"] * 1e9)
         result[kind] = m
@@ -233,8 +262,15 @@ def bench(pte_path: str | Path, model_dir: str | None = None, prompt_len: int = 
 JOINT_KEYS = ("decode_tok_s", "prefill_tok_s", "decode_ms_per_token")
 
 
-def interleaved(programs: dict[str, dict], prompt_len: int, decode_tokens: int, reps: int, processes: int, threads: int | None = None,
-                log=print) -> dict:
+def interleaved(
+    programs: dict[str, dict],
+    prompt_len: int,
+    decode_tokens: int,
+    reps: int,
+    processes: int,
+    threads: int | None = None,
+    log=print,
+) -> dict:
     """Time every program in ``processes`` fresh processes each, round-robin (A B C A B C ...), all with the same
     thread count (default: the cores free now). ``programs``: name -> ``{"kind": "pte"|"eager", "path", "vocab_size"}``.
 
@@ -248,7 +284,9 @@ def interleaved(programs: dict[str, dict], prompt_len: int, decode_tokens: int, 
     from qharness.runtime.pte import free_cores
 
     if processes < 1:
-        raise UserError(f"bench processes must be >= 1 (got {processes})", fix="pass --processes 5 (or report.bench_processes: 5)")
+        raise UserError(
+            f"bench processes must be >= 1 (got {processes})", fix="pass --processes 5 (or report.bench_processes: 5)"
+        )
     threads = threads or free_cores()
     before = os.getloadavg()[0]
     runs = {name: [] for name in programs}
@@ -256,52 +294,112 @@ def interleaved(programs: dict[str, dict], prompt_len: int, decode_tokens: int, 
     for k in range(processes):
         for name, p in programs.items():
             log(f"[bench] process {k + 1}/{processes}: {name} ({threads} threads, load {os.getloadavg()[0]:.1f})")
-            runs[name].append(measure_in_fresh_process(kind=p["kind"], path=str(p["path"]), vocab_size=p["vocab_size"], prompt_len=prompt_len,
-                                                       decode_tokens=decode_tokens, reps=reps, threads=threads))
+            runs[name].append(
+                measure_in_fresh_process(
+                    kind=p["kind"],
+                    path=str(p["path"]),
+                    vocab_size=p["vocab_size"],
+                    prompt_len=prompt_len,
+                    decode_tokens=decode_tokens,
+                    reps=reps,
+                    threads=threads,
+                )
+            )
             order.append(name)
-    out = {"processes": processes, "order": "round-robin", "load_avg_1m": [before, os.getloadavg()[0]], "threads": threads,
-           "prompt_len": prompt_len, "decode_tokens": decode_tokens, "reps": reps, "sequence": order, "programs": {}}
+    out = {
+        "processes": processes,
+        "order": "round-robin",
+        "load_avg_1m": [before, os.getloadavg()[0]],
+        "threads": threads,
+        "prompt_len": prompt_len,
+        "decode_tokens": decode_tokens,
+        "reps": reps,
+        "sequence": order,
+        "programs": {},
+    }
     for name, ms in runs.items():
         decode = [m["decode_tok_s"]["median"] for m in ms]
         out["programs"][name] = {
-            "kind": programs[name]["kind"], "path": str(programs[name]["path"]),
+            "kind": programs[name]["kind"],
+            "path": str(programs[name]["path"]),
             "decode_tok_s": spread(decode),
             "prefill_tok_s": spread([m["prefill_tok_s"]["median"] for m in ms]),
             "decode_ms_per_token": spread([1e3 / d for d in decode]),
             "decode_cpu_share": spread([m["decode_cpu_share"]["median"] for m in ms]),
             "decode_tok_per_cpu_s": spread([m["decode_tok_per_cpu_s"]["median"] for m in ms]),
-            "size_bytes": ms[0]["size_bytes"], "weight_bytes": ms[0]["weight_bytes"],
+            "size_bytes": ms[0]["size_bytes"],
+            "weight_bytes": ms[0]["weight_bytes"],
         }
     return out
 
 
-def bench_jointly(pte_paths: list[str | Path], prompt_len: int = 128, decode_tokens: int = 64, reps: int = 10, processes: int = 5,
-                  threads: int | None = None, names: list[str] | None = None, log=print) -> dict:
+def bench_jointly(
+    pte_paths: list[str | Path],
+    prompt_len: int = 128,
+    decode_tokens: int = 64,
+    reps: int = 10,
+    processes: int = 5,
+    threads: int | None = None,
+    names: list[str] | None = None,
+    log=print,
+) -> dict:
     """``interleaved`` over ``.pte`` files (names: ``names`` or the paths), their lengths checked first."""
     names = names or [str(p) for p in pte_paths]
     if len(set(names)) != len(names):
         raise UserError(f"bench: the same .pte given twice ({names})", fix="pass each --pte once")
-    programs = {n: {"kind": "pte", "path": str(p), "vocab_size": pte_vocab(p, prompt_len, decode_tokens, reps)} for n, p in zip(names, pte_paths)}
+    programs = {
+        n: {"kind": "pte", "path": str(p), "vocab_size": pte_vocab(p, prompt_len, decode_tokens, reps)}
+        for n, p in zip(names, pte_paths)
+    }
     return interleaved(programs, prompt_len, decode_tokens, reps, processes, threads, log)
 
 
 def joint_entry(joint: dict, name: str) -> dict:
     """One program's ``bench_joint`` section for its summary.json (the shape the report reads)."""
     p = joint["programs"][name]
-    return {"processes": joint["processes"], "order": joint["order"], "load_avg_1m": joint["load_avg_1m"], "threads": joint["threads"],
-            **{k: p[k] for k in JOINT_KEYS}}
+    return {
+        "processes": joint["processes"],
+        "order": joint["order"],
+        "load_avg_1m": joint["load_avg_1m"],
+        "threads": joint["threads"],
+        **{k: p[k] for k in JOINT_KEYS},
+    }
 
 
 def format_joint(j: dict) -> str:
-    rows = [("program", "decode tok/s", "decode ms/token", "max/min", "prefill tok/s", "max/min", "CPU share", "decode tok/CPU-s", "max/min")]
+    rows = [
+        (
+            "program",
+            "decode tok/s",
+            "decode ms/token",
+            "max/min",
+            "prefill tok/s",
+            "max/min",
+            "CPU share",
+            "decode tok/CPU-s",
+            "max/min",
+        )
+    ]
     for name, p in j["programs"].items():
-        rows.append((name, format_spread(p["decode_tok_s"], ".0f"), format_spread(p["decode_ms_per_token"], ".3f"), f"{max_over_min(p['decode_tok_s']):.2f}",
-                     format_spread(p["prefill_tok_s"], ".0f"), f"{max_over_min(p['prefill_tok_s']):.2f}", format_spread(p["decode_cpu_share"]),
-                     format_spread(p["decode_tok_per_cpu_s"], ".0f"), f"{max_over_min(p['decode_tok_per_cpu_s']):.2f}"))
+        rows.append(
+            (
+                name,
+                format_spread(p["decode_tok_s"], ".0f"),
+                format_spread(p["decode_ms_per_token"], ".3f"),
+                f"{max_over_min(p['decode_tok_s']):.2f}",
+                format_spread(p["prefill_tok_s"], ".0f"),
+                f"{max_over_min(p['prefill_tok_s']):.2f}",
+                format_spread(p["decode_cpu_share"]),
+                format_spread(p["decode_tok_per_cpu_s"], ".0f"),
+                f"{max_over_min(p['decode_tok_per_cpu_s']):.2f}",
+            )
+        )
     width = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    head = (f"bench (joint): {j['processes']} fresh processes per program, round-robin, {j['threads']} threads; prompt {j['prompt_len']} tokens, "
-            f"{j['decode_tokens']} decode steps, {j['reps']} reps per process; median (min-max) of the process medians; "
-            f"load average {j['load_avg_1m'][0]:.1f} -> {j['load_avg_1m'][1]:.1f} on {os.cpu_count()} CPUs")
+    head = (
+        f"bench (joint): {j['processes']} fresh processes per program, round-robin, {j['threads']} threads; prompt {j['prompt_len']} tokens, "
+        f"{j['decode_tokens']} decode steps, {j['reps']} reps per process; median (min-max) of the process medians; "
+        f"load average {j['load_avg_1m'][0]:.1f} -> {j['load_avg_1m'][1]:.1f} on {os.cpu_count()} CPUs"
+    )
     return "\n".join([head] + ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in rows])
 
 
@@ -313,16 +411,29 @@ def format_bench(r: dict) -> str:
     for kind, label in (("pte", ".pte (ExecuTorch)"), ("eager", "eager FP (PyTorch)")):
         if kind in r:
             m = r[kind]
-            rows.append((label, spread(m["load_s"], 1e3, ".1f"), spread(m["prefill_tok_s"]), spread(m["decode_tok_s"]),
-                         f"{m['peak_rss_mb']:.0f} (base {m['base_rss_mb']:.0f})", f"{m['size_bytes'] / 1e6:.2f}", f"{m['bandwidth_fraction']:.1%}"))
+            rows.append(
+                (
+                    label,
+                    spread(m["load_s"], 1e3, ".1f"),
+                    spread(m["prefill_tok_s"]),
+                    spread(m["decode_tok_s"]),
+                    f"{m['peak_rss_mb']:.0f} (base {m['base_rss_mb']:.0f})",
+                    f"{m['size_bytes'] / 1e6:.2f}",
+                    f"{m['bandwidth_fraction']:.1%}",
+                )
+            )
     width = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [f"bench: prompt {r['prompt_len']} tokens, {r['decode_tokens']} decode steps, {r['reps']} reps "
-             f"(median (min-max)), {r.get('threads', '?')} threads; copy bandwidth {r['bandwidth_gb_s']:.1f} GB/s; load average {r['load_avg_1m']:.1f} on {r['cpus']} CPUs"]
+    lines = [
+        f"bench: prompt {r['prompt_len']} tokens, {r['decode_tokens']} decode steps, {r['reps']} reps "
+        f"(median (min-max)), {r.get('threads', '?')} threads; copy bandwidth {r['bandwidth_gb_s']:.1f} GB/s; load average {r['load_avg_1m']:.1f} on {r['cpus']} CPUs"
+    ]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in rows]
     if "pte_vs_eager" in r:
         x = r["pte_vs_eager"]
-        lines.append(f".pte vs eager: prefill x{x['prefill_speedup']:.2f}, decode x{x['decode_speedup']:.2f}, "
-                     f"size x{x['size_ratio']:.2f}, peak RSS x{x['peak_rss_ratio']:.2f}")
+        lines.append(
+            f".pte vs eager: prefill x{x['prefill_speedup']:.2f}, decode x{x['decode_speedup']:.2f}, "
+            f"size x{x['size_ratio']:.2f}, peak RSS x{x['peak_rss_ratio']:.2f}"
+        )
     return "\n".join(lines)
 
 

@@ -43,18 +43,33 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Gene
     return int(torch.multinomial(logits.softmax(-1), 1, generator=gen))
 
 
-def generate(pte, tokenizer, prompt: str, max_new_tokens: int = 64, temperature: float = 0.8, top_k: int = 0,
-             seed: int | None = None, on_text: Callable[[str], None] = lambda s: None) -> dict:
+def generate(
+    pte,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    seed: int | None = None,
+    on_text: Callable[[str], None] = lambda s: None,
+) -> dict:
     """Generate from ``prompt``; ``on_text`` receives each new piece of text as soon as it decodes cleanly."""
     if max_new_tokens < 1 or temperature < 0 or top_k < 0:
-        raise UserError(f"need max_new_tokens >= 1, temperature >= 0, top_k >= 0 (got {max_new_tokens}, {temperature}, {top_k})")
+        raise UserError(
+            f"need max_new_tokens >= 1, temperature >= 0, top_k >= 0 (got {max_new_tokens}, {temperature}, {top_k})"
+        )
     meta = pte.metadata()
     if "get_max_context_len" not in meta:
-        raise UserError(f"{pte.path} carries no runner metadata (get_max_context_len)", fix="re-export it with qharness export")
+        raise UserError(
+            f"{pte.path} carries no runner metadata (get_max_context_len)", fix="re-export it with qharness export"
+        )
     context, eos = meta["get_max_context_len"], set(meta.get("get_eos_ids", []))
     ids = tokenizer.encode(prompt).ids
     if not 0 < len(ids) < context:
-        raise UserError(f"the prompt is {len(ids)} tokens; the .pte's KV cache holds {context}", fix=f"give 1 to {context - 1} tokens")
+        raise UserError(
+            f"the prompt is {len(ids)} tokens; the .pte's KV cache holds {context}",
+            fix=f"give 1 to {context - 1} tokens",
+        )
     gen = torch.Generator()
     if seed is None:
         gen.seed()  # a fresh random seed (torch's default one is fixed)
@@ -72,14 +87,14 @@ def generate(pte, tokenizer, prompt: str, max_new_tokens: int = 64, temperature:
         new.append(token)
         decoded = tokenizer.decode(new)
         if not decoded.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
-            on_text(decoded[len(text):])
+            on_text(decoded[len(text) :])
             text = decoded
         if i + 1 < steps:
             logits = pte(torch.tensor([[token]]), len(ids) + i)[0, -1]
             calls += 1
     t2 = time.perf_counter()
     final = tokenizer.decode(new)
-    on_text(final[len(text):])  # whatever was held back
+    on_text(final[len(text) :])  # whatever was held back
     return {
         "text": final,
         "prompt_tokens": len(ids),

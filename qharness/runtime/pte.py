@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from qharness.upstream import imports, quiet
 from qharness.errors import UserError
+from qharness.upstream import imports, quiet
 
 
 def free_cores(window_s: float = 0.3) -> int:
@@ -58,7 +58,10 @@ def runtime_threads() -> int:
     if _THREADS is None:
         env = os.environ.get("QHARNESS_THREADS", "").strip()
         if env and not (env.isdigit() and int(env) >= 1):
-            raise UserError(f"QHARNESS_THREADS={env!r} is not a thread count", fix="set it to a whole number >= 1, or unset it (free cores)")
+            raise UserError(
+                f"QHARNESS_THREADS={env!r} is not a thread count",
+                fix="set it to a whole number >= 1, or unset it (free cores)",
+            )
         set_runtime_threads(int(env) if env else free_cores())
     return _THREADS
 
@@ -89,7 +92,9 @@ class PteModel:
             self.program = runtime.load_program(path)
             self.method = self.program.load_method(method)
         except Exception as e:
-            raise UserError(f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e})", fix="re-run qharness export") from e
+            raise UserError(
+                f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e})", fix="re-run qharness export"
+            ) from e
 
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         out = self.method.execute([tokens.to(torch.long).contiguous(), torch.tensor([start], dtype=torch.long)])

@@ -9,4 +9,3 @@ from pathlib import Path
 
 def cache_dir() -> Path:
     return Path(os.environ.get("QHARNESS_CACHE", Path.home() / ".cache" / "qharness"))
-

@@ -87,8 +87,10 @@ def pretrain_embedded(spec: EmbeddedSpec, out_dir: Path, texts: list[str] | None
     @torch.no_grad()
     def val_loss() -> float:  # held-out loss: shows whether pretraining has converged
         model.eval()
-        out = sum(torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
-                  for x, y in zip(val_x.split(16), val_y.split(16))) / len(val_x.split(16))
+        out = sum(
+            torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
+            for x, y in zip(val_x.split(16), val_y.split(16))
+        ) / len(val_x.split(16))
         model.train()
         return out
 
@@ -112,7 +114,12 @@ def pretrain_embedded(spec: EmbeddedSpec, out_dir: Path, texts: list[str] | None
     shutil.rmtree(tmp, ignore_errors=True)
     model.eval().save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    info = {"spec": asdict(spec), "first_loss": losses[0], "last_loss": sum(losses[-20:]) / len(losses[-20:]), "val_loss": val_curve}
+    info = {
+        "spec": asdict(spec),
+        "first_loss": losses[0],
+        "last_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "val_loss": val_curve,
+    }
     (tmp / "qharness_pretrain.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
@@ -132,8 +139,9 @@ def embedded_dir(spec: EmbeddedSpec = EmbeddedSpec(), source: str = EMBEDDED) ->
     name = "embedded" if source == EMBEDDED else Path(source).stem
     out = cache_dir() / f"{name}-llama-{h.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
-        log.info("pretraining the %s model once (cached in %s)", "embedded default" if source == EMBEDDED else source, out)
+        log.info(
+            "pretraining the %s model once (cached in %s)", "embedded default" if source == EMBEDDED else source, out
+        )
         out.parent.mkdir(parents=True, exist_ok=True)
         pretrain_embedded(spec, out, texts)
     return out
-

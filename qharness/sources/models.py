@@ -33,9 +33,13 @@ def resolve_checkpoint(checkpoint: str) -> str:
         if not path.is_dir():
             raise UserError(f"model.checkpoint {path} is a file", fix="point it at a save_pretrained directory")
         if not (path / "config.json").is_file():
-            raise UserError(f"model.checkpoint {path} has no config.json", fix="point it at a save_pretrained directory")
+            raise UserError(
+                f"model.checkpoint {path} has no config.json", fix="point it at a save_pretrained directory"
+            )
         if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-            raise UserError(f"model.checkpoint {path} has no weights (*.safetensors)", fix="save the model with save_pretrained")
+            raise UserError(
+                f"model.checkpoint {path} has no weights (*.safetensors)", fix="save the model with save_pretrained"
+            )
         return str(path)
     if checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1:
         raise UserError(f"model.checkpoint {checkpoint} does not exist", fix="give an existing directory or a hub id")
@@ -51,7 +55,9 @@ def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, trust_remote_code=trust_remote_code)
     except OSError as e:
-        raise UserError(f"could not load model {source!r}: {str(e).splitlines()[0]}", fix="check model.checkpoint") from e
+        raise UserError(
+            f"could not load model {source!r}: {str(e).splitlines()[0]}", fix="check model.checkpoint"
+        ) from e
     except ValueError as e:
         raise UserError(f"unsupported model {source!r}: {str(e).splitlines()[0]}") from e
     if tokenizer.pad_token_id is None:
@@ -63,4 +69,3 @@ def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
             fix="use the tokenizer the model was trained with",
         )
     return model.eval(), tokenizer
-

@@ -46,7 +46,9 @@ def _kind(path: Path) -> tuple[str | None, str | None]:
     """``(builder, compression)`` of a data file from its suffixes: ``a.jsonl.gz`` -> ("json", "gzip")."""
     suffixes = path.suffixes[-2:]
     compression = COMPRESSIONS.get(suffixes[-1]) if suffixes else None
-    data_suffix = suffixes[-2] if compression and len(suffixes) == 2 else (suffixes[-1] if suffixes and not compression else None)
+    data_suffix = (
+        suffixes[-2] if compression and len(suffixes) == 2 else (suffixes[-1] if suffixes and not compression else None)
+    )
     return _BUILDERS.get(data_suffix), compression
 
 
@@ -60,16 +62,22 @@ def _read_text(path: Path, compression: str | None) -> str:
         with opener(path, "rb") as f:
             data = f.read()
     except OSError as e:
-        raise UserError(f"data.source {path} cannot be read ({e})", fix="check the file (a truncated or mislabelled archive?)") from e
+        raise UserError(
+            f"data.source {path} cannot be read ({e})", fix="check the file (a truncated or mislabelled archive?)"
+        ) from e
     nul = data.find(b"\x00")
     if nul >= 0:
-        raise UserError(f"data.source {path} is binary (a NUL byte at offset {nul}), not text",
-                        fix="point data.source at text files (.txt/.json/.jsonl/.parquet/.csv, optionally .gz/.bz2/.xz)")
+        raise UserError(
+            f"data.source {path} is binary (a NUL byte at offset {nul}), not text",
+            fix="point data.source at text files (.txt/.json/.jsonl/.parquet/.csv, optionally .gz/.bz2/.xz)",
+        )
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        raise UserError(f"data.source {path} is not UTF-8 (byte offset {e.start}: {data[e.start:e.start + 4]!r})",
-                        fix="convert it to UTF-8, e.g. iconv -f latin1 -t utf-8") from e
+        raise UserError(
+            f"data.source {path} is not UTF-8 (byte offset {e.start}: {data[e.start : e.start + 4]!r})",
+            fix="convert it to UTF-8, e.g. iconv -f latin1 -t utf-8",
+        ) from e
 
 
 def _load_table(builder: str, files: list[Path], text_field: str) -> list[str]:
@@ -82,14 +90,20 @@ def _load_table(builder: str, files: list[Path], text_field: str) -> list[str]:
             ds = datasets.load_dataset(builder, data_files=[str(f)], split="train")
         except Exception as e:  # malformed JSON, not parquet, ...
             first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            raise UserError(f"data.source {f} cannot be read as {builder} ({first})", fix=f"check that the file is valid {builder}") from e
+            raise UserError(
+                f"data.source {f} cannot be read as {builder} ({first})", fix=f"check that the file is valid {builder}"
+            ) from e
         if text_field not in ds.column_names:
-            raise UserError(f"data.text_field {text_field!r} is not a column of {f}", fix=f"columns: {', '.join(ds.column_names)}")
+            raise UserError(
+                f"data.text_field {text_field!r} is not a column of {f}", fix=f"columns: {', '.join(ds.column_names)}"
+            )
         values = [v for v in ds[text_field] if v is not None]
         bad = next((v for v in values if not isinstance(v, str)), None)
         if bad is not None:
-            raise UserError(f"data.text_field {text_field!r} of {f} holds {type(bad).__name__} values, not text",
-                            fix="name a column of strings in data.text_field")
+            raise UserError(
+                f"data.text_field {text_field!r} of {f} holds {type(bad).__name__} values, not text",
+                fix="name a column of strings in data.text_field",
+            )
         out.extend(v for v in values if v)
     return out
 
@@ -112,8 +126,10 @@ def load_texts(source: str, text_field: str = "text", split: str = "train") -> l
         else:
             files = [path]
             if _kind(path)[0] is None:
-                raise UserError(f"data.source {path}: unsupported file type {''.join(path.suffixes[-2:]) or '(none)'!r}",
-                                fix=f"use one of {', '.join(_BUILDERS)}, optionally compressed (.gz, .bz2, .xz)")
+                raise UserError(
+                    f"data.source {path}: unsupported file type {''.join(path.suffixes[-2:]) or '(none)'!r}",
+                    fix=f"use one of {', '.join(_BUILDERS)}, optionally compressed (.gz, .bz2, .xz)",
+                )
         empty = next((f for f in files if f.stat().st_size == 0), None)
         if empty is not None:
             raise UserError(f"data.source {empty} is empty")
@@ -131,7 +147,9 @@ def load_texts(source: str, text_field: str = "text", split: str = "train") -> l
             raise UserError(f"data.source {path} holds no text", fix="point data.source at non-empty text")
         return texts
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise UserError(f"data.source {path} does not exist", fix="give an existing file or directory, or a hub dataset id")
+        raise UserError(
+            f"data.source {path} does not exist", fix="give an existing file or directory, or a hub dataset id"
+        )
     import datasets
 
     try:
@@ -142,7 +160,9 @@ def load_texts(source: str, text_field: str = "text", split: str = "train") -> l
             fix="use a local file (data.source: path/to/file.txt) or go online",
         ) from e
     if text_field not in ds.column_names:
-        raise UserError(f"data.text_field {text_field!r} is not a column of {source}", fix=f"columns: {', '.join(ds.column_names)}")
+        raise UserError(
+            f"data.text_field {text_field!r} is not a column of {source}", fix=f"columns: {', '.join(ds.column_names)}"
+        )
     return [t for t in ds[text_field] if isinstance(t, str) and t]
 
 
@@ -155,4 +175,3 @@ def tokenize_stream(texts: list[str], tokenizer) -> torch.Tensor:
         if eos is not None:
             ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
-

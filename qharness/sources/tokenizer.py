@@ -24,4 +24,3 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int):
     eos_id = tok.token_to_id(EOS)
     tok.post_processor = processors.TemplateProcessing(single=f"{EOS} $A", special_tokens=[(EOS, eos_id)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS)
-

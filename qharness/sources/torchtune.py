@@ -60,7 +60,9 @@ def parse_spec(checkpoint: str) -> tuple[str, dict]:
             raise ValueError(path)
         kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in (call.keywords if call else [])}
     except ValueError as e:
-        raise UserError(f"model.checkpoint {checkpoint!r}: builder arguments must be literals (numbers, strings, ...)", fix=FIX) from e
+        raise UserError(
+            f"model.checkpoint {checkpoint!r}: builder arguments must be literals (numbers, strings, ...)", fix=FIX
+        ) from e
     if None in kwargs:
         raise UserError(f"model.checkpoint {checkpoint!r}: **kwargs are not allowed", fix=FIX)
     if not path.startswith("torchtune."):
@@ -78,7 +80,9 @@ def resolve_builder(path: str):
     try:
         builder = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as e:
-        raise UserError(f"torchtune has no model builder {path}", fix="see torchtune.models (e.g. torchtune:llama3_2.llama3_2_1b)") from e
+        raise UserError(
+            f"torchtune has no model builder {path}", fix="see torchtune.models (e.g. torchtune:llama3_2.llama3_2_1b)"
+        ) from e
     if not callable(builder):
         raise UserError(f"{path} is not a torchtune model builder", fix=FIX)
     return builder
@@ -91,10 +95,15 @@ def _hf_config(tt):
 
     layer = tt.layers[0]
     attn, mlp = layer.attn, layer.mlp
-    missing = [n for n in ("q_proj", "k_proj", "v_proj", "output_proj", "pos_embeddings") if getattr(attn, n, None) is None]
+    missing = [
+        n for n in ("q_proj", "k_proj", "v_proj", "output_proj", "pos_embeddings") if getattr(attn, n, None) is None
+    ]
     missing += [n for n in ("w1", "w2", "w3") if getattr(mlp, n, None) is None]
     if missing or getattr(attn, "q_norm", None) is not None or not isinstance(layer.sa_scale, nn.Identity):
-        raise UserError(f"torchtune model {type(tt).__name__} is not a Llama-style decoder (missing or extra: {missing or 'q_norm/scales'})", fix=FIX)
+        raise UserError(
+            f"torchtune model {type(tt).__name__} is not a Llama-style decoder (missing or extra: {missing or 'q_norm/scales'})",
+            fix=FIX,
+        )
     rope = attn.pos_embeddings
     rope_parameters = {"rope_type": "default", "rope_theta": float(rope.base)}
     if hasattr(rope, "scale_factor"):  # Llama3ScaledRoPE
@@ -137,16 +146,26 @@ def to_hf_llama(tt):
     config = _hf_config(tt)
     try:
         sd = convert_weights.tune_to_hf(
-            tt.state_dict(), num_heads=config.num_attention_heads, num_kv_heads=config.num_key_value_heads, dim=config.hidden_size, head_dim=config.head_dim
+            tt.state_dict(),
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            dim=config.hidden_size,
+            head_dim=config.head_dim,
         )
     except Exception as e:  # torchtune raises a bare Exception for keys it cannot map (e.g. Qwen2's q_proj.bias)
-        raise UserError(f"torchtune model does not map onto HF Llama ({str(e).strip().splitlines()[0]})", fix=FIX) from e
+        raise UserError(
+            f"torchtune model does not map onto HF Llama ({str(e).strip().splitlines()[0]})", fix=FIX
+        ) from e
     hf = LlamaForCausalLM(config).eval()
     missing, unexpected = hf.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
     if missing or unexpected:
-        raise UserError(f"torchtune model does not map onto HF Llama: missing {missing[:4]}, unexpected {unexpected[:4]}", fix=FIX)
-    tokens = torch.randint(0, config.vocab_size, (1, min(16, config.max_position_embeddings)), generator=torch.Generator().manual_seed(0))
+        raise UserError(
+            f"torchtune model does not map onto HF Llama: missing {missing[:4]}, unexpected {unexpected[:4]}", fix=FIX
+        )
+    tokens = torch.randint(
+        0, config.vocab_size, (1, min(16, config.max_position_embeddings)), generator=torch.Generator().manual_seed(0)
+    )
     with torch.no_grad():
         want, got = tt.eval()(tokens), hf(input_ids=tokens).logits
     diff = (want - got).abs().max().item()
@@ -166,9 +185,14 @@ def _tokenizer(spec_tokenizer: str | None, vocab_size: int):
     try:
         tok = AutoTokenizer.from_pretrained(spec_tokenizer)
     except (OSError, ValueError) as e:
-        raise UserError(f"could not load tokenizer {spec_tokenizer!r}: {str(e).splitlines()[0]}", fix="give an HF tokenizer directory") from e
+        raise UserError(
+            f"could not load tokenizer {spec_tokenizer!r}: {str(e).splitlines()[0]}",
+            fix="give an HF tokenizer directory",
+        ) from e
     if len(tok) > vocab_size:
-        raise UserError(f"tokenizer {spec_tokenizer} has {len(tok)} tokens, more than the model's vocab_size {vocab_size}")
+        raise UserError(
+            f"tokenizer {spec_tokenizer} has {len(tok)} tokens, more than the model's vocab_size {vocab_size}"
+        )
     return tok
 
 
@@ -192,12 +216,18 @@ def torchtune_dir(checkpoint: str) -> Path:
         raise UserError(f"torchtune builder {path}: {e}", fix=FIX) from e
     hf = to_hf_llama(tt)
     tok = _tokenizer(ours.get("tokenizer"), hf.config.vocab_size)
-    hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id = tok.bos_token_id, tok.eos_token_id, tok.pad_token_id
+    hf.config.bos_token_id, hf.config.eos_token_id, hf.config.pad_token_id = (
+        tok.bos_token_id,
+        tok.eos_token_id,
+        tok.pad_token_id,
+    )
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     hf.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    (tmp / "qharness_torchtune.json").write_text(json.dumps({"checkpoint": checkpoint, "builder": path, "kwargs": kwargs, **ours}, indent=2, default=str))
+    (tmp / "qharness_torchtune.json").write_text(
+        json.dumps({"checkpoint": checkpoint, "builder": path, "kwargs": kwargs, **ours}, indent=2, default=str)
+    )
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out

@@ -12,11 +12,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from qharness.upstream import imports
 from qharness.config import CalibrationConfig
 from qharness.data.datamodule import pack
-from qharness.sources.text import load_texts, tokenize_stream
 from qharness.errors import UserError
+from qharness.sources.text import load_texts, tokenize_stream
+from qharness.upstream import imports
 
 
 class Calibrator(L.LightningModule):
@@ -40,10 +40,14 @@ def calibration_blocks(cfg: CalibrationConfig, dm) -> torch.Tensor:
     else:
         x, _ = pack(tokenize_stream(load_texts(cfg.source, cfg.text_field), dm.load_tokenizer()), dm.seq_len)
         if len(x) == 0:
-            raise UserError(f"calibration.source {cfg.source} holds less than one block of data.seq_len={dm.seq_len} tokens")
+            raise UserError(
+                f"calibration.source {cfg.source} holds less than one block of data.seq_len={dm.seq_len} tokens"
+            )
     return x[: cfg.blocks]
 
 
 def calibrate(graph: torch.fx.GraphModule, blocks: torch.Tensor) -> None:
-    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False
+    )
     trainer.predict(Calibrator(graph), DataLoader(TensorDataset(blocks), batch_size=1), return_predictions=False)

@@ -17,9 +17,9 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from qharness.upstream import imports
 from qharness.errors import UserError
 from qharness.recipes.registry import load_recipe
+from qharness.upstream import imports
 
 
 class LogitsOnly(torch.nn.Module):
@@ -165,7 +165,9 @@ class QuantLM(L.LightningModule):
             raise UserError(f"model.lr must be positive (got {lr})")
         if warmup_steps < 0:
             raise UserError(f"model.warmup_steps must be >= 0 (got {warmup_steps})")
-        if fake_quant_after_n_steps < 0 or (freeze_observers_after_n_steps is not None and freeze_observers_after_n_steps < 0):
+        if fake_quant_after_n_steps < 0 or (
+            freeze_observers_after_n_steps is not None and freeze_observers_after_n_steps < 0
+        ):
             raise UserError(
                 f"model.fake_quant_after_n_steps and model.freeze_observers_after_n_steps must be >= 0 "
                 f"(got {fake_quant_after_n_steps}, {freeze_observers_after_n_steps})"
@@ -203,8 +205,12 @@ class QuantLM(L.LightningModule):
         model, _ = self.load_fp()
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if context is not None and seq_len > context:
-            raise UserError(f"data.seq_len={seq_len} exceeds the model's context ({context})", fix=f"set data.seq_len <= {context}")
-        graph = prepare_for_training(model.to(device), self.recipe, batch_size, seq_len, is_qat=self.hparams.mode == "qat")
+            raise UserError(
+                f"data.seq_len={seq_len} exceeds the model's context ({context})", fix=f"set data.seq_len <= {context}"
+            )
+        graph = prepare_for_training(
+            model.to(device), self.recipe, batch_size, seq_len, is_qat=self.hparams.mode == "qat"
+        )
         if isinstance(graph, torch.fx.GraphModule):
             imports.pt2e().allow_train_eval(graph)
         self.graph = graph
@@ -339,4 +345,7 @@ class QuantLM(L.LightningModule):
             progress = min(1.0, (step - warm) / max(1, total - warm))
             return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"},
+        }

@@ -92,7 +92,6 @@ def hf_static_cache_exportable(model, batch_size: int, max_cache_len: int):
     return TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch_size, max_cache_len=max_cache_len).model
 
 
-
 def executorch_threadpool():
     """ExecuTorch's CPU threadpool (XNNPACK runs on it) as ``get_thread_count()`` / ``reset(n)``: private pybindings
     functions in 1.5.1 (``_threadpool_get_thread_count``, ``_unsafe_reset_threadpool``)."""
@@ -100,7 +99,9 @@ def executorch_threadpool():
 
     from executorch.extension.pybindings import portable_lib
 
-    return types.SimpleNamespace(get_thread_count=portable_lib._threadpool_get_thread_count, reset=portable_lib._unsafe_reset_threadpool)
+    return types.SimpleNamespace(
+        get_thread_count=portable_lib._threadpool_get_thread_count, reset=portable_lib._unsafe_reset_threadpool
+    )
 
 
 def deserialize_pte(data: bytes):

@@ -3,6 +3,7 @@ where it is needed (never at import time)."""
 
 from __future__ import annotations
 
+
 def map_large_allocations_separately(threshold: int = 1 << 20) -> bool:
     """Have glibc's malloc serve each allocation of ``threshold`` bytes or more from its own mapping.
 
@@ -23,4 +24,3 @@ def map_large_allocations_separately(threshold: int = 1 << 20) -> bool:
         return False
     M_MMAP_THRESHOLD = -3
     return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
-

@@ -27,35 +27,62 @@ VERBOSE_ENV = "QHARNESS_VERBOSE"
 # (category, message regex, origin module regex, why it is harmless). The origin is the module a warning
 # is attributed to (its ``stacklevel``), as ``warnings.filterwarnings(module=...)`` matches it.
 WARNINGS = (
-    (FutureWarning, r"_check_is_size will be removed", r"executorch\.extension\.llm\.custom_ops\.",
-     "ExecuTorch's custom_sdpa/update_cache meta kernels call a torch API deprecated in favour of torch._check; "
-     "the check they make is the same"),
-    (FutureWarning, r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"(copyreg|lightning\.pytorch\.utilities\._pytree)$",
-     "torch's pytree deprecates building a LeafSpec, which deep copies of exported graphs (through copyreg) and "
-     "Lightning's batch flattening still do; the spec built is the same"),
-    (UserWarning, r"Mutation on a buffer in the model is detected", r"executorch\.exir\.emit\._emitter$",
-     "the mutated buffers of qharness's deploy graphs are the KV caches: the .pte keeps their shape, not their "
-     "(zero) contents, and every cache position is written before it is read"),
+    (
+        FutureWarning,
+        r"_check_is_size will be removed",
+        r"executorch\.extension\.llm\.custom_ops\.",
+        "ExecuTorch's custom_sdpa/update_cache meta kernels call a torch API deprecated in favour of torch._check; "
+        "the check they make is the same",
+    ),
+    (
+        FutureWarning,
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        r"(copyreg|lightning\.pytorch\.utilities\._pytree)$",
+        "torch's pytree deprecates building a LeafSpec, which deep copies of exported graphs (through copyreg) and "
+        "Lightning's batch flattening still do; the spec built is the same",
+    ),
+    (
+        UserWarning,
+        r"Mutation on a buffer in the model is detected",
+        r"executorch\.exir\.emit\._emitter$",
+        "the mutated buffers of qharness's deploy graphs are the KV caches: the .pte keeps their shape, not their "
+        "(zero) contents, and every cache position is written before it is read",
+    ),
 )
 
 # (logger name, message regex, why it is harmless): records of that logger whose message matches are dropped.
 LOG_RECORDS = (
-    ("torch.utils._pytree", r"<enum '\w+'> is an Enum subclass and is now natively supported by torch\.compile",
-     "torchao registers its config enums as pytree constants at import; torch says the registration is no longer needed"),
-    ("torchao", r"Failed to load \S*torchao/_C_(mxfp8|cutlass_90a)\S*\.so",
-     "torchao's CUDA-only kernels (MXFP8, SM90 CUTLASS; one built for Python 3.10) that no CPU run calls"),
-    ("torchao.kernel.intmm", r"Warning: Detected no triton",
-     "Triton kernels are GPU kernels; on CPU torchao's int matmul takes its PyTorch path either way"),
-    ("lightning.pytorch.utilities.rank_zero", r"💡 Tip: For seamless cloud logging",
-     "an advertisement for Lightning's cloud logger, printed by every run"),
+    (
+        "torch.utils._pytree",
+        r"<enum '\w+'> is an Enum subclass and is now natively supported by torch\.compile",
+        "torchao registers its config enums as pytree constants at import; torch says the registration is no longer needed",
+    ),
+    (
+        "torchao",
+        r"Failed to load \S*torchao/_C_(mxfp8|cutlass_90a)\S*\.so",
+        "torchao's CUDA-only kernels (MXFP8, SM90 CUTLASS; one built for Python 3.10) that no CPU run calls",
+    ),
+    (
+        "torchao.kernel.intmm",
+        r"Warning: Detected no triton",
+        "Triton kernels are GPU kernels; on CPU torchao's int matmul takes its PyTorch path either way",
+    ),
+    (
+        "lightning.pytorch.utilities.rank_zero",
+        r"💡 Tip: For seamless cloud logging",
+        "an advertisement for Lightning's cloud logger, printed by every run",
+    ),
 )
 
 # Environment settings of upstream tools (set only where the user has not set them).
 ENVIRONMENT = (
-    ("WANDB_SILENT", "true",
-     "wandb's console header and run summary (~25 lines a run; the same figures are in summary.json and the "
-     "run's wandb/ directory) and its warning that the `anonymous` setting Lightning passes has no effect; "
-     "wandb's errors are still raised"),
+    (
+        "WANDB_SILENT",
+        "true",
+        "wandb's console header and run summary (~25 lines a run; the same figures are in summary.json and the "
+        "run's wandb/ directory) and its warning that the `anonymous` setting Lightning passes has no effect; "
+        "wandb's errors are still raised",
+    ),
 )
 
 
@@ -166,6 +193,10 @@ def _native_stderr(drop: str):
             os.dup2(saved, 2)
             os.close(saved)
             tmp.seek(0)
-            kept = [line for line in tmp.read().decode(errors="replace").splitlines(keepends=True) if not re.match(drop, line)]
+            kept = [
+                line
+                for line in tmp.read().decode(errors="replace").splitlines(keepends=True)
+                if not re.match(drop, line)
+            ]
             sys.stderr.write("".join(kept))
             sys.stderr.flush()

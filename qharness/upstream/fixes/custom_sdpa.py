@@ -57,4 +57,3 @@ def upstream_custom_sdpa(*args):
     """ExecuTorch's own eager ``custom_sdpa`` kernel (bypassing ``_custom_sdpa_cpu``), for the workaround's test."""
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
     return torch.ops.llama.custom_sdpa.default.redispatch(keys, *args)
-

@@ -8,6 +8,7 @@ Retire: delete the subclass whose test fails and use the upstream class in qharn
 
 from __future__ import annotations
 
+
 def vulkan_quantizer_cls():
     """``VulkanQuantizer`` that leaves scalar operands in place.
 
@@ -48,4 +49,3 @@ def vulkan_partitioner():
             return result
 
     return BufferSafeVulkanPartitioner()
-

@@ -55,4 +55,3 @@ def upstream_xnnpack_scalar_lifting():
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer_utils import _convert_scalars_to_attrs
 
     return _convert_scalars_to_attrs
-

@@ -46,7 +46,6 @@ def export_for_lowering(module: torch.nn.Module, args: tuple, dynamic_shapes) ->
         return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=upstream_lowering())
 
 
-
 def decompose_for_lowering(ep, partitioners: list):
     """``ep.run_decompositions({})``: functional ATen for ``to_edge_transform_and_lower``.
 
@@ -59,7 +58,11 @@ def decompose_for_lowering(ep, partitioners: list):
     from executorch.exir.tracer import _default_decomposition_table
 
     upstream_pre = Partitioner.transform_for_pre_decomposition
-    if upstream_lowering() or not partitioners or any(type(p).transform_for_pre_decomposition is not upstream_pre for p in partitioners):
+    if (
+        upstream_lowering()
+        or not partitioners
+        or any(type(p).transform_for_pre_decomposition is not upstream_pre for p in partitioners)
+    ):
         return ep.run_decompositions({})
     table = _default_decomposition_table()
     for op in partitioners[0].ops_to_not_decompose(ep)[0]:
@@ -67,10 +70,8 @@ def decompose_for_lowering(ep, partitioners: list):
     return ep.run_decompositions(table)
 
 
-
 def upstream_lowering() -> bool:
     return os.environ.get("QHARNESS_UPSTREAM_LOWERING") == "1"
-
 
 
 @contextlib.contextmanager
@@ -89,4 +90,3 @@ def fast_lowering(patches=PATCHES):
         for module in patches:
             stack.enter_context(module.patch())
         yield
-

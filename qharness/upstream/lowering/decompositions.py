@@ -30,4 +30,3 @@ def patch():
         return out
 
     return patched(ExportedProgram, "run_decompositions", run_decompositions)
-

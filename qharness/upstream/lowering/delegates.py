@@ -10,9 +10,8 @@ def patch():
     tensors through ``call_delegate_cpu``, which rebuilds the delegate's module each time
     (``ExportedProgram.module()``: unlifting, a graph copy, a recompile). The module is built once per
     delegate here; delegates that mutate buffers keep upstream's fresh module per call."""
-    import weakref
-
     import importlib
+    import weakref
 
     from torch.fx import immutable_collections
     from torch.utils import _pytree as pytree
@@ -28,8 +27,9 @@ def patch():
         if lowered_module not in modules:
             modules[lowered_module] = program.module()
         immutable = {immutable_collections.immutable_dict: dict, immutable_collections.immutable_list: list}
-        args = pytree.tree_map_only(tuple(immutable), lambda a: immutable[type(a)](a), args, lambda a: isinstance(a, tuple(immutable)))
+        args = pytree.tree_map_only(
+            tuple(immutable), lambda a: immutable[type(a)](a), args, lambda a: isinstance(a, tuple(immutable))
+        )
         return modules[lowered_module](*args)
 
     return patched(ecd, "call_delegate_cpu", call_delegate_cpu)
-

@@ -31,6 +31,7 @@ def patch():
 
     stack = contextlib.ExitStack()
     stack.enter_context(only_if(NormalizeTransposePass, lambda ops: torch.ops.aten.t.default in ops))
-    stack.enter_context(only_if(ReplaceBrokenOpsWithFunctionalOpsPass, lambda ops: any(getattr(op, "is_view", False) for op in ops)))
+    stack.enter_context(
+        only_if(ReplaceBrokenOpsWithFunctionalOpsPass, lambda ops: any(getattr(op, "is_view", False) for op in ops))
+    )
     return stack
-

@@ -9,9 +9,7 @@ import torch
 
 from qharness.upstream.lowering.patching import patched
 
-
 _LEGALIZE_FIRST = None
-
 
 
 def legalize_graph_in_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -30,10 +28,25 @@ def legalize_graph_in_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
     global _LEGALIZE_FIRST
     if _LEGALIZE_FIRST is None:
-        _LEGALIZE_FIRST = (operator.add, operator.mul, operator.sub, operator.floordiv, operator.truediv, operator.mod,
-                           operator.le, operator.lt, operator.ge, operator.gt, operator.eq, operator.ne,
-                           torch.ops.aten.sym_constrain_range.default, torch.ops.aten.sym_constrain_range_for_size.default,
-                           torch.ops.aten._assert_async.msg, torch.ops.aten.scalar_tensor.default, torch.ops.aten._assert_scalar.default)
+        _LEGALIZE_FIRST = (
+            operator.add,
+            operator.mul,
+            operator.sub,
+            operator.floordiv,
+            operator.truediv,
+            operator.mod,
+            operator.le,
+            operator.lt,
+            operator.ge,
+            operator.gt,
+            operator.eq,
+            operator.ne,
+            torch.ops.aten.sym_constrain_range.default,
+            torch.ops.aten.sym_constrain_range_for_size.default,
+            torch.ops.aten._assert_async.msg,
+            torch.ops.aten.scalar_tensor.default,
+            torch.ops.aten._assert_scalar.default,
+        )
     graph = gm.graph
     nodes = list(graph.nodes)
     indeg = dict.fromkeys(nodes, 0)
@@ -77,7 +90,6 @@ def legalize_graph_in_place(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return gm
 
 
-
 _NAME_PARTS: dict = {}
 
 
@@ -107,7 +119,6 @@ def _namespace_of(nodes: list):
     return namespace
 
 
-
 def _namespace_by_create_name(nodes: list):
     from torch.fx.graph import _Namespace
 
@@ -117,7 +128,6 @@ def _namespace_by_create_name(nodes: list):
             raise AssertionError(f"node name {n.name} is not reproducible")
         namespace.associate_name_with_obj(n.name, n)
     return namespace
-
 
 
 def patch():
@@ -140,4 +150,3 @@ def patch():
     stack.enter_context(patched(lbm, "legalize_graph", legalize_graph_in_place))
     stack.enter_context(patched(backend_api, "_create_partitions_in_graph_module", create_partitions_in_graph_module))
     return stack
-

@@ -40,7 +40,6 @@ class Downstreams:
         return {self.nodes[j] for j in range(m.bit_length()) if m >> j & 1}
 
 
-
 def patch():
     """ExecuTorch's ``GroupBasedPartitioner`` (the XNNPACK partitioner's) builds, per node, the set of all
     downstream nodes and all upstream nodes (torch's ``CapabilityBasedPartitioner.__init__`` builds a
@@ -78,4 +77,3 @@ def patch():
     stack.enter_context(patched(gp.GroupBasedPartitioner, "__init__", init))
     stack.enter_context(patched(gp.GroupBasedPartitioner, "_can_merge_partitions", can_merge_partitions))
     return stack
-

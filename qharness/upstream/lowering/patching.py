@@ -23,11 +23,9 @@ def patched(owner, name: str, value):
             setattr(owner, name, saved)
 
 
-
 def aten_op(op):
     """An Edge op's ATen overload (an ``EdgeOpOverload`` wraps it in ``_op``); anything else as is."""
     return op if isinstance(op, torch._ops.OpOverload) else getattr(op, "_op", op)
-
 
 
 def called_ops(gm: torch.fx.GraphModule) -> set:
@@ -42,8 +40,6 @@ def called_ops(gm: torch.fx.GraphModule) -> set:
     return ops
 
 
-
 def op_named(name: str):
     namespace, op, overload = name.split(".")
     return getattr(getattr(getattr(torch.ops, namespace), op), overload)
-

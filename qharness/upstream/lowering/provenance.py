@@ -23,4 +23,3 @@ def patch():
             self.from_node = list(node.meta.get("from_node", ()))
 
     return patched(cls, "__init__", init)
-

@@ -6,13 +6,21 @@ import torch
 
 from qharness.upstream.lowering.patching import aten_op, called_ops, op_named, patched
 
-
 SDPA_PATTERN_OPS = (
-    "aten._softmax.default", "aten.add.Tensor", "aten.any.dim", "aten.bmm.default", "aten.eq.Scalar",
-    "aten.expand_copy.default", "aten.full_like.default", "aten.logical_not.default", "aten.mul.Scalar",
-    "aten.permute_copy.default", "aten.view_copy.default", "aten.where.self", "dim_order_ops._clone_dim_order.default",
+    "aten._softmax.default",
+    "aten.add.Tensor",
+    "aten.any.dim",
+    "aten.bmm.default",
+    "aten.eq.Scalar",
+    "aten.expand_copy.default",
+    "aten.full_like.default",
+    "aten.logical_not.default",
+    "aten.mul.Scalar",
+    "aten.permute_copy.default",
+    "aten.view_copy.default",
+    "aten.where.self",
+    "dim_order_ops._clone_dim_order.default",
 )
-
 
 
 def pass_triggers() -> dict:
@@ -49,14 +57,13 @@ def pass_triggers() -> dict:
     }
 
 
-
 def patch():
     """``XnnpackBackend.preprocess`` runs 17 passes on every partition, each a full fake-tensor re-trace
     (an HF Llama layer splits into ~12 partitions: 200 re-traces per layer). Passes that cannot act on
     the partition are skipped (``pass_triggers``); ``PropagateCustomMetaPass`` runs only when a
     node carries ``meta["custom"]``, the one thing it copies. The rest run as upstream runs them
     (``XNNPACKPassManager.transform``)."""
-    from executorch.backends.xnnpack._passes import XNNPACKPassManager, XNNPACKPass
+    from executorch.backends.xnnpack._passes import XNNPACKPass, XNNPACKPassManager
     from executorch.exir.pass_base import ExportPass
     from executorch.exir.program._program import _transform
 
@@ -78,8 +85,9 @@ def patch():
             elif issubclass(pass_, ExportPass):
                 ep = _transform(ep, pass_())
             else:
-                raise RuntimeError(f"Expecting ExportPass or ExportPass(), but got pass: {pass_} with type: {type(pass_)}")
+                raise RuntimeError(
+                    f"Expecting ExportPass or ExportPass(), but got pass: {pass_} with type: {type(pass_)}"
+                )
         return ep
 
     return patched(XNNPACKPassManager, "transform", transform)
-
