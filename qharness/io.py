@@ -52,3 +52,49 @@ def write_json_atomic(path: Path, obj) -> Path:
 
 def write_text_atomic(path: Path, text: str) -> Path:
     return write_bytes_atomic(path, text.encode())
+
+
+_LOCKS: dict[str, int] = {}
+
+
+def hold_run_lock(run_dir: str | os.PathLike) -> None:
+    """Make this process the one writer of ``run_dir`` until ``release_run_locks()`` (the CLI calls it when the
+    command ends) or the process exits: an exclusive ``flock`` on ``<run_dir>/.qharness.lock``. The kernel drops the
+    lock when the process dies, however it dies, so a crashed run never blocks the next one; the file itself
+    (holding the last holder's pid) may stay.
+    DDP ranks other than 0 (``LOCAL_RANK``/``RANK`` set and non-zero) share rank 0's lock and take none.
+
+    Example::
+
+        hold_run_lock("runs/qat_xnnpack")   # a second fit/calibrate/sweep on that directory now gets a UserError
+    """
+    import fcntl
+
+    from qharness.errors import UserError
+
+    if any(os.environ.get(k, "0") not in ("", "0") for k in ("LOCAL_RANK", "RANK")):
+        return
+    run_dir = Path(run_dir).resolve()
+    if str(run_dir) in _LOCKS:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / ".qharness.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise UserError(
+            f"{run_dir} is in use by another qharness process (pid {holder})",
+            fix="wait for it to finish, or use another trainer.default_root_dir / sweep_dir",
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _LOCKS[str(run_dir)] = fd  # held (open) until the process exits
+
+
+def release_run_locks() -> None:
+    """Release every run-directory lock this process holds (``hold_run_lock``)."""
+    while _LOCKS:
+        os.close(_LOCKS.popitem()[1])  # closing the descriptor drops the flock

@@ -25,6 +25,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig, WandbConfig
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
+from qharness.io import hold_run_lock
 from qharness.progress import lightning_progress_bar
 from qharness.training.module import QuantLM
 
@@ -132,6 +133,8 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.evaluation.harness import check_eval_config
 
         check_eval_config(cfg.eval, seq_len, deploy.max_seq_len)
+    if subcommand in ("fit", "calibrate", "export", "evaluate"):  # they write into the run directory
+        hold_run_lock(cfg.trainer.default_root_dir)
     if cfg.model.checkpoint != "embedded":
         from qharness.deploy.architectures import check_architecture
         from qharness.sources.models import resolve_checkpoint

@@ -151,3 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     except (FloatingPointError, ParityError) as e:  # divergence (last good checkpoint kept) or a .pte not to ship
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        from qharness.io import release_run_locks
+
+        release_run_locks()  # the command is over: the run directory is free for the next one

@@ -43,7 +43,7 @@ from pathlib import Path
 import yaml
 
 from qharness.errors import UserError
-from qharness.io import write_bytes_atomic, write_json_atomic
+from qharness.io import hold_run_lock, write_bytes_atomic, write_json_atomic
 from qharness.progress import format_seconds
 
 TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report"}
@@ -300,6 +300,7 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
     spec = load_sweep(config_path)
     runs = plan(spec)
     sweep_dir = Path(spec["sweep_dir"])
+    hold_run_lock(sweep_dir)  # one sweep per directory (its runs lock their own run directories)
     todo = [r for r in runs if force or not is_done(r)]
     todo_names = {r.name for r in todo}
     print(
