@@ -161,9 +161,19 @@ def test_fit_benchmarks_the_pte_and_the_eager_model(fit_run):
 
 def test_bench_cli_prints_a_table_and_adds_it_to_summary_json(varied_run, tiny_llama, tmp_path):
     shutil.copytree(varied_run, tmp_path / "run")
-    (tmp_path / "run" / "summary.json").write_text(
-        json.dumps({"model": str(tiny_llama), "recipe": "xnnpack_int8_dynamic"})
+    from qharness.run.summary import RunSummary
+
+    stand_in = RunSummary(
+        run_dir=str(tmp_path / "run"),
+        model=str(tiny_llama),
+        recipe="xnnpack_int8_dynamic",
+        backend="xnnpack",
+        mode="ptq",
+        quantized=True,
+        seq_len=16,
+        eval_blocks=1,
     )
+    (tmp_path / "run" / "summary.json").write_text(json.dumps(stand_in.to_dict()))
     r = run_cli(
         "bench", "--pte", tmp_path / "run" / "model.pte", "--prompt_len", "8", "--decode_tokens", "4", "--reps", "2"
     )

@@ -284,7 +284,7 @@ def test_sigterm_mid_accumulation_keeps_the_last_step_boundary_checkpoint(tmp_pa
         return SimpleNamespace(
             global_step=3,
             accumulate_grad_batches=accumulate,
-            save_checkpoint=saved.append,
+            save_checkpoint=lambda path, weights_only: saved.append((path, weights_only)),
             fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
         )
 
@@ -293,4 +293,4 @@ def test_sigterm_mid_accumulation_keeps_the_last_step_boundary_checkpoint(tmp_pa
     assert saved == []
     cb.on_exception(trainer(8, 2), None, SIGTERMException())  # at a step boundary
     cb.on_exception(trainer(7, 1), None, SIGTERMException())
-    assert saved == [tmp_path / "last.ckpt"] * 2
+    assert saved == [(tmp_path / "last.ckpt", False)] * 2  # the full state: resumable
