@@ -156,6 +156,11 @@ def test_offline_tasks_run_through_lm_eval(fp, corpus, tmp_path):
     assert 0.0 <= metrics["qharness_mc"]["fp"]["acc"] <= 1.0
     assert 0.0 <= metrics["qharness_gen"]["fp"]["chrf"] <= 100.0
     assert result["documents"] == {"qharness_ppl": 3, "qharness_mc": 3, "qharness_gen": 3}
+    # what guessing scores: 1 of 4 lines; a uniform byte model; nothing stated for generation
+    assert result["chance"]["qharness_mc"] == {"acc": 0.25, "acc_norm": 0.25, "acc_mutual_info": 0.25}
+    assert result["chance"]["qharness_ppl"] == {"byte_perplexity": 256.0, "bits_per_byte": 8.0}
+    assert "qharness_gen" not in result["chance"]
+    assert re.search(r"qharness_mc\s+acc\s+0\.2500\s", format_eval_table(result))
     assert json.loads((tmp_path / "eval.json").read_text())["tasks"] == json.loads(json.dumps(metrics))
     assert "qharness_mc" in format_eval_table(result)
     from lm_eval.api.registry import get_model
@@ -293,6 +298,10 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus
     assert f"{acc:.4f} ± {mc['acc_stderr']:.4f}" in format_eval_table(result)
     row = summary_row({"metrics": {}, "recipe": "xnnpack_fp32", "mode": "ptq", "quantized": False, "eval": result})
     assert row["eval/qharness_mc/acc/fp"] == acc and row["eval/qharness_mc/acc_stderr/fp"] == mc["acc_stderr"]
+    from qharness.reporting.report import eval_header
+
+    assert eval_header([row], "eval/qharness_mc/acc/fp") == "qharness_mc/acc/fp (chance 0.25)"
+    assert eval_header([row], "eval/qharness_mc/acc_norm/pte") == "qharness_mc/acc_norm (chance 0.25)"
 
 
 def test_eval_table_shows_standard_errors_of_filtered_metrics():

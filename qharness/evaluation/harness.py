@@ -85,6 +85,38 @@ def format_value(v: float | None, se: float | None = None) -> str:
     return text if se is None else text + (f" ± {se:.4g}" if abs(se) >= 1 else f" ± {se:.4f}")
 
 
+# A model that knows nothing about the text: uniform over the 256 byte values.
+UNIFORM_BYTES = {"byte_perplexity": 256.0, "bits_per_byte": 8.0}
+
+
+def chance_levels(task_names: list[str], manager, limit: int | None) -> dict[str, dict[str, float]]:
+    """What guessing scores, per task and metric, on the documents evaluated: multiple choice
+    ``mean(1 / number of choices)`` (acc, acc_norm, acc_mutual_info); rolling perplexity a uniform byte model
+    (byte_perplexity 256, bits_per_byte 8). Generation and word perplexity have no chance level (absent).
+
+    Example: ``chance_levels(["qharness_mc"], manager, 32)`` -> ``{"qharness_mc": {"acc": 0.25, ...}}``
+    """
+    from lm_eval.tasks import get_task_dict
+
+    def tasks(d):
+        for name, task in d.items():
+            if isinstance(task, dict):
+                yield from tasks(task)
+            else:
+                yield getattr(name, "group_name", None) or str(task.config.task), task
+
+    out = {}
+    for name, task in tasks(get_task_dict(list(task_names), manager)):
+        if task.OUTPUT_TYPE == "multiple_choice":
+            docs = [doc for _, doc in task.doc_iterator(limit=limit)]
+            if docs:
+                p = sum(1 / len(task.doc_to_choice(doc)) for doc in docs) / len(docs)
+                out[name] = {"acc": p, "acc_norm": p, "acc_mutual_info": p}
+        elif task.OUTPUT_TYPE == "loglikelihood_rolling":
+            out[name] = dict(UNIFORM_BYTES)
+    return out
+
+
 def run_eval(
     lms: dict, cfg: EvalConfig, texts: list[str], run_dir: Path, extra: dict | None = None, filename: str = "eval.json"
 ) -> dict:
@@ -142,6 +174,7 @@ def run_eval(
             result["tasks"].setdefault(task, {})[kind] = _clean(metrics)
         for task, n in res.get("n-samples", {}).items():
             result.setdefault("documents", {})[task] = int(n.get("effective", 0))
+    result["chance"] = chance_levels(cfg.tasks, manager, cfg.limit)
     write_json_atomic(run_dir / filename, result)
     return result
 
@@ -180,9 +213,11 @@ def evaluate_models(
 
 
 def format_eval_table(result: dict) -> str:
-    """Task x metric rows, one column per model: value ± lm-eval's standard error (where lm-eval gives one)."""
+    """Task x metric rows: the chance level (``-``: none), then one column per model: value ± lm-eval's
+    standard error (where lm-eval gives one)."""
     kinds = result["models"]
-    rows = [("task", "metric", *(MODEL_KINDS[k] for k in kinds))]
+    chance = result.get("chance") or {}
+    rows = [("task", "metric", "chance", *(MODEL_KINDS[k] for k in kinds))]
     for task, per_model in result["tasks"].items():
         names = [m for m in next(iter(per_model.values())) if not is_stderr(m)]
         for i, metric in enumerate(names):
@@ -190,7 +225,7 @@ def format_eval_table(result: dict) -> str:
                 format_value(per_model.get(k, {}).get(metric), per_model.get(k, {}).get(stderr_name(metric)))
                 for k in kinds
             ]
-            rows.append((task if i == 0 else "", metric, *cells))
+            rows.append((task if i == 0 else "", metric, format_value(chance.get(task, {}).get(metric)), *cells))
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     docs = result.get("documents", {})
     head = f"lm-eval ({', '.join(f'{t}: {n} docs' for t, n in docs.items()) or 'no tasks'}; {result.get('max_length', '?')}-token window)"

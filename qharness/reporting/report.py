@@ -372,7 +372,7 @@ def table_columns(rows: list[dict], column: str) -> list[tuple[str, str, str]]:
     """(key, header, format) of the Markdown table: the metric first, then latency, size and parity."""
     cols = [("run", "run", ""), ("recipe", "recipe", ""), ("mode", "mode", "")]
     if column != "ppl_pte":
-        cols.append((column, column.removeprefix("eval/").removesuffix("/pte"), ""))
+        cols.append((column, eval_header(rows, column), ""))
     cols += [
         ("ppl_pte", ".pte ppl", "ppl"),
         ("ppl_pte_vs_fp", "vs FP", "pct"),
@@ -392,8 +392,18 @@ def table_columns(rows: list[dict], column: str) -> list[tuple[str, str, str]]:
             if c.startswith("eval/") and c.endswith("/pte") and c != column and not is_stderr(c.split("/")[2])
         }
     )
-    cols += [(c, c.removeprefix("eval/").removesuffix("/pte"), "") for c in extra]
+    cols += [(c, eval_header(rows, c), "") for c in extra]
     return cols
+
+
+def eval_header(rows: list[dict], column: str) -> str:
+    """``eval/qharness_mc/acc/pte`` -> ``qharness_mc/acc (chance 0.25)``: an lm-eval column says what guessing scores."""
+    header = column.removeprefix("eval/").removesuffix("/pte")
+    if not column.startswith("eval/") or column.count("/") != 3:
+        return header
+    _, task, metric, _stage = column.split("/")
+    chance = next((r[f"chance/{task}/{metric}"] for r in rows if _number(r.get(f"chance/{task}/{metric}"))), None)
+    return header if chance is None else f"{header} (chance {chance:.3g})"
 
 
 def markdown_table(rows: list[dict], column: str, front_runs: set[str]) -> str:

@@ -25,7 +25,8 @@ def summary_row(summary: dict, run: str | None = None) -> dict:
     """The flat row of one run: what the report tables and the wandb final row hold.
 
     ``summary`` is ``RunSummary.to_dict()``. ``eval/<task>/<metric>/<stage>`` columns come from the summary's
-    ``eval`` section (the run's own lm-eval) and then its ``evaluations`` (later ``qharness evaluate`` runs, newer last).
+    ``eval`` section (the run's own lm-eval) and then its ``evaluations`` (later ``qharness evaluate`` runs, newer last);
+    ``chance/<task>/<metric>`` what guessing scores there.
     """
     m = summary.get("metrics", {})
     parity = summary.get("parity", {})
@@ -73,6 +74,10 @@ def summary_row(summary: dict, run: str | None = None) -> dict:
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     continue  # lm-eval's "N/A" standard errors are null in eval.json
                 row[f"eval/{task}/{_metric_name(name)}/{stage}"] = float(value)
+    for table in tables:  # what guessing scores (eval.json "chance"), one per task and metric
+        for task, metrics in (table.get("chance") or {}).items():
+            for name, value in metrics.items():
+                row[f"chance/{task}/{name}"] = float(value)
     return row
 
 
