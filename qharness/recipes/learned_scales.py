@@ -40,7 +40,7 @@ class LearnedScaleFakeQuantize(_pt2e.LearnableFakeQuantize):
             self.zero_point.requires_grad = False
 
     def enable_observer(self, enabled: bool = True) -> None:
-        if self._initialized:
+        if enabled and self._initialized:
             return  # learning: the observer only ever initialises
         super().enable_observer(enabled)
 
