@@ -98,6 +98,7 @@ def _dequant_scales(graph) -> list[torch.Tensor]:
 
 
 def test_the_converted_program_uses_the_trained_scales_exactly(trained):
+    from qharness.checks.parity import learned_scales_carried
     from qharness.deploy.lower import quantize_for_deploy
 
     m, _, _ = trained
@@ -116,9 +117,11 @@ def test_the_converted_program_uses_the_trained_scales_exactly(trained):
     for name, (s, _) in q.items():  # each trained scale appears, bit for bit
         assert any(t.shape == s.shape and torch.equal(t, s) for t in scales), name
     assert not any(t.shape == final_minmax.shape and torch.allclose(t, final_minmax) for t in scales)
+    assert learned_scales_carried(converted, q) == {"weights": 15, "exact": 15}  # the pipeline's own check
     # without weight_qparams deployment computes min-max of the final weights: the case the test tells apart
-    plain = _dequant_scales(quantize_for_deploy(m.load_fp()[0], m.recipe, 64, calibrate))
-    assert not any(torch.equal(t, q[W][0]) for t in plain)
+    plain = quantize_for_deploy(m.load_fp()[0], m.recipe, 64, calibrate)
+    assert not any(torch.equal(t, q[W][0]) for t in _dequant_scales(plain))
+    assert learned_scales_carried(plain, q) == {"weights": 15, "exact": 0}
 
 
 def test_learned_scales_must_cover_the_deploy_graph_exactly(trained):
@@ -204,5 +207,6 @@ def test_fit_with_learned_scales_passes_parity_against_its_fake_quant_graph(tmp_
     summary = json.loads((run / "summary.json").read_text())
     p = summary["parity"]
     assert p["passed"] and p["fake_quant"]["gated"] and p["fake_quant"]["passed"], p
+    assert p["learned_scales"] == {"weights": 15, "exact": 15}
     assert p["fake_quant"]["positions"] == 4 * 32  # one batch of validation blocks, every position
     assert ".pte vs trained fake-quant PASSED" in r.stdout

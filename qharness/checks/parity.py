@@ -216,6 +216,27 @@ class _Agreement:
         }
 
 
+def learned_scales_carried(graph: torch.fx.GraphModule, qparams: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Whether each trained weight scale is, bit for bit, the scale of a weight dequantization in the converted
+    ``graph`` (``weights``: how many trained scales, ``exact``: how many found). The deployed program is the
+    trained model only if they all are.
+
+    Example::
+
+        learned_scales_carried(deployed, trained.weight_qparams)   # {"weights": 15, "exact": 15}
+    """
+    found = []
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and "dequantize_per_" in str(node.target) and node.args[0].op == "get_attr":
+            scale = node.args[1]
+            found.append(_attr(graph, scale.target) if isinstance(scale, torch.fx.Node) else torch.tensor(scale))
+    exact = sum(
+        any(f.numel() == s.numel() and torch.equal(f.reshape(s.shape).to(s.dtype), s) for f in found)
+        for s, _ in qparams.values()
+    )
+    return {"weights": len(qparams), "exact": exact}
+
+
 def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
     """The reasons the ``.pte`` fails the gate (empty: it passes). Argmax agreement is judged on the positions
     that are not near ties (``compare_decoding``); with none, perplexity and ``max_abs_diff`` judge alone.

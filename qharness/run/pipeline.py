@@ -22,6 +22,7 @@ from qharness.checks.parity import (
     compare_decoding,
     fold_constants,
     gate,
+    learned_scales_carried,
     score_batched,
     score_deployed,
 )
@@ -232,6 +233,12 @@ def deploy_and_check(
             figures["fake_quant"] = against_fake_quant(trained, pte, data, metrics, parity_cfg)
             if figures["fake_quant"]["gated"]:
                 reasons += [f".pte vs trained fake-quant: {r}" for r in figures["fake_quant"]["reasons"]]
+        if trained.weight_qparams is not None:
+            figures["learned_scales"] = carried = learned_scales_carried(deployed, trained.weight_qparams)
+            if carried["exact"] != carried["weights"]:
+                reasons.append(
+                    f"only {carried['exact']} of {carried['weights']} learned weight scales reached the program exactly"
+                )
         figures["passed"] = not reasons
         figures["reasons"] = reasons
         del pte
