@@ -70,6 +70,12 @@ class ParityConfig:
             counted in the agreement. Flat logits (random init) are mostly near ties; real drift still flips
             the decided positions.
         max_abs_diff: Fail when the largest logit difference exceeds this (null: report only).
+        fake_quant_max_ppl_rel_diff: QAT: the .pte against the trained fake-quant model (parity.fake_quant in the
+            summary, over one batch of validation blocks): fail when their perplexities differ by more than this.
+            Gated for recipes that learn their scales (learn_scales: true), reported for every QAT run. Looser than
+            max_ppl_rel_diff: fake quantization is float math, and its dynamic activation ranges span a whole batch.
+        fake_quant_min_argmax_agreement: QAT, as above: fail when the .pte and the fake-quant model pick the same
+            next token less often than this (positions that are not near ties).
     """
 
     prompts: int = 4
@@ -80,18 +86,22 @@ class ParityConfig:
     min_argmax_agreement: float = 0.9
     tie_margin: float = 0.2
     max_abs_diff: float | None = None
+    fake_quant_max_ppl_rel_diff: float = 0.05
+    fake_quant_min_argmax_agreement: float = 0.8
 
     def __post_init__(self):
         _at_least(
             "parity",
+            fake_quant_max_ppl_rel_diff=(self.fake_quant_max_ppl_rel_diff, 0),
             prompts=(self.prompts, 1),
             prompt_len=(self.prompt_len, 1),
             decode_steps=(self.decode_steps, 0),
             eval_blocks=(self.eval_blocks, 1),
             max_ppl_rel_diff=(self.max_ppl_rel_diff, 0),
         )
-        if not 0.0 <= self.min_argmax_agreement <= 1.0:
-            raise UserError(f"parity.min_argmax_agreement must lie in [0, 1] (got {self.min_argmax_agreement})")
+        for name in ("min_argmax_agreement", "fake_quant_min_argmax_agreement"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise UserError(f"parity.{name} must lie in [0, 1] (got {getattr(self, name)})")
         if self.max_abs_diff is not None:
             _at_least("parity", max_abs_diff=(self.max_abs_diff, 0))
 

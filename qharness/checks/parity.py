@@ -151,55 +151,115 @@ def compare_decoding(
     of half the margin can flip them, so they say nothing about drift), and ``argmax_agreement_decided``,
     the agreement over the other positions (None when every position is a near tie).
     """
-    max_diff, agree, total, ties, agree_decided = 0.0, 0, 0, 0, 0
+    stats = _Agreement(tie_margin)
     with torch.no_grad():
         for prompt in _maybe_bar(prompts, desc, len(prompts), "prompt"):
             a, b = block_logits(pte, prompt), block_logits(ref, prompt)
             pos = prompt.numel()
             for step in range(decode_steps + 1):
-                max_diff = max(max_diff, (a - b).abs().max().item())
-                same = a.argmax(-1) == b.argmax(-1)
-                top2 = b.float().topk(2, dim=-1).values
-                tie = top2[:, 0] - top2[:, 1] <= tie_margin
-                agree += same.sum().item()
-                ties += tie.sum().item()
-                agree_decided += (same & ~tie).sum().item()
-                total += a.shape[0]
+                stats.add(a, b)
                 if step == decode_steps:
                     break
                 token = a[-1].argmax().view(1, 1)
                 a, b = pte(token, pos)[0], ref(token, pos)[0]
                 pos += 1
-    decided = total - ties
-    return {
-        "max_abs_diff": max_diff,
-        "argmax_agreement": agree / max(total, 1),
-        "positions": total,
-        "tie_margin": tie_margin,
-        "near_ties": ties,
-        "argmax_agreement_decided": agree_decided / decided if decided else None,
-    }
+    return stats.figures()
 
 
-def gate(figures: dict, cfg) -> list[str]:
+def compare_blocks(
+    pte: StepFn, ref: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tie_margin: float = 0.0
+) -> dict:
+    """Every position of the blocks ``x[B, T]``: the ``.pte``'s logits (``block_logits``: prefill from position 0)
+    against ``ref(x) -> logits[B, T, vocab]``, a no-cache model such as the trained fake-quant graph (whose input
+    shape is fixed: ``x`` is one of its batches). The figures of ``compare_decoding``, without decoding.
+
+    Example::
+
+        figures = compare_blocks(PteModel(path), trained.fake_quant, vx[:batch_size], tie_margin=0.2)
+    """
+    stats = _Agreement(tie_margin)
+    with torch.no_grad():
+        b = ref(x)
+        for xi, bi in zip(x, b):
+            stats.add(block_logits(pte, xi), bi)
+    return stats.figures()
+
+
+class _Agreement:
+    """Running figures of two models' logits over positions (rows of ``a`` and ``b``): largest absolute difference,
+    argmax agreement, near ties of the reference ``b`` (top-1/top-2 gap at most ``tie_margin``) and the agreement
+    over the positions that are not near ties."""
+
+    def __init__(self, tie_margin: float):
+        self.tie_margin = tie_margin
+        self.max_diff, self.agree, self.total, self.ties, self.agree_decided = 0.0, 0, 0, 0, 0
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        self.max_diff = max(self.max_diff, (a - b).abs().max().item())
+        same = a.argmax(-1) == b.argmax(-1)
+        top2 = b.float().topk(2, dim=-1).values
+        tie = top2[:, 0] - top2[:, 1] <= self.tie_margin
+        self.agree += same.sum().item()
+        self.ties += tie.sum().item()
+        self.agree_decided += (same & ~tie).sum().item()
+        self.total += a.shape[0]
+
+    def figures(self) -> dict:
+        decided = self.total - self.ties
+        return {
+            "max_abs_diff": self.max_diff,
+            "argmax_agreement": self.agree / max(self.total, 1),
+            "positions": self.total,
+            "tie_margin": self.tie_margin,
+            "near_ties": self.ties,
+            "argmax_agreement_decided": self.agree_decided / decided if decided else None,
+        }
+
+
+def learned_scales_carried(graph: torch.fx.GraphModule, qparams: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Whether each trained weight scale is, bit for bit, the scale of a weight dequantization in the converted
+    ``graph`` (``weights``: how many trained scales, ``exact``: how many found). The deployed program is the
+    trained model only if they all are.
+
+    Example::
+
+        learned_scales_carried(deployed, trained.weight_qparams)   # {"weights": 15, "exact": 15}
+    """
+    found = []
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and "dequantize_per_" in str(node.target) and node.args[0].op == "get_attr":
+            scale = node.args[1]
+            found.append(_attr(graph, scale.target) if isinstance(scale, torch.fx.Node) else torch.tensor(scale))
+    exact = sum(
+        any(f.numel() == s.numel() and torch.equal(f.reshape(s.shape).to(s.dtype), s) for f in found)
+        for s, _ in qparams.values()
+    )
+    return {"weights": len(qparams), "exact": exact}
+
+
+def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
     """The reasons the ``.pte`` fails the gate (empty: it passes). Argmax agreement is judged on the positions
-    that are not near ties (``compare_decoding``); with none, perplexity and ``max_abs_diff`` judge alone."""
+    that are not near ties (``compare_decoding``); with none, perplexity and ``max_abs_diff`` judge alone.
+    ``prefix``: ``fake_quant_`` judges with ``cfg.fake_quant_max_ppl_rel_diff`` / ``fake_quant_min_argmax_agreement``
+    (the ``.pte`` against the trained fake-quant model; no ``max_abs_diff``)."""
     reasons = []
-    if figures["ppl_rel_diff"] > cfg.max_ppl_rel_diff:
+    max_ppl, min_agree = getattr(cfg, prefix + "max_ppl_rel_diff"), getattr(cfg, prefix + "min_argmax_agreement")
+    max_abs = None if prefix else cfg.max_abs_diff
+    if figures["ppl_rel_diff"] > max_ppl:
         reasons.append(
-            f"perplexity differs by {figures['ppl_rel_diff']:.2%} > parity.max_ppl_rel_diff={cfg.max_ppl_rel_diff:.2%}"
+            f"perplexity differs by {figures['ppl_rel_diff']:.2%} > parity.{prefix}max_ppl_rel_diff={max_ppl:.2%}"
         )
     decided = figures.get(
         "argmax_agreement_decided", figures["argmax_agreement"]
     )  # no near ties counted: every position
-    if decided is not None and decided < cfg.min_argmax_agreement:
+    if decided is not None and decided < min_agree:
         over = ""
         if "near_ties" in figures:
             over = (
                 f" over the {figures['positions'] - figures['near_ties']} of {figures['positions']} positions whose "
                 f"top-1/top-2 logit gap exceeds parity.tie_margin={figures['tie_margin']}"
             )
-        reasons.append(f"argmax agreement {decided:.3f} < parity.min_argmax_agreement={cfg.min_argmax_agreement}{over}")
-    if cfg.max_abs_diff is not None and figures["max_abs_diff"] > cfg.max_abs_diff:
-        reasons.append(f"max abs logit diff {figures['max_abs_diff']:.4g} > parity.max_abs_diff={cfg.max_abs_diff}")
+        reasons.append(f"argmax agreement {decided:.3f} < parity.{prefix}min_argmax_agreement={min_agree}{over}")
+    if max_abs is not None and figures["max_abs_diff"] > max_abs:
+        reasons.append(f"max abs logit diff {figures['max_abs_diff']:.4g} > parity.max_abs_diff={max_abs}")
     return reasons

@@ -74,21 +74,27 @@ def export_deploy(model, max_seq_len: int) -> tuple[torch.export.ExportedProgram
 
 
 def quantize_for_deploy(
-    model, recipe, max_seq_len: int, calibrate: Callable[[torch.fx.GraphModule], None]
+    model,
+    recipe,
+    max_seq_len: int,
+    calibrate: Callable[[torch.fx.GraphModule], None],
+    weight_qparams: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> torch.fx.GraphModule:
     """The deployable graph ``(tokens, input_pos) -> logits`` of an FP HF model, quantized by the recipe.
 
     PT2E recipes: cache export (``export_deploy``), ``prepare_pt2e`` with the recipe's (non-QAT)
-    quantizer, ``calibrate(prepared)`` (runs data through the observers), ``convert_pt2e``. Source-level
-    recipes: torchao ``quantize_`` on the model (in place), then the cache export.
+    quantizer, ``calibrate(prepared)`` (runs data through the observers), ``convert_pt2e``. With
+    ``weight_qparams`` (trained scales keyed by ``model``'s parameter names, ``recipes/learned_scales.py``) every
+    weight is quantized with its trained scale instead of min-max of its values. Source-level recipes: torchao
+    ``quantize_`` on the model (in place), then the cache export.
     """
-    graph, reason = _quantize_for_deploy(model, recipe, max_seq_len, calibrate)
+    graph, reason = _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams)
     graph.meta["qharness_export_path"] = "generic" if reason else "fast"
     graph.meta["qharness_fallback_reason"] = reason
     return graph
 
 
-def _quantize_for_deploy(model, recipe, max_seq_len, calibrate):
+def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
     model.requires_grad_(False)  # deployment: no leaf may require grad (to_executorch mutates buffers in place)
     for m in model.modules():  # padding_idx only masks gradients; exported as aten.embedding(w, idx, 0) it
         if isinstance(m, torch.nn.Embedding):  # defeats ExecuTorch's quantized-embedding fusion pattern
@@ -98,10 +104,16 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate):
         quantizer.convert(model)
     ep, reason = export_deploy(model, max_seq_len)
     graph = ep.module()
+    if weight_qparams is not None and recipe.kind != "pt2e":
+        raise ValueError(f"learned weight scales need a PT2E recipe ({recipe.name} is {recipe.kind})")
     if recipe.kind != "pt2e":
         return graph, reason
     pt2e = imports.pt2e()
     prepared = pt2e.prepare_pt2e(graph, quantizer)
+    if weight_qparams is not None:
+        from qharness.recipes.learned_scales import use_learned_qparams
+
+        use_learned_qparams(prepared, model, weight_qparams)
     calibrate(prepared)
     return pt2e.convert_pt2e(prepared), reason
 

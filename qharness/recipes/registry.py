@@ -54,6 +54,11 @@ class Recipe:
         """``fp``, ``pt2e`` or ``source`` (see the module docstring)."""
         return "fp" if self.quantizer is None else QUANTIZERS[self.quantizer].kind
 
+    @property
+    def learns_scales(self) -> bool:
+        """Whether QAT trains the weight scales and deployment uses them (``learn_scales: true``)."""
+        return bool(getattr(self.settings, "learn_scales", False))
+
     def make_quantizer(self, is_qat: bool):
         """The quantizer for QAT (fake-quant training) or PTQ/deploy: a PT2E ``Quantizer`` or a ``SourceQuantizer``."""
         if self.quantizer is None:

@@ -28,12 +28,15 @@ class XnnpackSettings:
     dynamic: int8 activations quantized per call (else static ranges calibrated on data, PTQ only).
     weight_bits: 8 or 4.
     activation_observer: static activations only: histogram (XNNPACK's default), minmax or moving_average.
+    learn_scales: QAT trains each weight's scale (LSQ: a parameter, min-max at the start, no weight decay) and the
+        ``.pte`` quantizes the weights with the trained scales (else QAT follows min-max of the current weights).
     """
 
     per_channel: bool = True
     dynamic: bool = True
     weight_bits: int = 8
     activation_observer: str | None = None
+    learn_scales: bool = False
 
     def __post_init__(self):
         if self.weight_bits not in WEIGHT_RANGES:
@@ -63,7 +66,11 @@ def xnnpack_quantizer(settings: XnnpackSettings, is_qat: bool):
         weight_qmin=qmin,
         weight_qmax=qmax,
     )
-    if is_qat:
+    if is_qat and settings.learn_scales:
+        from qharness.recipes.learned_scales import learned_weight_fake_quant
+
+        config = learned_weight_fake_quant(config)
+    elif is_qat:
         config = deploy_matched_weight_fake_quant(config)
     elif not settings.dynamic:
         config = with_activation_observer(config, settings.activation_observer or "histogram")

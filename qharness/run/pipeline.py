@@ -17,7 +17,15 @@ from pathlib import Path
 
 import torch
 
-from qharness.checks.parity import compare_decoding, fold_constants, gate, score_batched, score_deployed
+from qharness.checks.parity import (
+    compare_blocks,
+    compare_decoding,
+    fold_constants,
+    gate,
+    learned_scales_carried,
+    score_batched,
+    score_deployed,
+)
 from qharness.checks.stats import with_intervals
 from qharness.config import BenchConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.deploy.fastpath import all_logits_twin
@@ -73,6 +81,8 @@ class Trained:
         model_dir: The directory ``fp_model`` was loaded from (the eager benchmark loads it in a fresh process).
         fake_quant: QAT: the trained fake-quant graph, eval mode, CPU: ``fake_quant(x[B, T]) -> logits``.
         load_trained: QAT: ``load_trained(hf_model)`` puts the trained weights into an FP model of the same shape.
+        weight_qparams: QAT with learned scales: ``{HF weight name: (scale, zero_point)}`` as trained; the deployed
+            program quantizes each weight with these (else with min-max of the trained weights).
     """
 
     fp_model: torch.nn.Module
@@ -83,6 +93,7 @@ class Trained:
     model_dir: str
     fake_quant: torch.nn.Module | None = None
     load_trained: Callable[[torch.nn.Module], None] | None = None
+    weight_qparams: dict | None = None
 
 
 @dataclass
@@ -114,7 +125,9 @@ def deploy_graph(
     model = copy.deepcopy(trained.fp_model) if copy_fp else trained.fp_model
     if trained.load_trained is not None:
         trained.load_trained(model)
-    return quantize_for_deploy(model, trained.recipe, max_seq_len, lambda graph: calibrate(graph, calibration))
+    return quantize_for_deploy(
+        model, trained.recipe, max_seq_len, lambda graph: calibrate(graph, calibration), trained.weight_qparams
+    )
 
 
 def deploy_and_check(
@@ -216,6 +229,16 @@ def deploy_and_check(
         )
         figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
         reasons = gate(figures, parity_cfg)
+        if trained.fake_quant is not None:
+            figures["fake_quant"] = against_fake_quant(trained, pte, data, metrics, parity_cfg)
+            if figures["fake_quant"]["gated"]:
+                reasons += [f".pte vs trained fake-quant: {r}" for r in figures["fake_quant"]["reasons"]]
+        if trained.weight_qparams is not None:
+            figures["learned_scales"] = carried = learned_scales_carried(deployed, trained.weight_qparams)
+            if carried["exact"] != carried["weights"]:
+                reasons.append(
+                    f"only {carried['exact']} of {carried['weights']} learned weight scales reached the program exactly"
+                )
         figures["passed"] = not reasons
         figures["reasons"] = reasons
         del pte
@@ -275,6 +298,20 @@ def deploy_and_check(
         )
         summary.write(run_dir / "summary.json")
     return summary.to_dict()
+
+
+def against_fake_quant(trained: Trained, pte, data: HeldOut, metrics: dict, cfg: ParityConfig) -> dict:
+    """The ``.pte`` against the trained fake-quant graph (QAT): ``compare_blocks`` over the first batch of validation
+    blocks and the perplexity difference over all of them; ``gated`` (the verdict counts) when the run deploys
+    learned scales, whose whole point is that the ``.pte`` is the trained model."""
+    with stage(".pte vs trained fake-quant"):
+        figures = compare_blocks(pte, trained.fake_quant, data.x[: data.batch_size], tie_margin=cfg.tie_margin)
+    ref = metrics["fake_quant"]["ppl"]
+    figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - ref) / ref
+    figures["reasons"] = gate(figures, cfg, prefix="fake_quant_")
+    figures["passed"] = not figures["reasons"]
+    figures["gated"] = trained.weight_qparams is not None
+    return figures
 
 
 def evaluate_run(
@@ -350,6 +387,12 @@ def format_table(summary: dict) -> str:
             size + f"{'PASSED' if p['passed'] else 'FAILED'}: max|Δlogit|={p['max_abs_diff']:.4g}, "
             f"argmax agreement={_decided(p)}, ppl diff={p['ppl_rel_diff']:.2%}"
         )
+        fq = p.get("fake_quant")
+        if fq:
+            verdict = ("PASSED" if fq["passed"] else "FAILED") if fq["gated"] else "reported"
+            lines.append(
+                f".pte vs trained fake-quant {verdict}: argmax agreement={_decided(fq)}, ppl diff={fq['ppl_rel_diff']:.2%}"
+            )
     return "\n".join(lines)
 
 

@@ -59,7 +59,12 @@ def prepare_for_training(model, recipe, batch_size: int, seq_len: int, is_qat: b
     if quantizer is None:
         return graph
     pt2e = imports.pt2e()
-    return (pt2e.prepare_qat_pt2e if is_qat else pt2e.prepare_pt2e)(graph, quantizer)
+    prepared = (pt2e.prepare_qat_pt2e if is_qat else pt2e.prepare_pt2e)(graph, quantizer)
+    if is_qat and recipe.learns_scales:
+        from qharness.recipes.learned_scales import init_learned_scales
+
+        init_learned_scales(prepared)  # the scales are parameters before the optimizer (or a checkpoint) sees them
+    return prepared
 
 
 def _has_observed(fq) -> bool:
@@ -179,6 +184,11 @@ class QuantLM(L.LightningModule):
                     "freeze_observers_after_n_steps need a PT2E recipe",
                     fix="leave them unset, or use xnnpack_int8_dynamic / xnnpack_int4w_dynamic",
                 )
+        if mode == "ptq" and self.recipe.learns_scales:
+            raise UserError(
+                f"recipe {recipe!r} learns its weight scales (learn_scales: true), which needs training",
+                fix="use mode qat, or a recipe without learn_scales for PTQ",
+            )
         if checkpoint != "embedded":
             from qharness.sources.models import resolve_checkpoint
 
@@ -234,8 +244,22 @@ class QuantLM(L.LightningModule):
         self.load_state_dict(state)
 
     def trained_weights(self) -> dict[str, torch.Tensor]:
-        """The trained FP weights keyed by the HF model's parameter names (tied weights under each name)."""
-        return {k[len("model.") :]: v.detach() for k, v in self.graph.named_parameters(remove_duplicate=False)}
+        """The trained FP weights keyed by the HF model's parameter names (tied weights under each name); learned
+        quantization scales are not weights (``learned_qparams``)."""
+        return {
+            k[len("model.") :]: v.detach()
+            for k, v in self.graph.named_parameters(remove_duplicate=False)
+            if k.startswith("model.")
+        }
+
+    def learned_qparams(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """QAT with learned scales: ``{HF weight name: (scale, zero_point)}`` as trained, for deployment to use
+        (``recipes/learned_scales.py``); else None (deployment computes min-max scales)."""
+        if self.hparams.mode != "qat" or not self.recipe.learns_scales:
+            return None
+        from qharness.recipes.learned_scales import learned_qparams
+
+        return learned_qparams(self.graph, prefix="model.")
 
     def load_into(self, hf_model) -> None:
         """Copy the trained weights into an HF model of the same architecture.
@@ -288,6 +312,14 @@ class QuantLM(L.LightningModule):
         if hp.mode == "qat" and (hp.fake_quant_after_n_steps or hp.freeze_observers_after_n_steps is not None):
             set_fake_quant(self.graph, self.fake_quant_on(self.global_step))
             set_static_observers(self.graph, enabled=self.observers_on(self.global_step))
+            if (
+                self.recipe.learns_scales
+                and hp.fake_quant_after_n_steps
+                and self.global_step == hp.fake_quant_after_n_steps
+            ):
+                from qharness.recipes.learned_scales import init_learned_scales
+
+                init_learned_scales(self.graph)  # learning starts from min-max of the weights FP training left
 
     on_validation_model_eval = to_eval
     on_validation_model_train = to_train
@@ -335,7 +367,14 @@ class QuantLM(L.LightningModule):
     on_test_epoch_end = on_validation_epoch_end
 
     def configure_optimizers(self):
-        opt = torch.optim.AdamW(self.graph.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)
+        """AdamW with the warm-up + cosine schedule; learned quantization scales (parameters outside the model's
+        own, e.g. ``activation_post_process_3.scale``) get no weight decay."""
+        params = [(n, p) for n, p in self.graph.named_parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for n, p in params if n.startswith("model.")], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for n, p in params if not n.startswith("model.")], "weight_decay": 0.0},
+        ]
+        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.lr)
         total = max(1, int(self.trainer.estimated_stepping_batches))
         warm = self.hparams.warmup_steps
 

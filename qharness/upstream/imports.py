@@ -30,10 +30,13 @@ def pt2e():
         allow_train_eval=_pt2e.allow_exported_model_train_eval,
         FakeQuantize=_pt2e.FakeQuantize,
         FakeQuantizeBase=_pt2e.FakeQuantizeBase,
+        LearnableFakeQuantize=_pt2e.LearnableFakeQuantize,
+        ObserverBase=_pt2e.ObserverBase,
         MovingAverageMinMaxObserver=_pt2e.MovingAverageMinMaxObserver,
         MinMaxObserver=_pt2e.MinMaxObserver,
         HistogramObserver=_pt2e.HistogramObserver,
         MovingAveragePerChannelMinMaxObserver=_pt2e.MovingAveragePerChannelMinMaxObserver,
+        PerChannelMinMaxObserver=_pt2e.PerChannelMinMaxObserver,
     )
 
 
