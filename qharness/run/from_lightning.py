@@ -28,6 +28,7 @@ def trained(module) -> Trained:
         model_dir=module.model_source(),
         fake_quant=fake_quant,
         load_trained=module.load_into if fake_quant is not None else None,
+        distill=module.hparams.get("distill"),
     )
 
 

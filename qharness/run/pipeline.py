@@ -73,6 +73,7 @@ class Trained:
         model_dir: The directory ``fp_model`` was loaded from (the eager benchmark loads it in a fresh process).
         fake_quant: QAT: the trained fake-quant graph, eval mode, CPU: ``fake_quant(x[B, T]) -> logits``.
         load_trained: QAT: ``load_trained(hf_model)`` puts the trained weights into an FP model of the same shape.
+        distill: QAT with distillation: its settings (``kl_weight``, ``temperature``, ``hard_loss``; recorded).
     """
 
     fp_model: torch.nn.Module
@@ -83,6 +84,7 @@ class Trained:
     model_dir: str
     fake_quant: torch.nn.Module | None = None
     load_trained: Callable[[torch.nn.Module], None] | None = None
+    distill: dict | None = None
 
 
 @dataclass
@@ -243,6 +245,7 @@ def deploy_and_check(
         seq_len=data.seq_len,
         eval_blocks=len(vx),
         val_blocks=validation_blocks_id(vx, vy),
+        distill=trained.distill,
         metrics=metrics,
         parity=figures,
         pte={
