@@ -235,6 +235,18 @@ CASES = {
         "parity.max_ppl_rel_diff must be a number >= 0",
     ),
     "zero bench reps": (lambda t: _cfg(t, bench={"reps": 0}), "reps must be >= 1 (got 16, 8, 0)"),
+    "zero distillation temperature": (
+        lambda t: [*_cfg(t, model={"distill": {"kl_weight": 1.0}}), "--model.distill.temperature", "0"],
+        "model.distill.temperature must be a positive number (got 0.0). fix: set model.distill.temperature > 0",
+    ),
+    "negative KL weight": (
+        lambda t: [*_cfg(t), "--model.distill.kl_weight", "-1"],
+        "model.distill.kl_weight must be a positive number (got -1.0)",
+    ),
+    "distillation in PTQ": (
+        lambda t: _cfg(t, model={"mode": "ptq", "recipe": "xnnpack_int8_static", "distill": {"temperature": 2.0}}),
+        "model.distill needs model.mode: qat",
+    ),
     "recipe YAML syntax error": (
         lambda t: _cfg(
             t, model={"recipe": str(_write(t, "r.yaml", "description: d\nbackend: x\nquantizer: {name: xnnpack\n"))}

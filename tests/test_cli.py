@@ -37,6 +37,8 @@ def test_fit_help_documents_fields():
         "--parity.max_ppl_rel_diff",
         "--bench.prompt_len",
         "Tokens prefilled in one call",
+        "--model.distill",
+        "knowledge distillation",
     ):
         assert text in r.stdout, text
 

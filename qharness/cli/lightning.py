@@ -121,6 +121,10 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.runtime.bench import check_lengths
 
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
+    if cfg.model.get("distill") is not None:
+        from qharness.training.module import Distill
+
+        Distill(**cfg.model.distill.as_dict())  # its own field checks, as one line (jsonargparse would wrap them)
     if cfg.model.mode == "qat" and str(cfg.trainer.precision or "32-true") not in ("32", "32-true"):
         from qharness.recipes.registry import load_recipe
         from qharness.training.module import check_precision

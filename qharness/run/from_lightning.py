@@ -29,6 +29,7 @@ def trained(module) -> Trained:
         fake_quant=fake_quant,
         load_trained=module.load_into if fake_quant is not None else None,
         weight_qparams=module.learned_qparams() if fake_quant is not None else None,
+        distill=module.hparams.get("distill"),
     )
 
 

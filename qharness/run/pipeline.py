@@ -83,6 +83,7 @@ class Trained:
         load_trained: QAT: ``load_trained(hf_model)`` puts the trained weights into an FP model of the same shape.
         weight_qparams: QAT with learned scales: ``{HF weight name: (scale, zero_point)}`` as trained; the deployed
             program quantizes each weight with these (else with min-max of the trained weights).
+        distill: QAT with distillation: its settings (``kl_weight``, ``temperature``, ``hard_loss``; recorded).
     """
 
     fp_model: torch.nn.Module
@@ -94,6 +95,7 @@ class Trained:
     fake_quant: torch.nn.Module | None = None
     load_trained: Callable[[torch.nn.Module], None] | None = None
     weight_qparams: dict | None = None
+    distill: dict | None = None
 
 
 @dataclass
@@ -266,6 +268,7 @@ def deploy_and_check(
         seq_len=data.seq_len,
         eval_blocks=len(vx),
         val_blocks=validation_blocks_id(vx, vy),
+        distill=trained.distill,
         metrics=metrics,
         parity=figures,
         pte={

@@ -11,6 +11,7 @@ quantization ranges (dynamic-activation fake-quants keep observing: that *is* dy
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import lightning as L
@@ -126,6 +127,52 @@ def check_precision(precision, recipe, mode: str) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class Distill:
+    """Knowledge distillation (QAT only): the fake-quantized student also learns the FP model's logits.
+
+    Hinton et al.'s form. The teacher is the model of ``model.checkpoint`` as loaded, frozen, on the student's
+    device; it is rebuilt from that source on every rank and on resume, never saved in checkpoints.
+    Validation loss stays plain cross-entropy.
+
+    Loss per token: ``ce(student, labels) (if hard_loss) + kl_weight * T^2 * KL(softmax(teacher/T) || softmax(student/T))``.
+
+    Example (YAML): ``model: {distill: {kl_weight: 1.0, temperature: 2.0, hard_loss: false}}``.
+
+    Args:
+        kl_weight: Weight of the KL term (> 0).
+        temperature: Softmax temperature T of both distributions (> 0); the KL is scaled by T^2.
+        hard_loss: Keep the cross-entropy against the data's next tokens beside the KL term.
+    """
+
+    kl_weight: float = 1.0
+    temperature: float = 1.0
+    hard_loss: bool = True
+
+    def __post_init__(self):
+        for name in ("kl_weight", "temperature"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise UserError(
+                    f"model.distill.{name} must be a positive number (got {value!r})",
+                    fix=f"set model.distill.{name} > 0, or leave model.distill unset to train without the teacher",
+                )
+        if not isinstance(self.hard_loss, bool):
+            raise UserError(f"model.distill.hard_loss must be true or false (got {self.hard_loss!r})")
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, averaged over token positions.
+
+    ``student``/``teacher``: logits ``[..., vocab]`` (computed in float32). Example::
+
+        distill_loss(s, s, 2.0)  # 0: identical distributions
+    """
+    s = F.log_softmax(student.float().flatten(0, -2) / temperature, dim=-1)
+    t = F.log_softmax(teacher.float().flatten(0, -2) / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
+
+
 class QuantLM(L.LightningModule):
     def __init__(
         self,
@@ -138,6 +185,7 @@ class QuantLM(L.LightningModule):
         trust_remote_code: bool = False,
         fake_quant_after_n_steps: int = 0,
         freeze_observers_after_n_steps: int | None = None,
+        distill: Distill | None = None,
     ):
         """A causal LM trained with quantization-aware training (or calibrated) for one backend recipe.
 
@@ -161,11 +209,23 @@ class QuantLM(L.LightningModule):
                 ranges stop following the weights; training goes on with the frozen scales. Deployment still
                 computes min-max scales from the final weights, so freeze late (small weight changes after N).
                 None: never. PT2E recipes only.
+            distill: QAT: also train against the FP model's logits (knowledge distillation; its fields:
+                ``qharness fit --model.distill.help``), e.g. ``--model.distill.kl_weight 1.0
+                --model.distill.temperature 2.0``. Costs one more FP copy of the model per process. None: plain
+                cross-entropy.
         """
         super().__init__()
         self.save_hyperparameters()
+        distill = Distill(**distill) if isinstance(distill, dict) else distill
+        self.hparams.distill = dataclasses.asdict(distill) if distill is not None else None  # plain data in checkpoints
+        self.distill = distill
         self.recipe = load_recipe(recipe)
         self.recipe.check_mode(mode)
+        if distill is not None and mode != "qat":
+            raise UserError(
+                f"model.distill needs model.mode: qat (got {mode!r}: PTQ trains nothing)",
+                fix="set model.mode: qat, or remove model.distill",
+            )
         if lr <= 0:
             raise UserError(f"model.lr must be positive (got {lr})")
         if warmup_steps < 0:
@@ -194,6 +254,8 @@ class QuantLM(L.LightningModule):
 
             resolve_checkpoint(checkpoint)  # a missing directory, config or weights fails here, before any work
         self.graph: torch.nn.Module | None = None  # the prepared exported graph (eager modules for torchao QAT)
+        # the distillation teacher, in a list so that it is no submodule: not in state_dict, checkpoints or the optimizer
+        self._teacher: list[torch.nn.Module] = []
         self._val_losses: list[float] = []
 
     # --- building -------------------------------------------------------------------------------
@@ -228,7 +290,19 @@ class QuantLM(L.LightningModule):
 
     def configure_model(self) -> None:
         dm = self.trainer.datamodule
-        self.build(dm.batch_size, dm.seq_len, device=self.trainer.strategy.root_device)  # e.g. cuda:<local rank>
+        device = self.trainer.strategy.root_device  # e.g. cuda:<local rank>
+        self.build(dm.batch_size, dm.seq_len, device=device)
+        if self.distill is not None and self.trainer.state.fn == "fit":  # training only, not validate/test
+            self.teacher(device)
+
+    def teacher(self, device: torch.device | str | None = None) -> torch.nn.Module:
+        """The frozen FP teacher (``distill``): the model of ``model.checkpoint`` as loaded, eval mode, no gradients,
+        on ``device`` (default: the student's). Built on first use from the source, on each rank; never saved."""
+        if not self._teacher:
+            model, _ = self.load_fp()
+            device = device or next(self.graph.parameters()).device
+            self._teacher.append(LogitsOnly(model).to(device).eval().requires_grad_(False))
+        return self._teacher[0]
 
     def graph_to_cpu(self) -> None:
         """Deployment runs on CPU. A graph trained on another device (its devices are baked in at export) is
@@ -304,6 +378,9 @@ class QuantLM(L.LightningModule):
     def on_fit_start(self) -> None:
         self.to_train()
 
+    def on_fit_end(self) -> None:
+        self._teacher.clear()  # deployment needs no teacher: its memory is free for export and lowering
+
     def on_train_batch_start(self, batch, batch_idx) -> None:
         """Fake quantization off before ``fake_quant_after_n_steps``; static observers frozen from
         ``freeze_observers_after_n_steps``. The switches are buffers, so checkpoints (and evaluation after
@@ -329,17 +406,41 @@ class QuantLM(L.LightningModule):
 
     # --- steps ----------------------------------------------------------------------------------
     def loss(self, batch) -> torch.Tensor:
+        """Cross-entropy of the graph's next-token predictions (validation and test; training without distill)."""
         x, y = batch
         return F.cross_entropy(self.graph(x).flatten(0, 1), y.flatten())
 
+    def training_losses(self, batch) -> dict[str, torch.Tensor]:
+        """``{"loss": ...}``; with ``distill`` also its parts ``ce`` (data labels) and ``kl`` (the teacher).
+
+        Example::
+
+            parts = module.training_losses((x, y))   # distill(kl_weight=1, hard_loss=False): parts["loss"] == parts["kl"]
+        """
+        d = self.distill
+        if d is None:
+            return {"loss": self.loss(batch)}
+        x, y = batch
+        logits = self.graph(x)
+        with torch.no_grad():
+            target = self.teacher()(x)
+        ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        kl = distill_loss(logits, target, d.temperature)
+        loss = d.kl_weight * kl + (ce if d.hard_loss else 0.0)
+        return {"loss": loss, "ce": ce.detach(), "kl": kl.detach()}
+
     def training_step(self, batch, batch_idx):
-        loss = self.loss(batch)
+        parts = self.training_losses(batch)
+        loss = parts["loss"]
         if not torch.isfinite(loss):
             raise FloatingPointError(
                 f"training loss became {loss.item()} at step {self.global_step}; stopping "
                 "(the last checkpoint is kept: lower model.lr or check the data)"
             )
         self.log("train/loss", loss, prog_bar=True)
+        for name in ("ce", "kl"):
+            if name in parts:
+                self.log(f"train/{name}", parts[name])
         return loss
 
     def optimizer_step(self, *args, **kwargs):
