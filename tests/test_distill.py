@@ -74,6 +74,7 @@ def test_teacher_is_the_frozen_fp_model_outside_the_trained_state(tiny_llama):
     assert parts["loss"].item() == pytest.approx(parts["ce"].item() + 0.5 * parts["kl"].item(), rel=1e-6)
 
 
+@pytest.mark.slow  # ~90 s: a CLI fit, resume and deploy; the loss, teacher and settings tests above run by default
 def test_fit_with_distillation_resumes_and_passes_parity(tmp_path, tiny_llama, corpus):
     """3 distilled QAT steps, then resumed to 6 from last.ckpt (teacher rebuilt from the source), deployed."""
     run = tmp_path / "run"
