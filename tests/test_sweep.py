@@ -234,6 +234,15 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
             {"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "report": {"bench_processes": -1}},
             "bench_processes must be a whole number",
         ),
+        (
+            {
+                "runs": [
+                    {"recipe": "xnnpack_int8_dynamic", "modes": ["qat"]},
+                    {"recipe": "xnnpack_int8_dynamic", "modes": ["qat"], "config": {"model": {"lr": 1.0}}},
+                ]
+            },
+            "two runs would be named xnnpack_int8_dynamic-qat",
+        ),
     ],
 )
 def test_bad_sweep_configs_fail_before_any_run(tmp_path, spec, message):
@@ -285,3 +294,29 @@ def test_a_real_tiny_sweep_and_its_rerun(tmp_path, tiny_llama, corpus):
     assert {(x["recipe"], x["mode"]) for x in rows} == {("xnnpack_fp32", "fp"), ("xnnpack_int8_dynamic", "ptq")}
     again = run_cli("sweep", tmp_path / "s.yaml")
     assert again.returncode == 0 and again.stdout.count("finished earlier with the same config, skipped") == 2
+
+
+def test_named_variants_of_one_recipe_get_their_own_run_dirs(tmp_path):
+    path = tmp_path / "s.yaml"
+    distill = {"model": {"distill": {"kl_weight": 1.0}}}
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "sweep_dir": str(tmp_path / "sweep"),
+                "runs": [
+                    {"recipe": "xnnpack_fp32", "modes": ["ptq"]},  # the baseline again: one run
+                    {"recipe": "xnnpack_int8_dynamic", "modes": ["ptq", "qat"]},
+                    {"recipe": "xnnpack_int8_dynamic", "modes": ["qat"], "name": "int8_distill", "config": distill},
+                ],
+            }
+        )
+    )
+    runs = plan(load_sweep(path))
+    assert [r.name for r in runs] == [
+        "xnnpack_fp32-ptq",
+        "xnnpack_int8_dynamic-ptq",
+        "xnnpack_int8_dynamic-qat",
+        "int8_distill-qat",
+    ]
+    assert runs[3].run_dir == tmp_path / "sweep" / "int8_distill-qat" and runs[3].recipe == "xnnpack_int8_dynamic"
+    assert runs[3].config["model"]["distill"] == {"kl_weight": 1.0} and "distill" not in runs[2].config["model"]

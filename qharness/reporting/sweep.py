@@ -1,8 +1,9 @@
 """``qharness sweep CONFIG``: the FP baseline and recipes x modes on one model and data, then the report.
 
 A sweep config names the shared run config (``config``: the groups of a fit/calibrate config), the FP
-``baseline`` recipe (run first, PTQ) and ``runs``: recipes with their modes. Each run is its own run
-directory ``<sweep_dir>/<recipe>-<mode>/`` run by the ordinary CLI in a fresh process (``qharness fit`` for
+``baseline`` recipe (run first, PTQ) and ``runs``: recipes with their modes (and optionally their own ``config``
+over the shared one, and a ``name`` in place of the recipe's, for variants of one recipe). Each run is its own run
+directory ``<sweep_dir>/<name or recipe>-<mode>/`` run by the ordinary CLI in a fresh process (``qharness fit`` for
 QAT, ``qharness calibrate`` for PTQ) from the generated ``sweep_config.yaml`` there; its output goes to the
 console and to ``sweep.log`` there. A failed run is recorded and the sweep goes on. A re-run skips every run
 that finished with the same generated config (``sweep_status.json`` + ``summary.json``); ``--force`` reruns
@@ -21,6 +22,7 @@ Example config::
     baseline: xnnpack_fp32
     runs:
       - {recipe: xnnpack_int8_dynamic, modes: [ptq, qat]}
+      - {recipe: xnnpack_int8_dynamic, modes: [qat], name: int8_distill, config: {model: {distill: {}}}}
     config:
       model: {checkpoint: embedded}
       trainer: {max_steps: 100}
@@ -47,7 +49,7 @@ from qharness.io import hold_run_lock, write_bytes_atomic, write_json_atomic
 from qharness.progress import format_seconds
 
 TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report"}
-RUN_KEYS = {"recipe", "modes", "mode", "config"}
+RUN_KEYS = {"recipe", "modes", "mode", "config", "name"}
 REPORT_KEYS = {"metric", "max_latency_ms", "max_size_mb", "wandb", "bench_processes"}
 SUBCOMMAND = {"qat": "fit", "ptq": "calibrate"}
 STATUS = "sweep_status.json"
@@ -154,9 +156,14 @@ def plan(spec: dict) -> list[SweepRun]:
             if mode not in SUBCOMMAND:
                 raise UserError(f"sweep run {entry['recipe']}: unknown mode {mode!r}", fix="use ptq or qat")
             recipe.check_mode(mode)
-            name = f"{Path(entry['recipe']).stem}-{mode}"
+            name = f"{entry.get('name') or Path(entry['recipe']).stem}-{mode}"
             if name in names:
-                continue  # the baseline listed again among the runs
+                if runs and name == runs[0].name and not entry.get("config"):
+                    continue  # the baseline listed again among the runs
+                raise UserError(
+                    f"sweep runs: two runs would be named {name} (same run directory)",
+                    fix="give one of them a name: e.g. {recipe: ..., name: my_variant, config: {...}}",
+                )
             names.add(name)
             run_dir = sweep_dir / name
             config = deep_merge(spec["config"], _mapping(entry.get("config"), f"sweep run {name}: config"))
