@@ -55,6 +55,7 @@ def test_recipes_lists_known_recipes():
     r = run_cli("recipes")
     assert r.returncode == 0, r.stderr
     assert "xnnpack_int8_dynamic" in r.stdout and "qat/ptq" in r.stdout
+    assert "xnnpack_8da4w_lsq" in r.stdout and "xnnpack_int4w_lsq" in r.stdout  # the learned-scale recipes
 
 
 def test_unknown_recipe_is_one_line_exit_2(tmp_path):

@@ -192,15 +192,19 @@ def test_compare_blocks_and_the_fake_quant_gate():
 
 
 @pytest.mark.slow
-def test_fit_with_learned_scales_passes_parity_against_its_fake_quant_graph(tmp_path, tiny_llama, corpus):
-    """``qharness fit`` with the LSQ recipe, resumed from its step-3 checkpoint: the ``.pte`` passes the gate
-    against the converted model and, gated, against the trained fake-quant graph."""
+@pytest.mark.parametrize("recipe,q_scales", [(RECIPE, 64), ("xnnpack_8da4w_lsq", 64 * 2)])
+def test_fit_with_learned_scales_passes_parity_against_its_fake_quant_graph(
+    tmp_path, tiny_llama, corpus, recipe, q_scales
+):
+    """``qharness fit`` with an LSQ recipe (PT2E; torchao source-level), resumed from its step-3 checkpoint: the
+    ``.pte`` passes the gate against the converted model and, gated, against the trained fake-quant graph.
+    ``q_scales``: how many scales a q_proj weight has (per channel; per group of 32)."""
     run = tmp_path / "run"
-    cfg = write_config(tmp_path / "r.yaml", tiny_llama, corpus, run, model={"recipe": RECIPE}, bench={"enabled": False})
+    cfg = write_config(tmp_path / "r.yaml", tiny_llama, corpus, run, model={"recipe": recipe}, bench={"enabled": False})
     first = run_cli("fit", cfg, "--trainer.max_steps", "3", "--deploy.enabled", "false")
     assert first.returncode == 0, first.stderr[-3000:]
     ckpt = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-    assert any(k.endswith(".scale") and v.numel() == 64 for k, v in ckpt.items())  # the learned scales are saved
+    assert any(k.endswith(".scale") and v.numel() == q_scales for k, v in ckpt.items())  # the learned scales are saved
     r = run_cli("fit", cfg, "--ckpt_path", "last")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "Restoring states from the checkpoint" in r.stdout + r.stderr

@@ -216,10 +216,23 @@ class _Agreement:
         }
 
 
+def _constant(graph: torch.fx.GraphModule, arg):
+    """The tensor a dequantization argument names: a ``get_attr``, or an inner tensor of a torchao weight subclass
+    (``access_subclass_inner_tensor(get_attr, "scale")``); None for anything computed."""
+    if not isinstance(arg, torch.fx.Node):
+        return torch.tensor(arg)
+    if arg.op == "get_attr":
+        return _attr(graph, arg.target)
+    if arg.op == "call_function" and "access_subclass_inner_tensor" in str(arg.target) and arg.args[0].op == "get_attr":
+        return getattr(_attr(graph, arg.args[0].target), arg.args[1])
+    return None
+
+
 def learned_scales_carried(graph: torch.fx.GraphModule, qparams: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict:
     """Whether each trained weight scale is, bit for bit, the scale of a weight dequantization in the converted
     ``graph`` (``weights``: how many trained scales, ``exact``: how many found). The deployed program is the
-    trained model only if they all are.
+    trained model only if they all are. Reads PT2E's ``dequantize_per_*`` and torchao's ``dequantize_affine``
+    of constant weights.
 
     Example::
 
@@ -227,9 +240,14 @@ def learned_scales_carried(graph: torch.fx.GraphModule, qparams: dict[str, tuple
     """
     found = []
     for node in graph.graph.nodes:
-        if node.op == "call_function" and "dequantize_per_" in str(node.target) and node.args[0].op == "get_attr":
-            scale = node.args[1]
-            found.append(_attr(graph, scale.target) if isinstance(scale, torch.fx.Node) else torch.tensor(scale))
+        target = str(node.target)
+        if node.op != "call_function" or not ("dequantize_per_" in target or "dequantize_affine" in target):
+            continue
+        scale_arg = node.args[1] if "dequantize_per_" in target else node.args[2]
+        if isinstance(node.args[0], torch.fx.Node) and _constant(graph, node.args[0]) is not None:
+            scale = _constant(graph, scale_arg)
+            if scale is not None:
+                found.append(scale)
     exact = sum(
         any(f.numel() == s.numel() and torch.equal(f.reshape(s.shape).to(s.dtype), s) for f in found)
         for s, _ in qparams.values()

@@ -86,7 +86,8 @@ def quantize_for_deploy(
     quantizer, ``calibrate(prepared)`` (runs data through the observers), ``convert_pt2e``. With
     ``weight_qparams`` (trained scales keyed by ``model``'s parameter names, ``recipes/learned_scales.py``) every
     weight is quantized with its trained scale instead of min-max of its values. Source-level recipes: torchao
-    ``quantize_`` on the model (in place), then the cache export.
+    ``quantize_`` on the model (in place; ``weight_qparams`` through torchao's range-learning convert,
+    ``SourceQuantizer.convert``), then the cache export.
     """
     graph, reason = _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams)
     graph.meta["qharness_export_path"] = "generic" if reason else "fast"
@@ -100,12 +101,12 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
         if isinstance(m, torch.nn.Embedding):  # defeats ExecuTorch's quantized-embedding fusion pattern
             m.padding_idx = None
     quantizer = recipe.make_quantizer(is_qat=False)
+    if weight_qparams is not None and recipe.kind not in ("pt2e", "source"):
+        raise ValueError(f"learned weight scales need a quantized recipe ({recipe.name} is {recipe.kind})")
     if recipe.kind == "source":
-        quantizer.convert(model)
+        quantizer.convert(model, weight_qparams)
     ep, reason = export_deploy(model, max_seq_len)
     graph = ep.module()
-    if weight_qparams is not None and recipe.kind != "pt2e":
-        raise ValueError(f"learned weight scales need a PT2E recipe ({recipe.name} is {recipe.kind})")
     if recipe.kind != "pt2e":
         return graph, reason
     pt2e = imports.pt2e()

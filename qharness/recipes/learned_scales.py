@@ -1,4 +1,4 @@
-"""Learned weight scales (LSQ) for PT2E QAT, carried into the deployed program exactly.
+"""Learned weight scales (LSQ) for QAT, carried into the deployed program exactly.
 
 A recipe with ``learn_scales: true`` trains each weight's quantization scale as a parameter
 (``LearnedScaleFakeQuantize``: torchao's ``LearnableFakeQuantize``, initialised by min-max on the weight it
@@ -15,6 +15,17 @@ Example::
     qparams = learned_qparams(prepared, prefix="model.")   # {"model.layers.0.self_attn.q_proj.weight": (scale, zp)}
     deploy_prepared = prepare_pt2e(cache_graph, deploy_quantizer)
     use_learned_qparams(deploy_prepared, hf_model, qparams)  # before convert_pt2e
+
+Source-level (torchao) recipes use torchao's range learning instead: ``range_learning_qat_config`` makes each linear's
+weight fake quantizer static with a trainable scale, ``init_source_scales`` sets it to min-max of the weight (a
+parameter from then on), ``learned_qparams`` reads the trained scales by HF weight name, and deployment
+(``SourceQuantizer.convert``) hands them to ``QATConfig(base_config, step="convert")`` through
+``use_source_scales``, which quantizes each weight with its fake quantizer's scale (``custom_scale``)::
+
+    SourceQuantizer(...).prepare_qat(model); init_source_scales(model)   # scales: min-max, trainable
+    ...train...
+    qparams = learned_qparams(LogitsOnly(model), prefix="model.")
+    quantizer.convert(fresh_fp_model_with_trained_weights, qparams)
 """
 
 from __future__ import annotations
@@ -83,13 +94,19 @@ def init_learned_scales(graph: torch.fx.GraphModule) -> int:
     return n
 
 
-def learned_qparams(graph: torch.fx.GraphModule, prefix: str = "") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """``{weight name without prefix: (scale, zero_point)}`` of a trained graph, as ``convert_pt2e`` would take them."""
+def learned_qparams(graph: torch.nn.Module, prefix: str = "") -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """``{weight name without prefix: (scale, zero_point)}`` of a trained graph, as ``convert_pt2e`` would take them
+    (or, for eager modules with torchao fake quantizers, as ``QATConfig(step="convert")`` would)."""
     out = {}
-    for fq, target in _weight_calls(graph):
+    weights = _weight_calls(graph) if isinstance(graph, torch.fx.GraphModule) else _source_weight_calls(graph)
+    for fq, target in weights:
         if not target.startswith(prefix):
             raise RuntimeError(f"weight {target} lacks the prefix {prefix!r}")
-        scale, zero_point = fq.calculate_qparams()
+        if hasattr(fq, "calculate_qparams"):  # PT2E
+            scale, zero_point = fq.calculate_qparams()
+        else:  # torchao: what its next forward uses
+            _keep_positive(fq)
+            scale, zero_point = fq.scale, fq.zero_point
         out[target[len(prefix) :]] = (scale.detach().cpu().clone(), zero_point.detach().cpu().clone())
     return out
 
@@ -150,4 +167,90 @@ def use_learned_qparams(
     unused = sorted(set(qparams) - used)
     if missing or unused:
         raise RuntimeError(f"learned scales do not match the deploy graph: no scale for {missing}, unused {unused}")
+    return len(used)
+
+
+def quantization_parameter_names(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s parameters that belong to fake quantizers (learned scales and zero points), not to the
+    model: they train without weight decay and are not loaded into an FP model."""
+    kinds = (_pt2e.FakeQuantizeBase, imports.torchao_qat().FakeQuantizerBase)
+    return {
+        f"{name}.{p}" if name else p
+        for name, m in model.named_modules()
+        if isinstance(m, kinds)
+        for p, _ in m.named_parameters(recurse=False)
+    }
+
+
+# --- torchao source-level recipes (QATConfig on eager modules) --------------------------------------------------
+
+
+def range_learning_qat_config(base_config):
+    """``QATConfig(step="prepare")`` with the fake-quant configs torchao infers for ``base_config``, its weight
+    quantizer made static with ``range_learning`` (one scale per weight group; trainable once ``init_source_scales``
+    set it)."""
+    import dataclasses
+
+    qat = imports.torchao_qat()
+    activation, weight = qat.infer_configs(base_config)
+    weight = dataclasses.replace(weight, is_dynamic=False, range_learning=True)
+    return qat.QATConfig(activation_config=activation, weight_config=weight, step="prepare")
+
+
+def _source_weight_calls(model: torch.nn.Module):
+    """``(range-learning weight fake quantizer, name of the weight it quantizes)`` for every one in ``model``."""
+    qat = imports.torchao_qat()
+    for name, m in model.named_modules():
+        fq = getattr(m, "weight_fake_quantizer", None)
+        if isinstance(fq, qat.IntxFakeQuantizer) and fq.config.range_learning:
+            yield fq, f"{name}.weight" if name else "weight"
+
+
+def _group_scale_shape(fq, weight: torch.Tensor) -> tuple[int, int]:
+    group = getattr(fq.config.granularity, "group_size", weight.shape[-1])
+    return (weight.shape[0], weight.shape[-1] // group)
+
+
+def _keep_positive(fq, args=None) -> None:
+    """Clamp a learned torchao scale to torchao's range-learning floor (``_scale_eps``, 1e-9) in place: an optimizer
+    step can push a scale to zero or below (e.g. of an all-zero weight group), which no backend takes. Runs before
+    every forward (as ``LearnableFakeQuantize`` does) and before the scales are read for deployment."""
+    with torch.no_grad():
+        fq.scale.clamp_(min=fq._scale_eps)
+
+
+def init_source_scales(model: torch.nn.Module) -> int:
+    """Set every range-learning weight scale of torchao fake-quantized ``model`` to min-max of its weight (now) and
+    make it a trainable parameter (torchao's ``initialize_fake_quantizers``, one weight at a time, no forward pass),
+    kept positive (``_keep_positive``); returns how many. Run it once, on freshly prepared modules, before the
+    optimizer is built."""
+    n = 0
+    with torch.no_grad():
+        for fq, target in _source_weight_calls(model):
+            fq._initialized = True
+            fq(model.get_parameter(target))  # min-max scale, then a Parameter (symmetric: zero point 0, fixed)
+            fq.register_forward_pre_hook(_keep_positive)
+            n += 1
+    return n
+
+
+def use_source_scales(model: torch.nn.Module, qparams: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Give every range-learning weight fake quantizer of ``model`` (a fresh deploy model, prepared) its trained
+    ``(scale, zero_point)`` from ``qparams`` (keyed by weight name); returns how many. Every fake quantizer must get
+    one and every trained scale must be used (else the ``.pte`` would not be the trained model)."""
+    used, missing = set(), []
+    for fq, target in _source_weight_calls(model):
+        if target not in qparams:
+            missing.append(target)
+            continue
+        scale, zero_point = qparams[target]
+        expected = _group_scale_shape(fq, model.get_parameter(target))
+        if tuple(scale.shape) != expected:
+            raise RuntimeError(f"learned scale of {target} has shape {tuple(scale.shape)}, the weight needs {expected}")
+        fq.scale, fq.zero_point = scale.detach().clone(), zero_point.detach().clone()  # custom_scale at convert
+        fq._initialized = True
+        used.add(target)
+    unused = sorted(set(qparams) - used)
+    if missing or unused:
+        raise RuntimeError(f"learned scales do not match the deploy model: no scale for {missing}, unused {unused}")
     return len(used)

@@ -59,37 +59,78 @@ def register_partitioner(name: str):
     return wrap
 
 
+@dataclass(frozen=True)
+class SourceConfig:
+    """One ``quantize_`` step of a source-level recipe: a torchao config, ``select(module, fqn)`` picking the modules
+    it quantizes, what those are (for messages), and whether QAT learns their weight scales (LSQ, torchao's range
+    learning) for deployment to use as trained."""
+
+    config: Any
+    select: Callable[[Any, str], bool]
+    what: str
+    learn_scales: bool = False
+
+
 @dataclass
 class SourceQuantizer:
     """Source-level quantization with torchao's ``quantize_``: the same configs drive QAT fake-quant
     (``QATConfig(config, step="prepare")`` swaps in fake-quantized modules) and deployment
     (``quantize_(model, config)`` swaps weights for quantized tensor subclasses that lower to XNNPACK).
 
-    ``configs`` holds ``(torchao config, filter_fn, what it selects)`` triples applied in order; a config that
-    selects no module of the model is an error (a recipe that quantizes nothing must not ship as quantized).
+    ``configs`` holds ``SourceConfig`` steps applied in order; a config that selects no module of the model is an
+    error (a recipe that quantizes nothing must not ship as quantized). Steps with ``learn_scales`` train their
+    weight scales (``recipes/learned_scales.py``) and ``convert(model, weight_qparams)`` quantizes with the trained
+    ones (else min-max of the weights).
     """
 
-    configs: list
+    configs: list[SourceConfig]
 
     def _apply(self, model, wrap) -> None:
         from torchao.quantization import quantize_
 
-        for config, filter_fn, what in self.configs:
-            if not any(filter_fn(m, name) for name, m in model.named_modules()):
+        for step in self.configs:
+            if not any(step.select(m, name) for name, m in model.named_modules()):
                 raise UserError(
-                    f"the recipe's {type(config).__name__} selects no layer of {type(model).__name__} ({what})",
+                    f"the recipe's {type(step.config).__name__} selects no layer of {type(model).__name__} ({step.what})",
                     fix="choose settings that fit the model (e.g. a group_size that divides its hidden sizes)",
                 )
-            quantize_(model, wrap(config), filter_fn=filter_fn)
+            quantize_(model, wrap(step), filter_fn=step.select)
 
     def prepare_qat(self, model) -> None:
-        from torchao.quantization.qat import QATConfig
+        """Swap in torchao's fake-quantized modules (learned-scale steps: scales set by ``init_source_scales``)."""
+        from qharness.recipes.learned_scales import range_learning_qat_config
+        from qharness.upstream import imports
 
-        self._apply(model, lambda config: QATConfig(config, step="prepare"))
+        qat = imports.torchao_qat()
+        self._apply(
+            model,
+            lambda step: (
+                range_learning_qat_config(step.config)
+                if step.learn_scales
+                else qat.QATConfig(step.config, step="prepare")
+            ),
+        )
 
-    def convert(self, model) -> None:
-        """Quantize the (trained, plain FP) model in place for deployment."""
-        self._apply(model, lambda config: config)
+    def convert(self, model, weight_qparams: dict | None = None) -> None:
+        """Quantize the (trained, plain FP) model in place for deployment. With ``weight_qparams`` (``{weight name:
+        (scale, zero_point)}`` as trained) the learned-scale steps take torchao's range-learning path: fake quantizers
+        holding the trained scales, then ``QATConfig(config, step="convert")`` quantizes each weight with its
+        quantizer's scale (min-max off); the other steps quantize with min-max as without."""
+        from qharness.upstream import imports
+
+        qat = imports.torchao_qat()
+        learned = weight_qparams is not None
+        if learned:
+            from qharness.recipes.learned_scales import use_source_scales
+
+            if not any(step.learn_scales for step in self.configs):
+                raise ValueError("learned weight scales given to a recipe that learns none")
+            SourceQuantizer([step for step in self.configs if step.learn_scales]).prepare_qat(model)
+            use_source_scales(model, weight_qparams)
+        self._apply(
+            model,
+            lambda step: qat.QATConfig(step.config, step="convert") if learned and step.learn_scales else step.config,
+        )
 
 
 def _type_name(t) -> str:

@@ -2,7 +2,7 @@
 
 Example (a recipe YAML)::
 
-    quantizer: {name: torchao_8da4w, group_size: 32, weight_bits: 4, embedding_bits: null}
+    quantizer: {name: torchao_8da4w, group_size: 32, weight_bits: 4, embedding_bits: null, learn_scales: false}
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qharness.errors import UserError
-from qharness.recipes.registration import SourceQuantizer, register_quantizer
+from qharness.recipes.registration import SourceConfig, SourceQuantizer, register_quantizer
 
 CHOOSE_QPARAMS = ("affine", "hqq_scale_only")
 
@@ -25,12 +25,17 @@ class Torchao8da4wSettings:
     embedding_bits: null (embeddings stay FP), 4 or 8.
     choose_qparams: ``affine`` (min-max scales, what QAT's fake quantization trains against) or ``hqq_scale_only``
         (HQQ-optimised scales, export_llm's default for 8da4w PTQ; PTQ-only recipes).
+    learn_scales: QAT trains each linear weight group's scale (torchao's range learning, LSQ-style: a parameter,
+        min-max at the start, no weight decay) and the ``.pte`` quantizes the linear weights with the trained scales
+        (else min-max of the final weights). QAT only, with ``choose_qparams: affine``; quantized embeddings keep
+        min-max scales.
     """
 
     group_size: int = 32
     weight_bits: int = 4
     embedding_bits: int | None = None
     choose_qparams: str = "affine"
+    learn_scales: bool = False
 
     def __post_init__(self):
         if self.group_size < 16 or self.group_size & (self.group_size - 1):
@@ -44,6 +49,12 @@ class Torchao8da4wSettings:
             raise UserError(
                 f"torchao_8da4w quantizer: choose_qparams {self.choose_qparams!r} is unknown",
                 fix=f"use {' or '.join(CHOOSE_QPARAMS)}",
+            )
+        if self.learn_scales and self.choose_qparams != "affine":
+            raise UserError(
+                f"torchao_8da4w quantizer: learn_scales trains the scales, choose_qparams {self.choose_qparams!r} "
+                "computes them",
+                fix="leave choose_qparams at affine with learn_scales: true",
             )
 
 
@@ -62,7 +73,7 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
     bits = {4: torch.int4, 8: torch.int8}
     group = settings.group_size
     configs = [
-        (
+        SourceConfig(
             Int8DynamicActivationIntxWeightConfig(
                 weight_dtype=bits[settings.weight_bits],
                 weight_granularity=PerGroup(group),
@@ -70,11 +81,12 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             ),
             lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group == 0,
             f"nn.Linear layers whose in_features group_size={group} divides",
+            learn_scales=settings.learn_scales,
         )
     ]
-    if settings.embedding_bits is not None:
+    if settings.embedding_bits is not None:  # min-max scales, learned or not
         configs.append(
-            (
+            SourceConfig(
                 IntxWeightOnlyConfig(weight_dtype=bits[settings.embedding_bits], granularity=PerGroup(group)),
                 lambda m, fqn: isinstance(m, torch.nn.Embedding),
                 "nn.Embedding tables",

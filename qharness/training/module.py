@@ -54,6 +54,10 @@ def prepare_for_training(model, recipe, batch_size: int, seq_len: int, is_qat: b
             # torch.export decomposes into round/clamp (zero gradient: nothing would train). Train the eager
             # modules instead; deployment re-exports the trained weights anyway.
             quantizer.prepare_qat(model)
+            if recipe.learns_scales:
+                from qharness.recipes.learned_scales import init_source_scales
+
+                init_source_scales(model)  # the scales are parameters before the optimizer (or a checkpoint) sees them
             return LogitsOnly(model).train()
         return export_for_training(model, batch_size, seq_len)
     graph = export_for_training(model, batch_size, seq_len)
@@ -320,10 +324,13 @@ class QuantLM(L.LightningModule):
     def trained_weights(self) -> dict[str, torch.Tensor]:
         """The trained FP weights keyed by the HF model's parameter names (tied weights under each name); learned
         quantization scales are not weights (``learned_qparams``)."""
+        from qharness.recipes.learned_scales import quantization_parameter_names
+
+        scales = quantization_parameter_names(self.graph)
         return {
             k[len("model.") :]: v.detach()
             for k, v in self.graph.named_parameters(remove_duplicate=False)
-            if k.startswith("model.")
+            if k.startswith("model.") and k not in scales
         }
 
     def learned_qparams(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
@@ -468,12 +475,16 @@ class QuantLM(L.LightningModule):
     on_test_epoch_end = on_validation_epoch_end
 
     def configure_optimizers(self):
-        """AdamW with the warm-up + cosine schedule; learned quantization scales (parameters outside the model's
-        own, e.g. ``activation_post_process_3.scale``) get no weight decay."""
+        """AdamW with the warm-up + cosine schedule; learned quantization scales (fake quantizers' parameters, e.g.
+        ``activation_post_process_3.scale`` or ``...q_proj.weight_fake_quantizer.scale``) get no weight decay."""
+        from qharness.recipes.learned_scales import quantization_parameter_names
+
+        scales = quantization_parameter_names(self.graph)
         params = [(n, p) for n, p in self.graph.named_parameters() if p.requires_grad]
+        decayed = [n.startswith("model.") and n not in scales for n, _ in params]
         groups = [
-            {"params": [p for n, p in params if n.startswith("model.")], "weight_decay": self.hparams.weight_decay},
-            {"params": [p for n, p in params if not n.startswith("model.")], "weight_decay": 0.0},
+            {"params": [p for (_, p), d in zip(params, decayed) if d], "weight_decay": self.hparams.weight_decay},
+            {"params": [p for (_, p), d in zip(params, decayed) if not d], "weight_decay": 0.0},
         ]
         opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.lr)
         total = max(1, int(self.trainer.estimated_stepping_batches))

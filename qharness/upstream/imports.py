@@ -40,6 +40,24 @@ def pt2e():
     )
 
 
+def torchao_qat():
+    """torchao's source-level QAT as a namespace: QATConfig, the fake-quantized modules and quantizers, and
+    ``infer_configs(base_config) -> (activation, weight)``, the fake-quant configs ``QATConfig(base_config)`` derives
+    (private ``_infer_fake_quantize_configs`` in 0.18)."""
+    import types
+
+    from torchao.quantization import qat
+    from torchao.quantization.qat.fake_quantize_config import _infer_fake_quantize_configs
+
+    return types.SimpleNamespace(
+        QATConfig=qat.QATConfig,
+        FakeQuantizedLinear=qat.FakeQuantizedLinear,
+        FakeQuantizerBase=qat.FakeQuantizerBase,
+        IntxFakeQuantizer=qat.IntxFakeQuantizer,
+        infer_configs=_infer_fake_quantize_configs,
+    )
+
+
 def xnnpack_symmetric_config(**kwargs):
     from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import get_symmetric_quantization_config
 
