@@ -150,7 +150,7 @@ def fitted(tmp_path_factory, tiny_llama, corpus):
         tmp / "run",
         trainer={"log_every_n_steps": 2},
         wandb={"enabled": True},
-        eval={"enabled": True},
+        eval={"enabled": True, "tasks": ["qharness_ppl", "qharness_mc", "qharness_gen"]},  # gen too: through the .pte
     )
     result = run_cli("fit", cfg)
     return tmp / "run", cfg, result

@@ -143,7 +143,7 @@ def test_offline_tasks_run_through_lm_eval(fp, corpus, tmp_path):
     model, tok = fp
     result = run_eval(
         {"fp": QHarnessLM(hf_backend(model, 32, 4), tok)},
-        EvalConfig(limit=3, bootstrap_iters=0),
+        EvalConfig(tasks=["qharness_ppl", "qharness_mc", "qharness_gen"], limit=3, bootstrap_iters=0),
         [corpus.read_text()[-40_000:]],
         tmp_path,
         {"max_length": 32},
@@ -153,14 +153,14 @@ def test_offline_tasks_run_through_lm_eval(fp, corpus, tmp_path):
     assert metrics["qharness_ppl"]["fp"]["bits_per_byte"] > 0 and math.isfinite(
         metrics["qharness_ppl"]["fp"]["word_perplexity"]
     )
-    assert 0.0 <= metrics["qharness_mc"]["fp"]["acc"] <= 1.0
+    assert 0.0 <= metrics["qharness_mc"]["fp"]["acc_mutual_info"] <= 1.0
     assert 0.0 <= metrics["qharness_gen"]["fp"]["chrf"] <= 100.0
     assert result["documents"] == {"qharness_ppl": 3, "qharness_mc": 3, "qharness_gen": 3}
     # what guessing scores: 1 of 4 lines; a uniform byte model; nothing stated for generation
-    assert result["chance"]["qharness_mc"] == {"acc": 0.25, "acc_norm": 0.25, "acc_mutual_info": 0.25}
+    assert result["chance"]["qharness_mc"] == {"acc_mutual_info": 0.25}
     assert result["chance"]["qharness_ppl"] == {"byte_perplexity": 256.0, "bits_per_byte": 8.0}
     assert "qharness_gen" not in result["chance"]
-    assert re.search(r"qharness_mc\s+acc\s+0\.2500\s", format_eval_table(result))
+    assert re.search(r"qharness_mc\s+acc_mutual_info\s+0\.2500\s", format_eval_table(result))
     assert json.loads((tmp_path / "eval.json").read_text())["tasks"] == json.loads(json.dumps(metrics))
     assert "qharness_mc" in format_eval_table(result)
     from lm_eval.api.registry import get_model
@@ -206,7 +206,7 @@ def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, ti
     assert report.returncode == 0, report.stderr[-3000:]
     header = (run_dir / "report.csv").read_text().splitlines()[0]
     assert (
-        "eval/qharness_mc/acc/pte" in header and "eval/qharness_ppl/word_perplexity/converted" in header
+        "eval/qharness_mc/acc_mutual_info/pte" in header and "eval/qharness_ppl/word_perplexity/converted" in header
     )  # both tables
     L = ev["max_length"]
     docs = [
@@ -279,7 +279,7 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus
     model, tok = fp
     cfg = EvalConfig(
         tasks=["qharness_mc"], limit=6, bootstrap_iters=10
-    )  # acc's stderr is closed-form (no bootstrap pool)
+    )  # a mean's stderr is closed-form (no bootstrap pool)
     result = run_eval(
         {"fp": QHarnessLM(hf_backend(model, 32, 4), tok)},
         cfg,
@@ -288,20 +288,21 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus
         {"max_length": 32},
     )
     mc = result["tasks"]["qharness_mc"]["fp"]
-    n, acc = 6, mc["acc"]
-    assert mc["acc_stderr"] == pytest.approx(
+    n, acc = 6, mc["acc_mutual_info"]
+    assert mc["acc_mutual_info_stderr"] == pytest.approx(
         math.sqrt(acc * (1 - acc) * n / (n - 1) / n)
     )  # sample sd of 0/1 scores / sqrt(n)
-    assert (
-        json.loads((tmp_path / "eval.json").read_text())["tasks"]["qharness_mc"]["fp"]["acc_stderr"] == mc["acc_stderr"]
-    )
-    assert f"{acc:.4f} ± {mc['acc_stderr']:.4f}" in format_eval_table(result)
+    saved = json.loads((tmp_path / "eval.json").read_text())["tasks"]["qharness_mc"]["fp"]
+    assert saved["acc_mutual_info_stderr"] == mc["acc_mutual_info_stderr"]
+    assert f"{acc:.4f} ± {mc['acc_mutual_info_stderr']:.4f}" in format_eval_table(result)
     row = summary_row({"metrics": {}, "recipe": "xnnpack_fp32", "mode": "ptq", "quantized": False, "eval": result})
-    assert row["eval/qharness_mc/acc/fp"] == acc and row["eval/qharness_mc/acc_stderr/fp"] == mc["acc_stderr"]
+    assert row["eval/qharness_mc/acc_mutual_info/fp"] == acc
+    assert row["eval/qharness_mc/acc_mutual_info_stderr/fp"] == mc["acc_mutual_info_stderr"]
     from qharness.reporting.report import eval_header
 
-    assert eval_header([row], "eval/qharness_mc/acc/fp") == "qharness_mc/acc/fp (chance 0.25)"
-    assert eval_header([row], "eval/qharness_mc/acc_norm/pte") == "qharness_mc/acc_norm (chance 0.25)"
+    assert eval_header([row], "eval/qharness_mc/acc_mutual_info/fp") == "qharness_mc/acc_mutual_info/fp (chance 0.25)"
+    assert eval_header([row], "eval/qharness_mc/acc_mutual_info/pte") == "qharness_mc/acc_mutual_info (chance 0.25)"
+    assert eval_header([row], "eval/qharness_ppl/word_perplexity/pte") == "qharness_ppl/word_perplexity"  # none stated
 
 
 def test_eval_table_shows_standard_errors_of_filtered_metrics():
@@ -321,7 +322,7 @@ def test_eval_table_shows_standard_errors_of_filtered_metrics():
     lines = format_eval_table(result).splitlines()
     assert [line.split()[:2] for line in lines[2:]] == [
         ["t", "exact_match,strict"],
-        ["acc", "0.5000"],
-    ]  # no stderr rows
+        ["acc", "-"],
+    ]  # no stderr rows; no chance level given: "-"
     assert "0.4000 ± 0.2000" in lines[2] and "0.2000 ± 0.1000" in lines[2]
-    assert lines[3].split() == ["acc", "0.5000", "0.2500"]  # lm-eval gave no stderr ("N/A"): the value alone
+    assert lines[3].split() == ["acc", "-", "0.5000", "0.2500"]  # lm-eval gave no stderr ("N/A"): the value alone

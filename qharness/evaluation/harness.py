@@ -94,7 +94,7 @@ def chance_levels(task_names: list[str], manager, limit: int | None) -> dict[str
     ``mean(1 / number of choices)`` (acc, acc_norm, acc_mutual_info); rolling perplexity a uniform byte model
     (byte_perplexity 256, bits_per_byte 8). Generation and word perplexity have no chance level (absent).
 
-    Example: ``chance_levels(["qharness_mc"], manager, 32)`` -> ``{"qharness_mc": {"acc": 0.25, ...}}``
+    Example: ``chance_levels(["qharness_mc"], manager, 32)`` -> ``{"qharness_mc": {"acc_mutual_info": 0.25}}``
     """
     from lm_eval.tasks import get_task_dict
 
@@ -109,9 +109,10 @@ def chance_levels(task_names: list[str], manager, limit: int | None) -> dict[str
     for name, task in tasks(get_task_dict(list(task_names), manager)):
         if task.OUTPUT_TYPE == "multiple_choice":
             docs = [doc for _, doc in task.doc_iterator(limit=limit)]
+            metrics = [m["metric"] for m in task.config.metric_list or [{"metric": "acc"}, {"metric": "acc_norm"}]]
             if docs:
                 p = sum(1 / len(task.doc_to_choice(doc)) for doc in docs) / len(docs)
-                out[name] = {"acc": p, "acc_norm": p, "acc_mutual_info": p}
+                out[name] = {m: p for m in metrics if m in ("acc", "acc_norm", "acc_mutual_info")}
         elif task.OUTPUT_TYPE == "loglikelihood_rolling":
             out[name] = dict(UNIFORM_BYTES)
     return out
