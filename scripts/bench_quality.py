@@ -1,28 +1,35 @@
-"""Quality benchmark (issue 9): how much of PTQ's perplexity loss QAT recovers, per XNNPACK recipe.
+"""Quality benchmark (issues 9, 16): how much of PTQ's perplexity loss each QAT variant recovers, per 4-bit recipe,
+over several seeds.
 
 The benchmark model is the embedded default's architecture (~1M-parameter Llama, GQA, tied embeddings) with
 its own BPE tokenizer, pretrained to convergence on ``--corpus`` (default: tinyshakespeare beside the
-project), cached. On it, ``qharness sweep`` runs, each in its own process through the ordinary CLI:
+project), cached. Per seed, one ``qharness sweep`` runs, each run in its own process through the ordinary CLI:
 
 - ``xnnpack_fp32`` (the FP ``.pte``): ppl_fp;
-- per recipe, PTQ (``qharness calibrate``) and QAT (``qharness fit``, ``--qat_steps`` steps);
-- a control: the FP model fine-tuned with the same steps, data and learning rate (``qharness fit`` with an
-  fp32 recipe that allows training), which tells how much of QAT's gain is plain fine-tuning.
+- ``fp32_finetune``: the FP model fine-tuned with the QAT runs' steps, data, seed and learning rate (the control:
+  how much of a QAT gain is plain fine-tuning);
+- per recipe: ``ptq`` (``qharness calibrate``); ``qat`` (plain straight-through QAT); ``qat_kd`` (QAT with
+  distillation from the FP model: ``model.distill``, KL only); ``qat_lsq`` (the recipe's learned-scale twin,
+  e.g. ``xnnpack_int4w_lsq``); ``qat_lsq_kd`` (both).
 
-Every perplexity is the ``.pte``'s, through the ExecuTorch runtime, on the same held-out blocks (the last 10%
-of the corpus, never trained on). Printed per recipe: ppl_ptq, ppl_qat and the recovered fraction
-(ppl_ptq - ppl_qat) / (ppl_ptq - ppl_fp). Targets: >= 75% for the 4-bit recipes; int8 recipes within 1% of
-ppl_fp. Re-running reuses the cached model and finished runs (``--force`` redoes the runs).
+Every perplexity is the ``.pte``'s, through the ExecuTorch runtime, on the same held-out blocks (the last 10% of
+the corpus, never trained on). The recovered fraction of a variant is ``(ppl_ptq - ppl_variant) / (ppl_ptq -
+ppl_control)`` with the same seed's fine-tuned FP control (and, printed beside it, against the untrained FP
+model). Printed per recipe and variant: mean ± sd over seeds. Targets (issue 16): the best QAT variant recovers
+>= 90% against the control, and beats plain QAT by more than the noise (its paired per-seed gain over plain QAT
+has a 95% t-interval above 0). Re-running reuses the cached model and the finished runs (``--force`` redoes them).
 
-    python scripts/bench_quality.py                         # tinyshakespeare, 3 recipes, about 30 min here
-    python scripts/bench_quality.py --corpus my.txt --recipes xnnpack_8da4w --qat_steps 200
+    python scripts/bench_quality.py                                   # 2 recipes x 5 variants x 3 seeds
+    python scripts/bench_quality.py --recipes xnnpack_8da4w --seeds 1 2 3 --qat_steps 200
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -33,15 +40,17 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
-RECIPES = ["xnnpack_int8_dynamic", "xnnpack_int4w_dynamic", "xnnpack_8da4w"]
-FOUR_BIT = {"xnnpack_int4w_dynamic", "xnnpack_8da4w"}
+RECIPES = ["xnnpack_int4w_dynamic", "xnnpack_8da4w"]
+LEARNED_SCALES = {"xnnpack_int4w_dynamic": "xnnpack_int4w_lsq", "xnnpack_8da4w": "xnnpack_8da4w_lsq"}
+VARIANTS = ["ptq", "qat", "qat_kd", "qat_lsq", "qat_lsq_kd"]
 PRETRAIN_STEPS = (
     1500  # tinyshakespeare's held-out loss is lowest here (3.92 at 1500 of 3000 steps; 3.98 at 3000: overfit)
 )
+DISTILL = {"kl_weight": 1.0, "temperature": 1.0, "hard_loss": False}
 
 
 def benchmark_model(corpus: str, steps: int) -> Path:
-    """The embedded architecture pretrained on ``corpus`` for ``steps`` steps (cached; see qharness.sources.models)."""
+    """The embedded architecture pretrained on ``corpus`` for ``steps`` steps (cached; see qharness.sources.embedded)."""
     from qharness.sources.embedded import EmbeddedSpec, embedded_dir
 
     return embedded_dir(replace(EmbeddedSpec(), steps=steps), str(corpus))
@@ -57,15 +66,38 @@ def fp_finetune_recipe(out: Path) -> Path:
     return path
 
 
-def sweep_config(out: Path, model_dir: Path, corpus: str, recipes: list[str], args) -> Path:
+def variant_runs(recipe: str) -> list[dict]:
+    """The sweep entries of one recipe's variants; run directories ``<recipe>-ptq``, ``<recipe>-qat``,
+    ``<recipe>_kd-qat``, ``<recipe>_lsq-qat``, ``<recipe>_lsq_kd-qat``."""
+    kd = {"model": {"distill": DISTILL}}
+    lsq = LEARNED_SCALES.get(recipe)
+    runs = [
+        {"recipe": recipe, "modes": ["ptq"], "name": recipe},
+        {"recipe": recipe, "modes": ["qat"], "name": recipe},
+        {"recipe": recipe, "modes": ["qat"], "name": f"{recipe}_kd", "config": kd},
+    ]
+    if lsq:
+        runs += [
+            {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq"},
+            {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq_kd", "config": kd},
+        ]
+    return runs
+
+
+def run_dir(sweep_dir: Path, recipe: str, variant: str) -> Path:
+    return sweep_dir / (f"{recipe}-{variant}" if variant in ("ptq", "qat") else f"{recipe}_{variant[4:]}-qat")
+
+
+def sweep_config(out: Path, seed: int, model_dir: Path, corpus: str, recipes: list[str], args) -> Path:
     config = {
-        "sweep_dir": str(out / "sweep"),
+        "sweep_dir": str(out / f"seed{seed}"),
         "baseline": "xnnpack_fp32",
         "runs": [{"recipe": str(fp_finetune_recipe(out)), "modes": ["qat"]}]
-        + [{"recipe": r, "modes": ["ptq", "qat"]} for r in recipes],
+        + [entry for r in recipes for entry in variant_runs(r)],
         "config": {
+            "seed_everything": seed,
             "model": {"checkpoint": str(model_dir), "lr": args.lr, "warmup_steps": max(1, args.qat_steps // 10)},
-            "data": {"source": str(corpus), "seq_len": 128, "batch_size": args.batch_size},
+            "data": {"source": str(corpus), "seq_len": 128, "batch_size": args.batch_size, "seed": seed},
             "trainer": {
                 "max_steps": args.qat_steps,
                 "val_check_interval": min(args.qat_steps, 100),
@@ -78,78 +110,131 @@ def sweep_config(out: Path, model_dir: Path, corpus: str, recipes: list[str], ar
             "eval": {"enabled": False},
             "wandb": {"enabled": False},
         },
-        "report": {"metric": "ppl"},
+        "report": {"metric": "ppl", "bench_processes": 0},
     }
-    path = out / "sweep.yaml"
+    path = out / f"sweep_seed{seed}.yaml"
     path.write_text("# written by scripts/bench_quality.py\n" + yaml.safe_dump(config, sort_keys=False))
     return path
 
 
-def pte_ppl(run_dir: Path) -> float | None:
-    summary = run_dir / "summary.json"
+def pte_ppl(path: Path) -> float | None:
+    summary = path / "summary.json"
     if not summary.is_file():
         return None
     return json.loads(summary.read_text())["metrics"]["pte"]["ppl"]
 
 
-def recovery_rows(sweep_dir: Path, recipes: list[str]) -> tuple[float, float | None, list[dict]]:
-    ppl_fp = pte_ppl(sweep_dir / "xnnpack_fp32-ptq")
-    ppl_ft = pte_ppl(sweep_dir / "fp32_finetune-qat")
-    if ppl_fp is None:
-        sys.exit(f"the FP baseline run did not finish: see {sweep_dir / 'xnnpack_fp32-ptq' / 'sweep.log'}")
+def seed_rows(sweep_dir: Path, recipes: list[str]) -> dict:
+    """One seed's ppls: ``{"fp", "control", recipe: {variant: ppl}}`` (None: the run did not finish)."""
+    out = {"fp": pte_ppl(sweep_dir / "xnnpack_fp32-ptq"), "control": pte_ppl(sweep_dir / "fp32_finetune-qat")}
+    for r in recipes:
+        out[r] = {v: pte_ppl(run_dir(sweep_dir, r, v)) for v in VARIANTS}
+    return out
+
+
+def recovered(ptq: float | None, ppl: float | None, reference: float | None) -> float | None:
+    if None in (ptq, ppl, reference) or ptq == reference:
+        return None
+    return (ptq - ppl) / (ptq - reference)
+
+
+def mean_sd(values: list[float | None]) -> tuple[float | None, float | None, int]:
+    xs = [v for v in values if v is not None]
+    if not xs:
+        return None, None, 0
+    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else None), len(xs)
+
+
+def t_interval(diffs: list[float]) -> tuple[float, float] | None:
+    """95% t-interval of the mean of paired differences (None below 2 pairs)."""
+    if len(diffs) < 2:
+        return None
+    from scipy import stats
+
+    m, se = statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+    h = stats.t.ppf(0.975, len(diffs) - 1) * se
+    return m - h, m + h
+
+
+def summarize(per_seed: dict[int, dict], recipes: list[str]) -> list[dict]:
     rows = []
     for r in recipes:
-        ptq, qat = pte_ppl(sweep_dir / f"{r}-ptq"), pte_ppl(sweep_dir / f"{r}-qat")
-        row = {"recipe": r, "ppl_fp": ppl_fp, "ppl_ptq": ptq, "ppl_qat": qat, "recovered": None}
-        if ptq is not None and qat is not None and ptq != ppl_fp:
-            row["recovered"] = (ptq - qat) / (ptq - ppl_fp)
-        if ppl_ft is not None and ptq is not None and qat is not None and ptq != ppl_ft:
-            row["recovered_vs_finetuned_fp"] = (ptq - qat) / (ptq - ppl_ft)
-        rows.append(row)
-    return ppl_fp, ppl_ft, rows
+        for v in VARIANTS:
+            ppls = [s[r][v] for s in per_seed.values()]
+            vs_control = [recovered(s[r]["ptq"], s[r][v], s["control"]) for s in per_seed.values()]
+            vs_fp = [recovered(s[r]["ptq"], s[r][v], s["fp"]) for s in per_seed.values()]
+            gain = [  # recovered vs control, this variant minus plain QAT, paired by seed
+                a - b
+                for a, b in zip(
+                    vs_control, [recovered(s[r]["ptq"], s[r]["qat"], s["control"]) for s in per_seed.values()]
+                )
+                if a is not None and b is not None
+            ]
+            rows.append(
+                {
+                    "recipe": r,
+                    "variant": v,
+                    "ppl": mean_sd(ppls),
+                    "recovered_vs_control": mean_sd(vs_control) if v != "ptq" else (None, None, 0),
+                    "recovered_vs_fp": mean_sd(vs_fp) if v != "ptq" else (None, None, 0),
+                    "gain_over_qat_ci": t_interval(gain) if v not in ("ptq", "qat") else None,
+                }
+            )
+    return rows
 
 
-def verdict(row: dict) -> str:
-    def pct(v):
-        return "n/a" if v is None else f"{v:.1%}"
+def format_table(rows: list[dict]) -> str:
+    def ms(t, spec):
+        m, sd, n = t
+        if m is None:
+            return "n/a"
+        return format(m, spec) + (f" ± {format(sd, spec)}" if sd is not None else "") + f" (n={n})"
 
-    if row["ppl_ptq"] is None or row["ppl_qat"] is None:
-        return "a run failed (see its sweep.log)"
-    if row["recipe"] in FOUR_BIT:
-        ok = row["recovered"] is not None and row["recovered"] >= 0.75
-        return f"recovered {pct(row['recovered'])} (target >= 75%): {'MET' if ok else 'NOT MET'}"
-    worst = max(row["ppl_ptq"], row["ppl_qat"]) / row["ppl_fp"] - 1
-    return f"PTQ {row['ppl_ptq'] / row['ppl_fp'] - 1:+.2%}, QAT {row['ppl_qat'] / row['ppl_fp'] - 1:+.2%} of FP (target within 1%): {'MET' if worst <= 0.01 else 'NOT MET'}"
-
-
-def format_rows(ppl_fp: float, ppl_ft: float | None, rows: list[dict]) -> str:
-    def f(v, spec=".3f"):
-        return "n/a" if v is None else format(v, spec)
-
-    table = [
-        ("recipe", "ppl FP", "ppl PTQ", "ppl QAT", "PTQ - FP", "QAT - FP", "recovered", "recovered vs FP fine-tuned")
-    ]
+    table = [("recipe", "variant", ".pte ppl", "recovered vs FP fine-tuned", "recovered vs FP", "gain over plain QAT")]
     for r in rows:
-        d = lambda v: None if v is None else v - ppl_fp
+        ci = r["gain_over_qat_ci"]
         table.append(
             (
                 r["recipe"],
-                f(ppl_fp),
-                f(r["ppl_ptq"]),
-                f(r["ppl_qat"]),
-                f(d(r["ppl_ptq"]), "+.3f"),
-                f(d(r["ppl_qat"]), "+.3f"),
-                f(r["recovered"], ".1%"),
-                f(r.get("recovered_vs_finetuned_fp"), ".1%"),
+                r["variant"],
+                ms(r["ppl"], ".3f"),
+                ms(r["recovered_vs_control"], ".1%"),
+                ms(r["recovered_vs_fp"], ".1%"),
+                "" if ci is None else f"[{ci[0]:+.1%}, {ci[1]:+.1%}]",
             )
         )
     width = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in table]
-    if ppl_ft is not None:
-        lines.append(
-            f"control: the FP model fine-tuned with the QAT runs' steps and learning rate: .pte ppl {ppl_ft:.3f} ({ppl_ft / ppl_fp - 1:+.2%} of FP)"
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, width)).rstrip() for row in table)
+
+
+def verdicts(rows: list[dict], recipes: list[str]) -> list[str]:
+    out = []
+    for r in recipes:
+        cands = [
+            x
+            for x in rows
+            if x["recipe"] == r and x["variant"] not in ("ptq",) and x["recovered_vs_control"][0] is not None
+        ]
+        if not cands:
+            out.append(f"{r}: no finished QAT variant")
+            continue
+        best = max(cands, key=lambda x: x["recovered_vs_control"][0])
+        ci = best["gain_over_qat_ci"]
+        beats = ci is not None and ci[0] > 0
+        rec = best["recovered_vs_control"][0]
+        out.append(
+            f"{r}: best variant {best['variant']} recovers {rec:.1%} vs the fine-tuned FP control (target >= 90%: "
+            f"{'MET' if rec >= 0.9 else 'NOT MET'}); gain over plain QAT "
+            + (
+                "n/a (it is plain QAT)"
+                if best["variant"] == "qat"
+                else f"95% CI [{ci[0]:+.1%}, {ci[1]:+.1%}]"
+                if ci
+                else "n/a (< 2 seeds)"
+            )
+            + f" ({'beats plain QAT beyond the noise' if beats else 'not beyond the noise'})"
         )
-    return "\n".join(lines)
+    return out
 
 
 def main(argv=None) -> None:
@@ -158,13 +243,9 @@ def main(argv=None) -> None:
         "--corpus", default=str(DEFAULT_CORPUS), help="text file (or data.source) to pretrain and evaluate on"
     )
     p.add_argument("--recipes", nargs="+", default=RECIPES)
-    p.add_argument("--out", default="runs/bench_quality", help="directory of the sweep, its runs and results.json")
-    p.add_argument(
-        "--pretrain_steps",
-        type=int,
-        default=PRETRAIN_STEPS,
-        help="pretraining steps of the benchmark model (batch 16 x 128)",
-    )
+    p.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3], help="one sweep per seed (QAT data order, init)")
+    p.add_argument("--out", default="runs/bench_quality", help="directory of the sweeps, their runs and results.json")
+    p.add_argument("--pretrain_steps", type=int, default=PRETRAIN_STEPS, help="pretraining steps (batch 16 x 128)")
     p.add_argument("--qat_steps", type=int, default=200, help="QAT (and FP control) optimizer steps")
     p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate of QAT (cosine decay after 10%% warm-up)")
     p.add_argument("--batch_size", type=int, default=16)
@@ -177,6 +258,9 @@ def main(argv=None) -> None:
             f"error: --corpus {corpus} does not exist. fix: pass --corpus PATH (a text file), "
             f"or put tinyshakespeare at {DEFAULT_CORPUS}"
         )
+    unknown = [r for r in a.recipes if r not in LEARNED_SCALES]
+    if unknown:
+        sys.exit(f"error: --recipes {unknown}: no learned-scale twin known. fix: choose among {sorted(LEARNED_SCALES)}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -186,43 +270,45 @@ def main(argv=None) -> None:
     model_dir = benchmark_model(str(corpus.resolve()), a.pretrain_steps)
     info = json.loads((model_dir / "qharness_pretrain.json").read_text())
     t_pretrain = time.perf_counter() - t0
-    cmd = [
-        sys.executable,
-        "-m",
-        "qharness",
-        "sweep",
-        str(sweep_config(out, model_dir, str(corpus.resolve()), a.recipes, a)),
-    ]
-    if a.force:
-        cmd.append("--force")
-    print("$ " + " ".join(cmd), flush=True)
-    t1 = time.perf_counter()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    subprocess.run(cmd, env=env, check=False)
-    t_sweep = time.perf_counter() - t1
+    per_seed, t1 = {}, time.perf_counter()
+    for seed in a.seeds:
+        cmd = [
+            sys.executable,
+            "-m",
+            "qharness",
+            "sweep",
+            str(sweep_config(out, seed, model_dir, str(corpus.resolve()), a.recipes, a)),
+        ]
+        cmd += ["--force"] if a.force else []
+        print("$ " + " ".join(cmd), flush=True)
+        subprocess.run(cmd, env=env, check=False)
+        per_seed[seed] = seed_rows(out / f"seed{seed}", a.recipes)
+    t_sweeps = time.perf_counter() - t1
 
-    ppl_fp, ppl_ft, rows = recovery_rows(out / "sweep", a.recipes)
+    rows = summarize(per_seed, a.recipes)
     curve = ", ".join(f"{s}: {v:.3f}" for s, v in info.get("val_loss", []))
+    fp, control = mean_sd([s["fp"] for s in per_seed.values()]), mean_sd([s["control"] for s in per_seed.values()])
     print(
         f"\nbenchmark model: {model_dir} ({corpus.name}; pretrained {info['spec']['steps']} steps, batch "
         f"{info['spec']['batch_size']} x {info['spec']['seq_len']}; held-out loss by step: {curve or 'n/a'})"
     )
     print(
-        f"QAT: {a.qat_steps} steps, batch {a.batch_size} x 128, lr {a.lr:g}; every ppl: the .pte through the ExecuTorch runtime on "
-        f"{a.eval_blocks} held-out blocks of 128 tokens; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
-        f"pretraining/cache {t_pretrain:.0f} s, sweep {t_sweep:.0f} s"
+        f"QAT: {a.qat_steps} steps, batch {a.batch_size} x 128, lr {a.lr:g}, seeds {a.seeds}; distillation {DISTILL}; "
+        f"every ppl: the .pte through the ExecuTorch runtime on {a.eval_blocks} held-out blocks of 128 tokens; "
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; pretraining/cache {t_pretrain:.0f} s, sweeps {t_sweeps:.0f} s"
     )
-    print(format_rows(ppl_fp, ppl_ft, rows))
-    for r in rows:
-        print(f"{r['recipe']}: {verdict(r)}")
+    print(f"FP .pte ppl: {fp[0]}; FP fine-tuned (control): mean {control[0]}, sd {control[1]} over {control[2]} seeds")
+    print(format_table(rows))
+    for line in verdicts(rows, a.recipes):
+        print(line)
     result = {
         "model_dir": str(model_dir),
         "pretrain": info,
-        "ppl_fp": ppl_fp,
-        "ppl_fp_finetuned": ppl_ft,
+        "per_seed": per_seed,
         "rows": rows,
         "args": vars(a),
-        "sweep_s": t_sweep,
+        "sweeps_s": t_sweeps,
     }
     (out / "results.json").write_text(json.dumps(result, indent=2))
 
