@@ -133,6 +133,9 @@ def main(argv: list[str] | None = None) -> None:
             call(getattr(commands, argv[0]), argv[1:], prog=f"qharness {argv[0]}")
             return
         argv = rewrite_argv(argv)
+        from qharness.cli.precheck import precheck
+
+        precheck(argv)  # the config's own errors in about a second, before torch loads
         check_tasks_early(argv)
         from qharness.cli.lightning import run_lightning_cli
 

@@ -10,12 +10,11 @@ Example::
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
+from qharness.data.args import check_data_args
 from qharness.errors import UserError
 from qharness.sources.text import load_texts, tokenize_stream
 
@@ -102,16 +101,7 @@ class TextDataModule(L.LightningDataModule):
             trust_remote_code: Allow the tokenizer's own code from the hub (off by default; only for sources you trust).
         """
         super().__init__()
-        if seq_len < 2:
-            raise UserError(f"data.seq_len must be at least 2 (got {seq_len})")
-        if batch_size < 1:
-            raise UserError(f"data.batch_size must be positive (got {batch_size})")
-        if not 0.0 < val_fraction < 1.0:
-            raise UserError(f"data.val_fraction must lie in (0, 1) (got {val_fraction})")
-        if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
-            raise UserError(
-                f"data.source {source} does not exist", fix="give an existing file or directory, or a hub dataset id"
-            )
+        check_data_args(source, seq_len, batch_size, val_fraction)
         self.save_hyperparameters()
         self.source, self.text_field, self.tokenizer_source = source, text_field, tokenizer
         self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed

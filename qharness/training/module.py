@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from qharness.errors import UserError
-from qharness.recipes.registry import load_recipe
+from qharness.training.model_args import check_model_args
 from qharness.upstream import imports
 
 
@@ -223,36 +223,15 @@ class QuantLM(L.LightningModule):
         distill = Distill(**distill) if isinstance(distill, dict) else distill
         self.hparams.distill = dataclasses.asdict(distill) if distill is not None else None  # plain data in checkpoints
         self.distill = distill
-        self.recipe = load_recipe(recipe)
-        self.recipe.check_mode(mode)
-        if distill is not None and mode != "qat":
-            raise UserError(
-                f"model.distill needs model.mode: qat (got {mode!r}: PTQ trains nothing)",
-                fix="set model.mode: qat, or remove model.distill",
-            )
-        if lr <= 0:
-            raise UserError(f"model.lr must be positive (got {lr})")
-        if warmup_steps < 0:
-            raise UserError(f"model.warmup_steps must be >= 0 (got {warmup_steps})")
-        if fake_quant_after_n_steps < 0 or (
-            freeze_observers_after_n_steps is not None and freeze_observers_after_n_steps < 0
-        ):
-            raise UserError(
-                f"model.fake_quant_after_n_steps and model.freeze_observers_after_n_steps must be >= 0 "
-                f"(got {fake_quant_after_n_steps}, {freeze_observers_after_n_steps})"
-            )
-        if mode == "qat" and (fake_quant_after_n_steps or freeze_observers_after_n_steps is not None):
-            if self.recipe.kind == "source":
-                raise UserError(
-                    f"recipe {recipe!r} fake-quantizes inside its modules at export time: fake_quant_after_n_steps and "
-                    "freeze_observers_after_n_steps need a PT2E recipe",
-                    fix="leave them unset, or use xnnpack_int8_dynamic / xnnpack_int4w_dynamic",
-                )
-        if mode == "ptq" and self.recipe.learns_scales:
-            raise UserError(
-                f"recipe {recipe!r} learns its weight scales (learn_scales: true), which needs training",
-                fix="use mode qat, or a recipe without learn_scales for PTQ",
-            )
+        self.recipe = check_model_args(
+            recipe,
+            mode,
+            lr,
+            warmup_steps,
+            fake_quant_after_n_steps,
+            freeze_observers_after_n_steps,
+            distill is not None,
+        )
         if checkpoint != "embedded":
             from qharness.sources.models import resolve_checkpoint
 

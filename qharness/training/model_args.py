@@ -1,0 +1,55 @@
+"""The ``model`` group's own checks (``QuantLM``'s arguments), without torch: the CLI runs them before it loads anything."""
+
+from __future__ import annotations
+
+from qharness.errors import UserError
+from qharness.recipes.registry import Recipe, load_recipe
+
+
+def check_model_args(
+    recipe: str,
+    mode: str,
+    lr: float,
+    warmup_steps: int,
+    fake_quant_after_n_steps: int = 0,
+    freeze_observers_after_n_steps: int | None = None,
+    distill: bool = False,
+) -> Recipe:
+    """The recipe (loaded and checked for ``mode``) if the arguments make sense together, else a ``UserError``.
+
+    Example::
+
+        check_model_args("xnnpack_int8_dynamic", "qat", lr=1e-4, warmup_steps=10).kind   # "pt2e"
+        check_model_args("xnnpack_int8_dynamic", "qat", lr=-1, warmup_steps=10)          # UserError: model.lr ...
+    """
+    loaded = load_recipe(recipe)
+    loaded.check_mode(mode)
+    if distill and mode != "qat":
+        raise UserError(
+            f"model.distill needs model.mode: qat (got {mode!r}: PTQ trains nothing)",
+            fix="set model.mode: qat, or remove model.distill",
+        )
+    if not lr > 0 or lr == float("inf"):
+        raise UserError(f"model.lr must be positive (got {lr})", fix="e.g. model.lr: 1.0e-4")
+    if warmup_steps < 0:
+        raise UserError(f"model.warmup_steps must be >= 0 (got {warmup_steps})")
+    if fake_quant_after_n_steps < 0 or (
+        freeze_observers_after_n_steps is not None and freeze_observers_after_n_steps < 0
+    ):
+        raise UserError(
+            f"model.fake_quant_after_n_steps and model.freeze_observers_after_n_steps must be >= 0 "
+            f"(got {fake_quant_after_n_steps}, {freeze_observers_after_n_steps})"
+        )
+    if mode == "qat" and (fake_quant_after_n_steps or freeze_observers_after_n_steps is not None):
+        if loaded.kind == "source":
+            raise UserError(
+                f"recipe {recipe!r} fake-quantizes inside its modules at export time: fake_quant_after_n_steps and "
+                "freeze_observers_after_n_steps need a PT2E recipe",
+                fix="leave them unset, or use xnnpack_int8_dynamic / xnnpack_int4w_dynamic",
+            )
+    if mode == "ptq" and loaded.learns_scales:
+        raise UserError(
+            f"recipe {recipe!r} learns its weight scales (learn_scales: true), which needs training",
+            fix="use mode qat, or a recipe without learn_scales for PTQ",
+        )
+    return loaded
