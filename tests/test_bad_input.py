@@ -93,7 +93,7 @@ CASES = {
         "exceeds the model's context",
     ),
     "seq_len too small": (lambda t: _cfg(t, data={"seq_len": 1}), "data.seq_len must be at least 2"),
-    "zero batch size": (lambda t: _cfg(t, data={"batch_size": 0}), "data.batch_size positive"),
+    "zero batch size": (lambda t: _cfg(t, data={"batch_size": 0}), "data.batch_size must be positive (got 0)"),
     "val_fraction out of range": (lambda t: _cfg(t, data={"val_fraction": 1.5}), "data.val_fraction"),
     "model dir missing": (lambda t: _cfg(t, model={"checkpoint": str(t.tmp / "no_model")}), "does not exist"),
     "model path is a file": (lambda t: _cfg(t, model={"checkpoint": str(_write(t, "m.bin", "x"))}), "is a file"),
@@ -234,7 +234,7 @@ CASES = {
         lambda t: _cfg(t, parity={"max_ppl_rel_diff": float("nan")}),
         "parity.max_ppl_rel_diff must be a number >= 0",
     ),
-    "zero bench reps": (lambda t: _cfg(t, bench={"reps": 0}), "reps must be >= 1 (got 16, 8, 0)"),
+    "zero bench reps": (lambda t: _cfg(t, bench={"reps": 0}), "bench.reps must be a number >= 1 (got 0)"),
     "zero distillation temperature": (
         lambda t: [*_cfg(t, model={"distill": {"kl_weight": 1.0}}), "--model.distill.temperature", "0"],
         "model.distill.temperature must be a positive number (got 0.0). fix: set model.distill.temperature > 0",

@@ -32,13 +32,14 @@ def check_model_args(
     if not lr > 0 or lr == float("inf"):
         raise UserError(f"model.lr must be positive (got {lr})", fix="e.g. model.lr: 1.0e-4")
     if warmup_steps < 0:
-        raise UserError(f"model.warmup_steps must be >= 0 (got {warmup_steps})")
+        raise UserError(f"model.warmup_steps must be >= 0 (got {warmup_steps})", fix="e.g. model.warmup_steps: 10")
     if fake_quant_after_n_steps < 0 or (
         freeze_observers_after_n_steps is not None and freeze_observers_after_n_steps < 0
     ):
         raise UserError(
             f"model.fake_quant_after_n_steps and model.freeze_observers_after_n_steps must be >= 0 "
-            f"(got {fake_quant_after_n_steps}, {freeze_observers_after_n_steps})"
+            f"(got {fake_quant_after_n_steps}, {freeze_observers_after_n_steps})",
+            fix="set them >= 0 (freeze_observers_after_n_steps: null never freezes)",
         )
     if mode == "qat" and (fake_quant_after_n_steps or freeze_observers_after_n_steps is not None):
         if loaded.kind == "source":

@@ -1,0 +1,93 @@
+"""Fast validation (qharness/cli/precheck.py): a bad run config fails with one error line before torch loads,
+and every config the full CLI accepts passes it."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, write_config
+
+from qharness.cli.precheck import merged_config, precheck
+from qharness.errors import UserError
+
+
+def _good(tmp, **sections):
+    return write_config(tmp / "c.yaml", "embedded", "embedded", tmp / "run", **sections)
+
+
+def _text(tmp, text):
+    (tmp / "c.yaml").write_text(text)
+    return tmp / "c.yaml"
+
+
+# name: (config path from tmp, extra arguments, expected in the error line)
+CASES = {
+    "bad lr": (lambda t: _good(t, model={"lr": -1}), [], "model.lr must be positive (got -1)"),
+    "bad lr override": (lambda t: _good(t), ["--model.lr=-1"], "model.lr must be positive (got -1)"),
+    "bad warmup override": (lambda t: _good(t), ["--model.warmup_steps", "-2"], "model.warmup_steps must be >= 0"),
+    "unknown field": (lambda t: _good(t, data={"seq_lenn": 3}), [], "unknown config field(s) data.seq_lenn"),
+    "unknown field override": (lambda t: _good(t), ["--model.recipee", "x"], "unknown config field(s) model.recipee"),
+    "unknown section": (lambda t: _text(t, "modle: {lr: 1}\n"), [], "unknown config section(s) modle"),
+    "missing file": (lambda t: t / "nope.yaml", [], "config file " + "{tmp}/nope.yaml does not exist"),
+    "YAML syntax": (lambda t: _text(t, "model: {lr: 1\n"), [], "c.yaml is not valid YAML (line 2"),
+    "not a mapping": (lambda t: _text(t, "- model\n"), [], "c.yaml must hold a mapping of sections (got list)"),
+    "unknown recipe": (
+        lambda t: _good(t),
+        ["--model.recipe", "xnnpack_int3"],
+        "unknown recipe 'xnnpack_int3'. fix: use one of: vulkan_int8w, ",
+    ),
+    "unknown mode": (lambda t: _good(t), ["--model.mode", "int8"], "does not support mode 'int8'"),
+    "missing data.source": (
+        lambda t: _good(t, data={"source": str(t / "none.txt")}),
+        [],
+        "data.source {tmp}/none.txt does not exist",
+    ),
+    "bad section value": (lambda t: _good(t), ["--parity.prompts", "0"], "parity.prompts must be a number >= 1"),
+    "bad deploy filename": (lambda t: _good(t, deploy={"filename": "x.bin"}), [], "deploy.filename 'x.bin'"),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_config_fails_before_torch(name, tmp_path):
+    make, extra, expected = CASES[name]
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "qharness", "fit", "--config", str(make(tmp_path)), *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = result.stderr.splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(errors) == 1 and expected.format(tmp=tmp_path) in errors[0], errors
+    assert " fix: " in errors[0]
+    assert "Traceback" not in result.stderr
+    heavy = [line for line in lines if re.search(r"\|\s+(torch|lightning|transformers|executorch)(\.|$)", line)]
+    assert not heavy, heavy[:3]
+
+
+def test_shipped_and_test_configs_pass(tmp_path):
+    for config in [ROOT / "configs" / "qat_xnnpack.yaml", ROOT / "configs" / "ptq_xnnpack.yaml", _good(tmp_path)]:
+        for sub in ("fit", "calibrate", "validate", "test", "export", "evaluate"):
+            precheck([sub, "--config", str(config), "--trainer.max_steps", "5", "--model.lr=1e-3"])
+
+
+def test_overrides_and_what_it_cannot_read(tmp_path):
+    cfg, unclear = merged_config(
+        ["--config", str(_good(tmp_path)), "--model.lr", "-1", "--data.seq_len=16", "--trainer.callbacks+=X"]
+    )
+    assert cfg["model"]["lr"] == -1 and cfg["data"]["seq_len"] == 16 and cfg["data"]["batch_size"] == 4
+    assert unclear == {"trainer"}
+    with pytest.raises(UserError, match="model.lr must be positive"):
+        precheck(["fit", "--config", str(_good(tmp_path)), "--model.lr", "-1"])
+    # a whole section given another way, a config given inline, help: left to LightningCLI
+    precheck(["fit", "--config", str(_good(tmp_path)), "--model", '{"lr": -1}'])
+    precheck(["fit", "--config", "{model: {lr: 2.0e-4}}"])
+    precheck(["fit", "--config", str(_good(tmp_path, model={"lr": -1})), "--help"])
+    # a later --config overrides an earlier one, key by key
+    later = Path(tmp_path / "later.yaml")
+    later.write_text("model: {lr: 0.001}\n")
+    precheck(["fit", "--config", str(_good(tmp_path, model={"lr": -1})), "--config", str(later)])
