@@ -101,7 +101,9 @@ class ParityConfig:
         )
         for name in ("min_argmax_agreement", "fake_quant_min_argmax_agreement"):
             if not 0.0 <= getattr(self, name) <= 1.0:
-                raise UserError(f"parity.{name} must lie in [0, 1] (got {getattr(self, name)})")
+                raise UserError(
+                    f"parity.{name} must lie in [0, 1] (got {getattr(self, name)})", fix=f"set parity.{name} <= 1"
+                )
         if self.max_abs_diff is not None:
             _at_least("parity", max_abs_diff=(self.max_abs_diff, 0))
 
