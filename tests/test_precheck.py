@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, write_config
+import yaml
+from conftest import ROOT, run_cli, write_config
 
 from qharness.cli.precheck import merged_config, precheck
 from qharness.errors import UserError
@@ -73,6 +74,24 @@ def test_shipped_and_test_configs_pass(tmp_path):
     for config in [ROOT / "configs" / "qat_xnnpack.yaml", ROOT / "configs" / "ptq_xnnpack.yaml", _good(tmp_path)]:
         for sub in ("fit", "calibrate", "validate", "test", "export", "evaluate"):
             precheck([sub, "--config", str(config), "--trainer.max_steps", "5", "--model.lr=1e-3"])
+
+
+def test_sweep_run_configs_pass(tmp_path):
+    from qharness.reporting.sweep import load_sweep, plan
+
+    for run in plan(load_sweep(ROOT / "configs" / "sweep_xnnpack.yaml")):
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump(run.config))
+        precheck([run.subcommand, "--config", str(tmp_path / "run.yaml")])
+
+
+def test_full_cli_config_passes(tmp_path):
+    """The complete config LightningCLI prints (every section and field, as ``config.yaml`` in a run) passes."""
+    for sub in ("fit",):  # evaluate's config adds only its options (pte, tasks, limit, num_fewshot, models)
+        printed = run_cli(sub, "--config", ROOT / "configs" / "ptq_xnnpack.yaml", "--print_config")
+        assert printed.returncode == 0, printed.stderr[-2000:]
+        (tmp_path / f"{sub}.yaml").write_text(printed.stdout)
+        assert {"model", "data", "trainer", "ckpt_path"} <= set(yaml.safe_load(printed.stdout))
+        precheck([sub, "--config", str(tmp_path / f"{sub}.yaml")])
 
 
 def test_overrides_and_what_it_cannot_read(tmp_path):
