@@ -226,9 +226,8 @@ def precheck(argv: list[str]) -> None:
     args = argv[1:]
     if any(a in ("-h", "--help") or a.startswith("--print_config") or a.endswith(".help") for a in args):
         return
-    cfg, unclear = merged_config(args)
     try:
-        check_config(cfg, unclear)
+        check_config(*merged_config(args))
     except UserError:
         raise
     except Exception:  # noqa: BLE001  whatever this quick look cannot handle, LightningCLI's full check decides
