@@ -4,7 +4,7 @@ Each case is one mistake in a small valid config (or a broken file); every repet
 ``python -m qharness fit --config ...`` process, timed from its start to its exit. Prints, per case, the
 median and min-max seconds over the repetitions, the exit code, whether all repetitions stayed under the
 target, and the error line. ``--baseline`` adds one mistake that only the full LightningCLI check finds
-(``trainer.max_steps 0``: torch and Lightning load first), for contrast.
+(``trainer.precision bf16-true`` with QAT: torch and Lightning load first), for contrast.
 
     python scripts/bench_validation.py                  # 5 repetitions per case
     python scripts/bench_validation.py --reps 3 --baseline
@@ -53,6 +53,7 @@ def cases(tmp: Path) -> dict[str, tuple[Path, list[str]]]:
         "unknown recipe": (config("recipe", model={"recipe": "xnnpack_int3"}), []),
         "missing data.source": (config("source", data={"source": str(tmp / "none.txt")}), []),
         "bad parity value": (config("parity", parity={"min_argmax_agreement": 5.0}), []),
+        "deploy.max_seq_len <= seq_len": (config("lengths", deploy={"max_seq_len": 32}), []),
     }
 
 
@@ -81,7 +82,7 @@ def main() -> None:
         tmp = Path(tmp)
         todo = {name: (*case, args.reps) for name, case in cases(tmp).items()}
         if args.baseline:
-            todo["baseline: trainer.max_steps 0"] = (tmp / "good.yaml", ["--trainer.max_steps", "0"], 1)
+            todo["baseline: bf16 QAT (LightningCLI)"] = (tmp / "good.yaml", ["--trainer.precision", "bf16-true"], 1)
         print(f"{'case':<32} {'median s':>8} {'min-max s':>13} {'rc':>3} {'<3 s':>5}  error line")
         for name, (config, extra, reps) in todo.items():
             runs = [run_once(config, extra, ROOT) for _ in range(reps)]

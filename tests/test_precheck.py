@@ -46,6 +46,8 @@ CASES = {
         "data.source {tmp}/none.txt does not exist",
     ),
     "bad section value": (lambda t: _good(t), ["--parity.prompts", "0"], "parity.prompts must be a number >= 1"),
+    "across sections": (lambda t: _good(t, deploy={"max_seq_len": 32}), [], "deploy.max_seq_len=32 must exceed"),
+    "zero max_steps": (lambda t: _good(t), ["--trainer.max_steps", "0"], "trainer.max_steps must be positive"),
     "bad deploy filename": (lambda t: _good(t, deploy={"filename": "x.bin"}), [], "deploy.filename 'x.bin'"),
 }
 

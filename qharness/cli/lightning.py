@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from qharness.cli.precheck import check_steps_and_lengths
 from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig, WandbConfig
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
@@ -84,13 +85,18 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         raise UserError(
             f"data.seq_len must be at least 2 and data.batch_size positive (got {cfg.data.seq_len}, {cfg.data.batch_size})"
         )
-    steps = cfg.trainer.max_steps
-    if steps is not None and (steps == 0 or steps < -1):
-        raise UserError(f"trainer.max_steps must be positive, or -1 to use trainer.max_epochs (got {steps})")
-    if cfg.trainer.max_epochs is not None and cfg.trainer.max_epochs == 0:
-        raise UserError("trainer.max_epochs must be positive")
-    if cfg.checkpoint.every_n_train_steps is not None and cfg.checkpoint.every_n_train_steps < 0:
-        raise UserError(f"checkpoint.every_n_train_steps must be >= 0 (got {cfg.checkpoint.every_n_train_steps})")
+    seq_len, deploy, par = cfg.data.seq_len, cfg.deploy, cfg.parity
+    check_steps_and_lengths(  # each section checked its own fields when it was built (qharness/config.py)
+        cfg.trainer.max_steps,
+        cfg.trainer.max_epochs,
+        cfg.checkpoint.every_n_train_steps,
+        seq_len,
+        cfg.data.batch_size,
+        deploy.max_seq_len,
+        par.eval_blocks,
+        par.prompt_len,
+        par.decode_steps,
+    )
     root = Path(cfg.trainer.default_root_dir)
     for parent in (root, *root.parents):
         if parent.exists():
@@ -101,22 +107,6 @@ def preflight(cfg, subcommand: str | None = None) -> None:
                     f"trainer.default_root_dir {root}: {parent} is not writable", fix="choose a writable directory"
                 )
             break
-    seq_len, deploy = cfg.data.seq_len, cfg.deploy
-    if deploy.max_seq_len <= seq_len:
-        raise UserError(
-            f"deploy.max_seq_len={deploy.max_seq_len} must exceed data.seq_len={seq_len}",
-            fix=f"set deploy.max_seq_len >= {seq_len + 1}",
-        )
-    par = (
-        cfg.parity
-    )  # each section checked its own fields when it was built (qharness/config.py); here: across sections
-    if par.eval_blocks < cfg.data.batch_size:
-        raise UserError(f"parity.eval_blocks={par.eval_blocks} must be >= data.batch_size={cfg.data.batch_size}")
-    if par.prompt_len > seq_len or par.prompt_len + par.decode_steps >= deploy.max_seq_len:
-        raise UserError(
-            f"parity.prompt_len={par.prompt_len} (+ decode_steps={par.decode_steps}) must fit data.seq_len={seq_len} "
-            f"and deploy.max_seq_len={deploy.max_seq_len}"
-        )
     if cfg.deploy.enabled and cfg.bench.enabled:
         from qharness.runtime.bench import check_lengths
 

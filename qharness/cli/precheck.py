@@ -174,7 +174,8 @@ def _check_model(model: dict) -> None:
     check_model_args(m["recipe"], m["mode"], lr, warmup, fq, freeze, distill=m["distill"] is not None)
 
 
-def _check_data(data: dict) -> None:
+def _check_data(data: dict) -> tuple[int, int] | None:
+    """``(seq_len, batch_size)`` once the data group passes, None when its values are of other types."""
     defaults = init_defaults("data/datamodule.py", "TextDataModule")
     _unknown_fields("data", data, defaults)
     d = {**defaults, **data}
@@ -183,28 +184,76 @@ def _check_data(data: dict) -> None:
         _number(d["batch_size"], int),
         _number(d["val_fraction"]),
     )
-    if isinstance(d["source"], str) and None not in (seq_len, batch_size, val_fraction):
-        check_data_args(d["source"], seq_len, batch_size, val_fraction)
+    if not isinstance(d["source"], str) or None in (seq_len, batch_size, val_fraction):
+        return None
+    check_data_args(d["source"], seq_len, batch_size, val_fraction)
+    return seq_len, batch_size
 
 
-def _check_section(name: str, values: dict) -> None:
-    """Build the section's dataclass (it checks its own fields); numeric strings become numbers as jsonargparse
-    makes them; a list field given as something else passes unchecked."""
+def _check_section(name: str, values: dict):
+    """The section's dataclass, built from ``values`` (it checks its own fields); numeric strings become numbers
+    as jsonargparse makes them. None (unchecked) when a value has another type, e.g. a list field given a string."""
     fields = {f.name: f for f in dataclasses.fields(SECTIONS[name])}
     _unknown_fields(name, values, fields)
     kwargs = {}
     for key, value in values.items():
         kind = str(fields[key].type)
         if "list" in kind and not isinstance(value, list):
-            return
+            return None
         if isinstance(value, str) and "str" not in kind and ("int" in kind or "float" in kind):
             number = _number(value, float if "float" in kind else int)
             value = value if number is None else number
         kwargs[key] = value
     try:
-        SECTIONS[name](**kwargs)
+        return SECTIONS[name](**kwargs)
     except (TypeError, AttributeError):
-        return  # a value of another type: LightningCLI names it
+        return None  # a value of another type: LightningCLI names it
+
+
+def _section(cfg: dict, unclear: set[str], name: str) -> dict | None:
+    """The group's mapping ({} when absent: the defaults), None when it cannot be read here."""
+    values = cfg.get(name, {})
+    if name in unclear or not isinstance(values, dict) or {"class_path", "init_args"} & set(values):
+        return None
+    return values
+
+
+def check_steps_and_lengths(
+    max_steps, max_epochs, every_n_train_steps, seq_len, batch_size, max_seq_len, eval_blocks, prompt_len, decode_steps
+) -> None:
+    """The checks across trainer, checkpoint, data, deploy and parity, on plain values (``preflight`` runs them
+    too); None skips a trainer/checkpoint value. Example::
+
+        check_steps_and_lengths(100, None, 50, 128, 8, 128, 32, 32, 8)   # UserError: deploy.max_seq_len=128 must exceed ...
+    """
+    if max_steps is not None and (max_steps == 0 or max_steps < -1):
+        raise UserError(
+            f"trainer.max_steps must be positive, or -1 to use trainer.max_epochs (got {max_steps})",
+            fix="e.g. trainer.max_steps: 100",
+        )
+    if max_epochs is not None and max_epochs == 0:
+        raise UserError("trainer.max_epochs must be positive", fix="e.g. trainer.max_epochs: 1, or -1 for no limit")
+    if every_n_train_steps is not None and every_n_train_steps < 0:
+        raise UserError(
+            f"checkpoint.every_n_train_steps must be >= 0 (got {every_n_train_steps})",
+            fix="e.g. checkpoint.every_n_train_steps: 50 (0: only at the end)",
+        )
+    if max_seq_len <= seq_len:
+        raise UserError(
+            f"deploy.max_seq_len={max_seq_len} must exceed data.seq_len={seq_len}",
+            fix=f"set deploy.max_seq_len >= {seq_len + 1}",
+        )
+    if eval_blocks < batch_size:
+        raise UserError(
+            f"parity.eval_blocks={eval_blocks} must be >= data.batch_size={batch_size}",
+            fix=f"set parity.eval_blocks >= {batch_size}",
+        )
+    if prompt_len > seq_len or prompt_len + decode_steps >= max_seq_len:
+        raise UserError(
+            f"parity.prompt_len={prompt_len} (+ decode_steps={decode_steps}) must fit data.seq_len={seq_len} "
+            f"and deploy.max_seq_len={max_seq_len}",
+            fix="shorten parity.prompt_len/decode_steps, or raise data.seq_len/deploy.max_seq_len",
+        )
 
 
 def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
@@ -214,11 +263,26 @@ def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
         raise UserError(
             f"unknown config section(s) {', '.join(unknown)}", fix=f"known sections: {', '.join(sorted(TOP_LEVEL))}"
         )
-    checks = {"model": _check_model, "data": _check_data, **{n: lambda v, n=n: _check_section(n, v) for n in SECTIONS}}
-    for name, check in checks.items():
-        values = cfg.get(name)
-        if name not in unclear and isinstance(values, dict) and not {"class_path", "init_args"} & set(values):
-            check(values)
+    model, data, trainer, checkpoint = (_section(cfg, unclear, n) for n in ("model", "data", "trainer", "checkpoint"))
+    if model is not None:
+        _check_model(model)
+    sizes = None if data is None else _check_data(data)
+    built = {}
+    for name in SECTIONS:
+        values = _section(cfg, unclear, name)
+        built[name] = None if values is None else _check_section(name, values)
+    deploy, parity = built["deploy"], built["parity"]
+    if sizes and deploy and parity and trainer is not None and checkpoint is not None:
+        check_steps_and_lengths(
+            _number(trainer.get("max_steps"), int),
+            _number(trainer.get("max_epochs"), int),
+            _number(checkpoint.get("every_n_train_steps"), int),
+            *sizes,
+            deploy.max_seq_len,
+            parity.eval_blocks,
+            parity.prompt_len,
+            parity.decode_steps,
+        )
 
 
 def precheck(argv: list[str]) -> None:
