@@ -148,6 +148,20 @@ class BenchConfig:
         _at_least("bench", prompt_len=(self.prompt_len, 1), decode_tokens=(self.decode_tokens, 1), reps=(self.reps, 1))
 
 
+def check_lengths(prompt_len: int, decode_tokens: int, reps: int, max_context_len: int) -> None:
+    """A benchmark's lengths against the ``.pte``'s KV cache (``max_context_len`` positions), e.g.
+    ``check_lengths(128, 64, 5, 256)`` passes, ``check_lengths(128, 64, 5, 64)`` is a ``UserError``."""
+    if prompt_len < 1 or decode_tokens < 1 or reps < 1:
+        raise UserError(
+            f"bench prompt_len, decode_tokens and reps must be >= 1 (got {prompt_len}, {decode_tokens}, {reps})"
+        )
+    if prompt_len + decode_tokens > max_context_len:
+        raise UserError(
+            f"bench prompt_len + decode_tokens = {prompt_len + decode_tokens} exceeds the .pte's KV cache ({max_context_len} positions)",
+            fix=f"keep prompt_len + decode_tokens <= {max_context_len} (bench.* options), or export with a larger deploy.max_seq_len",
+        )
+
+
 @dataclass
 class WandbConfig:
     """Weights & Biases logging through Lightning's WandbLogger, into ``<run dir>/wandb`` beside the CSV logs

@@ -30,6 +30,7 @@ GOOD = {
     "data": {"source": "embedded", "seq_len": 32, "batch_size": 4},
     "trainer": {"max_steps": 6},
     "deploy": {"max_seq_len": 64},
+    "bench": {"prompt_len": 16, "decode_tokens": 8},
 }
 
 

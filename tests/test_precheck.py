@@ -47,6 +47,11 @@ CASES = {
     ),
     "bad section value": (lambda t: _good(t), ["--parity.prompts", "0"], "parity.prompts must be a number >= 1"),
     "across sections": (lambda t: _good(t, deploy={"max_seq_len": 32}), [], "deploy.max_seq_len=32 must exceed"),
+    "bench longer than the .pte": (
+        lambda t: _good(t, bench={"prompt_len": 60}),
+        [],
+        "bench prompt_len + decode_tokens = 68 exceeds the .pte's KV cache (64 positions)",
+    ),
     "zero max_steps": (lambda t: _good(t), ["--trainer.max_steps", "0"], "trainer.max_steps must be positive"),
     "bad deploy filename": (lambda t: _good(t, deploy={"filename": "x.bin"}), [], "deploy.filename 'x.bin'"),
 }

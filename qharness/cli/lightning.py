@@ -23,7 +23,15 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from qharness.cli.precheck import check_steps_and_lengths
-from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig, WandbConfig
+from qharness.config import (
+    BenchConfig,
+    CalibrationConfig,
+    EvalConfig,
+    ExportConfig,
+    ParityConfig,
+    WandbConfig,
+    check_lengths,
+)
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
 from qharness.io import hold_run_lock
@@ -108,8 +116,6 @@ def preflight(cfg, subcommand: str | None = None) -> None:
                 )
             break
     if cfg.deploy.enabled and cfg.bench.enabled:
-        from qharness.runtime.bench import check_lengths
-
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
     if cfg.model.get("distill") is not None:
         from qharness.training.module import Distill

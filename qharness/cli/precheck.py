@@ -21,7 +21,15 @@ from pathlib import Path
 import yaml
 
 import qharness
-from qharness.config import BenchConfig, CalibrationConfig, EvalConfig, ExportConfig, ParityConfig, WandbConfig
+from qharness.config import (
+    BenchConfig,
+    CalibrationConfig,
+    EvalConfig,
+    ExportConfig,
+    ParityConfig,
+    WandbConfig,
+    check_lengths,
+)
 from qharness.data.args import check_data_args
 from qharness.errors import UserError
 from qharness.training.model_args import check_model_args
@@ -283,6 +291,9 @@ def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
             parity.prompt_len,
             parity.decode_steps,
         )
+    bench = built["bench"]
+    if deploy and bench and deploy.enabled and bench.enabled:
+        check_lengths(bench.prompt_len, bench.decode_tokens, bench.reps, deploy.max_seq_len)
 
 
 def precheck(argv: list[str]) -> None:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from qharness.config import check_lengths
 from qharness.errors import UserError
 from qharness.progress import stage
 
@@ -47,18 +48,6 @@ def memory_bandwidth(mib: int = 256, reps: int = 5) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * src.nbytes / best / 1e9
-
-
-def check_lengths(prompt_len: int, decode_tokens: int, reps: int, max_context_len: int) -> None:
-    if prompt_len < 1 or decode_tokens < 1 or reps < 1:
-        raise UserError(
-            f"bench prompt_len, decode_tokens and reps must be >= 1 (got {prompt_len}, {decode_tokens}, {reps})"
-        )
-    if prompt_len + decode_tokens > max_context_len:
-        raise UserError(
-            f"bench prompt_len + decode_tokens = {prompt_len + decode_tokens} exceeds the .pte's KV cache ({max_context_len} positions)",
-            fix=f"keep prompt_len + decode_tokens <= {max_context_len} (bench.* options), or export with a larger deploy.max_seq_len",
-        )
 
 
 class EagerStep:
