@@ -25,8 +25,9 @@ def minmax_scale(w: torch.Tensor) -> torch.Tensor:
     return torch.maximum(w.abs().amax(1) / ((7 - (-8)) / 2), torch.tensor(2**-12))
 
 
-def _build(tiny_llama, **hp):
-    m = QuantLM(checkpoint=str(tiny_llama), recipe=RECIPE, mode="qat", **hp)
+def _build(model_dir, recipe=RECIPE, **hp):
+    """A QAT QuantLM of ``recipe`` built for [2, 16] batches, in training mode, with a stand-in trainer."""
+    m = QuantLM(checkpoint=str(model_dir), recipe=str(recipe), mode="qat", **hp)
     m.build(2, 16)
     m.trainer = FakeTrainer()
     m.to_train()
@@ -34,6 +35,7 @@ def _build(tiny_llama, **hp):
 
 
 def _train(m, steps: int, lr: float = 1e-2):
+    """``steps`` AdamW steps on random tokens (seeded), through the training hooks; returns the optimizer."""
     m.hparams.lr = lr
     opt = m.configure_optimizers()["optimizer"]
     g = torch.Generator().manual_seed(0)

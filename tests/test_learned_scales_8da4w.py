@@ -2,8 +2,12 @@
 eager ``FakeQuantizedLinear`` modules): trainable from build time, kept in checkpoints, and carried into the converted
 program exactly through torchao's own range-learning convert (not min-max of the final weights)."""
 
+import functools
+
 import pytest
 import torch
+from test_learned_scales import _build as build_qat
+from test_learned_scales import _train
 
 from qharness.errors import UserError
 from qharness.recipes.learned_scales import use_source_scales
@@ -13,32 +17,7 @@ from qharness.training.module import QuantLM
 RECIPE = "xnnpack_8da4w_lsq"
 W = "model.layers.0.self_attn.q_proj.weight"
 N_LINEARS = 15  # q/k/v/o + 3 MLP projections per layer, 2 layers, lm_head
-
-
-class FakeTrainer:
-    global_step, estimated_stepping_batches = 0, 100
-
-
-def _build(model_dir, recipe=RECIPE, **hp):
-    m = QuantLM(checkpoint=str(model_dir), recipe=str(recipe), mode="qat", **hp)
-    m.build(2, 16)
-    m.trainer = FakeTrainer()
-    m.to_train()
-    return m
-
-
-def _train(m, steps: int, lr: float = 1e-2):
-    m.hparams.lr = lr
-    opt = m.configure_optimizers()["optimizer"]
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        x = torch.randint(0, 300, (2, 16), generator=g)
-        loss = m.loss((x, x))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        m.trainer.global_step += 1
-    return opt
+_build = functools.partial(build_qat, recipe=RECIPE)  # the torchao recipe by default
 
 
 def _fake_quantizers(m):
