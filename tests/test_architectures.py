@@ -112,6 +112,7 @@ def test_a_failing_trace_is_refused_and_a_success_is_remembered(tmp_path, family
 def test_family_trains_and_quantizes_for_deploy(name, family_dir):
     """export_for_training + prepare_qat_pt2e + a train step, weights back into HF, static-cache deploy graph
     (convert_pt2e) close to the trained fake-quant graph."""
+    from qharness.deploy.fastpath import all_logits_twin
     from qharness.deploy.lower import quantize_for_deploy
 
     source = str(family_dir(name))
@@ -134,7 +135,8 @@ def test_family_trains_and_quantizes_for_deploy(name, family_dir):
     deployed = quantize_for_deploy(trained, m.recipe, 32, lambda g: g(x[:1, :16], torch.tensor([0])))
     with torch.no_grad():
         fq = m.graph(x[:, :16])[:1]
-        dep = deployed(x[:1, :16], torch.tensor([0]))
+        dep = all_logits_twin(deployed)(x[:1, :16], torch.tensor([0]))  # fast path: every position, not the last
+        assert dep.shape == fq.shape
         before, after = fp(input_ids=x[:1, :16]).logits, trained(input_ids=x[:1, :16]).logits
     noise = (fq - after).abs().max()  # what fake quantization itself changes in the trained model's logits
     assert (fq.argmax(-1) == dep.argmax(-1)).float().mean() >= 0.9
