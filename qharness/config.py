@@ -6,6 +6,7 @@ Each checks its own fields when it is built (``UserError`` naming the field); ch
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from pathlib import PurePath
@@ -241,3 +242,15 @@ class EvalConfig:
         _at_least("eval", bootstrap_iters=(self.bootstrap_iters, 0))
         if not self.tasks:
             raise UserError("eval.tasks is empty", fix="name at least one task, or set eval.enabled: false")
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    """``update`` over ``base``, mappings merged key by key (copies; neither input changes): config files and
+    overrides in order, or a sweep's shared config under a run's own.
+
+    Example: ``deep_merge({"model": {"lr": 1e-4, "mode": "qat"}}, {"model": {"lr": 2e-4}})`` -> lr 2e-4, mode qat
+    """
+    out = copy.deepcopy(base)
+    for k, v in update.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out

@@ -57,6 +57,26 @@ def write_text_atomic(path: Path, text: str) -> Path:
 _LOCKS: dict[str, int] = {}
 
 
+def read_yaml(path: str | os.PathLike, what: str):
+    """The parsed YAML of ``path``; a syntax error (with its line and column) or non-UTF-8 text is a one-line
+    ``UserError`` naming ``what`` ("config", "recipe") and the file.
+
+    Example: ``read_yaml(Path("configs/qat_xnnpack.yaml"), "config")`` -> ``{"model": {...}, ...}``
+    """
+    import yaml
+
+    from qharness.errors import UserError
+
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        raise UserError(f"{what} file {path} is not valid YAML{at}", fix="fix the YAML syntax") from e
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} file {path} is not UTF-8 text", fix=f"save the {what} as UTF-8 YAML") from e
+
+
 def hold_run_lock(run_dir: str | os.PathLike) -> None:
     """Make this process the one writer of ``run_dir`` until ``release_run_locks()`` (the CLI calls it when the
     command ends) or the process exits: an exclusive ``flock`` on ``<run_dir>/.qharness.lock``. The kernel drops the

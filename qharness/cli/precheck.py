@@ -29,9 +29,11 @@ from qharness.config import (
     ParityConfig,
     WandbConfig,
     check_lengths,
+    deep_merge,
 )
 from qharness.data.args import check_data_args
 from qharness.errors import UserError
+from qharness.io import read_yaml
 from qharness.training.model_args import check_model_args
 
 SECTIONS = {
@@ -80,14 +82,7 @@ def read_config(path: str) -> dict:
             return inline
         what = "is a directory" if file.is_dir() else "does not exist"
         raise UserError(f"config file {path} {what}", fix="pass the path of a run config .yaml (e.g. configs/)")
-    try:
-        data = yaml.safe_load(file.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise UserError(f"config file {path} is not valid YAML{at}", fix="fix the YAML syntax") from e
-    except UnicodeDecodeError as e:
-        raise UserError(f"config file {path} is not UTF-8 text", fix="save the config as UTF-8 YAML") from e
+    data = read_yaml(path, "config")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -96,14 +91,6 @@ def read_config(path: str) -> dict:
             fix="e.g. model: {recipe: xnnpack_int8_dynamic}",
         )
     return data
-
-
-def _merge(into: dict, new: dict) -> None:
-    for key, value in new.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge(into[key], value)
-        else:
-            into[key] = value
 
 
 def _value(text: str):
@@ -128,7 +115,7 @@ def merged_config(args: list[str]) -> tuple[dict, set[str]]:
             if i < len(args) and not args[i].startswith("--"):
                 value, i = args[i], i + 1
         if key == "config" and value is not None:
-            _merge(cfg, read_config(value))
+            cfg = deep_merge(cfg, read_config(value))
         elif value is None or not _DOTTED.fullmatch(key):
             unclear.add(key.split(".")[0])
         else:

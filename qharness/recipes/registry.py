@@ -21,9 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from qharness.errors import UserError
+from qharness.io import read_yaml
 from qharness.recipes import torchao, vulkan, xnnpack  # noqa: F401  the built-in quantizers and partitioners register here
 from qharness.recipes.registration import PARTITIONERS, QUANTIZERS, parse_settings
 
@@ -94,14 +93,7 @@ def _read(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
         )
     if str(path) in seen:
         raise UserError(f"recipe {path} extends itself through {' -> '.join(seen)}")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        raise UserError(f"recipe file {path} is not valid YAML{at}", fix="fix the YAML syntax") from e
-    except UnicodeDecodeError as e:
-        raise UserError(f"recipe file {path} is not UTF-8 text", fix="save the recipe as UTF-8 YAML") from e
+    raw = read_yaml(path, "recipe") or {}
     if not isinstance(raw, dict):
         raise UserError(f"recipe file {path} must hold a mapping of fields")
     unknown = set(raw) - _FIELDS - {"base"}

@@ -31,7 +31,6 @@ Example config::
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -44,6 +43,7 @@ from pathlib import Path
 
 import yaml
 
+from qharness.config import deep_merge
 from qharness.errors import UserError
 from qharness.io import hold_run_lock, write_bytes_atomic, write_json_atomic
 from qharness.progress import format_seconds
@@ -75,14 +75,6 @@ class SweepRun:
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps([self.subcommand, self.config], sort_keys=True).encode()).hexdigest()
-
-
-def deep_merge(base: dict, update: dict) -> dict:
-    """``update`` over ``base``, mappings merged key by key (copies; neither input changes)."""
-    out = copy.deepcopy(base)
-    for k, v in update.items():
-        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
 
 
 def _mapping(value, where: str) -> dict:
