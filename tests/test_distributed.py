@@ -1,4 +1,4 @@
-"""Many devices: DDP shards training batches by rank (resumable). The two-process CPU DDP run through the CLI
+"""Many devices: DDP shards training batches by rank (resumable); FSDP (fsdp_layers) trains what one process trains. The two-process CPU DDP run through the CLI
 (gloo) is marked slow (two processes each export the model). Moving a GPU-trained graph to CPU for deployment
 is tested in test_training_options.py (it reuses that module's prepared graph)."""
 
@@ -57,3 +57,87 @@ def test_cpu_ddp_two_processes_train_and_rank_zero_deploys_once(tmp_path, tiny_l
     assert out.count("parity PASSED") == 1  # only rank 0 deployed
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
     assert json.loads((run / "summary.json").read_text())["parity"]["passed"] and (run / "model.pte").is_file()
+
+
+def _weights(ckpt) -> dict:
+    """A checkpoint's trained weights by HF name (observers and constants left out), either graph form."""
+    from qharness.training.layerwise import hf_name
+
+    state = torch.load(ckpt, weights_only=True)["state_dict"]
+    return {
+        hf_name(k): v for k, v in state.items() if "activation_post_process" not in k and "_tensor_constant" not in k
+    }
+
+
+@pytest.mark.slow
+def test_fsdp_two_processes_train_what_one_process_trains_and_export_and_resume(tmp_path, tiny_llama, corpus):
+    """FSDP (``fsdp_layers``, one unit per decoder layer, 2 processes, gloo) against one process with the same global
+    batch (gradient accumulation over the same two micro-batches the ranks take): the same weights, a .pte that
+    passes parity, ``qharness export`` of the consolidated checkpoint on one process, and resume (same process count)."""
+    common = dict(
+        bench={"enabled": False},
+        data={"seq_len": 16, "batch_size": 2},
+        deploy={"max_seq_len": 32},
+        checkpoint={"every_n_train_steps": 4},
+        parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 2},
+    )
+    trainer = {"accelerator": "cpu", "max_steps": 4, "val_check_interval": 4, "limit_val_batches": 1}
+    one = write_config(
+        tmp_path / "one.yaml", tiny_llama, corpus, tmp_path / "one",
+        trainer={**trainer, "devices": 1, "accumulate_grad_batches": 2}, **common,
+    )  # fmt: skip
+    fsdp = write_config(
+        tmp_path / "fsdp.yaml", tiny_llama, corpus, tmp_path / "fsdp",
+        trainer={**trainer, "devices": 2, "strategy": "fsdp_layers"}, model={"layerwise": True}, **common,
+    )  # fmt: skip
+    for cfg in (one, fsdp):
+        r = run_cli("fit", cfg)
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert (r.stdout + r.stderr).count("parity PASSED") == 1  # one process deployed
+    a, b = (
+        _weights(tmp_path / "one" / "checkpoints" / "last.ckpt"),
+        _weights(tmp_path / "fsdp" / "checkpoints" / "last.ckpt"),
+    )
+    shared = a.keys() & b.keys()
+    assert {"graph.model.model.layers.1.mlp.down_proj.weight", "graph.model.lm_head.weight"} <= shared
+    assert max((a[k] - b[k]).abs().max().item() for k in shared) < 1e-6
+    assert json.loads((tmp_path / "fsdp" / "summary.json").read_text())["parity"]["passed"]
+
+    (tmp_path / "fsdp" / "model.pte").unlink()
+    r = run_cli("export", fsdp, "--trainer.devices", "1", "--trainer.strategy", "auto")  # one CPU process
+    assert r.returncode == 0 and "parity PASSED" in r.stdout + r.stderr, r.stderr[-3000:]
+    assert (tmp_path / "fsdp" / "model.pte").is_file()
+
+    for cfg in (one, fsdp):
+        r = run_cli("fit", cfg, "--trainer.max_steps", "6", "--ckpt_path", "last", "--deploy.enabled", "false")
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (
+        _weights(tmp_path / "one" / "checkpoints" / "last.ckpt"),
+        _weights(tmp_path / "fsdp" / "checkpoints" / "last.ckpt"),
+    )
+    assert torch.load(tmp_path / "fsdp" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
+    assert max((a[k] - b[k]).abs().max().item() for k in shared) < 1e-5  # resumed alike (optimizer state restored)
+
+
+@pytest.mark.slow
+def test_fsdp_shards_torchao_source_recipes_eager_decoder_layers_alike(tmp_path, tiny_llama, corpus):
+    """xnnpack_8da4w (torchao fake-quantized eager modules, no layerwise graphs needed): two FSDP processes end with
+    the weights of one process on the same global batch."""
+    common = dict(
+        data={"seq_len": 16, "batch_size": 2}, deploy={"enabled": False}, checkpoint={"every_n_train_steps": 4}
+    )
+    trainer = {"accelerator": "cpu", "max_steps": 3, "val_check_interval": 3, "limit_val_batches": 1}
+    runs = {
+        "one": {**trainer, "devices": 1, "accumulate_grad_batches": 2},
+        "fsdp": {**trainer, "devices": 2, "strategy": "fsdp_layers"},
+    }
+    for name, t in runs.items():
+        cfg = write_config(
+            tmp_path / f"{name}.yaml", tiny_llama, corpus, tmp_path / name,
+            trainer=t, model={"recipe": "xnnpack_8da4w"}, **common,
+        )  # fmt: skip
+        r = run_cli("fit", cfg)
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = (_weights(tmp_path / n / "checkpoints" / "last.ckpt") for n in runs)
+    assert a.keys() == b.keys() and "graph.model.model.layers.0.self_attn.q_proj.weight" in a
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6

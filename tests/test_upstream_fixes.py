@@ -6,13 +6,13 @@ import torch
 from qharness.upstream.fixes import custom_sdpa, xnnpack_scalars
 
 
-def _graph_with_int_add():
+def _graph_with_int_add(device="cpu"):
     class M(torch.nn.Module):
         def forward(self, x):
-            idx = torch.arange(x.shape[1]) + 0
+            idx = torch.arange(x.shape[1], device=x.device) + 0
             return x[:, idx] * 2.0
 
-    return torch.export.export(M(), (torch.randn(2, 4),)).module()
+    return torch.export.export(M(), (torch.randn(2, 4, device=device),)).module()
 
 
 def _lifted_dtypes(gm):
@@ -40,6 +40,13 @@ def test_our_lifting_keeps_the_node_dtype_and_runs():
 def _sdpa_inputs(start=5, n=3):
     torch.manual_seed(0)
     return torch.randn(1, n, 4, 16), torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16), start, None, 0.0, True, 0.25
+
+
+def test_our_lifting_puts_the_constants_on_the_graph_device():
+    """A graph exported on a GPU gets its lifted constants there (else prepare_qat_pt2e: "got devices {cuda:0, cpu}");
+    the meta device stands in for CUDA here."""
+    gm = xnnpack_scalars._lift_scalars_keeping_dtype(_graph_with_int_add("meta"))
+    assert {getattr(gm, n).device.type for n in _lifted_dtypes(gm)} == {"meta"}
 
 
 def test_upstream_eager_custom_sdpa_still_logs_on_every_call(capfd):

@@ -36,6 +36,7 @@ from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
 from qharness.io import hold_run_lock
 from qharness.progress import lightning_progress_bar
+from qharness.training import sharding  # noqa: F401  (registers --trainer.strategy fsdp_layers)
 from qharness.training.module import QuantLM
 
 log = logging.getLogger("qharness")
@@ -117,6 +118,11 @@ def preflight(cfg, subcommand: str | None = None) -> None:
             break
     if cfg.deploy.enabled and cfg.bench.enabled:
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
+    if cfg.trainer.get("strategy") == "fsdp_layers":
+        from qharness.training.model_args import check_model_args
+
+        m = cfg.model
+        check_model_args(m.recipe, m.mode, m.lr, m.warmup_steps, layerwise=m.layerwise, strategy="fsdp_layers")
     if cfg.model.get("distill") is not None:
         from qharness.training.module import Distill
 
@@ -373,6 +379,7 @@ class QHarnessCLI(LightningCLI):
         self.trainer.save_checkpoint(
             final, weights_only=False
         )  # the finished run, resumable, is safe before export starts
+        self.model.gather()  # sharded training: rank 0 takes the whole graph (every process takes part)
         if self.trainer.export_config.enabled and self.trainer.is_global_zero:
             self.trainer.deploy(self.model, self.datamodule)
 

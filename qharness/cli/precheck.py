@@ -166,7 +166,8 @@ def _check_model(model: dict) -> None:
     if not isinstance(m["recipe"], str) or not isinstance(m["mode"], str) or None in (lr, warmup, fq, freeze):
         return  # a value of another type: LightningCLI names it
     freeze = None if freeze == -1 and m["freeze_observers_after_n_steps"] is None else freeze
-    check_model_args(m["recipe"], m["mode"], lr, warmup, fq, freeze, distill=m["distill"] is not None)
+    flags = {k: m[k] for k in ("layerwise", "activation_checkpointing") if isinstance(m[k], bool)}
+    check_model_args(m["recipe"], m["mode"], lr, warmup, fq, freeze, distill=m["distill"] is not None, **flags)
 
 
 def _check_data(data: dict) -> tuple[int, int] | None:

@@ -14,6 +14,9 @@ def check_model_args(
     fake_quant_after_n_steps: int = 0,
     freeze_observers_after_n_steps: int | None = None,
     distill: bool = False,
+    layerwise: bool = False,
+    activation_checkpointing: bool = False,
+    strategy: str | None = None,
 ) -> Recipe:
     """The recipe (loaded and checked for ``mode``) if the arguments make sense together, else a ``UserError``.
 
@@ -48,6 +51,16 @@ def check_model_args(
                 "freeze_observers_after_n_steps need a PT2E recipe",
                 fix="leave them unset, or use xnnpack_int8_dynamic / xnnpack_int4w_dynamic",
             )
+    if activation_checkpointing and loaded.kind != "source" and not layerwise:
+        raise UserError(
+            "model.activation_checkpointing recomputes decoder layers, which needs one graph per layer",
+            fix="add --model.layerwise true",
+        )
+    if strategy == "fsdp_layers" and loaded.kind != "source" and not layerwise:
+        raise UserError(
+            "trainer.strategy fsdp_layers shards per decoder layer, which needs one graph per layer",
+            fix="add --model.layerwise true (or train with --trainer.strategy ddp)",
+        )
     if mode == "ptq" and loaded.learns_scales:
         raise UserError(
             f"recipe {recipe!r} learns its weight scales (learn_scales: true), which needs training",

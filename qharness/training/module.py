@@ -41,11 +41,14 @@ def export_for_training(model, batch_size: int, seq_len: int) -> torch.fx.GraphM
     return torch.export.export(LogitsOnly(model).eval(), (example,)).module()
 
 
-def prepare_for_training(model, recipe, batch_size: int, seq_len: int, is_qat: bool) -> torch.fx.GraphModule:
+def prepare_for_training(
+    model, recipe, batch_size: int, seq_len: int, is_qat: bool, layerwise: bool = False
+) -> torch.nn.Module:
     """Export the model and insert the recipe's fake-quant (QAT) or observers (PTQ).
 
     PT2E recipes annotate the exported graph (``prepare_qat_pt2e`` / ``prepare_pt2e``); source-level
     recipes (torchao ``quantize_``) swap in fake-quantized modules first and export the result.
+    ``layerwise``: one graph per decoder layer (``training/layerwise.py``) instead of one for the whole model.
     """
     quantizer = recipe.make_quantizer(is_qat=is_qat)
     if recipe.kind == "source":
@@ -60,16 +63,23 @@ def prepare_for_training(model, recipe, batch_size: int, seq_len: int, is_qat: b
                 init_source_scales(model)  # the scales are parameters before the optimizer (or a checkpoint) sees them
             return LogitsOnly(model).train()
         return export_for_training(model, batch_size, seq_len)
-    graph = export_for_training(model, batch_size, seq_len)
-    if quantizer is None:
-        return graph
-    pt2e = imports.pt2e()
-    prepared = (pt2e.prepare_qat_pt2e if is_qat else pt2e.prepare_pt2e)(graph, quantizer)
-    if is_qat and recipe.learns_scales:
-        from qharness.recipes.learned_scales import init_learned_scales
 
-        init_learned_scales(prepared)  # the scales are parameters before the optimizer (or a checkpoint) sees them
-    return prepared
+    def prepare(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        if quantizer is None:
+            return imports.pt2e().allow_train_eval(graph)
+        pt2e = imports.pt2e()
+        prepared = (pt2e.prepare_qat_pt2e if is_qat else pt2e.prepare_pt2e)(graph, quantizer)
+        if is_qat and recipe.learns_scales:
+            from qharness.recipes.learned_scales import init_learned_scales
+
+            init_learned_scales(prepared)  # the scales are parameters before the optimizer (or a checkpoint) sees them
+        return pt2e.allow_train_eval(prepared)
+
+    if layerwise:
+        from qharness.training.layerwise import export_layerwise
+
+        return export_layerwise(model, batch_size, seq_len, prepare)
+    return prepare(export_for_training(model, batch_size, seq_len))
 
 
 def _has_observed(fq) -> bool:
@@ -177,6 +187,12 @@ def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: floa
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
 
 
+def _is_model_parallel(strategy) -> bool:
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return isinstance(strategy, ModelParallelStrategy)
+
+
 class QuantLM(L.LightningModule):
     def __init__(
         self,
@@ -190,6 +206,8 @@ class QuantLM(L.LightningModule):
         fake_quant_after_n_steps: int = 0,
         freeze_observers_after_n_steps: int | None = None,
         distill: Distill | None = None,
+        layerwise: bool = False,
+        activation_checkpointing: bool = False,
     ):
         """A causal LM trained with quantization-aware training (or calibrated) for one backend recipe.
 
@@ -217,6 +235,11 @@ class QuantLM(L.LightningModule):
                 ``qharness fit --model.distill.help``), e.g. ``--model.distill.kl_weight 1.0
                 --model.distill.temperature 2.0``. Costs one more FP copy of the model per process. None: plain
                 cross-entropy.
+            layerwise: Export each decoder layer (and the output head) as its own graph instead of one graph for the
+                whole model: the units that ``--trainer.strategy fsdp_layers`` shards and ``activation_checkpointing``
+                recomputes. Same numerics as the whole-model graph; checkpoints of one form do not load into the other.
+            activation_checkpointing: Recompute each decoder layer in backward instead of keeping its activations
+                (less memory, about one more forward of time). PT2E recipes need ``layerwise``.
         """
         super().__init__()
         self.save_hyperparameters()
@@ -231,6 +254,8 @@ class QuantLM(L.LightningModule):
             fake_quant_after_n_steps,
             freeze_observers_after_n_steps,
             distill is not None,
+            layerwise,
+            activation_checkpointing,
         )
         if checkpoint != "embedded":
             from qharness.sources.models import resolve_checkpoint
@@ -264,17 +289,36 @@ class QuantLM(L.LightningModule):
                 f"data.seq_len={seq_len} exceeds the model's context ({context})", fix=f"set data.seq_len <= {context}"
             )
         graph = prepare_for_training(
-            model.to(device), self.recipe, batch_size, seq_len, is_qat=self.hparams.mode == "qat"
+            model.to(device),
+            self.recipe,
+            batch_size,
+            seq_len,
+            is_qat=self.hparams.mode == "qat",
+            layerwise=self.hparams.layerwise,
         )
-        if isinstance(graph, torch.fx.GraphModule):
-            imports.pt2e().allow_train_eval(graph)
+        if self.hparams.activation_checkpointing:
+            from qharness.training.layerwise import set_checkpointing
+
+            set_checkpointing(graph, True)
         self.graph = graph
         self._shape = (batch_size, seq_len)
 
     def configure_model(self) -> None:
         dm = self.trainer.datamodule
-        device = self.trainer.strategy.root_device  # e.g. cuda:<local rank>
-        self.build(dm.batch_size, dm.seq_len, device=device)
+        strategy = self.trainer.strategy
+        device = strategy.root_device  # e.g. cuda:<local rank>
+        sharded = _is_model_parallel(strategy)
+        if sharded and self.recipe.kind != "source" and not self.hparams.layerwise:
+            raise UserError(
+                f"trainer.strategy {type(strategy).__name__} shards per decoder layer, which needs one graph per layer",
+                fix="add --model.layerwise true (or train with --trainer.strategy ddp)",
+            )
+        if self.graph is None:
+            self.build(dm.batch_size, dm.seq_len, device=device)
+            if sharded:
+                from qharness.training.sharding import shard
+
+                shard(self.graph, self.device_mesh["data_parallel"])
         if self.distill is not None and self.trainer.state.fn == "fit":  # training only, not validate/test
             self.teacher(device)
 
@@ -286,6 +330,19 @@ class QuantLM(L.LightningModule):
             device = device or next(self.graph.parameters()).device
             self._teacher.append(LogitsOnly(model).to(device).eval().requires_grad_(False))
         return self._teacher[0]
+
+    def gather(self) -> None:
+        """After sharded training (every process calls it): global rank 0 holds the whole trained graph again, on CPU,
+        unsharded (for deployment); the other processes drop theirs."""
+        from qharness.training.sharding import full_state, is_sharded
+
+        if self.graph is None or not is_sharded(self.graph):
+            return
+        state = full_state(self.graph)
+        self.graph = None
+        if self.trainer.is_global_zero:
+            self.build(*self._shape, device="cpu")
+            self.graph.load_state_dict(state)
 
     def graph_to_cpu(self) -> None:
         """Deployment runs on CPU. A graph trained on another device (its devices are baked in at export) is
@@ -304,10 +361,11 @@ class QuantLM(L.LightningModule):
         """The trained FP weights keyed by the HF model's parameter names (tied weights under each name); learned
         quantization scales are not weights (``learned_qparams``)."""
         from qharness.recipes.learned_scales import quantization_parameter_names
+        from qharness.training.layerwise import hf_name
 
         scales = quantization_parameter_names(self.graph)
         return {
-            k[len("model.") :]: v.detach()
+            hf_name(k)[len("model.") :]: v.detach()
             for k, v in self.graph.named_parameters(remove_duplicate=False)
             if k.startswith("model.") and k not in scales
         }
@@ -318,8 +376,16 @@ class QuantLM(L.LightningModule):
         if self.hparams.mode != "qat" or not self.recipe.learns_scales:
             return None
         from qharness.recipes.learned_scales import learned_qparams
+        from qharness.training.layerwise import graph_modules, hf_name
 
-        return learned_qparams(self.graph, prefix="model.")
+        graphs = graph_modules(self.graph)
+        if not graphs:  # eager modules (torchao source-level)
+            return learned_qparams(self.graph, prefix="model.")
+        out = {}
+        for path, graph in graphs:
+            for name, qparams in learned_qparams(graph).items():
+                out[hf_name(f"{path}.{name}" if path else name)] = qparams
+        return {k[len("model.") :]: v for k, v in out.items()}
 
     def load_into(self, hf_model) -> None:
         """Copy the trained weights into an HF model of the same architecture.
@@ -381,8 +447,12 @@ class QuantLM(L.LightningModule):
                 and self.global_step == hp.fake_quant_after_n_steps
             ):
                 from qharness.recipes.learned_scales import init_learned_scales
+                from qharness.training.layerwise import graph_modules
 
-                init_learned_scales(self.graph)  # learning starts from min-max of the weights FP training left
+                for _, graph in graph_modules(
+                    self.graph
+                ):  # learning starts from min-max of the weights FP training left
+                    init_learned_scales(graph)
 
     on_validation_model_eval = to_eval
     on_validation_model_train = to_train

@@ -28,7 +28,10 @@ def _lift_scalars_keeping_dtype(model: torch.fx.GraphModule) -> torch.fx.GraphMo
                 new_args.append(arg)
                 continue
             name = get_new_attr_name_with_prefix("_tensor_constant_")(model)
-            value = torch.tensor(arg, dtype=node.meta["val"].dtype)
+            val = node.meta["val"]
+            value = torch.tensor(
+                arg, dtype=val.dtype, device=val.device
+            )  # the graph's device (CUDA when it trains there)
             model.register_buffer(name, value)
             with model.graph.inserting_before(node):
                 get_attr = model.graph.create_node("get_attr", name, (), {})

@@ -1,0 +1,270 @@
+"""Memory per parameter of QAT (issue 21): DDP vs FSDP per decoder layer, with and without activation checkpointing.
+
+Each mode runs in its own fresh processes (``--procs`` of them, gloo on CPU, NCCL on CUDA), on a random-init model of
+a real shape (default SmolLM2-135M's), through qharness's own pieces: the recipe's QAT graph
+(``prepare_for_training``; ``layerwise`` for the FSDP modes), ``training.sharding.shard`` (FSDP2, one unit per
+decoder layer) or ``DistributedDataParallel``, AdamW, ``--steps`` optimizer steps on random tokens (optionally under
+bf16 autocast, as ``trainer.precision: bf16-mixed``). Per process it measures:
+
+- ``steady``: peak memory during the steps minus the memory before the model was built: weights + gradients +
+  optimizer state + activations + communication buffers. CUDA: ``torch.cuda.max_memory_allocated`` (reset after
+  set-up); CPU: peak RSS sampled every 2 ms during the steps.
+- ``setup``: peak during building (every process exports the whole model before sharding it).
+
+It prints bytes per parameter (``steady / parameters``; parameters counted once, tied weights once), the spread over
+``--repeats`` fresh runs of each mode (modes interleaved), and seconds per step.
+
+Usage::
+
+    python scripts/bench_memory.py --procs 2 --repeats 2                       # CPU, 135M shape
+    python scripts/bench_memory.py --device cuda --procs 1 --precision bf16-mixed  # one GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {  # HF LlamaConfig fields
+    "135m": dict(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    ),
+    "1b": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        tie_word_embeddings=True,
+    ),  # Llama-3.2-1B
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
+}
+MODES = {  # name: (strategy, activation checkpointing)
+    "ddp": ("ddp", False),
+    "ddp_ac": ("ddp", True),
+    "fsdp": ("fsdp", False),
+    "fsdp_ac": ("fsdp", True),
+}
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Sampler:
+    """Peak RSS of this process while running (a thread reading /proc/self/statm every 2 ms)."""
+
+    def __init__(self):
+        self.peak, self._stop = rss(), threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, rss())
+
+
+def worker(args) -> None:
+    """One process of one mode: build, (shard), train ``args.steps`` steps, write its numbers to ``args.out``."""
+    import torch
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qharness.recipes.registry import load_recipe
+    from qharness.training import sharding
+    from qharness.training.layerwise import set_checkpointing
+    from qharness.training.module import prepare_for_training
+    from qharness.upstream.process import map_large_allocations_separately
+
+    map_large_allocations_separately()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
+    strategy, ac = MODES[args.mode]
+
+    def used() -> int:
+        return torch.cuda.memory_allocated(device) if cuda else rss()
+
+    def build(shape: str, batch: int, seq: int):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=4096)).to(device)
+        layerwise = strategy == "fsdp" or ac
+        return model, prepare_for_training(
+            model, load_recipe(args.recipe), batch, seq, is_qat=True, layerwise=layerwise
+        )
+
+    build("tiny", 1, 8)  # libraries and caches that export and the quantizer load once are not the model's memory
+    base = used()
+    setup = Sampler()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    model, root = build(args.shape, args.batch, args.seq)
+    params = sum(p.numel() for p in model.parameters())  # unique parameters (a tied weight once)
+    del model
+    if ac:
+        set_checkpointing(root, True)
+    if strategy == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+
+        sharding.shard(root, init_device_mesh(device.type, (world,)))
+        train = root
+    else:
+        train = torch.nn.parallel.DistributedDataParallel(root, device_ids=[device.index] if cuda else None)
+    optimizer = torch.optim.AdamW([p for p in root.parameters() if p.requires_grad], lr=1e-5)
+    setup_peak = (torch.cuda.max_memory_allocated(device) if cuda else setup.stop()) - base
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    steady = None if cuda else Sampler()
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for _ in range(args.steps):
+        x = torch.randint(0, SHAPES[args.shape]["vocab_size"], (args.batch, args.seq + 1), generator=gen).to(device)
+        t = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
+            logits = train(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    peak = (torch.cuda.max_memory_allocated(device) if cuda else steady.stop()) - base
+    result = dict(
+        mode=args.mode,
+        rank=rank,
+        world=world,
+        params=params,
+        steady=peak,
+        setup=setup_peak,
+        step_s=statistics.median(times[1:] or times),
+        loss=float(loss.detach()),
+    )
+    Path(f"{args.out}.{rank}").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_mode(args, mode: str, out: Path) -> list[dict]:
+    import socket
+
+    with socket.socket() as sock:  # a free port for this mode's process group (the last one's may linger)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(args.procs),
+    }
+    for r in range(args.procs):
+        cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--out", str(out)]
+        cmd += [
+            f"--{k}={getattr(args, k)}" for k in ("shape", "recipe", "batch", "seq", "steps", "device", "precision")
+        ]
+        procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"mode {mode} failed (exit codes {codes})")
+    results = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(args.procs)]
+    for r in results:  # as it comes, so a run cut short still reports what it measured
+        print(
+            f"  {mode} rank {r['rank']}: steady {r['steady'] / r['params']:.2f} B/param ({r['steady'] / 2**30:.2f} GiB), "
+            f"set-up {r['setup'] / 2**30:.2f} GiB, {r['step_s']:.3f} s/step",
+            flush=True,
+        )
+    return results
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.mean(values):.2f} [{min(values):.2f}, {max(values):.2f}]"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default="135m", choices=sorted(SHAPES))
+    p.add_argument("--recipe", default="xnnpack_int8_dynamic")
+    p.add_argument("--modes", default="ddp,fsdp,fsdp_ac", help=f"comma-separated among {', '.join(MODES)}")
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    p.add_argument("--json", help="write every run's numbers here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        return worker(args)
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
+    import tempfile
+
+    runs: dict[str, list[list[dict]]] = {m: [] for m in modes}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeats):
+            for mode in modes if rep % 2 == 0 else reversed(modes):  # interleaved, order alternating
+                runs[mode].append(run_mode(args, mode, Path(tmp) / f"{mode}-{rep}"))
+                print(f"repeat {rep + 1}/{args.repeats} {mode}: done", flush=True)
+    params = runs[modes[0]][0][0]["params"]
+    print(
+        f"\n{args.shape} shape ({params / 1e6:.1f}M parameters), recipe {args.recipe}, {args.procs} process(es) on "
+        f"{args.device}, {args.precision}, batch {args.batch} x seq {args.seq} per process, {args.steps} steps; "
+        f"mean [min, max] over {args.repeats} fresh runs x {args.procs} processes"
+    )
+    print(f"{'mode':<9} {'steady B/param':>22} {'steady GiB/process':>22} {'set-up GiB/process':>22} {'s/step':>20}")
+    for mode in modes:
+        flat = [r for run in runs[mode] for r in run]
+        print(
+            f"{mode:<9} {spread([r['steady'] / params for r in flat]):>22} "
+            f"{spread([r['steady'] / 2**30 for r in flat]):>22} {spread([r['setup'] / 2**30 for r in flat]):>22} "
+            f"{spread([r['step_s'] for r in flat]):>20}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
