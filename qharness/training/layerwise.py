@@ -2,14 +2,14 @@
 
 The whole-model export (``module.export_for_training``) is one flat graph: no module boundary is left to shard or
 to recompute. ``layerwise`` keeps the HF model's outer loop eager (embedding, rotary tables, mask, final norm) and
-replaces each decoder layer (and an untied ``lm_head``) by its own exported, recipe-prepared graph, called with the
+replaces each decoder layer (and the output head, tied or not) by its own exported, recipe-prepared graph, called with the
 tensors the layer was exported with. Deployment is unchanged: it takes the trained weights by their HF names
 (``hf_name``) into a fresh model, as for the whole-model graph.
 
 Example::
 
-    root = export_layerwise(hf_model, recipe, batch_size=2, seq_len=64, is_qat=True)
-    root(input_ids)                                   # logits, like LogitsOnly(hf_model)
+    root = LogitsOnly(export_layerwise(hf_model, batch_size=2, seq_len=64, quantize=prepare))
+    root(input_ids)                                   # the logits the whole-model graph computes
     [name for name, _ in units(root)]                 # ["model.model.layers.0", ..., "model.lm_head"]
 """
 
@@ -120,11 +120,9 @@ def _export_one(module, args, kwargs, quantize) -> LayerGraph:
 
 
 def export_layerwise(model, batch_size: int, seq_len: int, quantize) -> torch.nn.Module:
-    """``LogitsOnly(model)`` with each decoder layer and an untied ``lm_head`` exported on their own, each graph
+    """``model`` (changed in place) with each decoder layer and the output head exported on their own, each graph
     passed through ``quantize(graph) -> graph`` (the recipe's ``prepare_qat_pt2e``/``prepare_pt2e``, or identity).
     Shapes are static, ``[batch_size, seq_len]``, on the model's device."""
-    from qharness.training.module import LogitsOnly
-
     layers = dict(decoder_layers(model))
     targets = dict(layers)
     head = model.get_output_embeddings()
@@ -138,7 +136,7 @@ def export_layerwise(model, batch_size: int, seq_len: int, quantize) -> torch.nn
         owner = model.get_submodule(parent) if parent else model
         args, kwargs = calls[name]
         owner.register_module(attr, _export_one(module, args, kwargs, quantize))
-    return LogitsOnly(model)
+    return model
 
 
 def layer_graphs(root: torch.nn.Module) -> list[tuple[str, LayerGraph]]:

@@ -78,7 +78,7 @@ def prepare_for_training(
     if layerwise:
         from qharness.training.layerwise import export_layerwise
 
-        return export_layerwise(model, batch_size, seq_len, prepare)
+        return LogitsOnly(export_layerwise(model, batch_size, seq_len, prepare))
     return prepare(export_for_training(model, batch_size, seq_len))
 
 
