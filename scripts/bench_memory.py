@@ -34,17 +34,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from scale_135m import SMOLLM2_135M  # noqa: E402
 
 SHAPES = {  # HF LlamaConfig fields
-    "135m": dict(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        tie_word_embeddings=True,
-    ),
+    "135m": SMOLLM2_135M,
     "1b": dict(
         vocab_size=128256,
         hidden_size=2048,
@@ -122,7 +117,7 @@ def worker(args) -> None:
 
     def build(shape: str, batch: int, seq: int):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape], max_position_embeddings=4096)).to(device)
+        model = LlamaForCausalLM(LlamaConfig(**{"max_position_embeddings": 4096, **SHAPES[shape]})).to(device)
         layerwise = strategy == "fsdp" or ac
         return model, prepare_for_training(
             model, load_recipe(args.recipe), batch, seq, is_qat=True, layerwise=layerwise

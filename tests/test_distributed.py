@@ -141,3 +141,33 @@ def test_fsdp_shards_torchao_source_recipes_eager_decoder_layers_alike(tmp_path,
     a, b = (_weights(tmp_path / n / "checkpoints" / "last.ckpt") for n in runs)
     assert a.keys() == b.keys() and "graph.model.model.layers.0.self_attn.q_proj.weight" in a
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+@pytest.mark.slow
+def test_memory_benchmark_script_measures_each_mode_on_every_process(tmp_path):
+    """scripts/bench_memory.py (BENCHMARKS.md section 7) on a tiny shape: each mode's fresh processes report."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "mem.json"
+    cmd = [
+        sys.executable,
+        str(root / "scripts" / "bench_memory.py"),
+        "--shape",
+        "tiny",
+        "--procs",
+        "2",
+        "--repeats",
+        "1",
+    ]
+    cmd += ["--modes", "ddp,fsdp_ac", "--steps", "2", "--seq", "16", "--json", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted(runs) == ["ddp", "fsdp_ac"]
+    for mode, (ranks,) in runs.items():  # one repeat of each mode
+        assert [x["rank"] for x in ranks] == [0, 1] and all(x["mode"] == mode and x["world"] == 2 for x in ranks), mode
+        assert all(x["steady"] > 0 and x["params"] > 0 for x in ranks)
+    assert "fsdp_ac " in r.stdout and "steady B/param" in r.stdout

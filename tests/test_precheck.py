@@ -54,6 +54,22 @@ CASES = {
     ),
     "zero max_steps": (lambda t: _good(t), ["--trainer.max_steps", "0"], "trainer.max_steps must be positive"),
     "bad deploy filename": (lambda t: _good(t, deploy={"filename": "x.bin"}), [], "deploy.filename 'x.bin'"),
+    "fsdp without layer graphs": (
+        lambda t: _good(t, trainer={"strategy": "fsdp_layers"}),
+        [],
+        "trainer.strategy fsdp_layers shards per decoder layer",
+    ),
+    "checkpointing without layer graphs": (
+        lambda t: _good(t),
+        ["--model.activation_checkpointing", "true"],
+        "model.activation_checkpointing recomputes decoder layers",
+    ),
+    "bf16 QAT with torchao's fake quantizer": (
+        lambda t: _good(t, model={"recipe": "xnnpack_8da4w"}),
+        ["--trainer.precision", "bf16-mixed"],
+        "trainer.precision=bf16-mixed does not work with recipe 'xnnpack_8da4w'",
+    ),
+    "half-precision weights": (lambda t: _good(t), ["--trainer.precision", "16-true"], "trainer.precision=16-true"),
 }
 
 

@@ -129,7 +129,7 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         Distill(**cfg.model.distill.as_dict())  # its own field checks, as one line (jsonargparse would wrap them)
     if cfg.model.mode == "qat" and str(cfg.trainer.precision or "32-true") not in ("32", "32-true"):
         from qharness.recipes.registry import load_recipe
-        from qharness.training.module import check_precision
+        from qharness.training.model_args import check_precision
 
         check_precision(cfg.trainer.precision, load_recipe(cfg.model.recipe), cfg.model.mode)
     source = cfg.calibration.source

@@ -34,7 +34,7 @@ from qharness.config import (
 from qharness.data.args import check_data_args
 from qharness.errors import UserError
 from qharness.io import read_yaml
-from qharness.training.model_args import check_model_args
+from qharness.training.model_args import check_model_args, check_precision
 
 SECTIONS = {
     "deploy": ExportConfig,
@@ -156,7 +156,9 @@ def _unknown_fields(section: str, given: dict, known) -> None:
         )
 
 
-def _check_model(model: dict) -> None:
+def _check_model(model: dict, trainer: dict | None = None) -> None:
+    """The model group's fields and values; with the trainer group (when readable) also its strategy and precision
+    against the recipe."""
     defaults = init_defaults("training/module.py", "QuantLM")
     _unknown_fields("model", model, defaults)
     m = {**defaults, **model}
@@ -167,7 +169,13 @@ def _check_model(model: dict) -> None:
         return  # a value of another type: LightningCLI names it
     freeze = None if freeze == -1 and m["freeze_observers_after_n_steps"] is None else freeze
     flags = {k: m[k] for k in ("layerwise", "activation_checkpointing") if isinstance(m[k], bool)}
-    check_model_args(m["recipe"], m["mode"], lr, warmup, fq, freeze, distill=m["distill"] is not None, **flags)
+    strategy = (trainer or {}).get("strategy")
+    if isinstance(strategy, str):
+        flags["strategy"] = strategy
+    recipe = check_model_args(m["recipe"], m["mode"], lr, warmup, fq, freeze, distill=m["distill"] is not None, **flags)
+    precision = (trainer or {}).get("precision")
+    if isinstance(precision, (str, int)) and not isinstance(precision, bool):
+        check_precision(precision, recipe, m["mode"])
 
 
 def _check_data(data: dict) -> tuple[int, int] | None:
@@ -261,7 +269,7 @@ def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
         )
     model, data, trainer, checkpoint = (_section(cfg, unclear, n) for n in ("model", "data", "trainer", "checkpoint"))
     if model is not None:
-        _check_model(model)
+        _check_model(model, trainer)
     sizes = None if data is None else _check_data(data)
     built = {}
     for name in SECTIONS:

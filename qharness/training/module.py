@@ -114,33 +114,6 @@ def set_fake_quant(graph: torch.nn.Module, enabled: bool) -> None:
             (m.enable_fake_quant if enabled else m.disable_fake_quant)()
 
 
-# trainer.precision values a fake-quant graph trains with: float32 weights, optionally autocast to 16 bits.
-# "*-true" half precisions fail inside the fake-quant kernels ("Scale must be Float", dtype asserts).
-PRECISIONS_OK = {"32", "32-true", "bf16", "bf16-mixed", "16", "16-mixed"}
-
-
-def check_precision(precision, recipe, mode: str) -> None:
-    """Refuse a ``trainer.precision`` the recipe's QAT graph cannot train with (UserError, exit 2).
-
-    Checked on CPU with torch 2.13 / torchao 0.18: PT2E recipes train with ``32-true``, ``bf16-mixed`` and
-    ``16-mixed`` (the unfused ``FakeQuantize`` runs under autocast); torchao source-level recipes (8da4w) only
-    with ``32-true`` ("Tensor dtype mismatch! Expected: Float, Got: BFloat16" in torchao's fake quantizer).
-    """
-    p = str(precision) if precision is not None else "32-true"
-    if mode != "qat" or p in ("32", "32-true"):
-        return
-    if p not in PRECISIONS_OK:
-        raise UserError(
-            f"trainer.precision={p} does not work with fake quantization (weights, scales and observers must stay float32)",
-            fix="use 32-true, or bf16-mixed / 16-mixed (autocast) with a PT2E recipe",
-        )
-    if recipe.kind == "source":
-        raise UserError(
-            f"trainer.precision={p} does not work with recipe {recipe.name!r} (torchao's fake quantizer needs float32 inputs)",
-            fix="use trainer.precision 32-true with this recipe, or a PT2E recipe (xnnpack_int8_dynamic, xnnpack_int4w_dynamic) for mixed precision",
-        )
-
-
 @dataclasses.dataclass(frozen=True)
 class Distill:
     """Knowledge distillation (QAT only): the fake-quantized student also learns the FP model's logits.
