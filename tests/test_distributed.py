@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli, write_config
+from conftest import ROOT, run_cli, write_config
 
 from qharness.data.datamodule import ResumableShuffle
 
@@ -171,3 +171,24 @@ def test_memory_benchmark_script_measures_each_mode_on_every_process(tmp_path):
         assert [x["rank"] for x in ranks] == [0, 1] and all(x["mode"] == mode and x["world"] == 2 for x in ranks), mode
         assert all(x["steady"] > 0 and x["params"] > 0 for x in ranks)
     assert "fsdp_ac " in r.stdout and "steady B/param" in r.stdout
+
+
+@pytest.mark.slow
+def test_shipped_fsdp_config_trains_sharded_and_deploys(tmp_path, tiny_llama, corpus):
+    """configs/qat_fsdp.yaml as shipped (fsdp_layers, layer graphs, activation checkpointing, 2 processes), on CPU
+    with the tiny model and a few steps instead of the embedded default's 100."""
+
+    run = tmp_path / "run"
+    r = run_cli(
+        "fit", "--config", ROOT / "configs" / "qat_fsdp.yaml",
+        "--model.checkpoint", tiny_llama, "--data.source", corpus, "--data.seq_len", "32",
+        "--trainer.accelerator", "cpu", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+        "--trainer.limit_val_batches", "1", "--trainer.default_root_dir", run, "--deploy.max_seq_len", "64",
+        "--parity.eval_blocks", "8", "--parity.prompts", "1", "--eval.enabled", "false", "--bench.enabled", "false",
+        "--wandb.enabled", "false",
+    )  # fmt: skip
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in out and out.count("parity PASSED") == 1
+    hp = torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["hyper_parameters"]
+    assert hp["layerwise"] and hp["activation_checkpointing"]

@@ -94,7 +94,8 @@ def test_bad_config_fails_before_torch(name, tmp_path):
 
 
 def test_shipped_and_test_configs_pass(tmp_path):
-    for config in [ROOT / "configs" / "qat_xnnpack.yaml", ROOT / "configs" / "ptq_xnnpack.yaml", _good(tmp_path)]:
+    shipped = [ROOT / "configs" / name for name in ("qat_xnnpack.yaml", "ptq_xnnpack.yaml", "qat_fsdp.yaml")]
+    for config in [*shipped, _good(tmp_path)]:
         for sub in ("fit", "calibrate", "validate", "test", "export", "evaluate"):
             precheck([sub, "--config", str(config), "--trainer.max_steps", "5", "--model.lr=1e-3"])
 
