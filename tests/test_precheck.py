@@ -70,6 +70,16 @@ CASES = {
         "trainer.precision=bf16-mixed does not work with recipe 'xnnpack_8da4w'",
     ),
     "half-precision weights": (lambda t: _good(t), ["--trainer.precision", "16-true"], "trainer.precision=16-true"),
+    "missing model directory": (
+        lambda t: _good(t),
+        ["--model.checkpoint", "{tmp}/no_model"],
+        "model.checkpoint {tmp}/no_model does not exist",
+    ),
+    "model directory without config.json": (
+        lambda t: _good(t),
+        ["--model.checkpoint", "{tmp}"],
+        "model.checkpoint {tmp} has no config.json",
+    ),
 }
 
 
@@ -77,7 +87,10 @@ CASES = {
 def test_bad_config_fails_before_torch(name, tmp_path):
     make, extra, expected = CASES[name]
     result = subprocess.run(
-        [sys.executable, "-X", "importtime", "-m", "qharness", "fit", "--config", str(make(tmp_path)), *extra],
+        [
+            *(sys.executable, "-X", "importtime", "-m", "qharness", "fit", "--config", str(make(tmp_path))),
+            *(a.format(tmp=tmp_path) for a in extra),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -34,6 +34,8 @@ from qharness.config import (
 from qharness.data.args import check_data_args
 from qharness.errors import UserError
 from qharness.io import read_yaml
+from qharness.sources.models import EMBEDDED, check_local_checkpoint
+from qharness.sources.torchtune import PREFIX as TORCHTUNE
 from qharness.training.model_args import check_model_args, check_precision
 
 SECTIONS = {
@@ -173,6 +175,9 @@ def _check_model(model: dict, trainer: dict | None = None) -> None:
     if isinstance(strategy, str):
         flags["strategy"] = strategy
     recipe = check_model_args(m["recipe"], m["mode"], lr, warmup, fq, freeze, distill=m["distill"] is not None, **flags)
+    checkpoint = m["checkpoint"]
+    if isinstance(checkpoint, str) and checkpoint != EMBEDDED and not checkpoint.startswith(TORCHTUNE):
+        check_local_checkpoint(checkpoint)
     precision = (trainer or {}).get("precision")
     if isinstance(precision, (str, int)) and not isinstance(precision, bool):
         check_precision(precision, recipe, m["mode"])

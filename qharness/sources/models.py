@@ -14,7 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from qharness.errors import UserError
-from qharness.sources.text import EMBEDDED
+
+EMBEDDED = "embedded"  # model.checkpoint of the built-in default (as data.source "embedded" names its corpus)
 
 
 def resolve_checkpoint(checkpoint: str) -> str:
@@ -28,6 +29,17 @@ def resolve_checkpoint(checkpoint: str) -> str:
 
     if is_torchtune(checkpoint):
         return str(torchtune_dir(checkpoint))
+    return check_local_checkpoint(checkpoint) or checkpoint  # else a hub id
+
+
+def check_local_checkpoint(checkpoint: str) -> str | None:
+    """A ``model.checkpoint`` that names a local directory: the directory if it holds a ``save_pretrained`` model,
+    else a ``UserError``; None for a hub id. Torch-free (the CLI's pre-check runs it).
+
+    Example::
+
+        check_local_checkpoint("./no/such/dir")   # UserError: model.checkpoint ./no/such/dir does not exist
+    """
     path = Path(checkpoint).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -43,7 +55,7 @@ def resolve_checkpoint(checkpoint: str) -> str:
         return str(path)
     if checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1:
         raise UserError(f"model.checkpoint {checkpoint} does not exist", fix="give an existing directory or a hub id")
-    return checkpoint  # a hub id
+    return None
 
 
 def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
