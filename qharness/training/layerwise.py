@@ -87,12 +87,6 @@ def decoder_layers(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
-def tied_head(model: torch.nn.Module) -> bool:
-    """Whether the output head shares its weight with the input embedding."""
-    head, emb = model.get_output_embeddings(), model.get_input_embeddings()
-    return head is not None and emb is not None and head.weight is emb.weight
-
-
 def _capture(model, modules: dict[str, torch.nn.Module], example: torch.Tensor) -> dict[str, tuple]:
     """The ``(args, kwargs)`` each of ``modules`` is called with in one forward of ``model`` on ``example``."""
     seen, hooks = {}, []
@@ -123,8 +117,7 @@ def export_layerwise(model, batch_size: int, seq_len: int, quantize) -> torch.nn
     """``model`` (changed in place) with each decoder layer and the output head exported on their own, each graph
     passed through ``quantize(graph) -> graph`` (the recipe's ``prepare_qat_pt2e``/``prepare_pt2e``, or identity).
     Shapes are static, ``[batch_size, seq_len]``, on the model's device."""
-    layers = dict(decoder_layers(model))
-    targets = dict(layers)
+    targets = dict(decoder_layers(model))
     head = model.get_output_embeddings()
     if head is not None:  # quantized like any linear layer (a tied head keeps sharing the embedding's weight)
         targets[next(n for n, m in model.named_modules() if m is head)] = head
@@ -158,30 +151,26 @@ def units(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     found = layer_graphs(root)
     if found:
         return found
-    model = getattr(root, "model", root)
-    return [(f"model.{n}", m) for n, m in decoder_layers(model)]
+    return [(f"model.{n}", m) for n, m in decoder_layers(root.model)]
 
 
 def set_checkpointing(root: torch.nn.Module, enabled: bool) -> int:
     """Activation checkpointing per unit (recompute each decoder layer in backward); returns how many units."""
-    n = 0
-    for _, m in units(root):
+    found = units(root)
+    for _, m in found:
         if isinstance(m, LayerGraph):
             m.checkpoint = enabled
-        else:  # an eager decoder layer: its forward runs under checkpoint
-            if enabled and not hasattr(m, "_qharness_forward"):
-                m._qharness_forward = m.forward
+        elif enabled:  # an eager decoder layer: its forward runs under checkpoint (an instance attribute)
+            m.forward = _checkpointed(type(m).forward.__get__(m))
+        else:
+            m.__dict__.pop("forward", None)  # the class's forward again
+    return len(found)
 
-                def forward(*args, _m=m, **kwargs):
-                    if torch.is_grad_enabled():
-                        return torch.utils.checkpoint.checkpoint(
-                            _m._qharness_forward, *args, use_reentrant=False, **kwargs
-                        )
-                    return _m._qharness_forward(*args, **kwargs)
 
-                m.forward = forward
-            elif not enabled and hasattr(m, "_qharness_forward"):
-                m.forward = m._qharness_forward
-                del m._qharness_forward
-        n += 1
-    return n
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        if torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return forward(*args, **kwargs)
+
+    return run

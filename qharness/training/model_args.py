@@ -51,22 +51,38 @@ def check_model_args(
                 "freeze_observers_after_n_steps need a PT2E recipe",
                 fix="leave them unset, or use xnnpack_int8_dynamic / xnnpack_int4w_dynamic",
             )
-    if activation_checkpointing and loaded.kind != "source" and not layerwise:
-        raise UserError(
-            "model.activation_checkpointing recomputes decoder layers, which needs one graph per layer",
-            fix="add --model.layerwise true",
-        )
-    if strategy == "fsdp_layers" and loaded.kind != "source" and not layerwise:
-        raise UserError(
-            "trainer.strategy fsdp_layers shards per decoder layer, which needs one graph per layer",
-            fix="add --model.layerwise true (or train with --trainer.strategy ddp)",
-        )
+    check_layer_units(
+        loaded,
+        layerwise,
+        activation_checkpointing,
+        "trainer.strategy fsdp_layers" if strategy == "fsdp_layers" else None,
+    )
     if mode == "ptq" and loaded.learns_scales:
         raise UserError(
             f"recipe {recipe!r} learns its weight scales (learn_scales: true), which needs training",
             fix="use mode qat, or a recipe without learn_scales for PTQ",
         )
     return loaded
+
+
+def check_layer_units(
+    recipe: Recipe, layerwise: bool, activation_checkpointing: bool = False, sharded_by: str | None = None
+) -> None:
+    """Activation checkpointing and per-layer sharding (``sharded_by``: what shards, e.g. ``trainer.strategy
+    fsdp_layers``) need per-layer units: a PT2E recipe's graph must be ``layerwise`` (torchao source-level recipes
+    keep eager layers)."""
+    if recipe.kind == "source" or layerwise:
+        return
+    if activation_checkpointing:
+        raise UserError(
+            "model.activation_checkpointing recomputes decoder layers, which needs one graph per layer",
+            fix="add --model.layerwise true",
+        )
+    if sharded_by:
+        raise UserError(
+            f"{sharded_by} shards per decoder layer, which needs one graph per layer",
+            fix="add --model.layerwise true (or train with --trainer.strategy ddp)",
+        )
 
 
 # trainer.precision values a fake-quant graph trains with: float32 weights, optionally autocast to 16 bits.

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from qharness.errors import UserError
-from qharness.training.model_args import check_model_args
+from qharness.training.model_args import check_layer_units, check_model_args
 from qharness.upstream import imports
 
 
@@ -65,9 +65,9 @@ def prepare_for_training(
         return export_for_training(model, batch_size, seq_len)
 
     def prepare(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        if quantizer is None:
-            return imports.pt2e().allow_train_eval(graph)
         pt2e = imports.pt2e()
+        if quantizer is None:
+            return pt2e.allow_train_eval(graph)
         prepared = (pt2e.prepare_qat_pt2e if is_qat else pt2e.prepare_pt2e)(graph, quantizer)
         if is_qat and recipe.learns_scales:
             from qharness.recipes.learned_scales import init_learned_scales
@@ -158,12 +158,6 @@ def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: floa
     s = F.log_softmax(student.float().flatten(0, -2) / temperature, dim=-1)
     t = F.log_softmax(teacher.float().flatten(0, -2) / temperature, dim=-1)
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
-
-
-def _is_model_parallel(strategy) -> bool:
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    return isinstance(strategy, ModelParallelStrategy)
 
 
 class QuantLM(L.LightningModule):
@@ -280,17 +274,16 @@ class QuantLM(L.LightningModule):
         dm = self.trainer.datamodule
         strategy = self.trainer.strategy
         device = strategy.root_device  # e.g. cuda:<local rank>
-        sharded = _is_model_parallel(strategy)
-        if sharded and self.recipe.kind != "source" and not self.hparams.layerwise:
-            raise UserError(
-                f"trainer.strategy {type(strategy).__name__} shards per decoder layer, which needs one graph per layer",
-                fix="add --model.layerwise true (or train with --trainer.strategy ddp)",
+        from qharness.training.sharding import is_model_parallel, shard
+
+        sharded = is_model_parallel(strategy)
+        if sharded:
+            check_layer_units(
+                self.recipe, self.hparams.layerwise, sharded_by=f"trainer.strategy {type(strategy).__name__}"
             )
         if self.graph is None:
             self.build(dm.batch_size, dm.seq_len, device=device)
             if sharded:
-                from qharness.training.sharding import shard
-
                 shard(self.graph, self.device_mesh["data_parallel"])
         if self.distill is not None and self.trainer.state.fn == "fit":  # training only, not validate/test
             self.teacher(device)
@@ -311,11 +304,11 @@ class QuantLM(L.LightningModule):
 
         if self.graph is None or not is_sharded(self.graph):
             return
-        state = full_state(self.graph)
-        self.graph = None
+        state = full_state(self)
         if self.trainer.is_global_zero:
-            self.build(*self._shape, device="cpu")
-            self.graph.load_state_dict(state)
+            self.rebuild_on("cpu", state)
+        else:
+            self.graph = None
 
     def graph_to_cpu(self) -> None:
         """Deployment runs on CPU. A graph trained on another device (its devices are baked in at export) is
@@ -323,9 +316,9 @@ class QuantLM(L.LightningModule):
         if self.graph is not None and any(t.device.type != "cpu" for t in self.graph.state_dict().values()):
             self.rebuild_on("cpu")
 
-    def rebuild_on(self, device) -> None:
-        """Export and prepare the graph again on ``device`` and load the current state into it."""
-        state = {k: v.detach().to(device) for k, v in self.state_dict().items()}
+    def rebuild_on(self, device, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Export and prepare the graph again on ``device`` and load ``state`` (default: the current one) into it."""
+        state = {k: v.detach().to(device) for k, v in (self.state_dict() if state is None else state).items()}
         self.graph = None
         self.build(*self._shape, device=device)
         self.load_state_dict(state)
@@ -422,9 +415,8 @@ class QuantLM(L.LightningModule):
                 from qharness.recipes.learned_scales import init_learned_scales
                 from qharness.training.layerwise import graph_modules
 
-                for _, graph in graph_modules(
-                    self.graph
-                ):  # learning starts from min-max of the weights FP training left
+                # learning starts from min-max of the weights FP training left
+                for _, graph in graph_modules(self.graph):
                     init_learned_scales(graph)
 
     on_validation_model_eval = to_eval

@@ -40,6 +40,11 @@ if NAME not in StrategyRegistry:
     )
 
 
+def is_model_parallel(strategy) -> bool:
+    """Whether a Lightning strategy shards with FSDP2 (``fsdp_layers`` or a ``ModelParallelStrategy`` of the user's)."""
+    return isinstance(strategy, ModelParallelStrategy)
+
+
 def shardable_units(root: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """``units(root)`` without those sharing a parameter with the rest of the model (a tied output head): a
     parameter must belong to one unit, so those stay in the root unit."""
