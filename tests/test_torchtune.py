@@ -89,6 +89,41 @@ def test_non_llama_builder_is_refused(tmp_path, monkeypatch):
 
 
 @needs_torchtune
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "llama3._model_builders._get_prompt_template(prompt_template='os.getcwd')",  # imports and calls its argument
+        "llama3.llama3_tokenizer(path='/nonexistent')",  # a tokenizer, not a model
+        "qwen2.qwen2_tune_to_hf(state_dict={})",  # a weight converter
+        "llama3.base_llama_tp_plan",  # returns a dict
+        "code_llama2.qlora_code_llama2_7b",  # a partial, not a listed function
+        "llama3_2._component_builders.llama3_2(vocab_size=1)",  # private module
+    ],
+)
+def test_only_model_builders_are_called(tmp_path, monkeypatch, spec):
+    """The allow-list is checked before any call: a callable under torchtune.models that does not build a
+    TransformerDecoder is refused, never called (the CLI test below: one that would abort the process)."""
+    from qharness.sources import torchtune as tt_source
+
+    monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path))
+    called = []
+    monkeypatch.setattr(tt_source, "to_hf_llama", lambda tt: called.append(tt))
+    with pytest.raises(UserError, match="not a torchtune model builder"):
+        tt_source.torchtune_dir("torchtune:" + spec)
+    assert not called and not list(tmp_path.iterdir())
+
+
+@needs_torchtune
+def test_a_callable_that_would_abort_is_refused_through_the_cli(tmp_path, tiny_llama, corpus):
+    spec = "torchtune:llama3._model_builders._get_prompt_template(prompt_template='os.abort')"
+    cfg = write_config(tmp_path / "t.yaml", spec, corpus, tmp_path / "run", bench={"enabled": False})
+    r = run_cli("fit", cfg)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "not a torchtune model builder" in errors[0] and "Traceback" not in r.stderr
+
+
+@needs_torchtune
 @pytest.mark.slow
 def test_torchtune_builder_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, tiny_llama, corpus):
     """The builder spec is ``model.checkpoint`` (with the tiny Llama's tokenizer): QAT, checkpoint, .pte, parity."""

@@ -73,18 +73,42 @@ def parse_spec(checkpoint: str) -> tuple[str, dict]:
 
 
 def resolve_builder(path: str):
+    """The builder named by ``path``, checked against the allow-list before anything is called.
+
+    Allowed: a public function ``torchtune.models.<family>.<name>`` listed in the family's ``__all__`` whose return
+    annotation is ``TransformerDecoder`` (the model builders; not tokenizers, weight converters, partials or
+    private helpers such as ``_model_builders._get_prompt_template``, which imports and calls what it is given).
+    """
+    import inspect
+
     from qharness.upstream.torchtune import import_torchtune
 
     import_torchtune()
-    module_name, _, name = path.rpartition(".")
+    parts = path.split(".")
+    module_name, name = ".".join(parts[:-1]), parts[-1]
+    if len(parts) != 4 or any(p.startswith("_") for p in parts):
+        raise UserError(
+            f"{path} is not a torchtune model builder (builders are torchtune.models.<family>.<name>)", fix=FIX
+        )
     try:
-        builder = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as e:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(
+            f"torchtune has no model family {module_name} ({e})",
+            fix="see torchtune.models (e.g. torchtune:llama3_2.llama3_2_1b)",
+        ) from e
+    builder = getattr(module, name, None)
+    if builder is None:
         raise UserError(
             f"torchtune has no model builder {path}", fix="see torchtune.models (e.g. torchtune:llama3_2.llama3_2_1b)"
-        ) from e
-    if not callable(builder):
-        raise UserError(f"{path} is not a torchtune model builder", fix=FIX)
+        )
+    from torchtune.modules import TransformerDecoder
+
+    returns = inspect.signature(builder).return_annotation if inspect.isfunction(builder) else None
+    if name not in getattr(module, "__all__", ()) or not (
+        isinstance(returns, type) and issubclass(returns, TransformerDecoder)
+    ):
+        raise UserError(f"{path} is not a torchtune model builder (it does not return a TransformerDecoder)", fix=FIX)
     return builder
 
 
