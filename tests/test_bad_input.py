@@ -25,6 +25,13 @@ def _model_copy(t, drop=()):
     return d
 
 
+def _config_layers(t, n):
+    d = _model_copy(t)
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": cfg["num_hidden_layers"] + n}))
+    return d
+
+
 def _fake_ckpt(t, recipe):
     import torch
 
@@ -104,6 +111,14 @@ CASES = {
     "model dir without weights": (
         lambda t: _cfg(t, model={"checkpoint": str(_model_copy(t, ["*.safetensors"]))}),
         "has no weights",
+    ),
+    "config.json with more layers than the weights": (
+        lambda t: _cfg(t, model={"checkpoint": str(_config_layers(t, 1))}),
+        "the checkpoint lacks",
+    ),
+    "config.json with fewer layers than the weights": (
+        lambda t: _cfg(t, model={"checkpoint": str(_config_layers(t, -1))}),
+        "the checkpoint has extra",
     ),
     "unsupported architecture": (lambda t: _cfg(t, model={"checkpoint": str(_t5_dir(t))}), "unsupported model"),
     "recurrent architecture": (

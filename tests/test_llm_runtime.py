@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -128,6 +129,18 @@ def test_generate_cli_is_deterministic_with_a_seed(varied_run):
         assert r.stdout.startswith(PROMPT) and "decode" in r.stderr and "tok/s" in r.stderr
     assert first.stdout == second.stdout
     assert other.stdout != first.stdout  # the seed does drive the sampling
+
+
+def test_generate_says_when_the_kv_cache_stops_it(varied_run):
+    """Asking for more tokens than the cache holds ends at the cache, with a line saying so (not silently)."""
+    r = run_cli(
+        "generate", "--pte", varied_run / "model.pte", "--prompt", PROMPT, "--max_new_tokens", "100000",
+        "--temperature", "1.0", "--seed", "3",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    prompt, generated = map(int, re.search(r"\[(\d+) prompt tokens, (\d+) generated\]", r.stderr).groups())
+    assert prompt + generated == 64, "this seed must reach the end of the 64-token cache (pick another seed)"
+    assert "stopped before 100000 new tokens: the .pte's KV cache holds 64 tokens" in r.stderr
 
 
 def test_generate_refuses_a_prompt_longer_than_the_kv_cache(varied_run, tmp_path):

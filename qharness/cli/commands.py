@@ -64,6 +64,12 @@ def generate(
         f"decode {out['decode_tok_s']:.1f} tok/s",
         file=sys.stderr,
     )
+    if out["stopped"] == "context":
+        print(
+            f"[stopped before {max_new_tokens} new tokens: the .pte's KV cache holds {out['context']} tokens, "
+            f"{out['prompt_tokens']} of them the prompt; export with a larger deploy.max_seq_len for more]",
+            file=sys.stderr,
+        )
 
 
 def bench(

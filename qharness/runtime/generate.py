@@ -76,13 +76,14 @@ def generate(
     else:
         gen.manual_seed(seed)
     steps = min(max_new_tokens, context - len(ids))
-    new, text, calls = [], "", 0
+    new, text, calls, stopped = [], "", 0, "max_new_tokens" if steps == max_new_tokens else "context"
     t0 = time.perf_counter()
     logits = pte(torch.tensor([ids]), 0)[0, -1]
     t1 = time.perf_counter()
     for i in range(steps):
         token = sample(logits, temperature, top_k, gen)
         if token in eos:
+            stopped = "eos"
             break
         new.append(token)
         decoded = tokenizer.decode(new)
@@ -99,6 +100,8 @@ def generate(
         "text": final,
         "prompt_tokens": len(ids),
         "new_tokens": new,
+        "stopped": stopped,  # eos, max_new_tokens, or context (the KV cache is full)
+        "context": context,
         "prefill_tok_s": len(ids) / (t1 - t0),
         "decode_tok_s": calls / (t2 - t1) if calls else 0.0,
     }

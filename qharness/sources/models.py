@@ -65,13 +65,16 @@ def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            source, dtype=torch.float32, trust_remote_code=trust_remote_code, output_loading_info=True
+        )
     except OSError as e:
         raise UserError(
             f"could not load model {source!r}: {str(e).splitlines()[0]}", fix="check model.checkpoint"
         ) from e
     except ValueError as e:
         raise UserError(f"unsupported model {source!r}: {str(e).splitlines()[0]}") from e
+    check_loaded_weights(source, info)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > model.config.get_text_config().vocab_size:
@@ -81,3 +84,17 @@ def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
             fix="use the tokenizer the model was trained with",
         )
     return model.eval(), tokenizer
+
+
+def check_loaded_weights(source: str, info: dict) -> None:
+    """Refuse a checkpoint whose weights do not cover its ``config.json`` (HF would fill the gap with random
+    weights, or drop the extra ones, and only log it): e.g. a config saying 6 layers beside weights for 4."""
+    missing, unexpected = sorted(info.get("missing_keys", ())), sorted(info.get("unexpected_keys", ()))
+    mismatched = [k for k, *_ in info.get("mismatched_keys", ())]
+    for what, keys in (("lacks", missing), ("has extra", unexpected), ("has wrongly shaped", mismatched)):
+        if keys:
+            raise UserError(
+                f"model.checkpoint {source}: its weights do not match its config.json (the checkpoint {what} "
+                f"{len(keys)} tensors, e.g. {keys[0]})",
+                fix="make config.json describe the saved weights (e.g. num_hidden_layers), or re-save with save_pretrained",
+            )
