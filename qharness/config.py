@@ -163,6 +163,15 @@ def check_lengths(prompt_len: int, decode_tokens: int, reps: int, max_context_le
         )
 
 
+def check_eval_lengths(length: int, seq_len: int, max_seq_len: int) -> None:
+    """lm-eval's window (``eval.max_length``, null: ``data.seq_len``) against the graph and the ``.pte``."""
+    if length < 2 or length > seq_len or length >= max_seq_len:
+        raise UserError(
+            f"eval.max_length={length} must lie in [2, data.seq_len={seq_len}] (the fake-quant graph's length) and below deploy.max_seq_len={max_seq_len}",
+            fix=f"set eval.max_length <= {min(seq_len, max_seq_len - 1)}, or leave it null",
+        )
+
+
 @dataclass
 class WandbConfig:
     """Weights & Biases logging through Lightning's WandbLogger, into ``<run dir>/wandb`` beside the CSV logs

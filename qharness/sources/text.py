@@ -117,6 +117,8 @@ def load_texts(source: str, text_field: str = "text", split: str = "train") -> l
     """
     if source == EMBEDDED:
         return embedded_corpus()
+    if not source.strip():  # Path("") is the current directory
+        raise UserError("data.source is empty", fix="give a text file or directory, a hub dataset id, or 'embedded'")
     path = Path(source).expanduser()
     if path.exists():
         if path.is_dir():
