@@ -444,6 +444,12 @@ def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
         raise UserError(
             f"unknown config section(s) {', '.join(unknown)}", fix=f"known sections: {', '.join(sorted(TOP_LEVEL))}"
         )
+    for name in ("model", "data", "trainer", "checkpoint", *SECTIONS):
+        value = cfg.get(name)
+        if name not in unclear and value is not None and not isinstance(value, (dict, str)):
+            raise UserError(
+                f"{name} must be a mapping of fields (got {value!r})", fix=f"e.g. {name}: {{...}}, or leave it out"
+            )
     model, data, trainer, checkpoint = (_section(cfg, unclear, n) for n in ("model", "data", "trainer", "checkpoint"))
     if "seed_everything" not in unclear:
         check_types("", {"seed_everything": cfg.get("seed_everything")}, {"seed_everything": "bool | int | None"})
