@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from pathlib import PurePath
+from pathlib import Path, PurePath
 from typing import Literal
 
 from qharness.errors import UserError
@@ -28,6 +28,19 @@ def _at_least(section: str, **values) -> None:
                 f"{section}.{name} must be a number >= {minimum} (got {value!r})",
                 fix=f"set {section}.{name} >= {minimum}",
             )
+
+
+def check_source(section: str, source) -> None:
+    """A section's optional text ``source`` (null: the run's own text): not blank, and a path (``./``, ``/``,
+    ``~``) must exist."""
+    if not isinstance(source, str):
+        return
+    if not source.strip():
+        raise UserError(
+            f"{section}.source is empty", fix=f"give a text file or directory, or leave {section}.source null"
+        )
+    if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
+        raise UserError(f"{section}.source {source} does not exist", fix="give an existing file or directory")
 
 
 @dataclass
@@ -99,6 +112,7 @@ class ParityConfig:
             decode_steps=(self.decode_steps, 0),
             eval_blocks=(self.eval_blocks, 1),
             max_ppl_rel_diff=(self.max_ppl_rel_diff, 0),
+            tie_margin=(self.tie_margin, 0),
         )
         for name in ("min_argmax_agreement", "fake_quant_min_argmax_agreement"):
             if not 0.0 <= getattr(self, name) <= 1.0:
@@ -125,6 +139,7 @@ class CalibrationConfig:
 
     def __post_init__(self):
         _at_least("calibration", blocks=(self.blocks, 1))
+        check_source("calibration", self.source)
 
 
 @dataclass
@@ -160,6 +175,15 @@ def check_lengths(prompt_len: int, decode_tokens: int, reps: int, max_context_le
         raise UserError(
             f"bench prompt_len + decode_tokens = {prompt_len + decode_tokens} exceeds the .pte's KV cache ({max_context_len} positions)",
             fix=f"keep prompt_len + decode_tokens <= {max_context_len} (bench.* options), or export with a larger deploy.max_seq_len",
+        )
+
+
+def check_eval_lengths(length: int, seq_len: int, max_seq_len: int) -> None:
+    """lm-eval's window (``eval.max_length``, null: ``data.seq_len``) against the graph and the ``.pte``."""
+    if length < 2 or length > seq_len or length >= max_seq_len:
+        raise UserError(
+            f"eval.max_length={length} must lie in [2, data.seq_len={seq_len}] (the fake-quant graph's length) and below deploy.max_seq_len={max_seq_len}",
+            fix=f"set eval.max_length <= {min(seq_len, max_seq_len - 1)}, or leave it null",
         )
 
 
@@ -240,6 +264,7 @@ class EvalConfig:
         if self.max_length is not None:
             _at_least("eval", max_length=(self.max_length, 2))
         _at_least("eval", bootstrap_iters=(self.bootstrap_iters, 0))
+        check_source("eval", self.source)
         if not self.tasks:
             raise UserError("eval.tasks is empty", fix="name at least one task, or set eval.enabled: false")
 

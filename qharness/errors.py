@@ -1,13 +1,16 @@
 """User-facing errors: one clear line (what, where, how to fix), exit code 2."""
 
+# Control characters (a newline in a path, a tab in a value) shown escaped, so the error stays one line.
+_ONE_LINE = {c: repr(chr(c))[1:-1] for c in (*range(32), 127)}
+
 
 class UserError(Exception):
     """Bad input: the CLI prints ``error: <what>. fix: <how>`` and exits with code 2."""
 
     def __init__(self, what: str, fix: str | None = None):
-        self.what = what
-        self.fix = fix
-        super().__init__(f"{what}. fix: {fix}" if fix else what)
+        self.what = what.translate(_ONE_LINE)
+        self.fix = fix.translate(_ONE_LINE) if fix else fix
+        super().__init__(f"{self.what}. fix: {self.fix}" if self.fix else self.what)
 
 
 class ParityError(RuntimeError):

@@ -64,6 +64,20 @@ def _mamba_dir(t):
     return d
 
 
+def _wrong_shape_model(t):
+    d = _model_copy(t)
+    config = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] // 2}))
+    return d
+
+
+def _truncated_model(t):
+    d = _model_copy(t)
+    weights = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    return d
+
+
 def _small_vocab_model(t):
     return make_tiny_llama(t.tmp / "small_vocab", t.data.read_text()[:50_000], vocab_size=384, vocab_size_override=200)
 
@@ -252,15 +266,44 @@ CASES = {
     "zero bench reps": (lambda t: _cfg(t, bench={"reps": 0}), "bench.reps must be a number >= 1 (got 0)"),
     "zero distillation temperature": (
         lambda t: [*_cfg(t, model={"distill": {"kl_weight": 1.0}}), "--model.distill.temperature", "0"],
-        "model.distill.temperature must be a positive number (got 0.0). fix: set model.distill.temperature > 0",
+        "model.distill.temperature must be a positive number (got 0). fix: set model.distill.temperature > 0",
     ),
     "negative KL weight": (
         lambda t: [*_cfg(t), "--model.distill.kl_weight", "-1"],
-        "model.distill.kl_weight must be a positive number (got -1.0)",
+        "model.distill.kl_weight must be a positive number (got -1)",
     ),
     "distillation in PTQ": (
         lambda t: _cfg(t, model={"mode": "ptq", "recipe": "xnnpack_int8_static", "distill": {"temperature": 2.0}}),
         "model.distill needs model.mode: qat",
+    ),
+    "negative weight decay": (lambda t: _cfg(t, model={"weight_decay": -0.1}), "model.weight_decay must be a finite"),
+    "zero gradient accumulation": (
+        lambda t: _cfg(t, trainer={"accumulate_grad_batches": 0}),
+        "trainer.accumulate_grad_batches must be >= 1 (got 0)",
+    ),
+    "zero val_check_interval": (lambda t: _cfg(t, trainer={"val_check_interval": 0}), "trainer.val_check_interval"),
+    "val_check_interval beyond the batches": (
+        lambda t: _cfg(t, trainer={"val_check_interval": 100000}),
+        "trainer.val_check_interval=100000 exceeds the",
+    ),
+    "unwritable run dir": (
+        lambda t: _cfg(t, trainer={"default_root_dir": "/proc/qharness_run"}),
+        "trainer.default_root_dir /proc/qharness_run: /proc is not writable",
+    ),
+    "empty run dir": (lambda t: [*_cfg(t), "--trainer.default_root_dir", ""], "trainer.default_root_dir is empty"),
+    "text for an int": (lambda t: [*_cfg(t), "--trainer.max_steps", "abc"], "trainer.max_steps must be an integer"),
+    "list for a float": (lambda t: [*_cfg(t), "--model.lr", "[1]"], "model.lr must be a number (got [1])"),
+    "weights of the wrong shape": (
+        lambda t: _cfg(t, model={"checkpoint": str(_wrong_shape_model(t))}),
+        "the weights do not load",
+    ),
+    "truncated safetensors": (
+        lambda t: _cfg(t, model={"checkpoint": str(_truncated_model(t))}),
+        "model.safetensors is truncated or not a safetensors file",
+    ),
+    "generate: NaN temperature": (
+        lambda t: ["generate", "--pte", str(t.tmp / "none.pte"), "--prompt", "x", "--temperature", "nan"],
+        "--temperature must be a finite number >= 0 (got nan)",
     ),
     "recipe YAML syntax error": (
         lambda t: _cfg(

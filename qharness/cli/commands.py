@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -23,6 +24,18 @@ def recipes() -> None:
     width = max(len(r.name) for r in rows)
     for r in rows:
         print(f"{r.name:<{width}}  {r.backend:<8} {'/'.join(r.modes):<8} {r.description}")
+
+
+def check_generate_args(max_new_tokens: int, temperature: float, top_k: int) -> None:
+    """``generate``'s numbers, before the .pte loads: ``UserError`` naming the option."""
+    for name, value, ok in (
+        ("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
+        ("temperature", temperature, math.isfinite(temperature) and temperature >= 0),
+        ("top_k", top_k, top_k >= 0),
+    ):
+        if not ok:
+            low = 1 if name == "max_new_tokens" else 0
+            raise UserError(f"--{name} must be a finite number >= {low} (got {value})", fix=f"e.g. --{name} {low}")
 
 
 def generate(
@@ -46,6 +59,7 @@ def generate(
         seed: fixed seed: the same text every run.
         tokenizer: directory with tokenizer.json (default: tokenizer/ beside the .pte).
     """
+    check_generate_args(max_new_tokens, temperature, top_k)
     from qharness.runtime.generate import generate as run_generate
     from qharness.runtime.generate import load_tokenizer
     from qharness.runtime.pte import PteModel

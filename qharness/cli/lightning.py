@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from qharness.cli.precheck import check_steps_and_lengths
+from qharness.cli.precheck import check_run_dir, check_steps_and_lengths, check_trainer
 from qharness.config import (
     BenchConfig,
     CalibrationConfig,
@@ -106,25 +106,38 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         par.prompt_len,
         par.decode_steps,
     )
-    root = Path(cfg.trainer.default_root_dir)
-    for parent in (root, *root.parents):
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserError(f"trainer.default_root_dir {root}: {parent} is a file", fix="point it at a directory")
-            if not os.access(parent, os.W_OK):
-                raise UserError(
-                    f"trainer.default_root_dir {root}: {parent} is not writable", fix="choose a writable directory"
-                )
-            break
+    check_trainer(
+        {
+            k: cfg.trainer.get(k)
+            for k in (
+                "accumulate_grad_batches",
+                "check_val_every_n_epoch",
+                "val_check_interval",
+                "limit_train_batches",
+                "limit_val_batches",
+                "limit_test_batches",
+                "gradient_clip_val",
+            )
+        }
+    )
+    check_run_dir(cfg.trainer.default_root_dir)
     if cfg.deploy.enabled and cfg.bench.enabled:
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
     if cfg.trainer.get("strategy") == "fsdp_layers":
         from qharness.training.model_args import check_model_args
 
         m = cfg.model
-        check_model_args(m.recipe, m.mode, m.lr, m.warmup_steps, layerwise=m.layerwise, strategy="fsdp_layers")
+        check_model_args(
+            m.recipe,
+            m.mode,
+            m.lr,
+            m.warmup_steps,
+            layerwise=m.layerwise,
+            strategy="fsdp_layers",
+            weight_decay=m.weight_decay,
+        )
     if cfg.model.get("distill") is not None:
-        from qharness.training.module import Distill
+        from qharness.training.model_args import Distill
 
         Distill(**cfg.model.distill.as_dict())  # its own field checks, as one line (jsonargparse would wrap them)
     if cfg.model.mode == "qat" and str(cfg.trainer.precision or "32-true") not in ("32", "32-true"):

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import math
 import re
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -28,6 +30,7 @@ from qharness.config import (
     ExportConfig,
     ParityConfig,
     WandbConfig,
+    check_eval_lengths,
     check_lengths,
     deep_merge,
 )
@@ -36,7 +39,7 @@ from qharness.errors import UserError
 from qharness.io import read_yaml
 from qharness.sources.models import EMBEDDED, check_local_checkpoint
 from qharness.sources.torchtune import PREFIX as TORCHTUNE
-from qharness.training.model_args import check_model_args, check_precision
+from qharness.training.model_args import Distill, check_model_args, check_precision
 
 SECTIONS = {
     "deploy": ExportConfig,
@@ -49,6 +52,23 @@ SECTIONS = {
 # Top-level keys of the subcommands' configs (``qharness fit --print_config``; evaluate adds its options).
 TOP_LEVEL = {"seed_everything", "trainer", "model", "data", "checkpoint", "ckpt_path", "weights_only", "verbose"}
 TOP_LEVEL |= set(SECTIONS) | {"pte", "tasks", "limit", "num_fewshot", "models"}
+# Types of the trainer and checkpoint fields checked here (Lightning's annotations, the parts a YAML value can take).
+TRAINER_TYPES = {
+    "max_steps": "int",
+    "max_epochs": "int | None",
+    "accumulate_grad_batches": "int",
+    "check_val_every_n_epoch": "int | None",
+    "log_every_n_steps": "int | None",
+    "num_sanity_val_steps": "int | None",
+    "limit_train_batches": "int | float | None",
+    "limit_val_batches": "int | float | None",
+    "limit_test_batches": "int | float | None",
+    "gradient_clip_val": "int | float | None",
+    "enable_checkpointing": "bool | None",
+    "enable_progress_bar": "bool | None",
+}
+CHECKPOINT_TYPES = {"every_n_train_steps": "int | None", "save_top_k": "int", "save_last": "bool | str | None"}
+_BOOL_WORDS = {"true", "false", "yes", "no", "on", "off"}  # what jsonargparse takes for a bool given as text
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 _NO_CHECK = object()  # an argument default that is not a literal
 
@@ -63,6 +83,123 @@ def init_defaults(relpath: str, cls: str) -> dict:
             defaults = [None] * (len(names) - len(init.args.defaults)) + list(init.args.defaults)
             return {n: _literal(d) for n, d in zip(names, defaults)}
     raise LookupError(f"{cls} not in {relpath}")
+
+
+def init_annotations(relpath: str, cls: str) -> dict[str, str]:
+    """``{argument: annotation source}`` of ``cls.__init__`` in the qharness source file ``relpath`` (``ast``)."""
+    for node in ast.parse((Path(qharness.__file__).parent / relpath).read_text()).body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            init = next(f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+            return {a.arg: ast.unparse(a.annotation) if a.annotation else "" for a in init.args.args[1:]}
+    raise LookupError(f"{cls} not in {relpath}")
+
+
+def _split_union(annotation: str) -> list[str]:
+    """``"int | list[str] | None"`` -> ``["int", "list[str]", "None"]`` (``|`` at bracket depth 0)."""
+    parts, depth, cur = [], 0, ""
+    for ch in annotation:
+        depth += ch in "[(" and 1 or (ch in "])" and -1 or 0)
+        if ch == "|" and depth == 0:
+            parts.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [*parts, cur.strip()]
+
+
+def _fits(value, part: str) -> bool | None:
+    """Whether ``value`` is of the type ``part`` as jsonargparse reads it; None when this check does not know it."""
+    if part == "None":
+        return value is None
+    if part == "bool":
+        return isinstance(value, bool) or (isinstance(value, str) and value.strip().lower() in _BOOL_WORDS)
+    if part in ("int", "float"):
+        return _number(value, int if part == "int" else float) is not None
+    if part.startswith("list["):
+        return isinstance(value, list)
+    if part.startswith("Literal["):
+        return value in ast.literal_eval("(" + part[len("Literal[") : -1] + ",)")
+    return None  # str (an override's text may read as a number), classes, ...
+
+
+_WORDS = {"int": "an integer", "float": "a number", "bool": "true or false", "None": "null"}
+
+
+def check_types(section: str, values: dict, annotations: dict[str, str]) -> None:
+    """``UserError`` naming the first field of ``values`` whose value its annotation cannot take (only the types
+    ``_fits`` knows: int, float, bool, None, lists, literals; numeric text counts as a number, as in jsonargparse).
+
+    Example: ``check_types("trainer", {"max_steps": "abc"}, {"max_steps": "int"})`` -> UserError: trainer.max_steps
+    must be an integer (got 'abc')
+    """
+    for name, value in values.items():
+        parts = _split_union(annotations.get(name) or "")
+        fits = [_fits(value, part) for part in parts]
+        if not any(fits) and None not in fits:
+            field = f"{section}.{name}" if section else name
+            words = " or ".join(_WORDS.get(p, "a list" if p.startswith("list[") else p) for p in parts)
+            if any(p.startswith("Literal[") for p in parts):
+                words = words.replace("Literal[", "one of [")
+            raise UserError(f"{field} must be {words} (got {value!r})", fix=f"give {field} {words}")
+
+
+def check_trainer(trainer: dict) -> None:
+    """Values of trainer fields that Lightning would take and then fail on (a division by zero) or misuse."""
+    values = {k: _number(v) for k, v in trainer.items() if k in TRAINER_TYPES or k == "val_check_interval"}
+    accumulate = values.get("accumulate_grad_batches")
+    if accumulate is not None and accumulate < 1:
+        raise UserError(
+            f"trainer.accumulate_grad_batches must be >= 1 (got {accumulate})",
+            fix="e.g. trainer.accumulate_grad_batches: 1",
+        )
+    every = values.get("check_val_every_n_epoch")
+    if every is not None and every < 1:
+        raise UserError(
+            f"trainer.check_val_every_n_epoch must be >= 1 or null (got {every})",
+            fix="e.g. trainer.check_val_every_n_epoch: 1",
+        )
+    for name in ("val_check_interval", "limit_train_batches", "limit_val_batches", "limit_test_batches"):
+        value, limit = values.get(name), name.startswith("limit")
+        if value is None:
+            continue
+        if not math.isfinite(value) or value < 0 or (not limit and value == 0) or (value > 1 and value % 1):
+            raise UserError(
+                f"trainer.{name} must be a fraction in {'[0' if limit else '(0'}, 1] or a whole number of batches "
+                f"(got {value})",
+                fix=f"e.g. trainer.{name}: {'1.0' if limit else '50'}",
+            )
+    clip = values.get("gradient_clip_val")
+    if clip is not None and (not math.isfinite(clip) or clip < 0):
+        raise UserError(
+            f"trainer.gradient_clip_val must be a finite number >= 0 (got {clip})",
+            fix="e.g. trainer.gradient_clip_val: 1.0",
+        )
+
+
+def check_run_dir(root) -> None:
+    """``trainer.default_root_dir`` must name a directory that can be created and written (tried with a temporary
+    file in its nearest existing parent: ``os.access`` says yes to root on a read-only place such as /proc)."""
+    if root is None:
+        return
+    if not str(root).strip():
+        raise UserError(
+            "trainer.default_root_dir is empty (the run would write into the current directory)",
+            fix="e.g. trainer.default_root_dir: runs/my_run",
+        )
+    path = Path(str(root)).expanduser()
+    for parent in (path, *path.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserError(f"trainer.default_root_dir {root}: {parent} is a file", fix="point it at a directory")
+            try:
+                with tempfile.TemporaryFile(dir=parent):
+                    pass
+            except OSError as e:
+                raise UserError(
+                    f"trainer.default_root_dir {root}: {parent} is not writable ({e.strerror})",
+                    fix="choose a writable directory",
+                ) from e
+            return
 
 
 def _literal(node):
@@ -96,6 +233,8 @@ def read_config(path: str) -> dict:
 
 
 def _value(text: str):
+    if not text.strip():
+        return text  # an empty value stays the empty string, as jsonargparse reads it (YAML would say null)
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
@@ -163,7 +302,9 @@ def _check_model(model: dict, trainer: dict | None = None) -> None:
     against the recipe."""
     defaults = init_defaults("training/module.py", "QuantLM")
     _unknown_fields("model", model, defaults)
-    m = {**defaults, **model}
+    check_types("model", model, init_annotations("training/module.py", "QuantLM"))
+    m = {**defaults, **_as_text(model, ("checkpoint", "recipe", "mode"))}
+    _check_distill(m["distill"])
     lr, warmup, fq = _number(m["lr"]), _number(m["warmup_steps"], int), _number(m["fake_quant_after_n_steps"], int)
     freeze = m["freeze_observers_after_n_steps"]
     freeze = -1 if freeze is None else _number(freeze, int)  # -1 stands for None while the types are checked
@@ -174,7 +315,10 @@ def _check_model(model: dict, trainer: dict | None = None) -> None:
     strategy = (trainer or {}).get("strategy")
     if isinstance(strategy, str):
         flags["strategy"] = strategy
-    recipe = check_model_args(m["recipe"], m["mode"], lr, warmup, fq, freeze, distill=m["distill"] is not None, **flags)
+    wd = _number(m["weight_decay"])
+    recipe = check_model_args(
+        m["recipe"], m["mode"], lr, warmup, fq, freeze, distill=m["distill"] is not None, weight_decay=wd, **flags
+    )
     checkpoint = m["checkpoint"]
     if isinstance(checkpoint, str) and checkpoint != EMBEDDED and not checkpoint.startswith(TORCHTUNE):
         check_local_checkpoint(checkpoint)
@@ -183,11 +327,35 @@ def _check_model(model: dict, trainer: dict | None = None) -> None:
         check_precision(precision, recipe, m["mode"])
 
 
+def _as_text(values: dict, names: tuple[str, ...]) -> dict:
+    """String fields given a number on the command line (``--model.recipe 5``) as jsonargparse reads them: text."""
+    return {
+        k: str(v) if k in names and isinstance(v, (int, float)) and not isinstance(v, bool) else v
+        for k, v in values.items()
+    }
+
+
+def _check_distill(distill) -> None:
+    """``model.distill``: null or a mapping of ``Distill``'s fields, each checked as ``Distill`` checks it."""
+    if distill is None:
+        return
+    fields = {f.name: f for f in dataclasses.fields(Distill)}
+    if not isinstance(distill, dict):
+        raise UserError(
+            f"model.distill must be a mapping of {', '.join(fields)} or null (got {distill!r})",
+            fix="e.g. model.distill: {kl_weight: 1.0, temperature: 2.0}",
+        )
+    _unknown_fields("model.distill", distill, fields)
+    check_types("model.distill", distill, {k: str(f.type) for k, f in fields.items()})
+    Distill(**{k: v if isinstance(v, bool) else _number(v) for k, v in distill.items() if k != "hard_loss"})
+
+
 def _check_data(data: dict) -> tuple[int, int] | None:
     """``(seq_len, batch_size)`` once the data group passes, None when its values are of other types."""
     defaults = init_defaults("data/datamodule.py", "TextDataModule")
     _unknown_fields("data", data, defaults)
-    d = {**defaults, **data}
+    check_types("data", data, init_annotations("data/datamodule.py", "TextDataModule"))
+    d = {**defaults, **_as_text(data, ("source", "text_field", "tokenizer"))}
     seq_len, batch_size, val_fraction = (
         _number(d["seq_len"], int),
         _number(d["batch_size"], int),
@@ -195,6 +363,9 @@ def _check_data(data: dict) -> tuple[int, int] | None:
     )
     if not isinstance(d["source"], str) or None in (seq_len, batch_size, val_fraction):
         return None
+    for name in ("text_field", "tokenizer"):
+        if isinstance(d[name], str) and not d[name].strip():
+            raise UserError(f"data.{name} is empty", fix=f"e.g. data.{name}: {defaults[name]}")
     check_data_args(d["source"], seq_len, batch_size, val_fraction)
     return seq_len, batch_size
 
@@ -204,6 +375,7 @@ def _check_section(name: str, values: dict):
     as jsonargparse makes them. None (unchecked) when a value has another type, e.g. a list field given a string."""
     fields = {f.name: f for f in dataclasses.fields(SECTIONS[name])}
     _unknown_fields(name, values, fields)
+    check_types(name, values, {k: str(f.type) for k, f in fields.items()})
     kwargs = {}
     for key, value in values.items():
         kind = str(fields[key].type)
@@ -272,7 +444,22 @@ def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
         raise UserError(
             f"unknown config section(s) {', '.join(unknown)}", fix=f"known sections: {', '.join(sorted(TOP_LEVEL))}"
         )
+    for name in ("model", "data", "trainer", "checkpoint", *SECTIONS):
+        value = cfg.get(name)
+        if name not in unclear and value is not None and not isinstance(value, (dict, str)):
+            raise UserError(
+                f"{name} must be a mapping of fields (got {value!r})", fix=f"e.g. {name}: {{...}}, or leave it out"
+            )
     model, data, trainer, checkpoint = (_section(cfg, unclear, n) for n in ("model", "data", "trainer", "checkpoint"))
+    if "seed_everything" not in unclear:
+        check_types("", {"seed_everything": cfg.get("seed_everything")}, {"seed_everything": "bool | int | None"})
+    if trainer is not None:
+        check_types("trainer", trainer, TRAINER_TYPES)
+        check_trainer(trainer)
+        if "default_root_dir" in trainer:
+            check_run_dir(trainer["default_root_dir"])
+    if checkpoint is not None:
+        check_types("checkpoint", checkpoint, CHECKPOINT_TYPES)
     if model is not None:
         _check_model(model, trainer)
     sizes = None if data is None else _check_data(data)
@@ -292,6 +479,9 @@ def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
             parity.prompt_len,
             parity.decode_steps,
         )
+    evaluation = built["eval"]
+    if sizes and deploy and evaluation and evaluation.enabled:
+        check_eval_lengths(evaluation.max_length or sizes[0], sizes[0], deploy.max_seq_len)
     bench = built["bench"]
     if deploy and bench and deploy.enabled and bench.enabled:
         check_lengths(bench.prompt_len, bench.decode_tokens, bench.reps, deploy.max_seq_len)

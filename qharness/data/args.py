@@ -15,6 +15,8 @@ def check_data_args(source: str, seq_len: int, batch_size: int, val_fraction: fl
         check_data_args("embedded", seq_len=128, batch_size=8, val_fraction=0.1)   # fine
         check_data_args("./none.txt", 128, 8, 0.1)   # UserError: data.source ./none.txt does not exist
     """
+    if not source.strip():
+        raise UserError("data.source is empty", fix="give a text file or directory, a hub dataset id, or 'embedded'")
     if seq_len < 2:
         raise UserError(f"data.seq_len must be at least 2 (got {seq_len})", fix="e.g. data.seq_len: 128")
     if batch_size < 1:

@@ -146,6 +146,8 @@ class TextDataModule(L.LightningDataModule):
             step, accumulate = self.trainer.global_step, self.trainer.accumulate_grad_batches
             rank, world = self.trainer.global_rank, self.trainer.world_size  # DDP: each rank its own share
         sampler = ResumableShuffle(len(self.train_x), self.batch_size, self.seed, rank=rank, world=world)
+        if self.trainer is not None:
+            check_val_interval(self.trainer, len(sampler))
         sampler.next = batches_done(step, accumulate, len(sampler))  # a resumed run continues where it stopped
         return DataLoader(TensorDataset(self.train_x, self.train_y), batch_sampler=sampler)
 
@@ -154,3 +156,19 @@ class TextDataModule(L.LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
+
+
+def check_val_interval(trainer, batches: int) -> None:
+    """An int ``trainer.val_check_interval`` beyond the training batches of an epoch: one line before training
+    (Lightning raises a ValueError in its fit loop), with the number of batches the data gives."""
+    interval, limit = trainer.val_check_interval, trainer.limit_train_batches
+    if isinstance(limit, int):
+        batches = min(batches, limit)
+    elif isinstance(limit, float):
+        batches = int(batches * limit)
+    if isinstance(interval, int) and trainer.check_val_every_n_epoch is not None and interval > batches:
+        raise UserError(
+            f"trainer.val_check_interval={interval} exceeds the {batches} training batches of an epoch",
+            fix=f"set trainer.val_check_interval <= {batches}, or trainer.check_val_every_n_epoch: null to count "
+            "batches across epochs",
+        )

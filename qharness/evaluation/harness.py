@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from qharness.checks.stats import is_stderr, stderr_name
-from qharness.config import MODEL_KINDS, EvalConfig
+from qharness.config import MODEL_KINDS, EvalConfig, check_eval_lengths
 from qharness.errors import UserError
 from qharness.io import to_jsonable, write_json_atomic
 
@@ -28,11 +28,7 @@ def check_eval_config(cfg: EvalConfig, seq_len: int, max_seq_len: int) -> None:
     each field alone was checked when ``EvalConfig`` was built."""
     from qharness.evaluation.tasks import check_tasks
 
-    length = max_length(cfg, seq_len)
-    if length < 2 or length > seq_len or length >= max_seq_len:
-        raise UserError(
-            f"eval.max_length={length} must lie in [2, data.seq_len={seq_len}] (the fake-quant graph's length) and below deploy.max_seq_len={max_seq_len}"
-        )
+    check_eval_lengths(max_length(cfg, seq_len), seq_len, max_seq_len)
     if cfg.source is not None and cfg.source.startswith((".", "/", "~")) and not Path(cfg.source).expanduser().exists():
         raise UserError(f"eval.source {cfg.source} does not exist")
     check_tasks(cfg.tasks, cfg.include_path)

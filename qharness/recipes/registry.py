@@ -92,10 +92,14 @@ def _read(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
             fix=f"use one of: {', '.join(known_recipes())} (or a path to a recipe .yaml)",
         )
     if str(path) in seen:
-        raise UserError(f"recipe {path} extends itself through {' -> '.join(seen)}")
+        raise UserError(
+            f"recipe {path} extends itself through {' -> '.join(seen)}", fix="break the cycle of base: fields"
+        )
     raw = read_yaml(path, "recipe") or {}
     if not isinstance(raw, dict):
-        raise UserError(f"recipe file {path} must hold a mapping of fields")
+        raise UserError(
+            f"recipe file {path} must hold a mapping of fields", fix="e.g. base: xnnpack_int8_dynamic, then fields"
+        )
     unknown = set(raw) - _FIELDS - {"base"}
     if unknown:
         raise UserError(
@@ -106,7 +110,15 @@ def _read(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     if base is None:
         return raw
     if not isinstance(base, str):
-        raise UserError(f"recipe {path.name}: base must be a recipe name or path (got {base!r})")
+        raise UserError(
+            f"recipe {path.name}: base must be a recipe name or path (got {base!r})", fix="e.g. base: xnnpack_8da4w"
+        )
+    base_path = Path(base) if Path(base).suffix in (".yaml", ".yml") else RECIPES_DIR / f"{base}.yaml"
+    if not base_path.is_file():
+        raise UserError(
+            f"recipe {path.name}: base {base!r} is not a known recipe",
+            fix=f"use one of: {', '.join(known_recipes())} (or a path to a recipe .yaml)",
+        )
     merged = _read(base, seen + (str(path),))
     for key, value in raw.items():  # a mapping overrides key by key, anything else replaces
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
@@ -116,10 +128,15 @@ def _read(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     return merged
 
 
+_EXAMPLE = {"modes": "qat, ptq", "partitioners": "xnnpack"}
+
+
 def _names(raw: dict, key: str, name: str) -> tuple[str, ...]:
     value = raw.get(key, ())
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise UserError(f"recipe {name!r}: {key} must be a list of names (got {value!r})")
+        raise UserError(
+            f"recipe {name!r}: {key} must be a list of names (got {value!r})", fix=f"e.g. {key}: [{_EXAMPLE[key]}]"
+        )
     return tuple(value)
 
 

@@ -11,6 +11,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from qharness.errors import UserError
@@ -40,6 +41,8 @@ def check_local_checkpoint(checkpoint: str) -> str | None:
 
         check_local_checkpoint("./no/such/dir")   # UserError: model.checkpoint ./no/such/dir does not exist
     """
+    if not checkpoint.strip():
+        raise UserError("model.checkpoint is empty", fix="give a save_pretrained directory, a hub id, or 'embedded'")
     path = Path(checkpoint).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -52,15 +55,38 @@ def check_local_checkpoint(checkpoint: str) -> str | None:
             raise UserError(
                 f"model.checkpoint {path} has no weights (*.safetensors)", fix="save the model with save_pretrained"
             )
+        for weights in sorted(path.glob("*.safetensors")):
+            check_safetensors(weights)
         return str(path)
     if checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1:
         raise UserError(f"model.checkpoint {checkpoint} does not exist", fix="give an existing directory or a hub id")
     return None
 
 
+def check_safetensors(path: Path) -> None:
+    """A ``.safetensors`` file's header (8-byte length, JSON) read without torch: a truncated or damaged file is a
+    ``UserError`` naming it, before anything loads."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        header = f.read(n) if 0 < n <= min(size - 8, 100_000_000) else b""
+    try:
+        tensors = json.loads(header) if header else None
+        ends = [t["data_offsets"][1] for k, t in tensors.items() if k != "__metadata__"]
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        tensors = None
+    if tensors is None or 8 + n + max(ends, default=0) > size:
+        raise UserError(
+            f"model.checkpoint {path.parent}: {path.name} is truncated or not a safetensors file ({size} bytes)",
+            fix="copy or download the weights again (save_pretrained writes them whole)",
+        )
+
+
 def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
     """Load an FP32 causal LM (eval mode) and its tokenizer from a directory or hub id."""
     import torch
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -74,6 +100,12 @@ def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
         ) from e
     except ValueError as e:
         raise UserError(f"unsupported model {source!r}: {str(e).splitlines()[0]}") from e
+    except (RuntimeError, SafetensorError) as e:  # weights of other shapes than config.json says; a damaged file
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UserError(
+            f"model.checkpoint {source}: the weights do not load ({first[:300]})",
+            fix="use weights saved with this config.json (save_pretrained), complete and undamaged",
+        ) from e
     check_loaded_weights(source, info)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -117,12 +117,17 @@ def load_texts(source: str, text_field: str = "text", split: str = "train") -> l
     """
     if source == EMBEDDED:
         return embedded_corpus()
+    if not source.strip():  # Path("") is the current directory
+        raise UserError("data.source is empty", fix="give a text file or directory, a hub dataset id, or 'embedded'")
     path = Path(source).expanduser()
     if path.exists():
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p)[0] is not None)
             if not files:
-                raise UserError(f"data.source {path} holds no {'/'.join(_BUILDERS)} files (optionally .gz/.bz2/.xz)")
+                raise UserError(
+                    f"data.source {path} holds no {'/'.join(_BUILDERS)} files (optionally .gz/.bz2/.xz)",
+                    fix="point data.source at a directory of text files, or at one file",
+                )
         else:
             files = [path]
             if _kind(path)[0] is None:
@@ -132,7 +137,7 @@ def load_texts(source: str, text_field: str = "text", split: str = "train") -> l
                 )
         empty = next((f for f in files if f.stat().st_size == 0), None)
         if empty is not None:
-            raise UserError(f"data.source {empty} is empty")
+            raise UserError(f"data.source {empty} is empty", fix="point data.source at a file with text in it")
         texts, tables = [], {}
         for f in files:
             builder, compression = _kind(f)

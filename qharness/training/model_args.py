@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 from qharness.errors import UserError
 from qharness.recipes.registry import Recipe, load_recipe
 
@@ -17,6 +20,7 @@ def check_model_args(
     layerwise: bool = False,
     activation_checkpointing: bool = False,
     strategy: str | None = None,
+    weight_decay: float = 0.0,
 ) -> Recipe:
     """The recipe (loaded and checked for ``mode``) if the arguments make sense together, else a ``UserError``.
 
@@ -34,6 +38,10 @@ def check_model_args(
         )
     if not lr > 0 or lr == float("inf"):
         raise UserError(f"model.lr must be positive (got {lr})", fix="e.g. model.lr: 1.0e-4")
+    if isinstance(weight_decay, bool) or not math.isfinite(weight_decay) or weight_decay < 0:
+        raise UserError(
+            f"model.weight_decay must be a finite number >= 0 (got {weight_decay})", fix="e.g. model.weight_decay: 0.01"
+        )
     if warmup_steps < 0:
         raise UserError(f"model.warmup_steps must be >= 0 (got {warmup_steps})", fix="e.g. model.warmup_steps: 10")
     if fake_quant_after_n_steps < 0 or (
@@ -110,3 +118,37 @@ def check_precision(precision, recipe, mode: str) -> None:
             f"trainer.precision={p} does not work with recipe {recipe.name!r} (torchao's fake quantizer needs float32 inputs)",
             fix="use trainer.precision 32-true with this recipe, or a PT2E recipe (xnnpack_int8_dynamic, xnnpack_int4w_dynamic) for mixed precision",
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class Distill:
+    """Knowledge distillation (QAT only): the fake-quantized student also learns the FP model's logits.
+
+    Hinton et al.'s form. The teacher is the model of ``model.checkpoint`` as loaded, frozen, on the student's
+    device; it is rebuilt from that source on every rank and on resume, never saved in checkpoints.
+    Validation loss stays plain cross-entropy.
+
+    Loss per token: ``ce(student, labels) (if hard_loss) + kl_weight * T^2 * KL(softmax(teacher/T) || softmax(student/T))``.
+
+    Example (YAML): ``model: {distill: {kl_weight: 1.0, temperature: 2.0, hard_loss: false}}``.
+
+    Args:
+        kl_weight: Weight of the KL term (> 0).
+        temperature: Softmax temperature T of both distributions (> 0); the KL is scaled by T^2.
+        hard_loss: Keep the cross-entropy against the data's next tokens beside the KL term.
+    """
+
+    kl_weight: float = 1.0
+    temperature: float = 1.0
+    hard_loss: bool = True
+
+    def __post_init__(self):
+        for name in ("kl_weight", "temperature"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise UserError(
+                    f"model.distill.{name} must be a positive number (got {value!r})",
+                    fix=f"set model.distill.{name} > 0, or leave model.distill unset to train without the teacher",
+                )
+        if not isinstance(self.hard_loss, bool):
+            raise UserError(f"model.distill.hard_loss must be true or false (got {self.hard_loss!r})")

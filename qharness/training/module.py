@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from qharness.errors import UserError
-from qharness.training.model_args import check_layer_units, check_model_args
+from qharness.training.model_args import Distill, check_layer_units, check_model_args
 from qharness.upstream import imports
 
 
@@ -114,40 +114,6 @@ def set_fake_quant(graph: torch.nn.Module, enabled: bool) -> None:
             (m.enable_fake_quant if enabled else m.disable_fake_quant)()
 
 
-@dataclasses.dataclass(frozen=True)
-class Distill:
-    """Knowledge distillation (QAT only): the fake-quantized student also learns the FP model's logits.
-
-    Hinton et al.'s form. The teacher is the model of ``model.checkpoint`` as loaded, frozen, on the student's
-    device; it is rebuilt from that source on every rank and on resume, never saved in checkpoints.
-    Validation loss stays plain cross-entropy.
-
-    Loss per token: ``ce(student, labels) (if hard_loss) + kl_weight * T^2 * KL(softmax(teacher/T) || softmax(student/T))``.
-
-    Example (YAML): ``model: {distill: {kl_weight: 1.0, temperature: 2.0, hard_loss: false}}``.
-
-    Args:
-        kl_weight: Weight of the KL term (> 0).
-        temperature: Softmax temperature T of both distributions (> 0); the KL is scaled by T^2.
-        hard_loss: Keep the cross-entropy against the data's next tokens beside the KL term.
-    """
-
-    kl_weight: float = 1.0
-    temperature: float = 1.0
-    hard_loss: bool = True
-
-    def __post_init__(self):
-        for name in ("kl_weight", "temperature"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise UserError(
-                    f"model.distill.{name} must be a positive number (got {value!r})",
-                    fix=f"set model.distill.{name} > 0, or leave model.distill unset to train without the teacher",
-                )
-        if not isinstance(self.hard_loss, bool):
-            raise UserError(f"model.distill.hard_loss must be true or false (got {self.hard_loss!r})")
-
-
 def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
     """``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, averaged over token positions.
 
@@ -223,6 +189,7 @@ class QuantLM(L.LightningModule):
             distill is not None,
             layerwise,
             activation_checkpointing,
+            weight_decay=weight_decay,
         )
         if checkpoint != "embedded":
             from qharness.sources.models import resolve_checkpoint
