@@ -166,6 +166,42 @@ def write_bytes_atomic(path: Path, data: bytes) -> Path:
     return Path(path)
 
 
+def tensor_bytes(obj) -> int:
+    """About the bytes ``torch.save(obj)`` writes: the storages of the tensors in ``obj`` (dicts, lists, tuples),
+    each counted once."""
+    import torch
+
+    seen: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return sum(seen.values())
+
+
+def torch_save_atomic(obj, path: str | os.PathLike) -> Path:
+    """``torch.save(obj)`` streamed into ``atomic_writer(path)`` (no second copy in memory): ``path`` keeps its old
+    content unless the whole new file is written; a full disk is one ``DiskFullError`` line whose size is the
+    tensors' bytes, or the file being replaced if larger (a checkpoint a few steps back holds the same state).
+
+    Example: ``torch_save_atomic(trainer_checkpoint, "runs/x/checkpoints/last.ckpt")``
+    """
+    import torch
+
+    def needed() -> int:
+        return max(tensor_bytes(obj), os.path.getsize(path) if os.path.isfile(path) else 0)
+
+    with atomic_writer(path, needed=needed) as f:
+        torch.save(obj, f)
+    return Path(path)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

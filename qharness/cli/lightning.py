@@ -35,7 +35,7 @@ from qharness.config import (
 )
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
-from qharness.io import atomic_writer, hold_run_lock
+from qharness.io import hold_run_lock, torch_save_atomic
 from qharness.progress import lightning_progress_bar
 from qharness.training import sharding  # noqa: F401  (registers --trainer.strategy fsdp_layers)
 from qharness.training.module import QuantLM
@@ -179,24 +179,8 @@ class SaveOnSigterm(Callback):
             trainer.save_checkpoint(self.path, weights_only=False)  # the full state (optimizer, loops): resumable
 
 
-def tensor_bytes(obj) -> int:
-    """About the bytes ``torch.save(obj)`` writes: the storages of the tensors in ``obj``, each counted once."""
-    seen: dict[int, int] = {}
-    stack = [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            storage = x.untyped_storage()
-            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-    return sum(seen.values())
-
-
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written as every qharness output is (``qharness.io.atomic_writer``): under a temporary name
+    """Checkpoints written as every qharness output is (``qharness.io.torch_save_atomic``): under a temporary name
     beside ``last.ckpt``, fsynced, then renamed. Lightning's own writer stages the file in the system temp dir and
     copies it over the old one when that is another device, so a full disk there truncated the last good checkpoint;
     here a failed write leaves it whole and ends in one ``DiskFullError`` line."""
@@ -204,8 +188,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
         if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec writer
             return super().save_checkpoint(checkpoint, path, storage_options)
-        with atomic_writer(path, needed=lambda: tensor_bytes(checkpoint)) as f:
-            torch.save(checkpoint, f)
+        torch_save_atomic(checkpoint, path)
 
 
 class QTrainer(Trainer):
