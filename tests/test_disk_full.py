@@ -239,3 +239,28 @@ def test_fit_on_a_full_disk_fails_in_one_line_and_resumes_from_the_last_checkpoi
     assert (out / "2.rc").read_text().strip() == "0", (out / "2.err").read_text()[-3000:]
     assert torch.load(out / "final.ckpt", weights_only=True)["global_step"] == 6
     assert {"model.pte", "summary.json", "tokenizer"} <= set((out / "2.ls").read_text().split())
+
+
+@pytest.mark.slow
+def test_calibrate_on_a_full_disk_names_the_pte_and_leaves_no_file(tmp_path, tiny_llama, corpus):
+    """PTQ (no checkpoints) with its run directory on a 200 KB tmpfs: the 0.26 MB ``.pte`` does not fit."""
+    from conftest import write_config
+
+    cfg = write_config(
+        tmp_path / "run.yaml", tiny_llama, corpus, tmp_path / "run", model={"mode": "ptq"}, bench={"enabled": False}
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    script = f"""
+        "{sys.executable}" -m qharness calibrate "{cfg}" > "{out}/1.out" 2> "{out}/1.err"; echo $? > "{out}/1.rc"
+        ls -A "$RUN" > "{out}/1.ls"
+    """
+    result = _unshare_tmpfs("200k", textwrap.dedent(script), tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    err = (out / "1.err").read_text()
+    assert (out / "1.rc").read_text().strip() == "2" and "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    m = LINE.match(errors[-1]) if len(errors) == 1 else None
+    assert m and m["path"] == str(tmp_path / "run" / "model.pending.pte"), errors
+    assert 0.2 <= float(m["needed"]) <= 0.4 and float(m["free"]) < float(m["needed"]), errors
+    assert (out / "1.ls").read_text().split() == [".qharness.lock"]  # no .pte, no temporary file
