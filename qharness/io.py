@@ -2,29 +2,204 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
+import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import BinaryIO
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, over quota, past the file-size limit
+# what the user changes to write elsewhere: main sets it per subcommand; a sweep names its own field to its runs
+_OUTPUT_FIELD = [os.environ.get("QHARNESS_OUTPUT_FIELD") or "trainer.default_root_dir"]
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` through a temporary file in the same directory and ``os.replace``."""
+def name_output_field(field: str) -> None:
+    """The config field or option a disk-full error tells the user to point elsewhere (``main`` sets it per
+    subcommand: ``trainer.default_root_dir`` for run configs, ``sweep_dir``, ``--out``)."""
+    _OUTPUT_FIELD[0] = field
+
+
+def disk_full_cause(exc: BaseException | None) -> OSError | None:
+    """The ``OSError`` meaning "the disk is full" (ENOSPC, EDQUOT, EFBIG) that ``exc`` is or was raised from or while
+    handling (``torch.save`` wraps it in a ``RuntimeError``); None if there is none."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
+            return exc
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def disk_full_error_of(exc: BaseException):
+    """The ``DiskFullError`` behind ``exc``: one already raised (and then wrapped, or followed by another full-disk
+    error while Lightning cleaned up), else one made from the full-disk ``OSError`` in its chain; None if the disk
+    did not fill."""
+    from qharness.errors import DiskFullError
+
+    seen, e = set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, DiskFullError):
+            return e
+        e = e.__cause__ or e.__context__
+    cause = disk_full_cause(exc)
+    return None if cause is None else disk_full_error(cause.filename or next(iter(_LOCKS), None))
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f}" if n < 10e6 else f"{n / 1e6:.0f}"
+
+
+def _field_for(path: Path | None) -> str:
+    """The field that moves ``path``: ``QHARNESS_CACHE`` for the model/data cache, else the command's output field."""
+    cache = Path(os.environ.get("QHARNESS_CACHE") or Path.home() / ".cache" / "qharness")  # as sources/cache.py
+    if path is not None and path.absolute().is_relative_to(cache.absolute()):
+        return "QHARNESS_CACHE"
+    return _OUTPUT_FIELD[0]
+
+
+def disk_full_error(path: str | os.PathLike | None, needed: int | None = None):
+    """The one-line ``DiskFullError`` for a write of about ``needed`` bytes to ``path`` that ran out of space, with
+    the space now free on that device.
+
+    Example: ``disk_full_error("runs/x/model.pte", 250_000)`` -> ``no space left on device writing runs/x/model.pte
+    (needs about 0.3 MB, 0.1 MB free). fix: free space or point trainer.default_root_dir elsewhere``
+    """
+    from qharness.errors import DiskFullError
+
+    where = Path(path) if path else None
+    free = None
+    for parent in (where, *where.parents) if where else ():
+        try:
+            free = shutil.disk_usage(parent).free
+            break
+        except OSError:
+            continue
+    sizes = [f"needs about {_mb(max(needed, 100_000))} MB" if needed else None]
+    sizes.append(f"{_mb(free)} MB free" if free is not None else None)
+    sizes = ", ".join(s for s in sizes if s)
+    return DiskFullError(
+        f"no space left on device writing {where or 'the run directory'}" + (f" ({sizes})" if sizes else ""),
+        fix=f"free space or point {_field_for(where)} elsewhere",
+        path=where,
+    )
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike, needed: int | Callable[[], int] | None = None) -> Iterator[BinaryIO]:
+    """A binary file that becomes ``path`` only when the block ends without an error: written under a temporary
+    name in the same directory, fsynced, then ``os.replace``d, so ``path`` holds either its old content or the whole
+    new one. On an error the temporary file is removed; a full disk (quota, file-size limit) becomes a one-line
+    ``DiskFullError`` naming ``path``, ``needed`` bytes (or a function giving them) and the space free.
+
+    Example::
+
+        with atomic_writer(run_dir / "checkpoints" / "last.ckpt", needed=lambda: 1_300_000) as f:
+            torch.save(checkpoint, f)
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as e:
+        if disk_full_cause(e) is None:
+            raise
+        raise disk_full_error(path, needed() if callable(needed) else needed) from e
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; a result file gets the mode any new file would get
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+        if disk_full_cause(e) is None:
+            raise
+        raise disk_full_error(path, needed() if callable(needed) else needed) from e
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """A directory that takes the place of ``path`` only when the block (which fills the directory it is given)
+    ends without an error; on an error it is removed and ``path`` keeps its old content; a full disk is a
+    one-line ``DiskFullError``.
+
+    Example::
+
+        with atomic_dir(run_dir / "tokenizer") as d:
+            tokenizer.save_pretrained(d)
+    """
+    path = Path(path)
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
+        yield tmp
+        old = None
+        if path.exists():
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            os.replace(path, old / path.name)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if disk_full_cause(e) is None:
+            raise
+        raise disk_full_error(path) from e
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` through a temporary file in the same directory and ``os.replace``
+    (``atomic_writer``: a full disk is a one-line ``DiskFullError``, the old ``path`` untouched)."""
+    with atomic_writer(path, needed=len(data)) as f:
+        f.write(data)
+    return Path(path)
+
+
+def tensor_bytes(obj) -> int:
+    """About the bytes ``torch.save(obj)`` writes: the storages of the tensors in ``obj`` (dicts, lists, tuples),
+    each counted once."""
+    import torch
+
+    seen: dict[int, int] = {}
+    stack = [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+    return sum(seen.values())
+
+
+def torch_save_atomic(obj, path: str | os.PathLike) -> Path:
+    """``torch.save(obj)`` streamed into ``atomic_writer(path)`` (no second copy in memory): ``path`` keeps its old
+    content unless the whole new file is written; a full disk is one ``DiskFullError`` line whose size is the
+    tensors' bytes, or the file being replaced if larger (a checkpoint a few steps back holds the same state).
+
+    Example: ``torch_save_atomic(trainer_checkpoint, "runs/x/checkpoints/last.ckpt")``
+    """
+    import torch
+
+    def needed() -> int:
+        return max(tensor_bytes(obj), os.path.getsize(path) if os.path.isfile(path) else 0)
+
+    with atomic_writer(path, needed=needed) as f:
+        torch.save(obj, f)
+    return Path(path)
 
 
 def _umask() -> int:

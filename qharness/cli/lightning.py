@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from qharness.cli.precheck import check_run_dir, check_steps_and_lengths, check_trainer
@@ -34,7 +35,7 @@ from qharness.config import (
 )
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
-from qharness.io import hold_run_lock
+from qharness.io import hold_run_lock, torch_save_atomic
 from qharness.progress import lightning_progress_bar
 from qharness.training import sharding  # noqa: F401  (registers --trainer.strategy fsdp_layers)
 from qharness.training.module import QuantLM
@@ -176,6 +177,18 @@ class SaveOnSigterm(Callback):
                 log.warning("SIGTERM during gradient accumulation: keeping the last step-boundary checkpoint")
                 return
             trainer.save_checkpoint(self.path, weights_only=False)  # the full state (optimizer, loops): resumable
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written as every qharness output is (``qharness.io.torch_save_atomic``): under a temporary name
+    beside ``last.ckpt``, fsynced, then renamed. Lightning's own writer stages the file in the system temp dir and
+    copies it over the old one when that is another device, so a full disk there truncated the last good checkpoint;
+    here a failed write leaves it whole and ends in one ``DiskFullError`` line."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec writer
+            return super().save_checkpoint(checkpoint, path, storage_options)
+        torch_save_atomic(checkpoint, path)
 
 
 class QTrainer(Trainer):
@@ -370,6 +383,10 @@ class QHarnessCLI(LightningCLI):
             isinstance(c, ProgressBar) for c in given
         ):
             kwargs["callbacks"] = [*given, lightning_progress_bar()]  # no "Epoch 0/-2" (see qharness.progress)
+        plugins = trainer_cfg.get("plugins") or []
+        plugins = plugins if isinstance(plugins, list) else [plugins]
+        if "plugins" not in kwargs and not any(isinstance(p, CheckpointIO) for p in plugins):
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]  # a full disk never truncates last.ckpt
         return super().instantiate_trainer(**kwargs)
 
     def _attach_configs(self) -> None:

@@ -41,6 +41,9 @@ SUBCOMMANDS = {
 LIGHTNING = ("fit", "calibrate", "validate", "test", "export", "evaluate")
 PLAIN = ("recipes", "generate", "bench", "report", "sweep")
 
+# The option that places a plain subcommand's output (run configs: trainer.default_root_dir)
+OUTPUT_FIELD = {"sweep": "sweep_dir", "report": "--out", "bench": "--out"}
+
 USAGE = "usage: qharness {" + ",".join(SUBCOMMANDS) + "} [CONFIG.yaml] [--field value ...] [--verbose]\n"
 
 
@@ -124,6 +127,10 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     quiet.install()  # known-harmless upstream messages hidden (not with --verbose)
     from qharness.errors import ParityError, UserError
+    from qharness.io import name_output_field
+
+    if argv[0] in OUTPUT_FIELD:  # what a disk-full error tells the user to point elsewhere
+        name_output_field(OUTPUT_FIELD[argv[0]])
 
     try:
         if argv[0] in PLAIN:
@@ -154,6 +161,13 @@ def main(argv: list[str] | None = None) -> None:
     except (FloatingPointError, ParityError) as e:  # divergence (last good checkpoint kept) or a .pte not to ship
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    except Exception as e:
+        from qharness.io import disk_full_error_of
+
+        full = disk_full_error_of(e)  # a write anywhere (Lightning's logs, a library's save) ran out of space
+        if full is None:
+            raise
+        _fail(str(full))
     finally:
         from qharness.io import release_run_locks
 

@@ -198,7 +198,8 @@ def child_env() -> dict:
         str(Path(__file__).resolve().parents[2]),
         *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
     ]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1")
+    # a run that fills the disk tells the user to move the sweep_dir (the runs' root dirs are made from it)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1", QHARNESS_OUTPUT_FIELD="sweep_dir")
 
 
 def run_logged(cmd: list[str], log_path: Path) -> int:
