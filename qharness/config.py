@@ -169,12 +169,13 @@ def check_lengths(prompt_len: int, decode_tokens: int, reps: int, max_context_le
     ``check_lengths(128, 64, 5, 256)`` passes, ``check_lengths(128, 64, 5, 64)`` is a ``UserError``."""
     if prompt_len < 1 or decode_tokens < 1 or reps < 1:
         raise UserError(
-            f"bench prompt_len, decode_tokens and reps must be >= 1 (got {prompt_len}, {decode_tokens}, {reps})"
+            f"bench.prompt_len, bench.decode_tokens and bench.reps must be >= 1 (got {prompt_len}, {decode_tokens}, {reps})",
+            fix="e.g. bench.prompt_len: 128, bench.decode_tokens: 64, bench.reps: 5 (qharness bench: --prompt_len ...)",
         )
     if prompt_len + decode_tokens > max_context_len:
         raise UserError(
-            f"bench prompt_len + decode_tokens = {prompt_len + decode_tokens} exceeds the .pte's KV cache ({max_context_len} positions)",
-            fix=f"keep prompt_len + decode_tokens <= {max_context_len} (bench.* options), or export with a larger deploy.max_seq_len",
+            f"bench.prompt_len + bench.decode_tokens = {prompt_len + decode_tokens} exceeds the .pte's KV cache ({max_context_len} positions)",
+            fix=f"keep bench.prompt_len + bench.decode_tokens <= {max_context_len} (qharness bench: --prompt_len, --decode_tokens), or export with a larger deploy.max_seq_len",
         )
 
 

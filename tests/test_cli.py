@@ -74,4 +74,4 @@ def test_configs_start_with_the_command_that_runs_them():
 def test_a_bench_longer_than_the_kv_cache_fails_before_training(tmp_path):
     r = run_cli("fit", "--bench.prompt_len", "250", "--trainer.default_root_dir", tmp_path)
     assert r.returncode == 2
-    assert "bench prompt_len + decode_tokens = 314 exceeds" in r.stderr and "Traceback" not in r.stderr
+    assert "bench.prompt_len + bench.decode_tokens = 314 exceeds" in r.stderr and "Traceback" not in r.stderr

@@ -50,7 +50,7 @@ CASES = {
     "bench longer than the .pte": (
         lambda t: _good(t, bench={"prompt_len": 60}),
         [],
-        "bench prompt_len + decode_tokens = 68 exceeds the .pte's KV cache (64 positions)",
+        "bench.prompt_len + bench.decode_tokens = 68 exceeds the .pte's KV cache (64 positions)",
     ),
     "zero max_steps": (lambda t: _good(t), ["--trainer.max_steps", "0"], "trainer.max_steps must be positive"),
     "bad deploy filename": (lambda t: _good(t, deploy={"filename": "x.bin"}), [], "deploy.filename 'x.bin'"),
