@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from qharness.cli.precheck import check_steps_and_lengths
@@ -34,7 +35,7 @@ from qharness.config import (
 )
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
-from qharness.io import hold_run_lock
+from qharness.io import hold_run_lock, write_bytes_atomic
 from qharness.progress import lightning_progress_bar
 from qharness.training import sharding  # noqa: F401  (registers --trainer.strategy fsdp_layers)
 from qharness.training.module import QuantLM
@@ -163,6 +164,22 @@ class SaveOnSigterm(Callback):
                 log.warning("SIGTERM during gradient accumulation: keeping the last step-boundary checkpoint")
                 return
             trainer.save_checkpoint(self.path, weights_only=False)  # the full state (optimizer, loops): resumable
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Checkpoints written as every result is (``qharness.io.write_bytes_atomic``: a temporary file beside the
+    checkpoint, fsync, rename). Lightning's own goes through a temporary file in ``$TMPDIR``, which a kill leaves
+    there (checkpoint-sized, never cleaned) and which is copied, not renamed, when ``$TMPDIR`` is another file
+    system: a kill during that copy truncates ``last.ckpt``, the very file a resume needs."""
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        import io
+
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options")
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        write_bytes_atomic(Path(path), buffer.getbuffer())
 
 
 class QTrainer(Trainer):
@@ -351,6 +368,8 @@ class QHarnessCLI(LightningCLI):
                     make_wandb_logger(root, cfg.wandb, name, run_config(cfg.as_dict()), job_type=self.subcommand)
                 )
         trainer_cfg = self.config_init[self.subcommand]["trainer"]
+        if not trainer_cfg.get("plugins") and "plugins" not in kwargs:
+            kwargs["plugins"] = [AtomicCheckpointIO()]
         given = trainer_cfg.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
         if trainer_cfg.get("enable_progress_bar", True) is not False and not any(

@@ -192,6 +192,43 @@ def is_done(run: SweepRun) -> bool:
     )
 
 
+def resumable(run: SweepRun) -> bool:
+    """A QAT run of this very config that was started and did not finish (killed, or failed) and left a
+    ``last.ckpt``: it goes on from there (``--ckpt_path last``) instead of training again from step 0."""
+    try:
+        status = json.loads((run.run_dir / STATUS).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        run.mode == "qat"
+        and isinstance(status, dict)
+        and status.get("config_sha256") == run.digest()
+        and (run.run_dir / "checkpoints" / "last.ckpt").is_file()
+    )
+
+
+def _die_with_parent(parent: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel send SIGTERM to the child when the sweep dies (Linux), so a killed
+    sweep leaves no run writing on (and holding its run directory) in the background; SIGTERM lets a training
+    run save its checkpoint first."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+    def preexec() -> None:
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the sweep died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
 def child_env() -> dict:
     """The environment of a run's process: it imports this same qharness (not an installed copy)."""
     paths = [
@@ -218,7 +255,13 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
             except OSError:
                 pass
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=child_env(), close_fds=True
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=slave,
+                stderr=slave,
+                env=child_env(),
+                close_fds=True,
+                preexec_fn=_die_with_parent(os.getpid()),
             )
             os.close(slave)
             while True:
@@ -234,7 +277,12 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
             os.close(master)
         else:
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env()
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+                preexec_fn=_die_with_parent(os.getpid()),
             )
             for chunk in iter(lambda: proc.stdout.read1(65536), b""):
                 out.write(chunk)
@@ -318,6 +366,10 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
             records.append({**record, "state": "skipped", "reason": "finished earlier with the same config"})
             print(f"[sweep {i}/{len(runs)}] {run.name}: finished earlier with the same config, skipped", flush=True)
             continue
+        resume = not force and resumable(run)
+        if resume:
+            cmd += ["--ckpt_path", "last"]
+            record["command"] += " --ckpt_path last"
         for stale in ("summary.json", STATUS):  # a result of another config must not show up as this run's
             (run.run_dir / stale).unlink(missing_ok=True)
         run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -325,7 +377,15 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
             f"# {record['command']}  (written by qharness sweep {config_path}; edit the sweep config, not this file)\n"
         )
         write_bytes_atomic(run.config_path, (header + yaml.safe_dump(run.config, sort_keys=False)).encode())
-        print(f"[sweep {i}/{len(runs)}] {run.name}: {record['command']} (log: {run.run_dir / 'sweep.log'})", flush=True)
+        # started with this config: a kill from here on leaves a run that the next sweep resumes (``resumable``)
+        write_json_atomic(
+            run.run_dir / STATUS, {"config_sha256": run.digest(), "returncode": None, "command": record["command"]}
+        )
+        how = "resuming from its last checkpoint: " if resume else ""
+        print(
+            f"[sweep {i}/{len(runs)}] {run.name}: {how}{record['command']} (log: {run.run_dir / 'sweep.log'})",
+            flush=True,
+        )
         t = time.perf_counter()
         code = runner(cmd, run.run_dir / "sweep.log")
         wall = time.perf_counter() - t

@@ -30,7 +30,7 @@ from qharness.checks.stats import with_intervals
 from qharness.config import BenchConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.deploy.fastpath import all_logits_twin
 from qharness.errors import ParityError, UserError
-from qharness.io import write_bytes_atomic
+from qharness.io import write_bytes_atomic, write_dir_atomic
 from qharness.progress import stage
 from qharness.run.summary import RunSummary
 from qharness.upstream import process
@@ -199,7 +199,7 @@ def deploy_and_check(
     timings["lower_s"] = time.perf_counter() - t
     final = run_dir / export_cfg.filename
     pending = write_bytes_atomic(final.with_name(final.stem + ".pending.pte"), pte_bytes)  # not the name anyone ships
-    tokenizer.save_pretrained(run_dir / "tokenizer")
+    write_dir_atomic(run_dir / "tokenizer", tokenizer.save_pretrained)
 
     t = time.perf_counter()
     reference = fold_constants(deployed)  # the same outputs, the weight math done once
