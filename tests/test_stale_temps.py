@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +131,30 @@ def test_a_sweep_resumes_only_a_started_qat_run_of_the_same_config(tmp_path, sta
     assert not resumable(ptq)  # nothing to resume: calibration starts over
     (run.run_dir / "checkpoints" / "last.ckpt").unlink()
     assert not resumable(run)
+
+
+def test_checkpoints_are_written_beside_themselves_and_renamed(tmp_path, monkeypatch):
+    """Lightning's own checkpoint write goes through a temp file in $TMPDIR (left there by a kill, copied rather
+    than renamed across file systems); the CLI's ``AtomicCheckpointIO`` writes one beside the checkpoint."""
+    import tempfile
+
+    import torch
+
+    from qharness.cli.lightning import AtomicCheckpointIO
+
+    elsewhere = tmp_path / "tmpdir"
+    elsewhere.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(elsewhere))
+    renamed = []
+    real_replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: (renamed.append((src, dst)), real_replace(src, dst))[1])
+    path = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 3, "w": torch.ones(2)}, path)
+    assert torch.load(path, weights_only=True)["global_step"] == 3
+    [(src, dst)] = renamed
+    assert (
+        Path(src).parent == path.parent
+        and Path(dst) == path
+        and Path(src).name.startswith(f".last.ckpt.{os.getpid()}.")
+    )
+    assert list(elsewhere.iterdir()) == [] and sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]

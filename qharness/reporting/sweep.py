@@ -412,6 +412,7 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
             f"Failed run: {r['name']} (exit {r['returncode']}); log {r['run_dir']}/sweep.log; rerun: {r['command']}"
             for r in failed
         ]
+        print(f"[sweep] writing the report into {sweep_dir} ...", flush=True)
         try:
             result["report"] = write_report(
                 sweep_dir,
