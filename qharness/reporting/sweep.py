@@ -6,9 +6,10 @@ over the shared one, and a ``name`` in place of the recipe's, for variants of on
 directory ``<sweep_dir>/<name or recipe>-<mode>/`` run by the ordinary CLI in a fresh process (``qharness fit`` for
 QAT, ``qharness calibrate`` for PTQ) from the generated ``sweep_config.yaml`` there; its output goes to the
 console and to ``sweep.log`` there. A failed run is recorded and the sweep goes on. A re-run skips every run
-that finished with the same generated config (``sweep_status.json`` + ``summary.json``); ``--force`` reruns
-all. The embedded default model is resolved (pretrained once, cached) before the first run, so the runs share
-it; the eager FP model is benchmarked only in the first run (``bench.eager: false`` in the others). lm-eval
+that finished with the same generated config (``sweep_status.json`` + ``summary.json``) and resumes a QAT run
+of that config that was killed or failed (``--ckpt_path last``, ``resumable``); ``--force`` reruns all. A run's
+process gets SIGTERM when the sweep dies, so a killed sweep leaves nothing running. The embedded default model
+is resolved (pretrained once, cached) before the first run, so the runs share it; the eager FP model is benchmarked only in the first run (``bench.eager: false`` in the others). lm-eval
 (unless the config sets ``eval.models``) scores the FP model and ``.pte`` in the baseline run, the ``.pte`` in
 PTQ runs and the fake-quant model and ``.pte`` in QAT runs. Once all runs are finished, every finished run's
 ``.pte`` is timed jointly (``qharness.runtime.bench.bench_jointly``: ``report.bench_processes`` fresh processes per
