@@ -201,6 +201,15 @@ def test_fit_killed_in_every_stage_finishes_and_never_claims_more(tmp_path, tiny
     assert summary["eval"]["tasks"]["qharness_ppl"] and "parity PASSED" in out
     assert not (run_dir / "model.pending.pte").exists() and temporaries(run_dir) == []
     assert step_of(ckpt) == steps
+    assert temporaries(Path(os.environ["QHARNESS_CACHE"])) == []  # nothing left in the cache either
+
+    # a re-export of the finished run, killed once its new program is being checked: the checked program and its
+    # summary stay as they were, side by side; the unchecked one has the gate-pending name
+    before = {name: sha(run_dir / name) for name in ("model.pte", "summary.json")}
+    kill_inside(["export", cfg], "scoring the .pte", "parity PASSED", 0.0)
+    assert {name: sha(run_dir / name) for name in before} == before and (run_dir / "model.pending.pte").is_file()
+    check_claims(run_dir, {"gate", "summary", "bench", "eval"})
+    log.append("re-export (parity)")
     print(f"fit killed in: {', '.join(log)}; finished in {time.time() - t0:.0f}s")
 
 
