@@ -48,6 +48,7 @@ from qharness.config import deep_merge
 from qharness.errors import UserError
 from qharness.io import hold_run_lock, write_bytes_atomic, write_json_atomic
 from qharness.progress import format_seconds
+from qharness.upstream import process
 
 TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report"}
 RUN_KEYS = {"recipe", "modes", "mode", "config", "name"}
@@ -208,28 +209,6 @@ def resumable(run: SweepRun) -> bool:
     )
 
 
-def _die_with_parent(parent: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the kernel send SIGTERM to the child when the sweep dies (Linux), so a killed
-    sweep leaves no run writing on (and holding its run directory) in the background; SIGTERM lets a training
-    run save its checkpoint first."""
-    if not sys.platform.startswith("linux"):
-        return None
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-    def preexec() -> None:
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the sweep died before the line above
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return preexec
-
-
 def child_env() -> dict:
     """The environment of a run's process: it imports this same qharness (not an installed copy)."""
     paths = [
@@ -262,7 +241,7 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
                 stderr=slave,
                 env=child_env(),
                 close_fds=True,
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=process.die_with_parent(),
             )
             os.close(slave)
             while True:
@@ -283,7 +262,7 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 env=child_env(),
-                preexec_fn=_die_with_parent(os.getpid()),
+                preexec_fn=process.die_with_parent(),
             )
             for chunk in iter(lambda: proc.stdout.read1(65536), b""):
                 out.write(chunk)
