@@ -290,7 +290,7 @@ def _wait_gone(pids: list[int], timeout: float = 120) -> None:
     deadline = time.time() + timeout
     for pid in pids:
         while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
-            assert time.time() < deadline, f"process {pid} outlived the killed sweep"
+            assert time.time() < deadline, f"process {pid} outlived the killed command"
             time.sleep(0.1)
 
 
