@@ -7,8 +7,10 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -106,7 +108,7 @@ def atomic_writer(path: str | os.PathLike, needed: int | Callable[[], int] | Non
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp")
     except OSError as e:
         if disk_full_cause(e) is None:
             raise
@@ -140,12 +142,12 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp"))
         os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
         yield tmp
         old = None
         if path.exists():
-            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".old"))
+            old = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.{os.getpid()}.", suffix=".tmp"))
             os.replace(path, old / path.name)
         os.replace(tmp, path)
         if old is not None:
@@ -200,6 +202,66 @@ def torch_save_atomic(obj, path: str | os.PathLike) -> Path:
     with atomic_writer(path, needed=needed) as f:
         torch.save(obj, f)
     return Path(path)
+
+
+def temp_dir_for(path: str | os.PathLike) -> Path:
+    """The name a directory is built under before it is renamed to ``path``: ``<path>.tmp<pid>`` (this process's
+    own; ``remove_stale_temps`` removes those of dead processes)."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.tmp{os.getpid()}")
+
+
+# what atomic_writer/atomic_dir and temp_dir_for name their temporaries: the writer's pid is in the name
+_TEMP_FILE = re.compile(r"^\..+\.(?P<pid>\d+)\.[A-Za-z0-9_]+\.tmp$")
+_TEMP_DIR = re.compile(r"^.+\.tmp(?P<pid>\d+)$")
+_OLD_TEMP_FILE = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")  # written before the pid was in the name: age only
+STALE_AFTER_S = 24 * 3600  # a temporary this old is stale whoever wrote it (a pid of another host, a reused pid)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's live process / not a pid at all: leave it
+        return True
+    return True
+
+
+def remove_stale_temps(directory: str | os.PathLike, max_age_s: float = STALE_AFTER_S) -> list[Path]:
+    """Remove what killed atomic writes left in ``directory`` (not below it): temporary files
+    ``.<name>.<pid>.<random>.tmp`` (``write_bytes_atomic``, checkpoints) and directories ``<name>.tmp<pid>``
+    (``temp_dir_for``) whose writer is no longer running, or that are older than ``max_age_s``. Another live
+    process's temporary is never touched; nothing else is. Returns the paths removed.
+
+    Example: ``remove_stale_temps("runs/qat_xnnpack")`` -> ``[PosixPath('runs/qat_xnnpack/.model.pending.pte.4711.k2j_x9ab.tmp')]``
+    """
+    directory = Path(directory)
+    try:
+        entries = list(os.scandir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed, now = [], time.time()
+    for entry in entries:
+        is_dir = entry.is_dir(follow_symlinks=False)
+        match = (is_dir and _TEMP_DIR.match(entry.name)) or _TEMP_FILE.match(entry.name)
+        old_style = not is_dir and match is None and _OLD_TEMP_FILE.match(entry.name)
+        if match is None and not old_style:
+            continue
+        try:
+            age = now - entry.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            continue
+        if age < max_age_s and (old_style or _pid_alive(int(match["pid"]))):
+            continue
+        try:
+            shutil.rmtree(entry.path) if is_dir else os.unlink(entry.path)
+        except FileNotFoundError:
+            continue
+        removed.append(Path(entry.path))
+    return removed
 
 
 def _umask() -> int:
@@ -287,6 +349,8 @@ def hold_run_lock(run_dir: str | os.PathLike) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _LOCKS[str(run_dir)] = fd  # held (open) until the process exits
+    for where in (run_dir, run_dir / "checkpoints"):  # what a killed writer of this directory left behind
+        remove_stale_temps(where)
 
 
 def release_run_locks() -> None:

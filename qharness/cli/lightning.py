@@ -386,7 +386,7 @@ class QHarnessCLI(LightningCLI):
         plugins = trainer_cfg.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if "plugins" not in kwargs and not any(isinstance(p, CheckpointIO) for p in plugins):
-            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]  # a full disk never truncates last.ckpt
+            kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]  # a kill or a full disk never truncates last.ckpt
         return super().instantiate_trainer(**kwargs)
 
     def _attach_configs(self) -> None:

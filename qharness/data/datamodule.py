@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 from qharness.data.args import check_data_args
 from qharness.errors import UserError
+from qharness.progress import stage as progress_stage
 from qharness.sources.text import load_texts, tokenize_stream
 
 
@@ -127,7 +128,9 @@ class TextDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_x is not None:
             return
-        stream = tokenize_stream(load_texts(self.source, self.text_field), self.load_tokenizer())
+        tokenizer = self.load_tokenizer()
+        with progress_stage(f"reading and tokenizing data.source {self.source}"):
+            stream = tokenize_stream(load_texts(self.source, self.text_field), tokenizer)
         n_val = int(len(stream) * self.val_fraction)
         train, val = stream[: len(stream) - n_val], stream[len(stream) - n_val :]
         self.train_x, self.train_y = pack(train, self.seq_len)

@@ -41,7 +41,7 @@ from qharness.checks.stats import (
     stderr_name,
 )
 from qharness.errors import UserError
-from qharness.io import write_bytes_atomic, write_json_atomic
+from qharness.io import remove_stale_temps, write_bytes_atomic, write_json_atomic
 from qharness.reporting.rows import STAGES, _number, latency_figures, noise_of, summary_row  # noqa: F401
 from qharness.run.summary import RunSummary
 
@@ -636,6 +636,7 @@ def write_report(
     (default ``runs_dir``); log them to wandb; return what was written (rows, front, best, paths)."""
     runs_dir = Path(runs_dir)
     out = Path(out) if out is not None else runs_dir
+    remove_stale_temps(out)  # what a killed report left behind
     rows = collect(runs_dir)
     column, lower = resolve_metric(metric, rows)
     rows.sort(key=lambda r: (r["decode_ms_per_token"] is None, r["decode_ms_per_token"] or 0.0, r["run"]))

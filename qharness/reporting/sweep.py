@@ -6,9 +6,10 @@ over the shared one, and a ``name`` in place of the recipe's, for variants of on
 directory ``<sweep_dir>/<name or recipe>-<mode>/`` run by the ordinary CLI in a fresh process (``qharness fit`` for
 QAT, ``qharness calibrate`` for PTQ) from the generated ``sweep_config.yaml`` there; its output goes to the
 console and to ``sweep.log`` there. A failed run is recorded and the sweep goes on. A re-run skips every run
-that finished with the same generated config (``sweep_status.json`` + ``summary.json``); ``--force`` reruns
-all. The embedded default model is resolved (pretrained once, cached) before the first run, so the runs share
-it; the eager FP model is benchmarked only in the first run (``bench.eager: false`` in the others). lm-eval
+that finished with the same generated config (``sweep_status.json`` + ``summary.json``) and resumes a QAT run
+of that config that was killed or failed (``--ckpt_path last``, ``resumable``); ``--force`` reruns all. A run's
+process gets SIGTERM when the sweep dies, so a killed sweep leaves nothing running. The embedded default model
+is resolved (pretrained once, cached) before the first run, so the runs share it; the eager FP model is benchmarked only in the first run (``bench.eager: false`` in the others). lm-eval
 (unless the config sets ``eval.models``) scores the FP model and ``.pte`` in the baseline run, the ``.pte`` in
 PTQ runs and the fake-quant model and ``.pte`` in QAT runs. Once all runs are finished, every finished run's
 ``.pte`` is timed jointly (``qharness.runtime.bench.bench_jointly``: ``report.bench_processes`` fresh processes per
@@ -47,6 +48,7 @@ from qharness.config import deep_merge
 from qharness.errors import UserError
 from qharness.io import hold_run_lock, write_bytes_atomic, write_json_atomic
 from qharness.progress import format_seconds
+from qharness.upstream import process
 
 TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report"}
 RUN_KEYS = {"recipe", "modes", "mode", "config", "name"}
@@ -192,6 +194,21 @@ def is_done(run: SweepRun) -> bool:
     )
 
 
+def resumable(run: SweepRun) -> bool:
+    """A QAT run of this very config that was started and did not finish (killed, or failed) and left a
+    ``last.ckpt``: it goes on from there (``--ckpt_path last``) instead of training again from step 0."""
+    try:
+        status = json.loads((run.run_dir / STATUS).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        run.mode == "qat"
+        and isinstance(status, dict)
+        and status.get("config_sha256") == run.digest()
+        and (run.run_dir / "checkpoints" / "last.ckpt").is_file()
+    )
+
+
 def child_env() -> dict:
     """The environment of a run's process: it imports this same qharness (not an installed copy)."""
     paths = [
@@ -219,7 +236,13 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
             except OSError:
                 pass
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=child_env(), close_fds=True
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=slave,
+                stderr=slave,
+                env=child_env(),
+                close_fds=True,
+                preexec_fn=process.die_with_parent(),
             )
             os.close(slave)
             while True:
@@ -235,7 +258,12 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
             os.close(master)
         else:
             proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=child_env()
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=child_env(),
+                preexec_fn=process.die_with_parent(),
             )
             for chunk in iter(lambda: proc.stdout.read1(65536), b""):
                 out.write(chunk)
@@ -319,6 +347,10 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
             records.append({**record, "state": "skipped", "reason": "finished earlier with the same config"})
             print(f"[sweep {i}/{len(runs)}] {run.name}: finished earlier with the same config, skipped", flush=True)
             continue
+        resume = not force and resumable(run)
+        if resume:
+            cmd += ["--ckpt_path", "last"]
+            record["command"] += " --ckpt_path last"
         for stale in ("summary.json", STATUS):  # a result of another config must not show up as this run's
             (run.run_dir / stale).unlink(missing_ok=True)
         run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -326,7 +358,15 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
             f"# {record['command']}  (written by qharness sweep {config_path}; edit the sweep config, not this file)\n"
         )
         write_bytes_atomic(run.config_path, (header + yaml.safe_dump(run.config, sort_keys=False)).encode())
-        print(f"[sweep {i}/{len(runs)}] {run.name}: {record['command']} (log: {run.run_dir / 'sweep.log'})", flush=True)
+        # started with this config: a kill from here on leaves a run that the next sweep resumes (``resumable``)
+        write_json_atomic(
+            run.run_dir / STATUS, {"config_sha256": run.digest(), "returncode": None, "command": record["command"]}
+        )
+        how = "resuming from its last checkpoint: " if resume else ""
+        print(
+            f"[sweep {i}/{len(runs)}] {run.name}: {how}{record['command']} (log: {run.run_dir / 'sweep.log'})",
+            flush=True,
+        )
         t = time.perf_counter()
         code = runner(cmd, run.run_dir / "sweep.log")
         wall = time.perf_counter() - t
@@ -353,6 +393,7 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
             f"Failed run: {r['name']} (exit {r['returncode']}); log {r['run_dir']}/sweep.log; rerun: {r['command']}"
             for r in failed
         ]
+        print(f"[sweep] writing the report into {sweep_dir} ...", flush=True)
         try:
             result["report"] = write_report(
                 sweep_dir,

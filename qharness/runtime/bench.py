@@ -36,6 +36,7 @@ import torch
 from qharness.config import check_lengths
 from qharness.errors import UserError
 from qharness.progress import stage
+from qharness.upstream import process
 
 
 def memory_bandwidth(mib: int = 256, reps: int = 5) -> float:
@@ -188,7 +189,11 @@ def measure_in_fresh_process(**kwargs) -> dict:
     ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     r = subprocess.run(
-        [sys.executable, "-m", "qharness.runtime.bench", json.dumps(kwargs)], capture_output=True, text=True, env=env
+        [sys.executable, "-m", "qharness.runtime.bench", json.dumps(kwargs)],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=process.die_with_parent(),  # a killed run leaves no benchmark running on
     )
     if r.returncode != 0:
         raise RuntimeError(f"benchmark of {kwargs['path']} failed:\n{r.stderr[-3000:]}")

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from qharness.io import remove_stale_temps, temp_dir_for
 from qharness.sources.cache import cache_dir
 from qharness.sources.text import EMBEDDED, embedded_corpus, load_texts, tokenize_stream
 from qharness.sources.tokenizer import train_bpe_tokenizer
@@ -110,7 +111,8 @@ def pretrain_embedded(spec: EmbeddedSpec, out_dir: Path, texts: list[str] | None
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if n_val and (step + 1) % max(1, spec.steps // 10) == 0:
             val_curve.append((step + 1, val_loss()))
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    remove_stale_temps(out_dir.parent)  # what a killed build (of any cached model) left behind
+    tmp = temp_dir_for(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     model.eval().save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -30,6 +30,7 @@ import shutil
 from pathlib import Path
 
 from qharness.errors import UserError
+from qharness.io import remove_stale_temps, temp_dir_for
 
 PREFIX = "torchtune:"
 RESERVED = ("tokenizer", "seed")  # ours, not the builder's
@@ -245,7 +246,8 @@ def torchtune_dir(checkpoint: str) -> Path:
         tok.eos_token_id,
         tok.pad_token_id,
     )
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    remove_stale_temps(out.parent)  # what a killed build (of any cached model) left behind
+    tmp = temp_dir_for(out)
     shutil.rmtree(tmp, ignore_errors=True)
     hf.save_pretrained(tmp)
     tok.save_pretrained(tmp)

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from qharness.config import CalibrationConfig
 from qharness.data.datamodule import pack
 from qharness.errors import UserError
+from qharness.progress import stage
 from qharness.sources.text import load_texts, tokenize_stream
 from qharness.upstream import imports
 
@@ -50,4 +51,5 @@ def calibrate(graph: torch.fx.GraphModule, blocks: torch.Tensor) -> None:
     trainer = L.Trainer(
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False
     )
-    trainer.predict(Calibrator(graph), DataLoader(TensorDataset(blocks), batch_size=1), return_predictions=False)
+    with stage(f"calibrating the observers on {len(blocks)} blocks"):
+        trainer.predict(Calibrator(graph), DataLoader(TensorDataset(blocks), batch_size=1), return_predictions=False)

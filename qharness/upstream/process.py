@@ -3,6 +3,8 @@ where it is needed (never at import time)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 def map_large_allocations_separately(threshold: int = 1 << 20) -> bool:
     """Have glibc's malloc serve each allocation of ``threshold`` bytes or more from its own mapping.
@@ -24,3 +26,31 @@ def map_large_allocations_separately(threshold: int = 1 << 20) -> bool:
         return False
     M_MMAP_THRESHOLD = -3
     return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` for ``subprocess``: the kernel sends the child SIGTERM when this process dies, however it
+    dies (Linux ``PR_SET_PDEATHSIG``; None elsewhere), so a killed sweep or run leaves no run or benchmark going
+    on in the background. SIGTERM lets a training run save its checkpoint first.
+
+    Example: ``subprocess.run(cmd, preexec_fn=die_with_parent())``
+    """
+    import ctypes
+    import os
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the parent died before the line above
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
