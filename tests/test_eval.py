@@ -208,6 +208,11 @@ def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, ti
     assert (
         "eval/qharness_mc/acc_mutual_info/pte" in header and "eval/qharness_ppl/word_perplexity/converted" in header
     )  # both tables
+    evaluation = summary["evaluations"][-1]
+    assert evaluation["pte_sha256"] == summary["pte"]["sha256"]  # which program it scored
+    again = run_cli("export", cfg, "--bench.enabled", "false")  # a re-export writes a new summary.json ...
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["evaluations"] == [evaluation]  # ... and keeps them
     L = ev["max_length"]
     docs = [
         json.loads(line)["text"]

@@ -293,7 +293,8 @@ class QTrainer(Trainer):
         if summary_path.is_file():
             from qharness.run.summary import RunSummary
 
-            RunSummary.update(summary_path, evaluations=[{**result, "file": filename}])
+            sha = RunSummary.read(summary_path).pte.get("sha256") if "pte" in cfg.models else None
+            RunSummary.update(summary_path, evaluations=[{**result, "file": filename, "pte_sha256": sha}])
         return result
 
     def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> dict:

@@ -282,6 +282,7 @@ def deploy_and_check(
         },
         timings=timings,
     )
+    summary.evaluations = earlier_evaluations(run_dir / "summary.json")
     summary.write(run_dir / "summary.json")
     print(format_table(summary.to_dict()))
     if reasons:
@@ -354,6 +355,17 @@ def evaluate_run(
     )
     print(format_eval_table(result))
     return result
+
+
+def earlier_evaluations(path: Path) -> list[dict]:
+    """The ``evaluations`` (later ``qharness evaluate`` results, each in its own file and naming the ``.pte`` it
+    scored by ``pte_sha256``) of the summary a re-export replaces: a new program never drops them."""
+    if not path.is_file():
+        return []
+    try:
+        return RunSummary.read(path).evaluations
+    except UserError:  # an unreadable summary is replaced; its evaluations' own files stay beside it
+        return []
 
 
 def format_table(summary: dict) -> str:
