@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from qharness.config import CalibrationConfig
 from qharness.data.datamodule import pack
 from qharness.errors import UserError
-from qharness.sources.text import load_texts, tokenize_stream
+from qharness.sources.token_cache import token_stream
 from qharness.upstream import imports
 
 
@@ -38,7 +38,7 @@ def calibration_blocks(cfg: CalibrationConfig, dm) -> torch.Tensor:
     if cfg.source is None:
         x = dm.train_x
     else:
-        x, _ = pack(tokenize_stream(load_texts(cfg.source, cfg.text_field), dm.load_tokenizer()), dm.seq_len)
+        x, _ = pack(token_stream(cfg.source, cfg.text_field, dm.load_tokenizer()), dm.seq_len)
         if len(x) == 0:
             raise UserError(
                 f"calibration.source {cfg.source} holds less than one block of data.seq_len={dm.seq_len} tokens"
