@@ -9,7 +9,7 @@ int64 so the blocks are plain ``torch.long`` views of the map (8 bytes a token o
 
 Tokens are identical to ``tokenize_stream(load_texts(source), tokenizer)`` for every document of at most
 ``WHOLE_PIECES * piece_chars`` characters (4 Mi by default): such a document is tokenized in one call. A longer one
-(a 1 GB ``.txt``) is cut into pieces of about ``piece_chars`` at line starts ``"a\\nb"`` where tokenizing the
+(a 1 GB ``.txt``) is cut into pieces of about ``piece_chars`` at ends of words where tokenizing the
 surrounding text whole and in two halves agree (checked at each cut; a cut where no candidate agrees is counted in
 ``stats["inexact_cuts"]``).
 
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from qharness.errors import UserError
+from qharness.io import _umask
 from qharness.sources.cache import cache_dir
 from qharness.sources.text import CHUNK_BYTES, EMBEDDED, iter_documents, local_files
 
@@ -75,14 +76,15 @@ def _clean_cut(tokenizer, left: str, right: str) -> bool:
     return whole[0] == whole[1] + whole[2]
 
 
-_CUT = re.compile(r"\S\n(?=\S)")
+_CUT = re.compile(r"\S(?=\s)")  # a word's end before whitespace: byte-level BPE pre-tokenizers split there
 
 
 def _cut(text: str, target: int, tokenizer) -> int:
-    """A position near ``target`` (at most) to cut a long document: a line start ``"a\\nb"`` where the
-    tokens of the surrounding text do not change by the cut; else the last line start, else ``target``."""
+    """A position at most ``target`` (and past ``target // 2``) to cut a long document: the last end of a word
+    (before whitespace) where the tokens of the surrounding text do not change by the cut; else the last end of a
+    word, else ``target``."""
     lo = max(1, target // 2)
-    candidates = [m.end() for m in _CUT.finditer(text, lo - 1, target)]
+    candidates = [m.end() for m in _CUT.finditer(text, lo - 1, target + 1)]
     for c in reversed(candidates[-16:]):
         if _clean_cut(tokenizer, text[max(0, c - CUT_WINDOW) : c], text[c : c + CUT_WINDOW]):
             return c
@@ -176,6 +178,7 @@ def _build(path: Path, source, text_field, split, tokenizer, piece_chars, chunk_
     stats["builds"] += 1
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # the mode any new file gets (mkstemp makes 0600)
         n = 0
         with os.fdopen(fd, "wb") as f:
             for arr in _token_arrays(source, text_field, split, tokenizer, piece_chars, chunk_bytes):
