@@ -118,9 +118,13 @@ def main() -> None:
     gib = 1 << 30
     print(
         f"file {size / 1e9:.3f} GB | peak RSS {r['peak_rss'] / gib:.3f} GiB (imports alone {r['imports_rss'] / gib:.3f}) "
-        f"| peak RSS / file size {r['peak_rss'] / size:.3f} | setup {r['setup_s']:.1f} s | "
-        f"{r['tokens'] / r['setup_s'] / 1e6:.2f} M tokens/s ({size / r['setup_s'] / 1e6:.2f} MB/s) | "
-        f"{r['tokens']} tokens, {r['train_blocks']} + {r['val_blocks']} blocks | cache builds {r['builds']} "
+        f"| peak RSS / file size {r['peak_rss'] / size:.3f} | setup {r['setup_s']:.3f} s | "
+        + (
+            f"{r['tokens'] / r['setup_s'] / 1e6:.2f} M tokens/s ({size / r['setup_s'] / 1e6:.2f} MB/s) | "
+            if r["builds"]
+            else "read from the token cache (no tokenizing) | "
+        )
+        + f"{r['tokens']} tokens, {r['train_blocks']} + {r['val_blocks']} blocks | cache builds {r['builds']} "
         f"| inexact cuts {r['inexact_cuts']}"
     )
 
