@@ -1,7 +1,9 @@
 """Text data for training and checks: a source's token stream packed into fixed-length blocks, split deterministically.
 
-``source`` is read by ``qharness.sources.text`` (``embedded``, local files, hub datasets). The token stream is cut into non-overlapping blocks of ``seq_len`` inputs
-(targets are the next tokens); the last ``val_fraction`` of the stream is the validation split.
+``source`` is read by ``qharness.sources.text`` (``embedded``, local files, hub datasets) and tokenized once into a
+memory-mapped token cache (``qharness.sources.token_cache``: bounded memory for any size, reused by later runs).
+The token stream is cut into non-overlapping blocks of ``seq_len`` inputs (targets are the next tokens; the blocks
+are views of the map); the last ``val_fraction`` of the stream is the validation split.
 
 Example::
 
@@ -17,7 +19,7 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from qharness.data.args import check_data_args
 from qharness.errors import UserError
 from qharness.progress import stage as progress_stage
-from qharness.sources.text import load_texts, tokenize_stream
+from qharness.sources.token_cache import token_stream
 
 
 def pack(stream: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,7 +132,7 @@ class TextDataModule(L.LightningDataModule):
             return
         tokenizer = self.load_tokenizer()
         with progress_stage(f"reading and tokenizing data.source {self.source}"):
-            stream = tokenize_stream(load_texts(self.source, self.text_field), tokenizer)
+            stream = token_stream(self.source, self.text_field, tokenizer)  # memory-mapped token cache
         n_val = int(len(stream) * self.val_fraction)
         train, val = stream[: len(stream) - n_val], stream[len(stream) - n_val :]
         self.train_x, self.train_y = pack(train, self.seq_len)

@@ -9,6 +9,7 @@ Example::
 from __future__ import annotations
 
 import hashlib
+import itertools
 from pathlib import Path
 
 import torch
@@ -52,39 +53,79 @@ def _kind(path: Path) -> tuple[str | None, str | None]:
     return _BUILDERS.get(data_suffix), compression
 
 
-def _read_text(path: Path, compression: str | None) -> str:
-    """A text file's content, strictly UTF-8 (a UTF-8 BOM is dropped). Refused, with the byte offset, when it is
-    not UTF-8 text; binary content (NUL bytes) is refused too. The policy is strict so nothing is silently mangled."""
+CHUNK_BYTES = 1 << 20  # bytes read (and decoded) at a time from a text file
+
+
+def _utf8_tail(data: bytes) -> int:
+    """Where the incomplete UTF-8 sequence at the end of ``data`` starts (``len(data)`` when it ends complete)."""
+    for k in range(1, min(4, len(data)) + 1):
+        b = data[-k]
+        if b & 0xC0 == 0x80:  # a continuation byte: look further back for the lead byte
+            continue
+        need = 2 if 0xC0 <= b < 0xE0 else 3 if 0xE0 <= b < 0xF0 else 4 if b >= 0xF0 else 1
+        return len(data) - k if need > k else len(data)
+    return len(data)
+
+
+def iter_text_file(path: Path, compression: str | None = None, chunk_bytes: int = CHUNK_BYTES):
+    """A text file's content as decoded pieces of about ``chunk_bytes``, strictly UTF-8 (a UTF-8 BOM is dropped);
+    a multi-byte character cut by a chunk boundary is carried to the next piece. Refused, with the byte offset,
+    when it is not UTF-8 text; binary content (NUL bytes) is refused too. The policy is strict so nothing is
+    silently mangled. Offsets count bytes of the (decompressed) content."""
     import importlib
 
     opener = importlib.import_module(compression).open if compression else open
+    offset, pending, first = 0, b"", True  # offset: of pending[0] in the file
     try:
         with opener(path, "rb") as f:
-            data = f.read()
-    except OSError as e:
+            while True:
+                chunk = f.read(chunk_bytes)
+                nul = chunk.find(b"\x00")
+                if nul >= 0:
+                    raise UserError(
+                        f"data.source {path} is binary (a NUL byte at offset {offset + len(pending) + nul}), not text",
+                        fix="point data.source at text files (.txt/.json/.jsonl/.parquet/.csv, optionally .gz/.bz2/.xz)",
+                    )
+                data = pending + chunk
+                if first and len(data) < 3 and chunk:
+                    pending = data  # too short to tell a BOM yet
+                    continue
+                skip = 3 if first and data.startswith(b"\xef\xbb\xbf") else 0
+                first = False
+                cut = _utf8_tail(data) if chunk else len(data)
+                try:
+                    text = data[skip:cut].decode("utf-8")
+                except UnicodeDecodeError as e:
+                    at = offset + skip + e.start
+                    raise UserError(
+                        f"data.source {path} is not UTF-8 (byte offset {at}: {data[skip + e.start : skip + e.start + 4]!r})",
+                        fix="convert it to UTF-8, e.g. iconv -f latin1 -t utf-8",
+                    ) from e
+                if text:
+                    yield text
+                offset, pending = offset + cut, data[cut:]
+                if not chunk:
+                    return
+    except (OSError, EOFError, *_decompress_errors(compression)) as e:
         raise UserError(
             f"data.source {path} cannot be read ({e})", fix="check the file (a truncated or mislabelled archive?)"
         ) from e
-    nul = data.find(b"\x00")
-    if nul >= 0:
-        raise UserError(
-            f"data.source {path} is binary (a NUL byte at offset {nul}), not text",
-            fix="point data.source at text files (.txt/.json/.jsonl/.parquet/.csv, optionally .gz/.bz2/.xz)",
-        )
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise UserError(
-            f"data.source {path} is not UTF-8 (byte offset {e.start}: {data[e.start : e.start + 4]!r})",
-            fix="convert it to UTF-8, e.g. iconv -f latin1 -t utf-8",
-        ) from e
 
 
-def _load_table(builder: str, files: list[Path], text_field: str) -> list[str]:
-    """The ``text_field`` column of json/jsonl/parquet/csv files (``datasets``), one file at a time so an error names it."""
+def _decompress_errors(compression: str | None) -> tuple[type[Exception], ...]:
+    """What a truncated or mislabelled archive raises besides ``OSError``/``EOFError`` (``lzma.LZMAError``)."""
+    if compression == "lzma":
+        import lzma
+
+        return (lzma.LZMAError,)
+    return ()
+
+
+def _table_values(builder: str, files: list[Path], text_field: str, batch_rows: int = 1000):
+    """The ``text_field`` values of json/jsonl/parquet/csv files (``datasets``, whose Arrow cache is memory-mapped),
+    one file at a time so an error names it, a batch of rows at a time."""
     import datasets
 
-    out = []
     for f in files:
         try:
             ds = datasets.load_dataset(builder, data_files=[str(f)], split="train")
@@ -97,64 +138,54 @@ def _load_table(builder: str, files: list[Path], text_field: str) -> list[str]:
             raise UserError(
                 f"data.text_field {text_field!r} is not a column of {f}", fix=f"columns: {', '.join(ds.column_names)}"
             )
-        values = [v for v in ds[text_field] if v is not None]
-        bad = next((v for v in values if not isinstance(v, str)), None)
-        if bad is not None:
-            raise UserError(
-                f"data.text_field {text_field!r} of {f} holds {type(bad).__name__} values, not text",
-                fix="name a column of strings in data.text_field",
-            )
-        out.extend(v for v in values if v)
-    return out
+        for batch in ds.select_columns([text_field]).iter(batch_size=batch_rows):
+            values = [v for v in batch[text_field] if v is not None]
+            bad = next((v for v in values if not isinstance(v, str)), None)
+            if bad is not None:
+                raise UserError(
+                    f"data.text_field {text_field!r} of {f} holds {type(bad).__name__} values, not text",
+                    fix="name a column of strings in data.text_field",
+                )
+            yield from values
 
 
-def load_texts(source: str, text_field: str = "text", split: str = "train") -> list[str]:
-    """The documents of a data source, as a list of strings.
-
-    A local source is a file or a directory (searched recursively) of ``.txt`` (one document per file),
-    ``.json``/``.jsonl``/``.parquet``/``.csv`` (one document per row's ``text_field``), each optionally
-    compressed (``.gz``, ``.bz2``, ``.xz``); kinds may be mixed in one directory. Text must be UTF-8.
-    """
+def local_files(source: str) -> list[Path] | None:
+    """The data files of a local ``source`` (a file, or a directory searched recursively), in reading order;
+    ``None`` when ``source`` is ``embedded`` or names no local path (a hub dataset id)."""
     if source == EMBEDDED:
-        return embedded_corpus()
+        return None
     if not source.strip():  # Path("") is the current directory
         raise UserError("data.source is empty", fix="give a text file or directory, a hub dataset id, or 'embedded'")
     path = Path(source).expanduser()
-    if path.exists():
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p)[0] is not None)
-            if not files:
-                raise UserError(
-                    f"data.source {path} holds no {'/'.join(_BUILDERS)} files (optionally .gz/.bz2/.xz)",
-                    fix="point data.source at a directory of text files, or at one file",
-                )
-        else:
-            files = [path]
-            if _kind(path)[0] is None:
-                raise UserError(
-                    f"data.source {path}: unsupported file type {''.join(path.suffixes[-2:]) or '(none)'!r}",
-                    fix=f"use one of {', '.join(_BUILDERS)}, optionally compressed (.gz, .bz2, .xz)",
-                )
-        empty = next((f for f in files if f.stat().st_size == 0), None)
-        if empty is not None:
-            raise UserError(f"data.source {empty} is empty", fix="point data.source at a file with text in it")
-        texts, tables = [], {}
-        for f in files:
-            builder, compression = _kind(f)
-            if builder == "text":
-                texts.append(_read_text(f, compression))
-            else:
-                tables.setdefault(builder, []).append(f)
-        for builder, group in sorted(tables.items()):
-            texts.extend(_load_table(builder, group, text_field))
-        texts = [t for t in texts if t.strip()]
-        if not texts:
-            raise UserError(f"data.source {path} holds no text", fix="point data.source at non-empty text")
-        return texts
-    if source.startswith((".", "/", "~")) or source.count("/") > 1:
-        raise UserError(
-            f"data.source {path} does not exist", fix="give an existing file or directory, or a hub dataset id"
-        )
+    if not path.exists():
+        if source.startswith((".", "/", "~")) or source.count("/") > 1:
+            raise UserError(
+                f"data.source {path} does not exist", fix="give an existing file or directory, or a hub dataset id"
+            )
+        return None
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and _kind(p)[0] is not None)
+        if not files:
+            raise UserError(
+                f"data.source {path} holds no {'/'.join(_BUILDERS)} files (optionally .gz/.bz2/.xz)",
+                fix="point data.source at a directory of text files, or at one file",
+            )
+    else:
+        files = [path]
+        if _kind(path)[0] is None:
+            raise UserError(
+                f"data.source {path}: unsupported file type {''.join(path.suffixes[-2:]) or '(none)'!r}",
+                fix=f"use one of {', '.join(_BUILDERS)}, optionally compressed (.gz, .bz2, .xz)",
+            )
+    empty = next((f for f in files if f.stat().st_size == 0), None)
+    if empty is not None:
+        raise UserError(f"data.source {empty} is empty", fix="point data.source at a file with text in it")
+    text_files = [f for f in files if _kind(f)[0] == "text"]
+    tables = sorted((f for f in files if _kind(f)[0] != "text"), key=lambda f: _kind(f)[0])  # stable: by builder
+    return text_files + tables
+
+
+def _hub_dataset(source: str, split: str, text_field: str):
     import datasets
 
     try:
@@ -168,7 +199,54 @@ def load_texts(source: str, text_field: str = "text", split: str = "train") -> l
         raise UserError(
             f"data.text_field {text_field!r} is not a column of {source}", fix=f"columns: {', '.join(ds.column_names)}"
         )
-    return [t for t in ds[text_field] if isinstance(t, str) and t]
+    return ds
+
+
+def iter_documents(source: str, text_field: str = "text", split: str = "train", chunk_bytes: int = CHUNK_BYTES):
+    """The documents of a data source, streamed: one iterator of text pieces per document (a ``.txt`` file is one
+    document, read ``chunk_bytes`` at a time; a row of a table or a hub dataset is one document, one piece).
+    Memory stays bounded by the chunk and batch sizes, not the source's. Blank documents are not filtered here.
+    """
+    files = local_files(source)
+    if source == EMBEDDED:
+        for doc in embedded_corpus():
+            yield iter((doc,))
+    elif files is None:
+        ds = _hub_dataset(source, split, text_field)
+        for batch in ds.select_columns([text_field]).iter(batch_size=1000):
+            for t in batch[text_field]:
+                if isinstance(t, str) and t:
+                    yield iter((t,))
+    else:
+        for f in files:
+            builder, compression = _kind(f)
+            if builder == "text":
+                yield iter_text_file(f, compression, chunk_bytes)
+        for builder, group in itertools.groupby([f for f in files if _kind(f)[0] != "text"], key=lambda f: _kind(f)[0]):
+            for v in _table_values(builder, list(group), text_field):
+                if v:
+                    yield iter((v,))
+
+
+def load_texts(source: str, text_field: str = "text", split: str = "train") -> list[str]:
+    """The documents of a data source, as a list of strings (whole in memory: ``sources.token_cache`` streams).
+
+    A local source is a file or a directory (searched recursively) of ``.txt`` (one document per file),
+    ``.json``/``.jsonl``/``.parquet``/``.csv`` (one document per row's ``text_field``), each optionally
+    compressed (``.gz``, ``.bz2``, ``.xz``); kinds may be mixed in one directory. Text must be UTF-8.
+    """
+    if source == EMBEDDED:
+        return embedded_corpus()
+    local = local_files(source) is not None
+    texts = ["".join(doc) for doc in iter_documents(source, text_field, split)]
+    if not local:
+        return texts
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise UserError(
+            f"data.source {Path(source).expanduser()} holds no text", fix="point data.source at non-empty text"
+        )
+    return texts
 
 
 def tokenize_stream(texts: list[str], tokenizer) -> torch.Tensor:

@@ -16,7 +16,7 @@ from qharness.config import CalibrationConfig
 from qharness.data.datamodule import pack
 from qharness.errors import UserError
 from qharness.progress import stage
-from qharness.sources.text import load_texts, tokenize_stream
+from qharness.sources.token_cache import token_stream
 from qharness.upstream import imports
 
 
@@ -39,7 +39,7 @@ def calibration_blocks(cfg: CalibrationConfig, dm) -> torch.Tensor:
     if cfg.source is None:
         x = dm.train_x
     else:
-        x, _ = pack(tokenize_stream(load_texts(cfg.source, cfg.text_field), dm.load_tokenizer()), dm.seq_len)
+        x, _ = pack(token_stream(cfg.source, cfg.text_field, dm.load_tokenizer()), dm.seq_len)
         if len(x) == 0:
             raise UserError(
                 f"calibration.source {cfg.source} holds less than one block of data.seq_len={dm.seq_len} tokens"
