@@ -20,10 +20,11 @@ DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)  # no space, over quota, p
 _OUTPUT_FIELD = [os.environ.get("QHARNESS_OUTPUT_FIELD") or "trainer.default_root_dir"]
 
 
-def name_output_field(field: str) -> None:
+def name_output_field(field: str) -> str:
     """The config field or option a disk-full error tells the user to point elsewhere (``main`` sets it per
-    subcommand: ``trainer.default_root_dir`` for run configs, ``sweep_dir``, ``--out``)."""
-    _OUTPUT_FIELD[0] = field
+    subcommand: ``trainer.default_root_dir`` for run configs, ``sweep_dir``, ``--out``); returns the previous one."""
+    previous, _OUTPUT_FIELD[0] = _OUTPUT_FIELD[0], field
+    return previous
 
 
 def disk_full_cause(exc: BaseException | None) -> OSError | None:

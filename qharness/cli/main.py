@@ -129,8 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     from qharness.errors import ParityError, UserError
     from qharness.io import name_output_field
 
-    if argv[0] in OUTPUT_FIELD:  # what a disk-full error tells the user to point elsewhere
-        name_output_field(OUTPUT_FIELD[argv[0]])
+    # what a disk-full error tells the user to point elsewhere (a sweep's runs learn theirs from the environment);
+    # restored when this command returns (main may run again in the same process)
+    previous_field = name_output_field(OUTPUT_FIELD[argv[0]]) if argv[0] in OUTPUT_FIELD else None
 
     try:
         if argv[0] in PLAIN:
@@ -172,3 +173,5 @@ def main(argv: list[str] | None = None) -> None:
         from qharness.io import release_run_locks
 
         release_run_locks()  # the command is over: the run directory is free for the next one
+        if previous_field is not None:
+            name_output_field(previous_field)
