@@ -165,6 +165,7 @@ def test_resumed_data_with_gradient_accumulation_continues_at_the_next_micro_bat
     class T:
         def __init__(self, step, accumulate):
             self.global_step, self.accumulate_grad_batches, self.global_rank, self.world_size = step, accumulate, 0, 1
+            self.val_check_interval, self.limit_train_batches, self.check_val_every_n_epoch = 1.0, 1.0, 1
 
     dm = TextDataModule(seq_len=4, batch_size=2)
     dm.train_x = dm.train_y = torch.arange(80).view(20, 4)
