@@ -27,16 +27,19 @@ def name_output_field(field: str) -> str:
     return previous
 
 
-def disk_full_cause(exc: BaseException | None) -> OSError | None:
-    """The ``OSError`` meaning "the disk is full" (ENOSPC, EDQUOT, EFBIG) that ``exc`` is or was raised from or while
-    handling (``torch.save`` wraps it in a ``RuntimeError``); None if there is none."""
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling, each once."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL:
-            return exc
+        yield exc
         exc = exc.__cause__ or exc.__context__
-    return None
+
+
+def disk_full_cause(exc: BaseException | None) -> OSError | None:
+    """The ``OSError`` meaning "the disk is full" (ENOSPC, EDQUOT, EFBIG) that ``exc`` is or was raised from or while
+    handling (``torch.save`` wraps it in a ``RuntimeError``); None if there is none."""
+    return next((e for e in _chain(exc) if isinstance(e, OSError) and e.errno in DISK_FULL), None)
 
 
 def disk_full_error_of(exc: BaseException):
@@ -45,12 +48,9 @@ def disk_full_error_of(exc: BaseException):
     did not fill."""
     from qharness.errors import DiskFullError
 
-    seen, e = set(), exc
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, DiskFullError):
-            return e
-        e = e.__cause__ or e.__context__
+    raised = next((e for e in _chain(exc) if isinstance(e, DiskFullError)), None)
+    if raised is not None:
+        return raised
     cause = disk_full_cause(exc)
     return None if cause is None else disk_full_error(cause.filename or next(iter(_LOCKS), None))
 

@@ -107,20 +107,7 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         par.prompt_len,
         par.decode_steps,
     )
-    check_trainer(
-        {
-            k: cfg.trainer.get(k)
-            for k in (
-                "accumulate_grad_batches",
-                "check_val_every_n_epoch",
-                "val_check_interval",
-                "limit_train_batches",
-                "limit_val_batches",
-                "limit_test_batches",
-                "gradient_clip_val",
-            )
-        }
-    )
+    check_trainer(cfg.trainer.as_dict())  # the pre-check's checks, on the parsed section
     check_run_dir(cfg.trainer.default_root_dir)
     if cfg.deploy.enabled and cfg.bench.enabled:
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
