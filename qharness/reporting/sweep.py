@@ -177,36 +177,33 @@ def plan(spec: dict) -> list[SweepRun]:
     return runs
 
 
+def _status(run: SweepRun) -> dict | None:
+    """The run's ``sweep_status.json`` if it was written for this very config (same digest), else None."""
+    try:
+        status = json.loads((run.run_dir / STATUS).read_text())
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) and status.get("config_sha256") == run.digest() else None
+
+
 def is_done(run: SweepRun) -> bool:
     """Finished with this very config: exit 0 recorded for the same config digest, and its summary.json is there."""
     from qharness.run.summary import RunSummary
 
+    status = _status(run)
+    if status is None or status.get("returncode") != 0:
+        return False
     try:
-        status = json.loads((run.run_dir / STATUS).read_text())
         summary = RunSummary.read(run.run_dir / "summary.json")
     except (OSError, ValueError, UserError):
         return False
-    return (
-        status.get("returncode") == 0
-        and status.get("config_sha256") == run.digest()
-        and summary.recipe == Path(run.recipe).stem
-        and summary.mode == run.mode
-    )
+    return summary.recipe == Path(run.recipe).stem and summary.mode == run.mode
 
 
 def resumable(run: SweepRun) -> bool:
     """A QAT run of this very config that was started and did not finish (killed, or failed) and left a
     ``last.ckpt``: it goes on from there (``--ckpt_path last``) instead of training again from step 0."""
-    try:
-        status = json.loads((run.run_dir / STATUS).read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        run.mode == "qat"
-        and isinstance(status, dict)
-        and status.get("config_sha256") == run.digest()
-        and (run.run_dir / "checkpoints" / "last.ckpt").is_file()
-    )
+    return run.mode == "qat" and _status(run) is not None and (run.run_dir / "checkpoints" / "last.ckpt").is_file()
 
 
 def child_env() -> dict:
