@@ -36,19 +36,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from scale_135m import SMOLLM2_135M  # noqa: E402
+from scale import SHAPES as REAL_SHAPES  # noqa: E402
 
-SHAPES = {  # HF LlamaConfig fields
-    "135m": SMOLLM2_135M,
-    "1b": dict(
-        vocab_size=128256,
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        tie_word_embeddings=True,
-    ),  # Llama-3.2-1B
+SHAPES = {  # HF LlamaConfig fields: SmolLM2-135M's, Llama-3.2-1B's (scripts/scale.py) and a tiny one for tests
+    **REAL_SHAPES,
     "tiny": dict(
         vocab_size=512,
         hidden_size=64,

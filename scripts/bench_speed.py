@@ -48,12 +48,12 @@ PEER = "export_llm 8da4w"
 def resolve_model(name: str, work: Path) -> Path:
     """A local HF model directory for ``name``: smollm2-135m (built once under ``work``), benchmark, embedded or a path."""
     if name == "smollm2-135m":
-        import scale_135m
+        import scale
 
         out = work / "smollm2-135m-random"
         if not (out / "config.json").is_file():
             print(f"building the random-init SmolLM2-135M-shaped model in {out} (once) ...", flush=True)
-            scale_135m.make_model(out)
+            scale.make_model(out, "135m")
         return out
     if name == "benchmark":
         import bench_quality
