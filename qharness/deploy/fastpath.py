@@ -245,6 +245,11 @@ def _cache_layer_class():
             pass
 
         def update(self, key_states, value_states, *args, **kwargs):
+            for new, buf in ((key_states, self.keys), (value_states, self.values)):  # update_cache aborts on these
+                if new.dim() != 4 or new.shape[0] != 1 or (new.shape[1], new.shape[3]) != buf.shape[2:]:
+                    raise ValueError(f"key/value states {tuple(new.shape)} do not fit a cache {tuple(buf.shape)}")
+                if new.dtype != buf.dtype:
+                    raise ValueError(f"key/value states of {new.dtype} for a cache of {buf.dtype}")
             start = self.cache.start
             torch.ops.llama.update_cache(key_states.transpose(1, 2), self.keys, start)  # [1, n, H_kv, D]: small
             torch.ops.llama.update_cache(value_states.transpose(1, 2), self.values, start)
@@ -278,12 +283,22 @@ def _update_cache_kv(buffers: list[tuple[torch.Tensor, torch.Tensor]]):
     return UpdateCacheKV()
 
 
-def _kv_shape(model, max_seq_len: int) -> tuple[int, int, int, int]:
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return (1, max_seq_len, kv_heads, head_dim)
+def _kv_shapes(model, max_seq_len: int) -> list[tuple[int, int, int, int]]:
+    """Each layer's cache shape ``[1, max_seq_len, kv_heads, head_dim]``, read off the ``DynamicCache`` of a
+    one-token forward of the model (its own attention): the heads the model really projects, whatever its config
+    calls them."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    shapes = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is None or values is None or keys.shape != values.shape:
+            raise ValueError(f"a {type(layer).__name__} cache layer without keys and values of one shape")
+        shapes.append((1, max_seq_len, keys.shape[1], keys.shape[3]))
+    return shapes
 
 
 class FastDecoder(torch.nn.Module):
@@ -298,9 +313,8 @@ class FastDecoder(torch.nn.Module):
         self.max_seq_len = max_seq_len
         weight = model.get_input_embeddings().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        shape = _kv_shape(model, max_seq_len)
         buffers = []
-        for i in range(model.config.get_text_config().num_hidden_layers):
+        for i, shape in enumerate(_kv_shapes(model, max_seq_len)):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
             buffers.append((getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")))
@@ -360,7 +374,56 @@ def export_fast(model, max_seq_len: int, all_logits: bool = False) -> torch.expo
     return ep
 
 
-_ELEMENTWISE = {"mul.Tensor", "add.Tensor", "sub.Tensor", "div.Tensor", "neg.default"}
+_ELEMENTWISE = {  # element-wise ops (and a mean over other dimensions) that a transpose moves across
+    "mul.Tensor",
+    "add.Tensor",
+    "sub.Tensor",
+    "div.Tensor",
+    "neg.default",
+    "rsqrt.default",
+    "pow.Tensor_Scalar",
+    "to.dtype",
+    "type_as.default",
+    "alias.default",
+    "mean.dim",
+}
+
+
+class _Free:
+    """Placeholder in ``_moved_args``: transpose this broadcast operand (``args[0]``), a view moving no data."""
+
+    def __init__(self, node):
+        self.args = (node,)
+
+
+
+
+def _moved_args(user, t, pair, is_t, dims):
+    """``user``'s arguments with transpose ``t`` (dimensions ``pair``) moved below it, or None if it cannot move:
+    transposes of ``pair`` give their input; same-rank operands with size 1 in ``pair`` are transposed (``_Free``);
+    lower-rank operands broadcasting over dimensions after ``pair`` and non-tensors stay."""
+    rank = t.meta["val"].dim()
+    out = []
+    for i, x in enumerate(user.args):
+        if user.target == torch.ops.aten.type_as.default and i == 1:
+            out.append(x)  # only its dtype counts
+        elif isinstance(x, torch.fx.Node):
+            r = x.meta["val"].dim()
+            if is_t(x) and dims(x) == pair:
+                out.append(x.args[0])
+            elif r == rank and _unit(x, *pair):
+                out.append(_Free(x))
+            elif r < rank and max(pair) < rank - r:
+                out.append(x)
+            else:
+                return None
+        elif user.target == torch.ops.aten.mean.dim and i == 1:
+            if set(pair) & {d % rank for d in x} or len(user.args) < 3 or not user.args[2]:
+                return None  # a mean over a moved dimension, or one that drops dimensions
+            out.append(x)
+        else:
+            out.append(x)
+    return out
 
 
 def _unit(node: torch.fx.Node, a: int, b: int) -> bool:
@@ -417,6 +480,13 @@ def sink_transposes(graph_module: torch.fx.GraphModule) -> int:
     while changed:
         changed = False
         for user in list(graph.nodes):
+            if user.target == aten._assert_tensor_metadata.default and is_t(user.args[0]) and len(user.args) == 1:
+                if user.kwargs.get("size") is None and user.kwargs.get("stride") is None:
+                    user.replace_input_with(user.args[0], user.args[0].args[0])  # dtype/device: check the input
+                    rewrites, changed = rewrites + 1, True
+            if user.target == aten.type_as.default and is_t(user.args[1]):
+                user.update_arg(1, user.args[1].args[0])  # only the dtype of its second argument counts
+                rewrites, changed = rewrites + 1, True
             if user.op != "call_function" or user.kwargs:
                 continue
             name = f"{user.target._opname}.{user.target._overloadname}" if hasattr(user.target, "_opname") else ""
@@ -448,23 +518,11 @@ def sink_transposes(graph_module: torch.fx.GraphModule) -> int:
                 elif name in _ELEMENTWISE:
                     t = next(a for a in user.args if is_t(a))
                     a, b = dims(t)
-                    rank = t.meta["val"].dim()
-                    args = []
-                    for x in user.args:
-                        if is_t(x) and dims(x) == (a, b):
-                            args.append(x.args[0])
-                        elif isinstance(x, torch.fx.Node) and x.meta["val"].dim() == rank and _unit(x, a, b):
-                            args.append(make(aten.transpose.int, (x, a, b), t))  # a broadcast operand: a free view
-                        elif isinstance(x, (int, float)):
-                            args.append(x)
-                        else:
-                            break
-                    else:
-                        new = make(aten.transpose.int, (make(user.target, tuple(args), user), a, b), t)
-                        user.replace_all_uses_with(new)
-                        graph.erase_node(user)
-                        rewrites, changed = rewrites + 1, True
-                    continue
+                    args = _moved_args(user, t, (a, b), is_t, dims)
+                    if args is None:
+                        continue
+                    args = [make(aten.transpose.int, (x.args[0], a, b), t) if isinstance(x, _Free) else x for x in args]
+                    new = make(aten.transpose.int, (make(user.target, tuple(args), user), a, b), t)
                 else:
                     continue
             user.replace_all_uses_with(new)
