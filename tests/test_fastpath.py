@@ -57,7 +57,7 @@ def _tiny(arch: str, **extra):
     if arch.endswith("ForCausalLM"):
         config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**dims, **extra)
         return getattr(transformers, arch)(config).eval()
-    dims.update(hidden_size=64, intermediate_size=128, head_dim=16)  # head_dim = hidden / heads: some families assume it
+    dims.update(hidden_size=64, intermediate_size=128, head_dim=16)  # = hidden / heads: some families assume it
     config = transformers.AutoConfig.for_model(arch, **dims, **extra)
     return transformers.AutoModelForCausalLM.from_config(config).eval()
 
@@ -183,7 +183,9 @@ def test_a_failing_fast_export_falls_back_with_the_reason(monkeypatch):
 
     monkeypatch.setattr(fastpath, "export_fast", broken)
     _, reason = export_deploy(_tiny("LlamaForCausalLM"), 32)
-    assert reason == "LlamaForCausalLM: torch.export of the fast path failed (RuntimeError: Dynamo failed to run FX node)"
+    assert (
+        reason == "LlamaForCausalLM: torch.export of the fast path failed (RuntimeError: Dynamo failed to run FX node)"
+    )
 
 
 def test_the_model_is_left_as_it_was():
@@ -288,7 +290,7 @@ def test_all_logits_twin_scores_blocks_as_the_per_token_path(recipe, rel):
     reference = fold_constants(deployed)
     twin = fastpath.all_logits_twin(reference)
     assert export_path(twin) == "fast"
-    shared = {t.data_ptr() for t in [*reference.state_dict().values(), *reference.buffers()]}  # buffers: + rotary tables
+    shared = {t.data_ptr() for t in [*reference.state_dict().values(), *reference.buffers()]}  # + rotary tables
     assert all(t.data_ptr() in shared for t in twin.state_dict().values())  # weights and KV cache shared, not copied
     with torch.no_grad():
         for block in blocks:

@@ -396,8 +396,6 @@ class _Free:
         self.args = (node,)
 
 
-
-
 def _moved_args(user, t, pair, is_t, dims):
     """``user``'s arguments with transpose ``t`` (dimensions ``pair``) moved below it, or None if it cannot move:
     transposes of ``pair`` give their input; same-rank operands with size 1 in ``pair`` are transposed (``_Free``);
