@@ -120,23 +120,29 @@ def _window_mask(start, n: int, length: int, window: int, dtype) -> torch.Tensor
 
 
 def _softcapped_attention(q, k_cache, v_cache, start, scaling: float, softcap: float, window: int | None):
-    """``softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v`` with plain ops over the caches' first
-    ``start + n`` positions. ``q [1, n, H, D]``, caches ``[1, S, H_kv, D]`` -> ``[1, n, H, D]``. Grouped-query
-    heads: the query is reshaped to ``[H_kv, groups * n, D]``; KV heads are never repeated."""
+    """``softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v`` with plain ops over the whole caches (the mask
+    hides positions after ``start + i`` and outside the window). ``q [1, n, H, D]``, caches ``[1, S, H_kv, D]`` ->
+    ``[1, n, H, D]``.
+
+    The caches are read in their own layout, never permuted: the query is laid out block-diagonally per KV head,
+    ``[H_kv * groups * n, H_kv * D]`` (zeros off its own head), so ``linear(q_blocks, k_cache.view(S, H_kv * D))``
+    gives every head's scores and ``weights @ v_cache.view(S, H_kv * D)`` every head's output (its diagonal blocks
+    kept). KV heads are never repeated; the zeros cost ``H_kv`` times the (small) attention matmuls, and the shapes
+    are static but for ``n``, so XNNPACK takes the matmuls."""
     _, n, h, d = q.shape
-    kv_heads = k_cache.shape[2]
+    _, length, kv_heads, _ = k_cache.shape
     groups = h // kv_heads
-    length = start + n
-    k = k_cache[0, :length].permute(1, 2, 0)  # [H_kv, D, L]
-    v = v_cache[0, :length].permute(1, 0, 2)  # [H_kv, L, D]
-    q = q[0].view(n, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, d)
-    scores = torch.bmm(q, k) * scaling
+    eye = torch.eye(kv_heads, dtype=q.dtype)
+    q = q[0].view(n, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, 1, d)
+    q_blocks = (q * eye.view(kv_heads, 1, kv_heads, 1)).reshape(kv_heads * groups * n, kv_heads * d)
+    scores = torch.nn.functional.linear(q_blocks, k_cache.view(length, kv_heads * d)) * scaling
     scores = torch.tanh(scores / softcap) * softcap
     mask = _window_mask(start, n, length, window if window is not None else length + 1, scores.dtype)
     scores = scores.view(kv_heads, groups, n, length) + mask
-    weights = torch.softmax(scores, dim=-1).view(kv_heads, groups * n, length)
-    out = torch.bmm(weights, v).view(kv_heads, groups, n, d)
-    return out.permute(2, 0, 1, 3).reshape(1, n, h, d)
+    weights = torch.softmax(scores, dim=-1).view(kv_heads * groups * n, length)
+    out = (weights @ v_cache.view(length, kv_heads * d)).view(kv_heads, groups * n, kv_heads, d)
+    out = (out * eye.view(kv_heads, 1, kv_heads, 1)).sum(2)  # each head's own block: [H_kv, groups * n, D]
+    return out.view(kv_heads, groups, n, d).permute(2, 0, 1, 3).reshape(1, n, h, d)
 
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
