@@ -123,8 +123,9 @@ def olmo2_run(tmp_path_factory, corpus):
 @pytest.fixture(scope="module")
 def generic_run(tmp_path_factory, corpus):
     """A tiny Bloom (ALiBi attention outside transformers' AttentionInterface: no fast path) through
-    xnnpack_int8_dynamic: the generic HF static-cache export."""
-    run, path = _family_run(tmp_path_factory, corpus, "bloom", "xnnpack_int8_dynamic")
+    xnnpack_int8_dynamic: the generic HF static-cache export (Bloom has no grouped-query heads: HF's static cache
+    sizes its heads by ``num_key_value_heads``)."""
+    run, path = _family_run(tmp_path_factory, corpus, "bloom", "xnnpack_int8_dynamic", num_key_value_heads=4)
     assert path == "generic"
     return run
 
