@@ -83,6 +83,7 @@ def make_tiny_hf(
         num_key_value_heads=2,
         head_dim=16,
     )
+    dims.update({k: overrides.pop(k) for k in list(overrides) if k in dims})  # overrides of the dimensions too
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     config = AutoConfig.for_model(
         model_type, vocab_size=len(tok), max_position_embeddings=256, **dims, **ids, **overrides

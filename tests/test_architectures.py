@@ -1,7 +1,9 @@
 """HF architectures beyond Llama: tiny random configs saved with save_pretrained, loaded like real checkpoints.
 
-Default suite: the architecture check, one train step + deploy quantization of Gemma2 (no lowering), and one
-CLI ``fit`` (Qwen2: untied embeddings, GQA, q/k/v biases) through to a parity-checked ``.pte``.
+Default suite: the architecture check, one train step + deploy quantization of Gemma2 (no lowering), one
+CLI ``fit`` (Qwen2: untied embeddings, GQA, q/k/v biases) through to a parity-checked ``.pte``, and every family of
+``FAST_FAMILIES`` lowered on the fast path through the parity gate (``xnnpack_fp32``; ``xnnpack_8da4w`` for Gemma2 and
+OLMo2, the rest under ``-m slow``).
 ``-m slow``: the same stage test for Qwen2 (tied) and Phi-3, and CLI ``fit``/``calibrate`` of Gemma2, Phi-3,
 Mistral, Qwen3 and Gemma with lowering and the runtime parity gate.
 """
@@ -188,3 +190,66 @@ def test_family_through_the_cli(name, command, tmp_path, family_dir, corpus):
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["parity"]["passed"] and summary["parity"]["argmax_agreement"] >= 0.9
+
+
+# --- the fast path for every family: a lowered .pte through the parity gate ------------------------------------
+# (model_type, extra config): 2 layers, windows shorter than the 64-position cache, soft-capping as configured.
+FAST_FAMILIES = {
+    "llama": {},
+    "mistral": {"sliding_window": 8},
+    "qwen2": {},
+    "qwen3": {},
+    "gemma": {},
+    "gemma2": {"sliding_window": 8},  # attention and final logit soft-capping, alternating window / full layers
+    "gemma3_text": {"sliding_window": 8},
+    "phi3": {},
+    "olmo2": {},
+    "stablelm": {},
+}
+
+
+def _tiny_family(model_type: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    dims |= dict(num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256, pad_token_id=0)
+    config = AutoConfig.for_model(model_type, **dims, **FAST_FAMILIES[model_type])
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize(
+    "family, recipe_name",
+    [(f, "xnnpack_fp32") for f in sorted(FAST_FAMILIES)]
+    + [  # ~20 s each: the default suite keeps two quantized ones
+        pytest.param(f, "xnnpack_8da4w", marks=() if f in ("gemma2", "olmo2") else pytest.mark.slow)
+        for f in sorted(FAST_FAMILIES)
+    ],
+)
+def test_family_pte_takes_the_fast_path_and_passes_parity(family, recipe_name, tmp_path):
+    """The .pte against the converted graph it was lowered from, as the pipeline's gate judges it: prefill +
+    greedy decode (``compare_decoding``) and perplexity over blocks."""
+    from qharness.checks.parity import compare_decoding, fold_constants, gate, score_deployed
+    from qharness.config import ParityConfig
+    from qharness.deploy.fastpath import all_logits_twin
+    from qharness.deploy.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.recipes.registry import load_recipe
+    from qharness.runtime.pte import PteModel
+
+    model, recipe, cache = _tiny_family(family), load_recipe(recipe_name), 64
+    x = torch.randint(0, 128, (3, 25), generator=torch.Generator().manual_seed(0))
+    deployed = quantize_for_deploy(model, recipe, cache, lambda g: [g(b[None, :24], torch.tensor([0])) for b in x])
+    assert export_path(deployed) == "fast", deployed.meta.get("qharness_fallback_reason")
+    (tmp_path / "m.pte").write_bytes(lower_to_pte(deployed, recipe, cache, runner_metadata(cache, 128, 1, [2])))
+    reference = fold_constants(deployed)
+    scorer = all_logits_twin(reference)
+    pte = PteModel(tmp_path / "m.pte")
+    ref = lambda tokens, start: reference(tokens, torch.tensor([start]))  # noqa: E731
+    figures = compare_decoding(pte, ref, x[:2, :12], decode_steps=16, tie_margin=ParityConfig().tie_margin)
+    ppl = {
+        name: score_deployed(step, x[:, :-1], x[:, 1:])["ppl"]
+        for name, step in (("pte", pte), ("converted", lambda t, s: scorer(t, torch.tensor([s]))))
+    }
+    figures["ppl_rel_diff"] = abs(ppl["pte"] - ppl["converted"]) / ppl["converted"]
+    assert gate(figures, ParityConfig()) == [], figures
+    assert figures["max_abs_diff"] < 1e-3 if recipe_name == "xnnpack_fp32" else True

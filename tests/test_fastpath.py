@@ -1,4 +1,5 @@
-"""The fast deploy graph (qharness/deploy/fastpath.py) against the HF model it rewrites, and the generic fallback."""
+"""The fast deploy graph (qharness/deploy/fastpath.py: the HF model's own forward with ExecuTorch's ops as its
+attention and cache) against the HF model, for every family, and the generic fallback."""
 
 import logging
 
@@ -39,10 +40,10 @@ def test_fast_decoder_equals_the_hf_llama(tiny_llama):
 
 
 def _tiny(arch: str, **extra):
+    """A 2-layer random model: ``arch`` an HF class name (``LlamaForCausalLM``) or a ``model_type`` (``gemma2``)."""
     import transformers
 
-    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
-    config = config_cls(
+    dims = dict(
         vocab_size=96,
         hidden_size=32,
         intermediate_size=64,
@@ -50,10 +51,40 @@ def _tiny(arch: str, **extra):
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=128,
-        **extra,
+        pad_token_id=0,
     )
     torch.manual_seed(0)
-    return getattr(transformers, arch)(config).eval()
+    if arch.endswith("ForCausalLM"):
+        config = getattr(transformers, arch.replace("ForCausalLM", "Config"))(**dims, **extra)
+        return getattr(transformers, arch)(config).eval()
+    dims.update(hidden_size=64, intermediate_size=128, head_dim=16)  # = hidden / heads: some families assume it
+    config = transformers.AutoConfig.for_model(arch, **dims, **extra)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+# Families on the fast path (model_type, extra config): windows shorter than the 48-position cache, soft-capping.
+FAMILIES = {
+    "llama": {},
+    "mistral": {"sliding_window": 8},  # every layer windowed
+    "qwen2": {},  # q/k/v biases
+    "qwen3": {},  # q/k head norms
+    "gemma": {},
+    "gemma2": {"sliding_window": 8},  # alternating window / full layers, attention + final logit soft-capping
+    "gemma3_text": {"sliding_window": 8},  # window layers with their own rotary base, q/k norms
+    "phi3": {},  # fused qkv / gate_up projections
+    "olmo2": {},  # q/k norms over the whole projection
+    "stablelm": {},  # partial rotary, LayerNorm
+    "granite": {},  # multipliers (same parts, no code of ours)
+    "starcoder2": {},
+    "gpt2": {},  # learned positions, no rotary
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_fast_decoder_equals_every_family(family):
+    model = _tiny(family, **FAMILIES[family])
+    assert fastpath.unsupported_reason(model, 48) is None
+    _check_equal_to_hf(model)
 
 
 @pytest.mark.parametrize(
@@ -97,37 +128,110 @@ def test_exported_fast_graph_equals_the_eager_one(tiny_llama):
         graph(x[:, :4], torch.tensor([30]))
 
 
-def test_unsupported_models_say_why():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _bloom():
+    from transformers import BloomConfig, BloomForCausalLM
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64))
-    assert fastpath.unsupported_reason(gpt2, 32).startswith("GPT2LMHeadModel: not a supported architecture")
-    mistral = _tiny("MistralForCausalLM", sliding_window=16)
-    assert "sliding-window attention (window 16 < deploy.max_seq_len 32)" in fastpath.unsupported_reason(mistral, 32)
-    assert fastpath.unsupported_reason(mistral, 16) is None  # the window covers the whole cache
+    torch.manual_seed(0)
+    config = BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=2, eos_token_id=0, bos_token_id=0)
+    return BloomForCausalLM(config).eval()
+
+
+def test_unsupported_models_say_why():
+    assert fastpath.unsupported_reason(_bloom(), 32) == (
+        "BloomForCausalLM: its attention does not use transformers' AttentionInterface"
+    )
     dynamic = _tiny("LlamaForCausalLM", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
     assert "rotary type 'dynamic'" in fastpath.unsupported_reason(dynamic, 32)
 
 
-def test_an_unsupported_architecture_falls_back_to_the_generic_export(caplog):
-    from transformers import GPT2Config, GPT2LMHeadModel
+def test_a_family_whose_forward_ignores_the_cache_is_refused(monkeypatch):
+    """The eager check is what proves a family's attention goes through the interfaces: here the cache is skipped."""
+    model = _tiny("LlamaForCausalLM")
+    monkeypatch.setattr(fastpath, "attention", lambda module, q, k, v, *a, **kw: (q.transpose(1, 2), None))
+    monkeypatch.setattr(fastpath, "register", lambda: None)
+    from transformers import AttentionInterface
 
+    AttentionInterface.register(fastpath.ATTENTION, fastpath.attention)
+    try:
+        assert "the fast path's logits differ from the model's own" in fastpath.unsupported_reason(model, 32)
+    finally:
+        monkeypatch.undo()
+        fastpath.register()
+
+
+def test_an_unsupported_architecture_falls_back_to_the_generic_export(caplog):
     from qharness.deploy.lower import export_path, fallback_reason, quantize_for_deploy
     from qharness.recipes.registry import load_recipe
 
-    torch.manual_seed(0)
-    gpt2 = GPT2LMHeadModel(
-        GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0, bos_token_id=0)
-    ).eval()
+    bloom = _bloom()
     x = torch.randint(0, 64, (1, 5))
-    ref = gpt2(x).logits
+    ref = bloom(x).logits
     with caplog.at_level(logging.WARNING, logger="qharness.deploy.lower"):
-        graph = quantize_for_deploy(gpt2, load_recipe("xnnpack_fp32"), 32, calibrate=lambda g: None)
+        graph = quantize_for_deploy(bloom, load_recipe("xnnpack_fp32"), 32, calibrate=lambda g: None)
     assert export_path(graph) == "generic" and fallback_reason(graph).startswith(
-        "GPT2LMHeadModel: not a supported architecture"
+        "BloomForCausalLM: its attention does not use transformers' AttentionInterface"
     )
-    assert "falling back to the generic HF static-cache export" in caplog.text and "GPT2LMHeadModel" in caplog.text
+    assert "falling back to the generic HF static-cache export" in caplog.text and "BloomForCausalLM" in caplog.text
     torch.testing.assert_close(graph(x, torch.tensor([0])), ref)  # all-position logits, as before
+
+
+def test_a_failing_fast_export_falls_back_with_the_reason(monkeypatch):
+    from qharness.deploy.lower import export_deploy
+
+    def broken(model, max_seq_len, all_logits=False):
+        raise RuntimeError("Dynamo failed to run FX node")
+
+    monkeypatch.setattr(fastpath, "export_fast", broken)
+    _, reason = export_deploy(_tiny("LlamaForCausalLM"), 32)
+    assert (
+        reason == "LlamaForCausalLM: torch.export of the fast path failed (RuntimeError: Dynamo failed to run FX node)"
+    )
+
+
+def test_the_model_is_left_as_it_was():
+    """The attention implementation and rotary modules are swapped only while the fast path runs."""
+    model = _tiny("gemma2", sliding_window=8)
+    rotary, impl = model.model.rotary_emb, model.config._attn_implementation
+    fastpath.export_fast(model, 32)
+    assert model.model.rotary_emb is rotary and model.config._attn_implementation == impl != fastpath.ATTENTION
+
+
+def test_sink_transposes_leaves_no_transpose_and_the_same_values():
+    """HF's BHSD transposes and the fast path's way back to BSHD cancel: the lowered program has no permute of
+    q, k, v or the cache (ExecuTorch would copy each)."""
+    for family in ("llama", "gemma3_text", "phi3", "olmo2", "stablelm"):
+        model = _tiny(family, **FAMILIES[family])
+        ep = fastpath.export_fast(model, 32)
+        assert not [n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.transpose.int], family
+        assert fastpath.sink_transposes(ep.graph_module) == 0  # nothing left to move
+
+
+def _lowered_ops(graph, recipe, max_seq_len):
+    import tempfile
+    from pathlib import Path
+
+    from qharness.deploy.lower import lower_to_pte
+    from qharness.runtime.pte import operators
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "m.pte"
+        path.write_bytes(lower_to_pte(graph, recipe, max_seq_len))
+        return operators(path)["operators"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_lowered_fast_program_has_no_permute_copies(family):
+    """No layer moves data between layouts: custom SDPA layers (causal, or windowed by a mask), and Gemma2's
+    soft-capped attention (plain matmuls: ``custom_sdpa`` cannot soft-cap), which reads the caches as they lie."""
+    from qharness.deploy.lower import export_path, quantize_for_deploy
+    from qharness.recipes.registry import load_recipe
+
+    recipe = load_recipe("xnnpack_fp32")
+    graph = quantize_for_deploy(_tiny(family, **FAMILIES[family]), recipe, 32, calibrate=lambda g: None)
+    assert export_path(graph) == "fast"
+    ops = _lowered_ops(graph, recipe, 32)
+    assert "llama::update_cache.out" in ops and not [op for op in ops if "permute" in op], ops
+    assert ("llama::custom_sdpa.out" in ops) == (family != "gemma2"), ops
 
 
 def test_fold_constants_computes_weight_math_once_and_keeps_the_cache_state():
@@ -182,7 +286,7 @@ def test_all_logits_twin_scores_blocks_as_the_per_token_path(recipe, rel):
     reference = fold_constants(deployed)
     twin = fastpath.all_logits_twin(reference)
     assert export_path(twin) == "fast"
-    shared = {t.data_ptr() for t in reference.state_dict().values()}
+    shared = {t.data_ptr() for t in [*reference.state_dict().values(), *reference.buffers()]}  # + rotary tables
     assert all(t.data_ptr() in shared for t in twin.state_dict().values())  # weights and KV cache shared, not copied
     with torch.no_grad():
         for block in blocks:
@@ -200,13 +304,8 @@ def test_all_logits_twin_scores_blocks_as_the_per_token_path(recipe, rel):
 
 
 def test_all_logits_twin_of_a_generic_graph_is_the_graph():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from qharness.deploy.lower import quantize_for_deploy
     from qharness.recipes.registry import load_recipe
 
-    gpt2 = GPT2LMHeadModel(
-        GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=64, eos_token_id=0, bos_token_id=0)
-    ).eval()
-    graph = quantize_for_deploy(gpt2, load_recipe("xnnpack_fp32"), 32, calibrate=lambda g: None)
+    graph = quantize_for_deploy(_bloom(), load_recipe("xnnpack_fp32"), 32, calibrate=lambda g: None)
     assert fastpath.all_logits_twin(graph) is graph

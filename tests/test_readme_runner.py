@@ -95,19 +95,44 @@ def emb4_run(tmp_path_factory, tiny_llama):
     return run
 
 
-@pytest.fixture(scope="module")
-def generic_run(tmp_path_factory, corpus):
-    """A tiny Gemma2 (soft-capping: no fast path) through xnnpack_int8_dynamic: the generic HF static-cache export."""
+def _family_run(tmp_path_factory, corpus, model_type, recipe, **overrides):
     from qharness.deploy.lower import export_path
 
-    out = tmp_path_factory.mktemp("generic")
-    model_dir = make_tiny_hf(out / "gemma2", "gemma2", corpus.read_text()[:100_000])
-    run, graph = _lowered_run(out, model_dir, "xnnpack_int8_dynamic")
-    assert export_path(graph) == "generic"
+    out = tmp_path_factory.mktemp(model_type)
+    model_dir = make_tiny_hf(out / model_type, model_type, corpus.read_text()[:100_000], layers=2, **overrides)
+    run, graph = _lowered_run(out, model_dir, recipe)
+    return run, export_path(graph)
+
+
+@pytest.fixture(scope="module")
+def gemma2_run(tmp_path_factory, corpus):
+    """A tiny Gemma2 (window 8 < the 64-position cache, soft-capping) through xnnpack_int8_dynamic: fast path."""
+    run, path = _family_run(tmp_path_factory, corpus, "gemma2", "xnnpack_int8_dynamic", sliding_window=8)
+    assert path == "fast"
     return run
 
 
-@pytest.mark.parametrize("which", ["fast_run", "emb4_run", pytest.param("generic_run", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module")
+def olmo2_run(tmp_path_factory, corpus):
+    """A tiny OLMo2 (q/k norms over the whole projection) through xnnpack_8da4w: fast path."""
+    run, path = _family_run(tmp_path_factory, corpus, "olmo2", "xnnpack_8da4w")
+    assert path == "fast"
+    return run
+
+
+@pytest.fixture(scope="module")
+def generic_run(tmp_path_factory, corpus):
+    """A tiny Bloom (ALiBi attention outside transformers' AttentionInterface: no fast path) through
+    xnnpack_int8_dynamic: the generic HF static-cache export (Bloom has no grouped-query heads: HF's static cache
+    sizes its heads by ``num_key_value_heads``)."""
+    run, path = _family_run(tmp_path_factory, corpus, "bloom", "xnnpack_int8_dynamic", num_key_value_heads=4)
+    assert path == "generic"
+    return run
+
+
+@pytest.mark.parametrize(
+    "which", ["fast_run", "emb4_run", "gemma2_run", "olmo2_run", pytest.param("generic_run", marks=pytest.mark.slow)]
+)
 def test_readme_snippet_generates_text_in_a_fresh_process(request, which, tmp_path):
     _check_generates(request.getfixturevalue(which), tmp_path)
 
@@ -139,6 +164,17 @@ def test_kernel_libraries_name_what_each_program_needs(fast_run, emb4_run):
     assert emb4["quantized_ops_lib"] == ["quantized_decomposed::embedding_4bit.out"]
     assert "aten::embedding.out" in fast["optimized_native_cpu_ops_lib"]
     assert "aten::embedding.out" not in emb4["optimized_native_cpu_ops_lib"]
+
+
+def test_kernel_libraries_of_gemma2_and_olmo2_programs(gemma2_run, olmo2_run):
+    """Other families on the fast path need the same libraries as Llama's (Gemma2's soft-capped layers run
+    portable ops: bmm, tanh, softmax)."""
+    from qharness.runtime.pte import kernel_libraries
+
+    for run in (gemma2_run, olmo2_run):
+        libs = kernel_libraries(run / "model.pte")
+        assert set(libs) == {"executorch", "optimized_native_cpu_ops_lib", "custom_ops", "xnnpack_backend"}, libs
+        assert "llama::update_cache.out" in libs["custom_ops"]
 
 
 @pytest.mark.slow

@@ -1,18 +1,28 @@
-"""The fast deploy graph: an HF decoder-only LM rewritten around ExecuTorch's LLM custom ops.
+"""The fast deploy graph: the HF model's own forward, with ExecuTorch's LLM custom ops as its attention and cache.
 
 HF's static-cache export decodes 5-10x slower than ExecuTorch's own LLM export: it repeats KV heads
 over the whole cache (``expand_copy``), writes the cache with ``index_put`` and builds a causal mask per
-call, all outside the XNNPACK delegate. ``FastDecoder`` runs the same HF modules (embedding, RMSNorms,
-q/k/v/o projections, MLPs, ``lm_head``: quantizers see the same ``nn.Linear``s) but writes the KV cache
-with ``llama::update_cache`` into ``[1, max_seq_len, kv_heads, head_dim]`` buffers and attends with
-``llama::custom_sdpa`` (causal from ``start_pos``, grouped-query heads without expansion), the ops
-ExecuTorch's Llama export uses. Rotary tables come from the HF model's own ``rotary_emb`` for every
-cache position, so numerics equal the HF model's up to float rounding.
+call, all outside the XNNPACK delegate. The fast path changes none of the model's code. It plugs two things
+into transformers' own extension points and runs the model's ``forward``:
+
+- an attention function registered with transformers' ``AttentionInterface`` (and a mask function returning
+  ``None`` in ``AttentionMaskInterface``, so no mask tensor is built), ``ATTENTION``: ``llama::custom_sdpa``
+  over the cache (BSHD, causal from ``start_pos``, grouped-query heads without expansion); a sliding-window
+  layer whose window is shorter than the cache passes an additive window mask; attention logit soft-capping
+  (Gemma2) runs as plain matmuls over the same cache, the query reshaped per KV head (no KV repetition);
+- ``UpdateCacheKV``, a transformers ``Cache`` whose layers write with ``llama::update_cache`` into
+  ``[1, max_seq_len, kv_heads, head_dim]`` buffers registered on ``FastDecoder`` (mutable buffers of the program)
+  and hand the attention function those buffers as they are (BSHD: no transposes of the cache in the graph).
+
+Positions (``position_ids = input_pos + arange(n)``) go through the model's own rotary code; the last token's
+logits come from HF's ``logits_to_keep=1``. Quantizers see the model's own ``nn.Linear``s. A family whose
+attention does not go through ``AttentionInterface`` and ``past_key_values.update`` (or that ``unsupported_reason``
+rules out) takes the generic HF static-cache export instead, with the reason logged.
 
 ``forward(tokens[1, n], input_pos[1]) -> logits[1, 1, vocab]``: the logits of the last token only, as
-ExecuTorch's LLM export returns them (its runner samples from the last position). Prefill then skips
-the final norm and ``lm_head`` for ``n - 1`` positions; all-position scores come from feeding a block
-one token at a time, or from ``all_logits_twin(graph)``: the same quantized weights and ops, one call per block.
+ExecuTorch's LLM export returns them (its runner samples from the last position). All-position scores come
+from feeding a block one token at a time, or from ``all_logits_twin(graph)``: the same quantized weights and
+ops, one call per block.
 
 Example::
 
@@ -23,117 +33,329 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import inspect
+import warnings
 
 import torch
 from torch.export import Dim
 
 from qharness.upstream.fixes import custom_sdpa
 
-# HF causal-LM classes whose decoder layers are: pre-norm attention (q/k/v/o projections with optional
-# bias, optional q/k head norms) and a pre-norm MLP, with rotary positions and no attention extras.
-SUPPORTED = {
-    "LlamaForCausalLM": False,  # value: has q_norm/k_norm on the head dimension
-    "MistralForCausalLM": False,
-    "Qwen2ForCausalLM": False,
-    "Qwen3ForCausalLM": True,
-}
+ATTENTION = "qharness_executorch"  # the name of the attention (and mask) function in transformers' interfaces
 # Rotary types whose table for a position does not depend on the length of the sequence.
-STATIC_ROPE = {"default", "linear", "llama3", "yarn"}
+STATIC_ROPE = {"default", "linear", "llama3", "yarn", "proportional"}
+_ACTIVE: list = []  # the UpdateCacheKV of the FastDecoder running now (the attention function reads its start)
+
+
+def _rope_types(config) -> set[str]:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(rope, dict):
+        return {"default"}
+    per_layer_type = [v for v in rope.values() if isinstance(v, dict)]  # e.g. Gemma3: {"sliding_attention": {...}}
+    return {r.get("rope_type", r.get("type", "default")) for r in (per_layer_type or [rope])}
 
 
 def unsupported_reason(model, max_seq_len: int) -> str | None:
-    """Why ``model`` cannot take the fast path (``None``: it can), e.g. ``"GPT2LMHeadModel: not a supported architecture"``."""
+    """Why ``model`` cannot take the fast path (``None``: it can), e.g.
+    ``"GPT2LMHeadModel: its attention does not use transformers' AttentionInterface"``.
+
+    Static checks first; then a short eager run of ``FastDecoder`` (prefill, a second chunk, one decode step)
+    must give the model's own logits: that is what shows a family's attention and cache go through the interfaces.
+    """
     arch = type(model).__name__
-    if arch not in SUPPORTED:
-        return f"{arch}: not a supported architecture (fast path: {', '.join(sorted(SUPPORTED))})"
     config = model.config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    if window is not None and window < max_seq_len:
-        return (
-            f"{arch}: sliding-window attention (window {window} < deploy.max_seq_len {max_seq_len}) is not implemented"
-        )
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-    if rope_type not in STATIC_ROPE:
-        return f"{arch}: rotary type {rope_type!r} depends on the sequence length (fast path: {', '.join(sorted(STATIC_ROPE))})"
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if getattr(config, name, None):
-            return f"{arch}: {name} is not implemented"
+    if getattr(config, "is_encoder_decoder", False):
+        return f"{arch}: an encoder-decoder"
+    if not model._can_set_attn_implementation():
+        return f"{arch}: its attention does not use transformers' AttentionInterface"
+    types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if not types <= {"full_attention", "sliding_attention"}:
+        return f"{arch}: layer types {sorted(types)} (fast path: full_attention, sliding_attention)"
+    if getattr(config, "num_kv_shared_layers", 0):
+        return f"{arch}: layers sharing another layer's KV cache are not implemented"
+    dynamic = _rope_types(config) - STATIC_ROPE
+    if dynamic:
+        return f"{arch}: rotary type {sorted(dynamic)[0]!r} depends on the sequence length (fast path: {', '.join(sorted(STATIC_ROPE))})"
     if getattr(config, "pretraining_tp", 1) not in (None, 1):
         return f"{arch}: pretraining_tp={config.pretraining_tp} is not implemented"
-    if getattr(model.model, "rotary_emb", None) is None:
-        return f"{arch}: no model.rotary_emb module"
+    return _eager_mismatch(model, max_seq_len)
+
+
+def _eager_mismatch(model, max_seq_len: int) -> str | None:
+    """Run ``FastDecoder`` eagerly on a few tokens against the model's own forward; the reason if they differ."""
+    arch = type(model).__name__
+    n = min(6, max_seq_len)
+    x = torch.randint(0, model.config.get_text_config().vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
+    try:
+        decoder = FastDecoder(model, max_seq_len, all_logits=True)
+        with torch.no_grad():
+            ref = model(input_ids=x, use_cache=False).logits[0].float()
+            cut = max(1, n - 3)
+            got = [decoder(x[:, :cut], torch.tensor([0]))[0]]
+            if n - cut > 1:
+                got.append(decoder(x[:, cut : n - 1], torch.tensor([cut]))[0])
+            got.append(decoder(x[:, n - 1 :], torch.tensor([n - 1]))[0])
+            got = torch.cat(got).float()
+    except Exception as e:  # the model's code refused our cache or attention function
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        return f"{arch}: its forward fails with the fast path's cache and attention ({type(e).__name__}: {first})"
+    err = (got - ref).abs().max().item()
+    if not err <= 1e-3 * max(ref.abs().max().item(), 1.0):
+        return f"{arch}: the fast path's logits differ from the model's own (max abs difference {err:.3g})"
     return None
 
 
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+# --- the attention function and the mask function -------------------------------------------------------------
+
+
+def _window_mask(start, n: int, length: int, window: int, dtype) -> torch.Tensor:
+    """Additive ``[n, length]`` mask: query ``i`` (position ``start + i``) sees keys ``j`` with
+    ``start + i - window < j <= start + i`` (transformers' sliding-window convention)."""
+    pos = (torch.arange(n) + start)[:, None]
+    keys = torch.arange(length)[None, :]
+    visible = (keys <= pos) & (keys > pos - window)
+    return torch.where(visible, 0.0, float("-inf")).to(dtype)
+
+
+def _softcapped_attention(q, k_cache, v_cache, start, scaling: float, softcap: float, window: int | None):
+    """``softmax(softcap * tanh(q k^T * scaling / softcap) + mask) v`` with plain ops over the whole caches (the mask
+    hides positions after ``start + i`` and outside the window). ``q [1, n, H, D]``, caches ``[1, S, H_kv, D]`` ->
+    ``[1, n, H, D]``.
+
+    The caches are read in their own layout, never permuted: the query is laid out block-diagonally per KV head,
+    ``[H_kv * groups * n, H_kv * D]`` (zeros off its own head), so ``linear(q_blocks, k_cache.view(S, H_kv * D))``
+    gives every head's scores and ``weights @ v_cache.view(S, H_kv * D)`` every head's output (its diagonal blocks
+    kept). KV heads are never repeated; the zeros cost ``H_kv`` times the (small) attention matmuls, and the shapes
+    are static but for ``n``, so XNNPACK takes the matmuls."""
+    _, n, h, d = q.shape
+    _, length, kv_heads, _ = k_cache.shape
+    groups = h // kv_heads
+    eye = torch.eye(kv_heads, dtype=q.dtype)
+    q = q[0].view(n, kv_heads, groups, d).permute(1, 2, 0, 3).reshape(kv_heads, groups * n, 1, d)
+    q_blocks = (q * eye.view(kv_heads, 1, kv_heads, 1)).reshape(kv_heads * groups * n, kv_heads * d)
+    scores = torch.nn.functional.linear(q_blocks, k_cache.view(length, kv_heads * d)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    mask = _window_mask(start, n, length, window if window is not None else length + 1, scores.dtype)
+    scores = scores.view(kv_heads, groups, n, length) + mask
+    weights = torch.softmax(scores, dim=-1).view(kv_heads * groups * n, length)
+    out = (weights @ v_cache.view(length, kv_heads * d)).view(kv_heads, groups * n, kv_heads, d)
+    out = (out * eye.view(kv_heads, 1, kv_heads, 1)).sum(2)  # each head's own block: [H_kv, groups * n, D]
+    return out.view(kv_heads, groups, n, d).permute(2, 0, 1, 3).reshape(1, n, h, d)
+
+
+def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
+    """transformers attention function (registered as ``ATTENTION``): ``query [1, H, n, D]`` (BHSD), ``key`` /
+    ``value`` the layer's whole cache ``[1, S, H_kv, D]`` (BSHD, from ``UpdateCacheKV``) -> ``[1, n, H, D]``."""
+    if dropout:
+        raise ValueError(f"{ATTENTION} attention does not implement dropout")
+    for name in ("head_mask", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"{ATTENTION} attention does not implement {name}")
+    if not getattr(module, "is_causal", True):
+        raise ValueError(f"{ATTENTION} attention is causal only")
+    if not _ACTIVE:
+        raise RuntimeError(f"{ATTENTION} attention runs only inside FastDecoder")
+    start = _ACTIVE[-1].start
+    q = query.transpose(1, 2)  # [1, n, H, D]: a view of the projection's output
+    n, length = q.shape[1], key.shape[1]
+    scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
+    window = kwargs.get("sliding_window")
+    window = window if isinstance(window, int) and window < length else None
+    if softcap:
+        return _softcapped_attention(q, key, value, start, scale, float(softcap), window), None
+    if window is None:
+        return torch.ops.llama.custom_sdpa(q, key, value, start, None, 0.0, True, scale), None
+    mask = _window_mask(start, n, length, window, q.dtype)
+    return torch.ops.llama.custom_sdpa(q, key, value, start, mask, 0.0, False, scale), None
+
+
+def no_mask(*args, **kwargs) -> None:
+    """transformers mask function (registered as ``ATTENTION``): no mask tensor; ``attention`` masks."""
+    return None
+
+
+def register() -> None:
+    """Register ``attention`` / ``no_mask`` with transformers as ``ATTENTION`` and load ExecuTorch's LLM ops."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    custom_sdpa.llm_custom_ops()
+    AttentionInterface.register(ATTENTION, attention)
+    AttentionMaskInterface.register(ATTENTION, no_mask)
+
+
+@contextlib.contextmanager
+def fast_modules(model, rope_tables: dict[str, torch.nn.Module] | None = None):
+    """Inside the block ``model`` (and its sub-models) runs with the ``ATTENTION`` implementation and, given
+    ``rope_tables`` (``{module path: table}``, ``FastDecoder``'s), with those rotary modules swapped for their tables."""
+    before = model.config._attn_implementation
+    swapped = []
+    model.set_attn_implementation(ATTENTION)
+    try:
+        for path, table in (rope_tables or {}).items():
+            parent_path, _, name = path.rpartition(".")
+            parent = model.get_submodule(parent_path)
+            swapped.append((parent, name, getattr(parent, name)))
+            setattr(parent, name, table)
+        yield
+    finally:
+        for parent, name, original in reversed(swapped):
+            setattr(parent, name, original)
+        model.set_attn_implementation(before)
+
+
+class RopeTable(torch.nn.Module):
+    """A rotary-embedding module of the model (``forward(x, position_ids[, layer_type]) -> (cos, sin)``) as
+    tables of every cache position, computed once by that module: a call reads rows ``start .. start + n``
+    (``FastDecoder`` passes ``position_ids = start + arange(n)``) instead of computing the angles per call."""
+
+    def __init__(self, rotary: torch.nn.Module, max_seq_len: int, dtype: torch.dtype, layer_types: list[str]):
+        super().__init__()
+        self.keys = layer_types if "layer_type" in inspect.signature(rotary.forward).parameters else [None]
+        probe, positions = torch.zeros(1, dtype=dtype), torch.arange(max_seq_len)[None]
+        with torch.no_grad():
+            for i, key in enumerate(self.keys):
+                cos, sin = rotary(probe, positions) if key is None else rotary(probe, positions, key)
+                self.register_buffer(f"cos_{i}", cos.clone(), persistent=False)  # [1, max_seq_len, dim]
+                self.register_buffer(f"sin_{i}", sin.clone(), persistent=False)
+
+    def forward(self, x, position_ids, layer_type=None):
+        i = self.keys.index(layer_type)
+        start, n = _ACTIVE[-1].start, position_ids.shape[-1]
+        cos, sin = getattr(self, f"cos_{i}").narrow(1, start, n), getattr(self, f"sin_{i}").narrow(1, start, n)
+        return (cos, sin) if cos.dtype == x.dtype else (cos.to(x.dtype), sin.to(x.dtype))
+
+
+# --- the cache ------------------------------------------------------------------------------------------------
+
+
+def _cache_layer_class():
+    from transformers.cache_utils import CacheLayerMixin
+
+    class UpdateCacheLayer(CacheLayerMixin):
+        """One layer's keys and values, ``[1, max_seq_len, kv_heads, head_dim]``, written by ``llama::update_cache``
+        at the cache's ``start``; ``update`` returns the whole buffers (BSHD) for ``attention``."""
+
+        is_compileable = True
+        is_sliding = False
+
+        def __init__(self, cache, keys: torch.Tensor, values: torch.Tensor):
+            super().__init__()
+            self.cache, self.keys, self.values = cache, keys, values
+            self.max_cache_len = keys.shape[1]
+            self.is_initialized = True
+
+        def lazy_initialization(self, key_states, value_states) -> None:
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            for new, buf in ((key_states, self.keys), (value_states, self.values)):  # update_cache aborts on these
+                if new.dim() != 4 or new.shape[0] != 1 or (new.shape[1], new.shape[3]) != buf.shape[2:]:
+                    raise ValueError(f"key/value states {tuple(new.shape)} do not fit a cache {tuple(buf.shape)}")
+                if new.dtype != buf.dtype:
+                    raise ValueError(f"key/value states of {new.dtype} for a cache of {buf.dtype}")
+            start = self.cache.start
+            torch.ops.llama.update_cache(key_states.transpose(1, 2), self.keys, start)  # [1, n, H_kv, D]: small
+            torch.ops.llama.update_cache(value_states.transpose(1, 2), self.values, start)
+            return self.keys, self.values
+
+        def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+            return self.max_cache_len, 0
+
+        def get_seq_length(self) -> int:
+            return self.cache.start
+
+        def get_max_length(self) -> int:
+            return self.max_cache_len
+
+    return UpdateCacheLayer
+
+
+def _update_cache_kv(buffers: list[tuple[torch.Tensor, torch.Tensor]]):
+    """``UpdateCacheKV``: a transformers ``Cache`` over ``buffers`` (one ``(keys, values)`` per layer)."""
+    from transformers.cache_utils import Cache
+
+    class UpdateCacheKV(Cache):
+        """transformers ``Cache`` over per-layer ``update_cache`` buffers; ``start`` is the position of the first
+        token of the current call (set by ``FastDecoder.forward``)."""
+
+        def __init__(self):
+            layer = _cache_layer_class()
+            super().__init__(layers=[layer(self, k, v) for k, v in buffers])
+            self.start = 0
+
+    return UpdateCacheKV()
+
+
+def _kv_shapes(model, max_seq_len: int) -> list[tuple[int, int, int, int]]:
+    """Each layer's cache shape ``[1, max_seq_len, kv_heads, head_dim]``, read off the ``DynamicCache`` of a
+    one-token forward of the model (its own attention): the heads the model really projects, whatever its config
+    calls them."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+    shapes = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        if keys is None or values is None or keys.shape != values.shape:
+            raise ValueError(f"a {type(layer).__name__} cache layer without keys and values of one shape")
+        shapes.append((1, max_seq_len, keys.shape[1], keys.shape[3]))
+    return shapes
 
 
 class FastDecoder(torch.nn.Module):
-    """``forward(tokens[1, n], input_pos[1]) -> logits[1, 1, vocab]`` over the HF model's own modules,
-    a KV cache of ``max_seq_len`` positions written by ``llama::update_cache``, ``llama::custom_sdpa``."""
+    """``forward(tokens[1, n], input_pos[1]) -> logits[1, 1, vocab]``: the HF model's own forward over
+    ``UpdateCacheKV`` (``max_seq_len`` positions) with the ``ATTENTION`` attention function."""
 
     def __init__(self, model, max_seq_len: int, all_logits: bool = False):
         super().__init__()
+        register()
+        self.model = model
         self.all_logits = all_logits  # True: logits[1, n, vocab] of every position (the final norm + lm_head on all n)
-        custom_sdpa.llm_custom_ops()
-        config = model.config.get_text_config()
-        base = model.model
-        self.embed_tokens, self.layers, self.norm, self.lm_head = (
-            base.embed_tokens,
-            base.layers,
-            base.norm,
-            model.lm_head,
-        )
-        attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
-        self.scaling = float(attn.scaling)
-        self.qk_norm = SUPPORTED.get(type(model).__name__, False)
         self.max_seq_len = max_seq_len
-        weight = self.embed_tokens.weight
-        dtype = torch.float32 if not weight.dtype.is_floating_point else weight.dtype
-        with torch.no_grad():
-            probe = torch.zeros(1, max_seq_len, self.head_dim, dtype=dtype)
-            cos, sin = base.rotary_emb(probe, torch.arange(max_seq_len)[None])
-        self.register_buffer("rope_cos", cos[0].to(dtype).clone(), persistent=False)  # [max_seq_len, head_dim]
-        self.register_buffer("rope_sin", sin[0].to(dtype).clone(), persistent=False)
-        shape = (1, max_seq_len, self.n_kv_heads, self.head_dim)
-        for i in range(len(self.layers)):
+        weight = model.get_input_embeddings().weight
+        dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
+        buffers = []
+        for i, shape in enumerate(_kv_shapes(model, max_seq_len)):
             self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
             self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
+            buffers.append((getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")))
+        self.cache = _update_cache_kv(buffers)
+        config = model.config.get_text_config()
+        layer_types = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]))
+        self.rope_tables = torch.nn.ModuleDict()  # module path (dots as "__") -> RopeTable
+        for path, module in model.named_modules():
+            if path.rpartition(".")[2] == "rotary_emb":
+                self.rope_tables[path.replace(".", "__")] = RopeTable(module, max_seq_len, dtype, layer_types)
 
-    def _attention(self, i: int, attn, x, start: int, cos, sin):
-        n = x.shape[1]
-        q = attn.q_proj(x).view(1, n, self.n_heads, self.head_dim)
-        k = attn.k_proj(x).view(1, n, self.n_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(1, n, self.n_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        k_cache, v_cache = getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")
-        torch.ops.llama.update_cache(k, k_cache, start)
-        torch.ops.llama.update_cache(v, v_cache, start)
-        y = torch.ops.llama.custom_sdpa(q, k_cache, v_cache, start, None, 0.0, True, self.scaling)
-        return attn.o_proj(y.view(1, n, self.n_heads * self.head_dim))
+    def swapped(self):
+        """``fast_modules`` of this decoder's model: the ``ATTENTION`` implementation and the rotary tables."""
+        return fast_modules(self.model, {k.replace("__", "."): v for k, v in self.rope_tables.items()})
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
         n = tokens.shape[1]
         start = input_pos[0].item()
         torch._check(start >= 0)
         torch._check(start + n <= self.max_seq_len)
-        cos = self.rope_cos.narrow(0, start, n)[None, :, None, :]  # [1, n, 1, head_dim]
-        sin = self.rope_sin.narrow(0, start, n)[None, :, None, :]
-        h = self.embed_tokens(tokens)
-        for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer.self_attn, layer.input_layernorm(h), start, cos, sin)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.lm_head(self.norm(h if self.all_logits else h[:, -1:, :]))
+        self.cache.start = start
+        position_ids = (input_pos + torch.arange(n))[None]
+        _ACTIVE.append(self.cache)
+        try:
+            with contextlib.nullcontext() if torch.compiler.is_compiling() else self.swapped():
+                out = self.model(
+                    input_ids=tokens,
+                    position_ids=position_ids,
+                    past_key_values=self.cache,
+                    use_cache=True,
+                    logits_to_keep=0 if self.all_logits else 1,
+                )
+        finally:
+            _ACTIVE.pop()
+        return out.logits
 
 
 def example_inputs(max_seq_len: int):
@@ -148,17 +370,182 @@ def dynamic_shapes(max_seq_len: int):
 def export_fast(model, max_seq_len: int, all_logits: bool = False) -> torch.export.ExportedProgram:
     """Export ``FastDecoder(model)``: ``(tokens[1, n], input_pos[1]) -> logits[1, 1, vocab]`` (``all_logits``:
     ``[1, n, vocab]``), ``n`` dynamic."""
-    with torch.no_grad():  # with grad on, torchao weight subclasses export as parametrizations the quant fusion misses
-        return torch.export.export(
-            FastDecoder(model, max_seq_len, all_logits),
-            example_inputs(max_seq_len),
-            dynamic_shapes=dynamic_shapes(max_seq_len),
-            strict=True,
+    decoder = FastDecoder(model, max_seq_len, all_logits)
+    with torch.no_grad(), decoder.swapped(), warnings.catch_warnings():  # no grad: torchao weight subclasses export
+        warnings.filterwarnings("ignore", "While compiling, we found certain side effects")  # as parametrizations
+        ep = torch.export.export(  # the quant fusion misses; side effects: the cache's start, _ACTIVE (by design)
+            decoder, example_inputs(max_seq_len), dynamic_shapes=dynamic_shapes(max_seq_len), strict=True
         )
+    sink_transposes(ep.graph_module)
+    return ep
+
+
+_ELEMENTWISE = {  # element-wise ops (and a mean over other dimensions) that a transpose moves across
+    "mul.Tensor",
+    "add.Tensor",
+    "sub.Tensor",
+    "div.Tensor",
+    "neg.default",
+    "rsqrt.default",
+    "pow.Tensor_Scalar",
+    "to.dtype",
+    "type_as.default",
+    "alias.default",
+    "mean.dim",
+}
+
+
+class _Free:
+    """Placeholder in ``_moved_args``: transpose this broadcast operand (``args[0]``), a view moving no data."""
+
+    def __init__(self, node):
+        self.args = (node,)
+
+
+def _moved_args(user, t, pair, is_t, dims):
+    """``user``'s arguments with transpose ``t`` (dimensions ``pair``) moved below it, or None if it cannot move:
+    transposes of ``pair`` give their input; same-rank operands with size 1 in ``pair`` are transposed (``_Free``);
+    lower-rank operands broadcasting over dimensions after ``pair`` and non-tensors stay."""
+    rank = t.meta["val"].dim()
+    out = []
+    for i, x in enumerate(user.args):
+        if user.target == torch.ops.aten.type_as.default and i == 1:
+            out.append(x)  # only its dtype counts
+        elif isinstance(x, torch.fx.Node):
+            r = x.meta["val"].dim()
+            if is_t(x) and dims(x) == pair:
+                out.append(x.args[0])
+            elif r == rank and _unit(x, *pair):
+                out.append(_Free(x))
+            elif r < rank and max(pair) < rank - r:
+                out.append(x)
+            else:
+                return None
+        elif user.target == torch.ops.aten.mean.dim and i == 1:
+            if set(pair) & {d % rank for d in x} or len(user.args) < 3 or not user.args[2]:
+                return None  # a mean over a moved dimension, or one that drops dimensions
+            out.append(x)
+        else:
+            out.append(x)
+    return out
+
+
+def _unit(node: torch.fx.Node, a: int, b: int) -> bool:
+    """``node``'s value has a static size 1 in dimension ``a`` or ``b`` (so swapping them moves no data)."""
+    shape = node.meta["val"].shape
+    return any(isinstance(shape[d], int) and shape[d] == 1 for d in (a, b))
+
+
+def _unsqueezed(node, pair: tuple[int, int]) -> int | None:
+    """The dimension ``d`` (one of ``pair``) if ``node`` is ``aten.unsqueeze(y, d)``, else None."""
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"):
+        return None
+    if node.target != torch.ops.aten.unsqueeze.default:
+        return None
+    d = node.args[1] % node.meta["val"].dim()
+    return d if d in pair else None
+
+
+def sink_transposes(graph_module: torch.fx.GraphModule) -> int:
+    """Move every ``aten.transpose(x, a, b)`` below the slices, element-wise ops and concatenations that use it,
+    and drop a transpose of a transpose on the same two dimensions; returns how many rewrites.
+
+    HF attention turns projections into BHSD (``view(...).transpose(1, 2)``), applies rotary positions there
+    (element-wise, with slices and a concatenation for ``rotate_half``), and the fast path turns the result
+    back into BSHD for ``update_cache`` / ``custom_sdpa``. Lowered as they are, the two transposes become
+    ``permute_copy``s that cut each layer's XNNPACK partition in two around the (non-delegated) slices. Sunk
+    and cancelled, the rotary math runs in BSHD as ExecuTorch's own Llama does (same values: only the order of
+    layout changes). An element-wise op moves a transpose across only when each other operand is a transpose of
+    the same dimensions, a scalar, or a broadcast operand of the same rank with size 1 in one of the two
+    dimensions (that operand is transposed instead: no data moves)."""
+    aten = torch.ops.aten
+    graph = graph_module.graph
+    rewrites = 0
+
+    def is_t(n):
+        return isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target == aten.transpose.int
+
+    def dims(t):
+        rank = t.meta["val"].dim()
+        return tuple(sorted(d % rank for d in t.args[1:3]))
+
+    def make(target, args, like):
+        node = graph.call_function(target, args)
+        node.meta.update({k: v for k, v in like.meta.items() if k != "val"})
+        fake = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+        fake = [
+            [b.meta["val"] if isinstance(b, torch.fx.Node) else b for b in a] if isinstance(a, list) else a
+            for a in fake
+        ]
+        node.meta["val"] = target(*fake)
+        return node
+
+    changed = True
+    while changed:
+        changed = False
+        for user in list(graph.nodes):
+            if user.target == aten._assert_tensor_metadata.default and is_t(user.args[0]) and len(user.args) == 1:
+                if user.kwargs.get("size") is None and user.kwargs.get("stride") is None:
+                    user.replace_input_with(user.args[0], user.args[0].args[0])  # dtype/device: check the input
+                    rewrites, changed = rewrites + 1, True
+            if user.target == aten.type_as.default and is_t(user.args[1]):
+                user.update_arg(1, user.args[1].args[0])  # only the dtype of its second argument counts
+                rewrites, changed = rewrites + 1, True
+            if user.op != "call_function" or user.kwargs:
+                continue
+            name = f"{user.target._opname}.{user.target._overloadname}" if hasattr(user.target, "_opname") else ""
+            inputs = list(user.args[0]) if name == "cat.default" else [user.args[0]]
+            if name == "transpose.int" and _unsqueezed(user.args[0], dims(user)) is not None:
+                pass
+            elif not all(is_t(t) for t in inputs) or len({dims(t) for t in inputs}) != 1:
+                if name not in _ELEMENTWISE or not any(is_t(a) for a in user.args):
+                    continue
+            with graph.inserting_before(user):
+                if name == "transpose.int" and is_t(user.args[0]) and dims(user) == dims(user.args[0]):
+                    new = user.args[0].args[0]
+                elif name == "transpose.int" and _unsqueezed(user.args[0], dims(user)) is not None:
+                    a, b = dims(user)  # transpose(unsqueeze(y, a), a, b) == unsqueeze(y, b)
+                    d = _unsqueezed(user.args[0], (a, b))
+                    new = make(aten.unsqueeze.default, (user.args[0].args[0], b if d == a else a), user)
+                elif name == "slice.Tensor":
+                    t = user.args[0]
+                    a, b = dims(t)
+                    d = user.args[1] % t.meta["val"].dim()
+                    d = b if d == a else a if d == b else d
+                    new = make(aten.transpose.int, (make(user.target, (t.args[0], d, *user.args[2:]), user), a, b), t)
+                elif name == "cat.default":
+                    a, b = dims(inputs[0])
+                    d = (user.args[1] if len(user.args) > 1 else 0) % inputs[0].meta["val"].dim()
+                    d = b if d == a else a if d == b else d
+                    cat = make(user.target, ([t.args[0] for t in inputs], d), user)
+                    new = make(aten.transpose.int, (cat, a, b), inputs[0])
+                elif name in _ELEMENTWISE:
+                    t = next(a for a in user.args if is_t(a))
+                    a, b = dims(t)
+                    args = _moved_args(user, t, (a, b), is_t, dims)
+                    if args is None:
+                        continue
+                    args = [make(aten.transpose.int, (x.args[0], a, b), t) if isinstance(x, _Free) else x for x in args]
+                    new = make(aten.transpose.int, (make(user.target, tuple(args), user), a, b), t)
+                else:
+                    continue
+            user.replace_all_uses_with(new)
+            graph.erase_node(user)
+            rewrites, changed = rewrites + 1, True
+        graph.eliminate_dead_code()
+    seen: dict[tuple, torch.fx.Node] = {}  # one unsqueeze of the rotary tables for all layers, not one per use
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target == aten.unsqueeze.default and not node.kwargs:
+            first = seen.setdefault((node.args[0], node.args[1] % node.meta["val"].dim()), node)
+            if first is not node:
+                node.replace_all_uses_with(first)
+                graph.erase_node(node)
+    graph_module.recompile()
+    return rewrites
 
 
 def _last_token_slices(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
-    """The ``h[:, -1:, :]`` of ``FastDecoder.forward``: ``aten.slice(h, 1, -1, <end>)`` nodes."""
+    """The ``hidden_states[:, -1:, :]`` of HF's ``logits_to_keep=1``: ``aten.slice(h, 1, -1, <end>)`` nodes."""
     return [
         n
         for n in graph.graph.nodes

@@ -5,9 +5,10 @@ cache position ``input_pos`` (prefill: many tokens at 0; decode: one token at a 
 signature ExecuTorch's LLM runner calls (``TextDecoderRunner::step`` passes a one-element ``input_pos``
 when the method's second input has one element), and ``runner_metadata`` gives the constant methods it reads.
 
-Two exports: the fast path (``qharness.deploy.fastpath``: ExecuTorch's ``custom_sdpa`` / ``update_cache`` ops,
-``logits[1, 1, vocab]`` of the last token) for the architectures it supports, else the generic HF
-static cache (``logits[1, n, vocab]``), with a logged reason. ``export_path(graph)`` says which one.
+Two exports: the fast path (``qharness.deploy.fastpath``: the model's own forward with ExecuTorch's
+``custom_sdpa`` / ``update_cache`` ops plugged in as its attention and cache, ``logits[1, 1, vocab]`` of the last
+token) for every model that takes it, else the generic HF static cache (``logits[1, n, vocab]``), with a logged
+reason. ``export_path(graph)`` says which one.
 
 Example::
 
@@ -60,13 +61,17 @@ def export_static_cache(model, max_seq_len: int) -> torch.export.ExportedProgram
 
 
 def export_deploy(model, max_seq_len: int) -> tuple[torch.export.ExportedProgram, str | None]:
-    """The fast export when ``fastpath`` supports the model, else the HF static cache; returns
-    ``(exported program, reason for the fallback or None)``."""
+    """The fast export when ``fastpath`` takes the model (``unsupported_reason`` is None and its export
+    succeeds), else the HF static cache; returns ``(exported program, reason for the fallback or None)``."""
     from qharness.deploy import fastpath
 
     reason = fastpath.unsupported_reason(model, max_seq_len)
     if reason is None:
-        return fastpath.export_fast(model, max_seq_len), None
+        try:
+            return fastpath.export_fast(model, max_seq_len), None
+        except Exception as e:  # e.g. torch.export cannot trace the model's forward with the fast path's cache
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            reason = f"{type(model).__name__}: torch.export of the fast path failed ({type(e).__name__}: {first})"
     log.warning(
         "fast export path not used, falling back to the generic HF static-cache export (slower decode): %s", reason
     )
