@@ -160,12 +160,14 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     window = window if isinstance(window, int) and window < length else None
     if key.dtype == torch.int8:  # the int8 KV cache: its layer holds the per-token scales and zero points
         ks, kz, vs, vz = _ACTIVE[-1].layers[module.layer_idx].qparams
-        if softcap or window is not None:  # no quantized kernel for these: attend over the dequantized cache
-            key, value = _dequantize(key, kz, ks), _dequantize(value, vz, vs)
-        else:
+        if not softcap and window is None:  # as export_llm's quantized cache (dequantizing instead decoded slower)
             qq, qs, qz = quantize_per_token(q)
             out = torch.ops.llama.custom_quantized_sdpa(qq, key, value, start, None, 0.0, True, scale, qz, qs, kz, ks, vz, vs)
             return out, None
+        used = start + n  # no quantized kernel for these: attend over the dequantized positions written so far
+        key = _dequantize(key.narrow(1, 0, used), kz.narrow(1, 0, used), ks.narrow(1, 0, used))
+        value = _dequantize(value.narrow(1, 0, used), vz.narrow(1, 0, used), vs.narrow(1, 0, used))
+        length = used
     if softcap:
         return _softcapped_attention(q, key, value, start, scale, float(softcap), window), None
     if window is None:
