@@ -95,6 +95,19 @@ def emb4_run(tmp_path_factory, tiny_llama):
     return run
 
 
+@pytest.fixture(scope="module")
+def kv8_run(tmp_path_factory, tiny_llama):
+    """The tiny Llama through xnnpack_8da4w with the int8 KV cache (``kv_cache: int8``): quantized attention."""
+    from qharness.deploy.lower import export_path, kv_cache
+
+    out = tmp_path_factory.mktemp("kv8")
+    recipe = out / "kv8.yaml"
+    recipe.write_text("base: xnnpack_8da4w\ndescription: 8da4w, int8 KV cache\nkv_cache: int8\n")
+    run, graph = _lowered_run(out, tiny_llama, recipe)
+    assert (export_path(graph), kv_cache(graph)) == ("fast", "int8")
+    return run
+
+
 def _family_run(tmp_path_factory, corpus, model_type, recipe, **overrides):
     from qharness.deploy.lower import export_path
 
@@ -131,7 +144,8 @@ def generic_run(tmp_path_factory, corpus):
 
 
 @pytest.mark.parametrize(
-    "which", ["fast_run", "emb4_run", "gemma2_run", "olmo2_run", pytest.param("generic_run", marks=pytest.mark.slow)]
+    "which",
+    ["fast_run", "emb4_run", "kv8_run", "gemma2_run", "olmo2_run", pytest.param("generic_run", marks=pytest.mark.slow)],
 )
 def test_readme_snippet_generates_text_in_a_fresh_process(request, which, tmp_path):
     _check_generates(request.getfixturevalue(which), tmp_path)
@@ -164,6 +178,20 @@ def test_kernel_libraries_name_what_each_program_needs(fast_run, emb4_run):
     assert emb4["quantized_ops_lib"] == ["quantized_decomposed::embedding_4bit.out"]
     assert "aten::embedding.out" in fast["optimized_native_cpu_ops_lib"]
     assert "aten::embedding.out" not in emb4["optimized_native_cpu_ops_lib"]
+
+
+def test_kernel_libraries_of_an_int8_kv_cache_program(fast_run, kv8_run):
+    """The README table's int8 KV cache row: quantized attention from custom_ops, per-token quantization of each new
+    token's keys and values from quantized_ops_lib; no float custom_sdpa."""
+    from qharness.runtime.pte import kernel_libraries
+
+    libs = kernel_libraries(kv8_run / "model.pte")
+    assert set(libs) == set(kernel_libraries(fast_run / "model.pte")) | {"quantized_ops_lib"}, libs
+    assert libs["custom_ops"] == ["llama::custom_quantized_sdpa.out", "llama::update_cache.out"]
+    assert set(libs["quantized_ops_lib"]) == {
+        "quantized_decomposed::choose_qparams_per_token_asymmetric.out",
+        "quantized_decomposed::quantize_per_token.out",
+    }
 
 
 def test_kernel_libraries_of_gemma2_and_olmo2_programs(gemma2_run, olmo2_run):

@@ -68,6 +68,42 @@ def test_our_eager_custom_sdpa_is_quiet_and_equals_upstream(capfd, start, n):
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=0)
 
 
+def _quantized_sdpa_inputs(start=5, n=3):
+    """int8 query and caches with per-token scales / zero points, as the fast path's int8 KV cache passes them."""
+    from qharness.upstream import imports
+
+    imports.quantized_decomposed_ops()
+    q, k, v, *_ = _sdpa_inputs(start, n)
+    qd = torch.ops.quantized_decomposed
+
+    def quant(x):
+        s, z = qd.choose_qparams_per_token_asymmetric.default(x, torch.int8)
+        return qd.quantize_per_token(x, s, z, -128, 127, torch.int8), z.to(torch.int8), s.to(torch.float32)
+
+    (qq, qz, qs), (kq, kz, ks), (vq, vz, vs) = quant(q), quant(k), quant(v)
+    return (qq, kq, vq, start, None, 0.0, True, 0.25, qz, qs, kz, ks, vz, vs)
+
+
+def test_upstream_eager_custom_quantized_sdpa_still_logs_on_every_call(capfd):
+    """When this fails, ExecuTorch's eager custom_quantized_sdpa stopped logging: drop
+    custom_sdpa._custom_quantized_sdpa_cpu."""
+    custom_sdpa.llm_custom_ops()
+    capfd.readouterr()
+    custom_sdpa.upstream_custom_sdpa(*_quantized_sdpa_inputs(), op="custom_quantized_sdpa")
+    assert "No temp allocator provided" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("start, n", [(0, 1), (0, 9), (5, 3), (31, 1)])
+def test_our_eager_custom_quantized_sdpa_is_quiet_and_equals_upstream(capfd, start, n):
+    custom_sdpa.llm_custom_ops()
+    args = _quantized_sdpa_inputs(start, n)
+    expected = custom_sdpa.upstream_custom_sdpa(*args, op="custom_quantized_sdpa")
+    capfd.readouterr()
+    out = torch.ops.llama.custom_quantized_sdpa(*args)
+    assert "No temp allocator" not in capfd.readouterr().err
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_upstream_vulkan_quantizer_still_lifts_scalars():
     """The Vulkan quantizer shares XNNPACK's scalar lifting (executorch#22062); when this fails, drop
     fixes.vulkan.vulkan_quantizer_cls and use VulkanQuantizer as it is."""

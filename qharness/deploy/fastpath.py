@@ -43,6 +43,7 @@ from torch.export import Dim
 
 from qharness.upstream.fixes import custom_sdpa
 
+KV_CACHES = ("fp32", "int8")  # the KV cache's element type: the model's float dtype, or int8 per token and head
 ATTENTION = "qharness_executorch"  # the name of the attention (and mask) function in transformers' interfaces
 # Rotary types whose table for a position does not depend on the length of the sequence.
 STATIC_ROPE = {"default", "linear", "llama3", "yarn", "proportional"}
@@ -163,12 +164,35 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
     window = kwargs.get("sliding_window")
     window = window if isinstance(window, int) and window < length else None
+    if key.dtype == torch.int8:  # the int8 KV cache: its layer holds the per-token scales and zero points
+        ks, kz, vs, vz = _ACTIVE[-1].layers[module.layer_idx].qparams
+        if not softcap and window is None:  # as export_llm's quantized cache (dequantizing instead decoded slower)
+            qq, qs, qz = quantize_per_token(q)
+            out = torch.ops.llama.custom_quantized_sdpa(qq, key, value, start, None, 0.0, True, scale, qz, qs, kz, ks, vz, vs)
+            return out, None
+        used = start + n  # no quantized kernel for these: attend over the dequantized positions written so far
+        key = _dequantize(key.narrow(1, 0, used), kz.narrow(1, 0, used), ks.narrow(1, 0, used))
+        value = _dequantize(value.narrow(1, 0, used), vz.narrow(1, 0, used), vs.narrow(1, 0, used))
+        length = used
     if softcap:
         return _softcapped_attention(q, key, value, start, scale, float(softcap), window), None
     if window is None:
         return torch.ops.llama.custom_sdpa(q, key, value, start, None, 0.0, True, scale), None
     mask = _window_mask(start, n, length, window, q.dtype)
     return torch.ops.llama.custom_sdpa(q, key, value, start, mask, 0.0, False, scale), None
+
+
+def quantize_per_token(x: torch.Tensor):
+    """``x [1, n, H, D]`` -> ``(int8 values, scales float32 [1, n, H, 1], zero points int8 [1, n, H, 1])``: asymmetric
+    per token and head, as ExecuTorch's quantized KV cache stores keys and values (``quantized_decomposed`` ops)."""
+    qd = torch.ops.quantized_decomposed
+    scales, zero_points = qd.choose_qparams_per_token_asymmetric.default(x, torch.int8)
+    values = qd.quantize_per_token(x, scales, zero_points, -128, 127, torch.int8)
+    return values, scales.to(torch.float32), zero_points.to(torch.int8)
+
+
+def _dequantize(values, zero_points, scales):
+    return (values.to(torch.float32) - zero_points.to(torch.float32)) * scales
 
 
 def no_mask(*args, **kwargs) -> None:
@@ -181,7 +205,10 @@ def register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    from qharness.upstream import imports
+
     custom_sdpa.llm_custom_ops()
+    imports.quantized_decomposed_ops()  # the int8 KV cache's per-token quantization
     AttentionInterface.register(ATTENTION, attention)
     AttentionMaskInterface.register(ATTENTION, no_mask)
 
@@ -236,14 +263,16 @@ def _cache_layer_class():
 
     class UpdateCacheLayer(CacheLayerMixin):
         """One layer's keys and values, ``[1, max_seq_len, kv_heads, head_dim]``, written by ``llama::update_cache``
-        at the cache's ``start``; ``update`` returns the whole buffers (BSHD) for ``attention``."""
+        at the cache's ``start``; ``update`` returns the whole buffers (BSHD) for ``attention``. With ``qparams``
+        (``(k_scales, k_zero_points, v_scales, v_zero_points)``, each ``[1, max_seq_len, kv_heads, 1]``) the buffers
+        are int8: each new token's keys and values are quantized per token and head (``quantize_per_token``)."""
 
         is_compileable = True
         is_sliding = False
 
-        def __init__(self, cache, keys: torch.Tensor, values: torch.Tensor):
+        def __init__(self, cache, keys: torch.Tensor, values: torch.Tensor, qparams: tuple | None = None):
             super().__init__()
-            self.cache, self.keys, self.values = cache, keys, values
+            self.cache, self.keys, self.values, self.qparams = cache, keys, values, qparams
             self.max_cache_len = keys.shape[1]
             self.is_initialized = True
 
@@ -254,9 +283,15 @@ def _cache_layer_class():
             for new, buf in ((key_states, self.keys), (value_states, self.values)):  # update_cache aborts on these
                 if new.dim() != 4 or new.shape[0] != 1 or (new.shape[1], new.shape[3]) != buf.shape[2:]:
                     raise ValueError(f"key/value states {tuple(new.shape)} do not fit a cache {tuple(buf.shape)}")
-                if new.dtype != buf.dtype:
+                if new.dtype != buf.dtype and self.qparams is None:
                     raise ValueError(f"key/value states of {new.dtype} for a cache of {buf.dtype}")
             start = self.cache.start
+            if self.qparams is not None:
+                ks, kz, vs, vz = self.qparams
+                for new, buf, scales, zero_points in ((key_states, self.keys, ks, kz), (value_states, self.values, vs, vz)):
+                    for part, into in zip(quantize_per_token(new.transpose(1, 2)), (buf, scales, zero_points)):
+                        torch.ops.llama.update_cache(part, into, start)
+                return self.keys, self.values
             torch.ops.llama.update_cache(key_states.transpose(1, 2), self.keys, start)  # [1, n, H_kv, D]: small
             torch.ops.llama.update_cache(value_states.transpose(1, 2), self.values, start)
             return self.keys, self.values
@@ -273,8 +308,8 @@ def _cache_layer_class():
     return UpdateCacheLayer
 
 
-def _update_cache_kv(buffers: list[tuple[torch.Tensor, torch.Tensor]]):
-    """``UpdateCacheKV``: a transformers ``Cache`` over ``buffers`` (one ``(keys, values)`` per layer)."""
+def _update_cache_kv(buffers: list[tuple]):
+    """``UpdateCacheKV``: a transformers ``Cache`` over ``buffers`` (one ``(keys, values, qparams or None)`` per layer)."""
     from transformers.cache_utils import Cache
 
     class UpdateCacheKV(Cache):
@@ -283,7 +318,7 @@ def _update_cache_kv(buffers: list[tuple[torch.Tensor, torch.Tensor]]):
 
         def __init__(self):
             layer = _cache_layer_class()
-            super().__init__(layers=[layer(self, k, v) for k, v in buffers])
+            super().__init__(layers=[layer(self, *b) for b in buffers])
             self.start = 0
 
     return UpdateCacheKV()
@@ -311,8 +346,10 @@ class FastDecoder(torch.nn.Module):
     """``forward(tokens[1, n], input_pos[1]) -> logits[1, 1, vocab]``: the HF model's own forward over
     ``UpdateCacheKV`` (``max_seq_len`` positions) with the ``ATTENTION`` attention function."""
 
-    def __init__(self, model, max_seq_len: int, all_logits: bool = False):
+    def __init__(self, model, max_seq_len: int, all_logits: bool = False, kv_cache: str = "fp32"):
         super().__init__()
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache {kv_cache!r}: use one of {', '.join(KV_CACHES)}")
         register()
         self.model = model
         self.all_logits = all_logits  # True: logits[1, n, vocab] of every position (the final norm + lm_head on all n)
@@ -321,9 +358,18 @@ class FastDecoder(torch.nn.Module):
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         buffers = []
         for i, shape in enumerate(_kv_shapes(model, max_seq_len)):
-            self.register_buffer(f"k_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
-            self.register_buffer(f"v_cache_{i}", torch.zeros(shape, dtype=dtype), persistent=False)
-            buffers.append((getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}")))
+            int8 = kv_cache == "int8"
+            for kv in ("k", "v"):
+                self.register_buffer(f"{kv}_cache_{i}", torch.zeros(shape, dtype=torch.int8 if int8 else dtype), persistent=False)
+                if int8:
+                    self.register_buffer(f"{kv}_scales_{i}", torch.ones(shape[:3] + (1,)), persistent=False)
+                    self.register_buffer(f"{kv}_zero_points_{i}", torch.zeros(shape[:3] + (1,), dtype=torch.int8), persistent=False)
+            qparams = (
+                tuple(getattr(self, f"{kv}_{what}_{i}") for kv in ("k", "v") for what in ("scales", "zero_points"))
+                if int8
+                else None
+            )
+            buffers.append((getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), qparams))
         self.cache = _update_cache_kv(buffers)
         config = model.config.get_text_config()
         layer_types = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]))
@@ -367,10 +413,12 @@ def dynamic_shapes(max_seq_len: int):
     return ({1: Dim("seq_len", min=1, max=max_seq_len - 1)}, None)
 
 
-def export_fast(model, max_seq_len: int, all_logits: bool = False) -> torch.export.ExportedProgram:
+def export_fast(
+    model, max_seq_len: int, all_logits: bool = False, kv_cache: str = "fp32"
+) -> torch.export.ExportedProgram:
     """Export ``FastDecoder(model)``: ``(tokens[1, n], input_pos[1]) -> logits[1, 1, vocab]`` (``all_logits``:
-    ``[1, n, vocab]``), ``n`` dynamic."""
-    decoder = FastDecoder(model, max_seq_len, all_logits)
+    ``[1, n, vocab]``), ``n`` dynamic; ``kv_cache``: ``fp32`` or ``int8`` (``KV_CACHES``)."""
+    decoder = FastDecoder(model, max_seq_len, all_logits, kv_cache)
     with torch.no_grad(), decoder.swapped(), warnings.catch_warnings():  # no grad: torchao weight subclasses export
         warnings.filterwarnings("ignore", "While compiling, we found certain side effects")  # as parametrizations
         ep = torch.export.export(  # the quant fusion misses; side effects: the cache's start, _ACTIVE (by design)
@@ -551,6 +599,11 @@ def _last_token_slices(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
         for n in graph.graph.nodes
         if n.op == "call_function" and n.target == torch.ops.aten.slice.Tensor and tuple(n.args[1:3]) == (1, -1)
     ]
+
+
+def kv_cache(graph: torch.fx.GraphModule) -> str:
+    """``"fp32"`` or ``"int8"``: the KV cache of the program ``quantize_for_deploy`` made (``KV_CACHES``)."""
+    return graph.meta.get("qharness_kv_cache", "fp32")
 
 
 def export_path(graph: torch.fx.GraphModule) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch.export import Dim
 
-from qharness.deploy.fastpath import export_path, fallback_reason  # noqa: F401  (which export a graph took)
+from qharness.deploy.fastpath import export_path, fallback_reason, kv_cache  # noqa: F401  (which export a graph took)
 from qharness.upstream import imports, lowering
 
 log = logging.getLogger(__name__)
@@ -60,21 +60,26 @@ def export_static_cache(model, max_seq_len: int) -> torch.export.ExportedProgram
         )
 
 
-def export_deploy(model, max_seq_len: int) -> tuple[torch.export.ExportedProgram, str | None]:
+def export_deploy(
+    model, max_seq_len: int, kv_cache: str = "fp32"
+) -> tuple[torch.export.ExportedProgram, str | None]:
     """The fast export when ``fastpath`` takes the model (``unsupported_reason`` is None and its export
-    succeeds), else the HF static cache; returns ``(exported program, reason for the fallback or None)``."""
+    succeeds), else the HF static cache; returns ``(exported program, reason for the fallback or None)``.
+    ``kv_cache`` (``fp32`` or ``int8``) is the fast path's; the generic export keeps HF's float cache."""
     from qharness.deploy import fastpath
 
     reason = fastpath.unsupported_reason(model, max_seq_len)
     if reason is None:
         try:
-            return fastpath.export_fast(model, max_seq_len), None
+            return fastpath.export_fast(model, max_seq_len, kv_cache=kv_cache), None
         except Exception as e:  # e.g. torch.export cannot trace the model's forward with the fast path's cache
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             reason = f"{type(model).__name__}: torch.export of the fast path failed ({type(e).__name__}: {first})"
     log.warning(
         "fast export path not used, falling back to the generic HF static-cache export (slower decode): %s", reason
     )
+    if kv_cache != "fp32":
+        log.warning("the recipe's %s KV cache needs the fast path; this program keeps a float KV cache", kv_cache)
     return export_static_cache(model, max_seq_len), reason
 
 
@@ -97,6 +102,7 @@ def quantize_for_deploy(
     graph, reason = _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams)
     graph.meta["qharness_export_path"] = "generic" if reason else "fast"
     graph.meta["qharness_fallback_reason"] = reason
+    graph.meta["qharness_kv_cache"] = "fp32" if reason else recipe.kv_cache
     return graph
 
 
@@ -110,7 +116,7 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
         raise ValueError(f"learned weight scales need a quantized recipe ({recipe.name} is {recipe.kind})")
     if recipe.kind == "source":
         quantizer.convert(model, weight_qparams)
-    ep, reason = export_deploy(model, max_seq_len)
+    ep, reason = export_deploy(model, max_seq_len, recipe.kv_cache)
     graph = ep.module()
     if recipe.kind != "pt2e":
         return graph, reason

@@ -43,6 +43,7 @@ class Recipe:
     partitioners: tuple[str, ...] = ()
     executorch_config: dict[str, Any] = field(default_factory=dict)  # ExecutorchBackendConfig(**...) for to_executorch
     runs_here: bool = True  # False: the .pte needs a device backend this machine lacks; no runtime parity here
+    kv_cache: str = "fp32"  # the .pte's KV cache: fp32, or int8 (per token and head; fast path only)
 
     @property
     def quantized(self) -> bool:
@@ -75,7 +76,8 @@ class Recipe:
             )
 
 
-_FIELDS = {"description", "backend", "modes", "quantizer", "partitioners", "executorch_config", "runs_here"}
+_FIELDS = {"description", "backend", "modes", "quantizer", "partitioners", "executorch_config", "runs_here", "kv_cache"}
+KV_CACHES = ("fp32", "int8")  # as qharness.deploy.fastpath.KV_CACHES (a test keeps them equal; no torch import here)
 
 
 def known_recipes() -> list[str]:
@@ -186,6 +188,9 @@ def load_recipe(name_or_path: str) -> Recipe:
     runs_here = raw.get("runs_here", True)
     if not isinstance(runs_here, bool):
         raise UserError(f"recipe {name!r}: runs_here must be true or false (got {runs_here!r})")
+    kv_cache = raw.get("kv_cache", "fp32")
+    if kv_cache not in KV_CACHES:
+        raise UserError(f"recipe {name!r}: kv_cache must be one of {', '.join(KV_CACHES)} (got {kv_cache!r})")
     return Recipe(
         name=name,
         description=str(raw["description"]),
@@ -196,6 +201,7 @@ def load_recipe(name_or_path: str) -> Recipe:
         partitioners=partitioners,
         executorch_config=dict(config),
         runs_here=runs_here,
+        kv_cache=kv_cache,
     )
 
 

@@ -41,7 +41,7 @@ class RunSummary:
         distill: QAT with knowledge distillation from the FP model: its settings (``model.distill``); None: without.
         metrics: Per model (``fp``, ``fake_quant``, ``converted``, ``pte``): loss, ppl and their intervals.
         parity: The parity gate's figures and verdict.
-        pte: The ``.pte``: path, size_bytes, max_seq_len, export_path, fallback_reason.
+        pte: The ``.pte``: path, size_bytes, max_seq_len, export_path, fallback_reason, kv_cache (fp32 or int8).
         timings: Seconds per stage.
         bench: The run's own benchmark (``qharness bench`` format).
         bench_joint: The sweep's interleaved benchmark of all candidates (fresh processes, round-robin).

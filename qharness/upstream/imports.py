@@ -88,6 +88,12 @@ def executorch_backend_config(**kwargs):
     return ExecutorchBackendConfig(**kwargs)
 
 
+def quantized_decomposed_ops() -> None:
+    """Register ``torch.ops.quantized_decomposed`` (per-token quantize ops of the int8 KV cache): torch still defines
+    them in ``torch.ao.quantization.fx._decomposed``; torchao's pt2e imports that module too."""
+    import torch.ao.quantization.fx._decomposed  # noqa: F401
+
+
 def executorch_runtime():
     """The ExecuTorch Python runtime, with the quantized kernels (e.g. quantized embeddings) registered."""
     import executorch.kernels.quantized  # noqa: F401  registers quantized_decomposed ops

@@ -29,6 +29,7 @@ def llm_custom_ops() -> None:
     if _CPU_SDPA_LIB is None:
         _CPU_SDPA_LIB = torch.library.Library("llama", "IMPL")
         _CPU_SDPA_LIB.impl("custom_sdpa", _custom_sdpa_cpu, "CPU")
+        _CPU_SDPA_LIB.impl("custom_quantized_sdpa", _custom_quantized_sdpa_cpu, "CPU")
 
 
 def _custom_sdpa_cpu(query, key, value, start_pos, attn_mask=None, drpout_p=0.0, is_causal=False, scale=None):
@@ -53,7 +54,46 @@ def _custom_sdpa_cpu(query, key, value, start_pos, attn_mask=None, drpout_p=0.0,
     return out.permute(0, 3, 1, 2, 4).reshape(b, n, h, d).contiguous()
 
 
-def upstream_custom_sdpa(*args):
-    """ExecuTorch's own eager ``custom_sdpa`` kernel (bypassing ``_custom_sdpa_cpu``), for the workaround's test."""
+def _custom_quantized_sdpa_cpu(
+    query,
+    key,
+    value,
+    start_pos,
+    attn_mask=None,
+    drpout_p=0.0,
+    is_causal=False,
+    scale=None,
+    q_zero_point=None,
+    q_scale=None,
+    k_zero_point=None,
+    k_scale=None,
+    v_zero_point=None,
+    v_scale=None,
+    is_seq_at_dim_2=False,
+):
+    """``llama::custom_quantized_sdpa`` in PyTorch (the same log-free replacement as ``_custom_sdpa_cpu``): int8
+    ``query`` / caches with per-token ``[B, n, H, 1]`` scales and zero points, dequantized, then
+    ``_custom_sdpa_cpu``. BSHD only (``is_seq_at_dim_2`` false), as the fast path calls it."""
+    if is_seq_at_dim_2:
+        raise NotImplementedError("custom_quantized_sdpa CPU replacement: is_seq_at_dim_2 is not implemented")
+
+    def dq(x, zero_point, s):
+        return (x.to(torch.float32) - zero_point.to(torch.float32)) * s
+
+    return _custom_sdpa_cpu(
+        dq(query, q_zero_point, q_scale),
+        dq(key, k_zero_point, k_scale),
+        dq(value, v_zero_point, v_scale),
+        start_pos,
+        attn_mask,
+        drpout_p,
+        is_causal,
+        scale,
+    )
+
+
+def upstream_custom_sdpa(*args, op: str = "custom_sdpa"):
+    """ExecuTorch's own eager ``custom_sdpa`` (or ``op``, e.g. ``custom_quantized_sdpa``) kernel, bypassing the
+    replacements above, for the workaround's test."""
     keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
-    return torch.ops.llama.custom_sdpa.default.redispatch(keys, *args)
+    return getattr(torch.ops.llama, op).default.redispatch(keys, *args)
