@@ -102,7 +102,9 @@ def main(argv=None) -> None:
     from qharness.runtime.bench import pair_ratios
 
     fp, q = joint["programs"]["fp32"], joint["programs"]["int8"]
-    results["decode_ratio_int8_over_fp32"] = pair_ratios(q["decode_tok_s"]["per_process"], fp["decode_tok_s"]["per_process"])
+    results["decode_ratio_int8_over_fp32"] = pair_ratios(
+        q["decode_tok_s"]["per_process"], fp["decode_tok_s"]["per_process"]
+    )
     results["prefill_ratio_int8_over_fp32"] = pair_ratios(
         q["prefill_tok_s"]["per_process"], fp["prefill_tok_s"]["per_process"]
     )

@@ -98,13 +98,13 @@ def emb4_run(tmp_path_factory, tiny_llama):
 @pytest.fixture(scope="module")
 def kv8_run(tmp_path_factory, tiny_llama):
     """The tiny Llama through xnnpack_8da4w with the int8 KV cache (``kv_cache: int8``): quantized attention."""
-    from qharness.deploy.lower import export_path, kv_cache
+    from qharness.deploy.lower import export_path, kv_cache_dtype
 
     out = tmp_path_factory.mktemp("kv8")
     recipe = out / "kv8.yaml"
     recipe.write_text("base: xnnpack_8da4w\ndescription: 8da4w, int8 KV cache\nkv_cache: int8\n")
     run, graph = _lowered_run(out, tiny_llama, recipe)
-    assert (export_path(graph), kv_cache(graph)) == ("fast", "int8")
+    assert (export_path(graph), kv_cache_dtype(graph)) == ("fast", "int8")
     return run
 
 

@@ -168,7 +168,9 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         ks, kz, vs, vz = _ACTIVE[-1].layers[module.layer_idx].qparams
         if not softcap and window is None:  # as export_llm's quantized cache (dequantizing instead decoded slower)
             qq, qs, qz = quantize_per_token(q)
-            out = torch.ops.llama.custom_quantized_sdpa(qq, key, value, start, None, 0.0, True, scale, qz, qs, kz, ks, vz, vs)
+            out = torch.ops.llama.custom_quantized_sdpa(
+                qq, key, value, start, None, 0.0, True, scale, qz, qs, kz, ks, vz, vs
+            )
             return out, None
         used = start + n  # no quantized kernel for these: attend over the dequantized positions written so far
         key = _dequantize(key.narrow(1, 0, used), kz.narrow(1, 0, used), ks.narrow(1, 0, used))
@@ -288,7 +290,10 @@ def _cache_layer_class():
             start = self.cache.start
             if self.qparams is not None:
                 ks, kz, vs, vz = self.qparams
-                for new, buf, scales, zero_points in ((key_states, self.keys, ks, kz), (value_states, self.values, vs, vz)):
+                for new, buf, scales, zero_points in (
+                    (key_states, self.keys, ks, kz),
+                    (value_states, self.values, vs, vz),
+                ):
                     for part, into in zip(quantize_per_token(new.transpose(1, 2)), (buf, scales, zero_points)):
                         torch.ops.llama.update_cache(part, into, start)
                 return self.keys, self.values
@@ -360,10 +365,14 @@ class FastDecoder(torch.nn.Module):
         for i, shape in enumerate(_kv_shapes(model, max_seq_len)):
             int8 = kv_cache == "int8"
             for kv in ("k", "v"):
-                self.register_buffer(f"{kv}_cache_{i}", torch.zeros(shape, dtype=torch.int8 if int8 else dtype), persistent=False)
+                self.register_buffer(
+                    f"{kv}_cache_{i}", torch.zeros(shape, dtype=torch.int8 if int8 else dtype), persistent=False
+                )
                 if int8:
                     self.register_buffer(f"{kv}_scales_{i}", torch.ones(shape[:3] + (1,)), persistent=False)
-                    self.register_buffer(f"{kv}_zero_points_{i}", torch.zeros(shape[:3] + (1,), dtype=torch.int8), persistent=False)
+                    self.register_buffer(
+                        f"{kv}_zero_points_{i}", torch.zeros(shape[:3] + (1,), dtype=torch.int8), persistent=False
+                    )
             qparams = (
                 tuple(getattr(self, f"{kv}_{what}_{i}") for kv in ("k", "v") for what in ("scales", "zero_points"))
                 if int8
@@ -601,7 +610,7 @@ def _last_token_slices(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
     ]
 
 
-def kv_cache(graph: torch.fx.GraphModule) -> str:
+def kv_cache_dtype(graph: torch.fx.GraphModule) -> str:
     """``"fp32"`` or ``"int8"``: the KV cache of the program ``quantize_for_deploy`` made (``KV_CACHES``)."""
     return graph.meta.get("qharness_kv_cache", "fp32")
 

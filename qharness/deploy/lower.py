@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch.export import Dim
 
-from qharness.deploy.fastpath import export_path, fallback_reason, kv_cache  # noqa: F401  (which export a graph took)
+from qharness.deploy.fastpath import export_path, fallback_reason, kv_cache_dtype  # noqa: F401  (which export a graph took)
 from qharness.upstream import imports, lowering
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,7 @@ def export_static_cache(model, max_seq_len: int) -> torch.export.ExportedProgram
         )
 
 
-def export_deploy(
-    model, max_seq_len: int, kv_cache: str = "fp32"
-) -> tuple[torch.export.ExportedProgram, str | None]:
+def export_deploy(model, max_seq_len: int, kv_cache: str = "fp32") -> tuple[torch.export.ExportedProgram, str | None]:
     """The fast export when ``fastpath`` takes the model (``unsupported_reason`` is None and its export
     succeeds), else the HF static cache; returns ``(exported program, reason for the fallback or None)``.
     ``kv_cache`` (``fp32`` or ``int8``) is the fast path's; the generic export keeps HF's float cache."""

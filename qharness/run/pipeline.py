@@ -153,7 +153,7 @@ def deploy_and_check(
         summary = deploy_and_check(module.trained(), held_out(dm, parity_cfg, calib_cfg), Path("runs/x"),
                                    ExportConfig(), ParityConfig())
     """
-    from qharness.deploy.lower import export_path, fallback_reason, kv_cache, lower_to_pte, runner_metadata
+    from qharness.deploy.lower import export_path, fallback_reason, kv_cache_dtype, lower_to_pte, runner_metadata
     from qharness.runtime.bench import bench, format_bench
     from qharness.runtime.pte import PteModel
 
@@ -278,7 +278,7 @@ def deploy_and_check(
             "max_seq_len": export_cfg.max_seq_len,
             "export_path": export_path(deployed),
             "fallback_reason": fallback_reason(deployed),
-            "kv_cache": kv_cache(deployed),
+            "kv_cache": kv_cache_dtype(deployed),
             "sha256": hashlib.sha256(pte_bytes).hexdigest(),
         },
         timings=timings,
