@@ -178,7 +178,7 @@ def test_an_unsupported_architecture_falls_back_to_the_generic_export(caplog):
 def test_a_failing_fast_export_falls_back_with_the_reason(monkeypatch):
     from qharness.deploy.lower import export_deploy
 
-    def broken(model, max_seq_len, all_logits=False):
+    def broken(model, max_seq_len, all_logits=False, kv_cache="fp32"):
         raise RuntimeError("Dynamo failed to run FX node")
 
     monkeypatch.setattr(fastpath, "export_fast", broken)
