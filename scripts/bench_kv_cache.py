@@ -56,7 +56,7 @@ def main(argv=None) -> None:
 
     from qharness.checks import stats
     from qharness.checks.parity import score_deployed
-    from qharness.runtime.bench import format_joint, interleaved, memory_bandwidth  # noqa: F401
+    from qharness.runtime.bench import format_joint, interleaved, pair_ratios
     from qharness.runtime.pte import PteModel
     from qharness.sources.models import load_model_and_tokenizer
 
@@ -99,8 +99,6 @@ def main(argv=None) -> None:
     programs = {kv: {"kind": "pte", "path": str(ptes[kv]), "vocab_size": vocab} for kv in ptes}
     joint = interleaved(programs, args.prompt_len, args.decode_tokens, args.reps, args.processes)
     results["joint"] = joint
-    from qharness.runtime.bench import pair_ratios
-
     fp, q = joint["programs"]["fp32"], joint["programs"]["int8"]
     results["decode_ratio_int8_over_fp32"] = pair_ratios(
         q["decode_tok_s"]["per_process"], fp["decode_tok_s"]["per_process"]
