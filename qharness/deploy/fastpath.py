@@ -41,9 +41,9 @@ import warnings
 import torch
 from torch.export import Dim
 
+from qharness.recipes.registry import KV_CACHES  # noqa: F401  (a recipe's kv_cache: fp32 or int8 per token and head)
 from qharness.upstream.fixes import custom_sdpa
 
-KV_CACHES = ("fp32", "int8")  # the KV cache's element type: the model's float dtype, or int8 per token and head
 ATTENTION = "qharness_executorch"  # the name of the attention (and mask) function in transformers' interfaces
 # Rotary types whose table for a position does not depend on the length of the sequence.
 STATIC_ROPE = {"default", "linear", "llama3", "yarn", "proportional"}
@@ -361,9 +361,8 @@ class FastDecoder(torch.nn.Module):
         self.max_seq_len = max_seq_len
         weight = model.get_input_embeddings().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
-        buffers = []
+        buffers, int8 = [], kv_cache == "int8"
         for i, shape in enumerate(_kv_shapes(model, max_seq_len)):
-            int8 = kv_cache == "int8"
             for kv in ("k", "v"):
                 self.register_buffer(
                     f"{kv}_cache_{i}", torch.zeros(shape, dtype=torch.int8 if int8 else dtype), persistent=False

@@ -23,21 +23,13 @@ import logging
 from collections.abc import Callable
 
 import torch
-from torch.export import Dim
 
+from qharness.deploy.fastpath import dynamic_shapes as _dynamic_shapes
+from qharness.deploy.fastpath import example_inputs as _example
 from qharness.deploy.fastpath import export_path, fallback_reason, kv_cache_dtype  # noqa: F401  (which export a graph took)
 from qharness.upstream import imports, lowering
 
 log = logging.getLogger(__name__)
-
-
-def _example(max_seq_len: int):
-    n = min(8, max_seq_len - 1)
-    return (torch.zeros(1, n, dtype=torch.long), torch.tensor([0], dtype=torch.long))
-
-
-def _dynamic_shapes(max_seq_len: int):
-    return ({1: Dim("seq_len", min=1, max=max_seq_len - 1)}, None)
 
 
 class TokensAndPos(torch.nn.Module):

@@ -77,7 +77,7 @@ class Recipe:
 
 
 _FIELDS = {"description", "backend", "modes", "quantizer", "partitioners", "executorch_config", "runs_here", "kv_cache"}
-KV_CACHES = ("fp32", "int8")  # as qharness.deploy.fastpath.KV_CACHES (a test keeps them equal; no torch import here)
+KV_CACHES = ("fp32", "int8")  # a recipe's kv_cache: the .pte's KV cache in float, or int8 per token and head
 
 
 def known_recipes() -> list[str]:

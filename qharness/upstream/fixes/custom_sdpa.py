@@ -1,9 +1,11 @@
-"""Fix: ExecuTorch 1.5.1's eager ``llama::custom_sdpa`` logs ``No temp allocator provided`` on every call.
+"""Fix: ExecuTorch 1.5.1's eager ``llama::custom_sdpa`` and ``llama::custom_quantized_sdpa`` log ``No temp allocator
+provided`` on every call.
 
-Upstream: ExecuTorch's AOT wrapper of ``custom_sdpa`` (extension/llm/custom_ops/op_sdpa_aot.cpp) runs the
-kernel with a context that has no temp allocator; no upstream issue is filed yet.
-Test that tells when to retire it: tests/test_upstream_fixes.py::test_upstream_eager_custom_sdpa_still_logs_on_every_call.
-Retire: keep ``llm_custom_ops`` importing the ops, drop the CPU override.
+Upstream: ExecuTorch's AOT wrappers of both (extension/llm/custom_ops/op_sdpa_aot.cpp) run the kernel with a
+context that has no temp allocator; no upstream issue is filed yet.
+Tests that tell when to retire it: tests/test_upstream_fixes.py::test_upstream_eager_custom_sdpa_still_logs_on_every_call
+and ::test_upstream_eager_custom_quantized_sdpa_still_logs_on_every_call (one override each).
+Retire: keep ``llm_custom_ops`` importing the ops, drop the CPU overrides.
 """
 
 from __future__ import annotations
