@@ -12,6 +12,7 @@ import copy
 import json
 
 import pytest
+import test_fastpath
 import torch
 from conftest import make_tiny_hf, run_cli, write_config
 
@@ -193,29 +194,12 @@ def test_family_through_the_cli(name, command, tmp_path, family_dir, corpus):
 
 
 # --- the fast path for every family: a lowered .pte through the parity gate ------------------------------------
-# (model_type, extra config): 2 layers, windows shorter than the 64-position cache, soft-capping as configured.
+# The list of families, with test_fastpath's tiny configs (2 layers, windows of 8 shorter than the 64-position
+# cache, soft-capping as configured).
 FAST_FAMILIES = {
-    "llama": {},
-    "mistral": {"sliding_window": 8},
-    "qwen2": {},
-    "qwen3": {},
-    "gemma": {},
-    "gemma2": {"sliding_window": 8},  # attention and final logit soft-capping, alternating window / full layers
-    "gemma3_text": {"sliding_window": 8},
-    "phi3": {},
-    "olmo2": {},
-    "stablelm": {},
+    f: test_fastpath.FAMILIES[f]
+    for f in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "stablelm")
 }
-
-
-def _tiny_family(model_type: str):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    dims |= dict(num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256, pad_token_id=0)
-    config = AutoConfig.for_model(model_type, **dims, **FAST_FAMILIES[model_type])
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
 
 
 @pytest.mark.parametrize(
@@ -236,11 +220,12 @@ def test_family_pte_takes_the_fast_path_and_passes_parity(family, recipe_name, t
     from qharness.recipes.registry import load_recipe
     from qharness.runtime.pte import PteModel
 
-    model, recipe, cache = _tiny_family(family), load_recipe(recipe_name), 64
-    x = torch.randint(0, 128, (3, 25), generator=torch.Generator().manual_seed(0))
+    model, recipe, cache = test_fastpath._tiny(family, **FAST_FAMILIES[family]), load_recipe(recipe_name), 64
+    vocab = model.config.vocab_size
+    x = torch.randint(0, vocab, (3, 25), generator=torch.Generator().manual_seed(0))
     deployed = quantize_for_deploy(model, recipe, cache, lambda g: [g(b[None, :24], torch.tensor([0])) for b in x])
     assert export_path(deployed) == "fast", deployed.meta.get("qharness_fallback_reason")
-    (tmp_path / "m.pte").write_bytes(lower_to_pte(deployed, recipe, cache, runner_metadata(cache, 128, 1, [2])))
+    (tmp_path / "m.pte").write_bytes(lower_to_pte(deployed, recipe, cache, runner_metadata(cache, vocab, 1, [2])))
     reference = fold_constants(deployed)
     scorer = all_logits_twin(reference)
     pte = PteModel(tmp_path / "m.pte")
