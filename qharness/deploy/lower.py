@@ -89,7 +89,8 @@ def quantize_for_deploy(
     ``quantize_`` on the model (in place; ``weight_qparams`` through torchao's range-learning convert,
     ``SourceQuantizer.convert``), then the cache export.
     """
-    graph, reason = _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams)
+    graph, reason, layers = _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams)
+    graph.meta["qharness_layers"] = layers
     graph.meta["qharness_export_path"] = "generic" if reason else "fast"
     graph.meta["qharness_fallback_reason"] = reason
     graph.meta["qharness_kv_cache"] = "fp32" if reason else recipe.kv_cache
@@ -104,12 +105,14 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
     quantizer = recipe.make_quantizer(is_qat=False)
     if weight_qparams is not None and recipe.kind not in ("pt2e", "source"):
         raise ValueError(f"learned weight scales need a quantized recipe ({recipe.name} is {recipe.kind})")
+    layers = None
     if recipe.kind == "source":
-        quantizer.convert(model, weight_qparams)
+        layers = quantizer.convert(model, weight_qparams)
+        log.info("quantized layers: %s", layer_counts(layers))
     ep, reason = export_deploy(model, max_seq_len, recipe.kv_cache)
     graph = ep.module()
     if recipe.kind != "pt2e":
-        return graph, reason
+        return graph, reason, layers
     pt2e = imports.pt2e()
     prepared = pt2e.prepare_pt2e(graph, quantizer)
     if weight_qparams is not None:
@@ -117,7 +120,23 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
 
         use_learned_qparams(prepared, model, weight_qparams)
     calibrate(prepared)
-    return pt2e.convert_pt2e(prepared), reason
+    return pt2e.convert_pt2e(prepared), reason, layers
+
+
+def quantized_layers(graph: torch.fx.GraphModule) -> dict[str, str] | None:
+    """``{module name: scheme}`` that ``quantize_for_deploy`` applied (source-level recipes; ``fp``: kept in
+    floating point by the recipe's ``layers``); None for graph-level (PT2E) and FP recipes."""
+    return graph.meta.get("qharness_layers")
+
+
+def layer_counts(layers: dict[str, str] | None) -> dict[str, int] | None:
+    """How many layers got each scheme, e.g. ``{"8da4w-g32": 12, "fp": 1}``."""
+    if layers is None:
+        return None
+    counts: dict[str, int] = {}
+    for scheme in layers.values():
+        counts[scheme] = counts.get(scheme, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def runner_metadata(

@@ -62,13 +62,17 @@ def register_partitioner(name: str):
 @dataclass(frozen=True)
 class SourceConfig:
     """One ``quantize_`` step of a source-level recipe: a torchao config, ``select(module, fqn)`` picking the modules
-    it quantizes, what those are (for messages), and whether QAT learns their weight scales (LSQ, torchao's range
-    learning) for deployment to use as trained."""
+    it quantizes, what those are (for messages), whether QAT learns their weight scales (LSQ, torchao's range
+    learning) for deployment to use as trained, the name of the scheme it gives a module (``summary.json``'s
+    ``layers``, e.g. ``8da4w-g32``) and whether selecting no module is an error (per-layer recipes check their
+    rules instead, ``recipes/layers.py``)."""
 
     config: Any
     select: Callable[[Any, str], bool]
     what: str
     learn_scales: bool = False
+    scheme: str = "quantized"
+    required: bool = True
 
 
 @dataclass
@@ -85,22 +89,40 @@ class SourceQuantizer:
 
     configs: list[SourceConfig]
 
-    def _apply(self, model, wrap) -> None:
-        from torchao.quantization import quantize_
+    def assignment(self, model) -> dict[str, str]:
+        """``{module name: scheme}`` of every module of ``model`` (not yet quantized) that a step quantizes."""
+        out = {}
+        for name, m in model.named_modules():
+            step = next((s for s in self.configs if s.select(m, name)), None)
+            if step is not None:
+                out[name] = step.scheme
+        return out
 
+    def check(self, model) -> dict[str, str]:
+        """``assignment(model)``, after checking that every required step selects a module of ``model`` (a recipe that
+        quantizes nothing must not ship as quantized): a ``UserError`` before anything is trained or changed."""
         for step in self.configs:
-            if not any(step.select(m, name) for name, m in model.named_modules()):
+            if step.required and not any(step.select(m, name) for name, m in model.named_modules()):
                 raise UserError(
                     f"the recipe's {type(step.config).__name__} selects no layer of {type(model).__name__} ({step.what})",
                     fix="choose settings that fit the model (e.g. a group_size that divides its hidden sizes)",
                 )
-            quantize_(model, wrap(step), filter_fn=step.select)
+        return self.assignment(model)
 
-    def prepare_qat(self, model) -> None:
-        """Swap in torchao's fake-quantized modules (learned-scale steps: scales set by ``init_source_scales``)."""
+    def _apply(self, model, wrap) -> None:
+        from torchao.quantization import quantize_
+
+        for step in self.configs:
+            if any(step.select(m, name) for name, m in model.named_modules()):
+                quantize_(model, wrap(step), filter_fn=step.select)
+
+    def prepare_qat(self, model) -> dict[str, str]:
+        """Swap in torchao's fake-quantized modules (learned-scale steps: scales set by ``init_source_scales``);
+        returns the assignment (``check``)."""
         from qharness.recipes.learned_scales import range_learning_qat_config
         from qharness.upstream import imports
 
+        layers = self.check(model)
         qat = imports.torchao_qat()
         self._apply(
             model,
@@ -110,14 +132,17 @@ class SourceQuantizer:
                 else qat.QATConfig(step.config, step="prepare")
             ),
         )
+        return layers
 
-    def convert(self, model, weight_qparams: dict | None = None) -> None:
+    def convert(self, model, weight_qparams: dict | None = None) -> dict[str, str]:
         """Quantize the (trained, plain FP) model in place for deployment. With ``weight_qparams`` (``{weight name:
         (scale, zero_point)}`` as trained) the learned-scale steps take torchao's range-learning path: fake quantizers
         holding the trained scales, then ``QATConfig(config, step="convert")`` quantizes each weight with its
-        quantizer's scale (min-max off); the other steps quantize with min-max as without."""
+        quantizer's scale (min-max off); the other steps quantize with min-max as without. Returns the assignment
+        (``check``)."""
         from qharness.upstream import imports
 
+        layers = self.check(model)
         qat = imports.torchao_qat()
         learned = weight_qparams is not None
         if learned:
@@ -131,6 +156,7 @@ class SourceQuantizer:
             model,
             lambda step: qat.QATConfig(step.config, step="convert") if learned and step.learn_scales else step.config,
         )
+        return layers
 
 
 def _type_name(t) -> str:

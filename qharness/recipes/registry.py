@@ -24,6 +24,7 @@ from typing import Any
 from qharness.errors import UserError
 from qharness.io import read_yaml
 from qharness.recipes import torchao, vulkan, xnnpack  # noqa: F401  the built-in quantizers and partitioners register here
+from qharness.recipes.layers import LayerRule, parse_layers, per_layer
 from qharness.recipes.registration import PARTITIONERS, QUANTIZERS, parse_settings
 
 RECIPES_DIR = Path(__file__).resolve().parent / "builtin"
@@ -44,6 +45,7 @@ class Recipe:
     executorch_config: dict[str, Any] = field(default_factory=dict)  # ExecutorchBackendConfig(**...) for to_executorch
     runs_here: bool = True  # False: the .pte needs a device backend this machine lacks; no runtime parity here
     kv_cache: str = "fp32"  # the .pte's KV cache: fp32, or int8 (per token and head; fast path only)
+    layers: tuple[LayerRule, ...] = ()  # per-layer settings (recipes/layers.py); first match wins, else ``settings``
 
     @property
     def quantized(self) -> bool:
@@ -63,7 +65,10 @@ class Recipe:
         """The quantizer for QAT (fake-quant training) or PTQ/deploy: a PT2E ``Quantizer`` or a ``SourceQuantizer``."""
         if self.quantizer is None:
             return None
-        return QUANTIZERS[self.quantizer].build(self.settings, is_qat)
+        build = QUANTIZERS[self.quantizer].build
+        if self.layers:
+            return per_layer(build(self.settings, is_qat), self.layers, lambda settings: build(settings, is_qat))
+        return build(self.settings, is_qat)
 
     def make_partitioners(self) -> list:
         return [PARTITIONERS[p]() for p in self.partitioners]
@@ -76,7 +81,17 @@ class Recipe:
             )
 
 
-_FIELDS = {"description", "backend", "modes", "quantizer", "partitioners", "executorch_config", "runs_here", "kv_cache"}
+_FIELDS = {
+    "description",
+    "backend",
+    "modes",
+    "quantizer",
+    "partitioners",
+    "executorch_config",
+    "runs_here",
+    "kv_cache",
+    "layers",
+}
 KV_CACHES = ("fp32", "int8")  # a recipe's kv_cache: the .pte's KV cache in float, or int8 per token and head
 
 
@@ -191,6 +206,8 @@ def load_recipe(name_or_path: str) -> Recipe:
     kv_cache = raw.get("kv_cache", "fp32")
     if kv_cache not in KV_CACHES:
         raise UserError(f"recipe {name!r}: kv_cache must be one of {', '.join(KV_CACHES)} (got {kv_cache!r})")
+    kind = "fp" if quantizer is None else QUANTIZERS[quantizer].kind
+    layers = parse_layers(raw.get("layers"), name, quantizer, kind, settings)
     return Recipe(
         name=name,
         description=str(raw["description"]),
@@ -202,6 +219,7 @@ def load_recipe(name_or_path: str) -> Recipe:
         executorch_config=dict(config),
         runs_here=runs_here,
         kv_cache=kv_cache,
+        layers=layers,
     )
 
 

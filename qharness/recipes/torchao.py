@@ -3,6 +3,10 @@
 Example (a recipe YAML)::
 
     quantizer: {name: torchao_8da4w, group_size: 32, weight_bits: 4, embedding_bits: null, learn_scales: false}
+
+Per-layer choices (a recipe's ``layers:``, ``recipes/layers.py``) are these settings per module: XNNPACK lowers
+``8da4w-g<N>`` (int4 group-wise), ``8da4w-pc`` and ``8da8w-pc`` (int4 / int8 per channel, ``group_size: null``),
+each with int8 dynamic per-token activations, and ``fp``.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ class Torchao8da4wSettings:
     """``quantizer: {name: torchao_8da4w, ...}``: int8 dynamic per-token activations + intN grouped weights on every
     ``nn.Linear`` whose input size the group divides, optionally weight-only embedding quantization.
 
-    group_size: weights per scale (a power of two, 16 or more).
-    weight_bits: 4 or 8.
+    group_size: weights per scale (a power of two, 16 or more); null: one scale per output channel (per row for
+        embeddings).
+    weight_bits: 4 or 8 (8: per channel only, ``group_size: null``; XNNPACK lowers no int8 group-wise weights).
     embedding_bits: null (embeddings stay FP), 4 or 8.
     choose_qparams: ``affine`` (min-max scales, what QAT's fake quantization trains against) or ``hqq_scale_only``
         (HQQ-optimised scales, export_llm's default for 8da4w PTQ; PTQ-only recipes).
@@ -31,20 +36,26 @@ class Torchao8da4wSettings:
         min-max scales.
     """
 
-    group_size: int = 32
+    group_size: int | None = 32
     weight_bits: int = 4
     embedding_bits: int | None = None
     choose_qparams: str = "affine"
     learn_scales: bool = False
 
     def __post_init__(self):
-        if self.group_size < 16 or self.group_size & (self.group_size - 1):
+        if self.group_size is not None and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
             raise UserError(
                 f"torchao_8da4w quantizer: group_size={self.group_size} must be a power of two >= 16",
-                fix="use 32 (or 64, 128, 256)",
+                fix="use 32 (or 64, 128, 256), or null for one scale per output channel",
             )
         if self.weight_bits not in (4, 8) or self.embedding_bits not in (None, 4, 8):
             raise UserError("torchao_8da4w quantizer: weight_bits and embedding_bits must be 4 or 8")
+        if self.weight_bits == 8 and self.group_size is not None:
+            raise UserError(
+                f"torchao_8da4w quantizer: weight_bits=8 with group_size={self.group_size}: XNNPACK lowers int8 "
+                "weights per channel only",
+                fix="set group_size: null (per channel) with weight_bits: 8, or weight_bits: 4",
+            )
         if self.choose_qparams not in CHOOSE_QPARAMS:
             raise UserError(
                 f"torchao_8da4w quantizer: choose_qparams {self.choose_qparams!r} is unknown",
@@ -62,7 +73,7 @@ class Torchao8da4wSettings:
 def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantizer:
     import torch
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
-    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.granularity import PerAxis, PerGroup
 
     if is_qat and settings.choose_qparams != "affine":
         raise UserError(
@@ -72,24 +83,37 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
         )
     bits = {4: torch.int4, 8: torch.int8}
     group = settings.group_size
+    granularity = PerAxis(0) if group is None else PerGroup(group)
     configs = [
         SourceConfig(
             Int8DynamicActivationIntxWeightConfig(
                 weight_dtype=bits[settings.weight_bits],
-                weight_granularity=PerGroup(group),
+                weight_granularity=granularity,
                 intx_choose_qparams_algorithm=settings.choose_qparams,
             ),
-            lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group == 0,
-            f"nn.Linear layers whose in_features group_size={group} divides",
+            (lambda m, fqn: isinstance(m, torch.nn.Linear))
+            if group is None
+            else (lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group == 0),
+            "nn.Linear layers" if group is None else f"nn.Linear layers whose in_features group_size={group} divides",
             learn_scales=settings.learn_scales,
+            scheme=scheme_name(settings.weight_bits, group, dynamic_activations=True),
         )
     ]
     if settings.embedding_bits is not None:  # min-max scales, learned or not
         configs.append(
             SourceConfig(
-                IntxWeightOnlyConfig(weight_dtype=bits[settings.embedding_bits], granularity=PerGroup(group)),
+                IntxWeightOnlyConfig(weight_dtype=bits[settings.embedding_bits], granularity=granularity),
                 lambda m, fqn: isinstance(m, torch.nn.Embedding),
                 "nn.Embedding tables",
+                scheme=scheme_name(settings.embedding_bits, group, dynamic_activations=False),
             )
         )
     return SourceQuantizer(configs)
+
+
+def scheme_name(weight_bits: int, group_size: int | None, dynamic_activations: bool) -> str:
+    """How ``summary.json`` and ``qharness sensitivity`` name a layer's quantization: ``8da4w-g32`` (int8 dynamic
+    activations, int4 weights in groups of 32), ``8da8w-pc`` (int8 weights, one scale per output channel), ``w4-g32``
+    (weight-only, embeddings)."""
+    weights = f"8da{weight_bits}w" if dynamic_activations else f"w{weight_bits}"
+    return f"{weights}-{'pc' if group_size is None else f'g{group_size}'}"

@@ -153,7 +153,15 @@ def deploy_and_check(
         summary = deploy_and_check(module.trained(), held_out(dm, parity_cfg, calib_cfg), Path("runs/x"),
                                    ExportConfig(), ParityConfig())
     """
-    from qharness.deploy.lower import export_path, fallback_reason, kv_cache_dtype, lower_to_pte, runner_metadata
+    from qharness.deploy.lower import (
+        export_path,
+        fallback_reason,
+        kv_cache_dtype,
+        layer_counts,
+        lower_to_pte,
+        quantized_layers,
+        runner_metadata,
+    )
     from qharness.runtime.bench import bench, format_bench
     from qharness.runtime.pte import PteModel
 
@@ -280,6 +288,13 @@ def deploy_and_check(
             "fallback_reason": fallback_reason(deployed),
             "kv_cache": kv_cache_dtype(deployed),
             "sha256": hashlib.sha256(pte_bytes).hexdigest(),
+        },
+        layers=None
+        if quantized_layers(deployed) is None
+        else {
+            "schemes": quantized_layers(deployed),
+            "counts": layer_counts(quantized_layers(deployed)),
+            "rules": [rule.raw for rule in recipe.layers],
         },
         timings=timings,
     )
@@ -410,6 +425,8 @@ def format_table(summary: dict) -> str:
             lines.append(
                 f".pte vs trained fake-quant {verdict}: argmax agreement={_decided(fq)}, ppl diff={fq['ppl_rel_diff']:.2%}"
             )
+    if summary.get("layers"):
+        lines.append("layers: " + ", ".join(f"{n} x {scheme}" for scheme, n in summary["layers"]["counts"].items()))
     return "\n".join(lines)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from qharness.errors import UserError
 from qharness.io import to_jsonable, write_json_atomic
 
-SCHEMA_VERSION = 2  # 1: the unversioned summaries written before this type existed (still read)
+SCHEMA_VERSION = 3  # 1: the unversioned summaries written before this type existed; 2: before ``layers`` (both read)
 MODES = ("qat", "ptq")
 
 
@@ -42,6 +42,9 @@ class RunSummary:
         metrics: Per model (``fp``, ``fake_quant``, ``converted``, ``pte``): loss, ppl and their intervals.
         parity: The parity gate's figures and verdict.
         pte: The ``.pte``: path, size_bytes, max_seq_len, export_path, fallback_reason, kv_cache (fp32 or int8).
+        layers: Source-level recipes: the per-layer quantization the ``.pte`` got: ``schemes`` ``{module name: scheme}``
+            (``8da4w-g32``, ``8da8w-pc``, ``fp``, ...), ``counts`` per scheme and the recipe's ``rules`` as written
+            (``recipes/layers.py``); None for graph-level (PT2E) and FP recipes.
         timings: Seconds per stage.
         bench: The run's own benchmark (``qharness bench`` format).
         bench_joint: The sweep's interleaved benchmark of all candidates (fresh processes, round-robin).
@@ -63,6 +66,7 @@ class RunSummary:
     metrics: dict[str, Any] = field(default_factory=dict)
     parity: dict[str, Any] = field(default_factory=dict)
     pte: dict[str, Any] = field(default_factory=dict)
+    layers: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     bench: dict[str, Any] | None = None
     bench_joint: dict[str, Any] | None = None

@@ -62,6 +62,7 @@ def prepare_for_training(
 
                 init_source_scales(model)  # the scales are parameters before the optimizer (or a checkpoint) sees them
             return LogitsOnly(model).train()
+        quantizer.check(model)  # the recipe's layers against this model now, not at deployment after calibration
         return export_for_training(model, batch_size, seq_len)
 
     def prepare(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
