@@ -140,7 +140,7 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.evaluation.harness import check_eval_config
 
         check_eval_config(cfg.eval, seq_len, deploy.max_seq_len)
-    if subcommand in ("fit", "calibrate", "export", "evaluate"):  # they write into the run directory
+    if subcommand in ("fit", "calibrate", "export", "evaluate", "sensitivity"):  # they write into the run directory
         hold_run_lock(cfg.trainer.default_root_dir)
     if cfg.model.checkpoint != "embedded":
         from qharness.deploy.architectures import check_architecture
@@ -284,6 +284,38 @@ class QTrainer(Trainer):
             RunSummary.update(summary_path, evaluations=[{**result, "file": filename, "pte_sha256": sha}])
         return result
 
+    def sensitivity(
+        self,
+        model: QuantLM,
+        datamodule: TextDataModule,
+        candidates: str | None = None,
+        unit: str = "layer",
+        against: str = "fp",
+    ) -> dict:
+        """Per-layer quantization cost: the validation perplexity change (converted model, ``parity.eval_blocks``
+        blocks, paired 95% band) of each layer or decoder block at each candidate precision. Writes sensitivity.json,
+        sensitivity.md (the table) and sensitivity.png (the heat map) into the run directory; prints the table.
+
+        Args:
+            candidates: Comma-separated schemes (default: fp, 8da8w-pc, 8da4w-pc, 8da4w-g<recipe group size>).
+            unit: ``layer`` (every linear) or ``block`` (a decoder layer's linears together; others alone).
+            against: ``fp``: each unit quantized alone, the rest FP; ``recipe``: each unit changed alone in the
+                recipe's quantized model (``fp`` = leaving it alone in floating point).
+        """
+        from qharness.evaluation.sensitivity import check_options, format_table, measure, write_outputs
+        from qharness.run.from_lightning import held_out
+
+        names = check_options(model.recipe, candidates, unit, against)
+        datamodule.setup("fit")
+        data = held_out(datamodule, self.parity_config, self.calibration_config)
+        fp_model, _ = model.load_fp()
+        result = measure(fp_model, model.recipe, data.x, data.y, data.batch_size, names, unit, against)
+        result["model"] = model.hparams.checkpoint
+        paths = write_outputs(result, Path(self.default_root_dir))
+        print(format_table(result))
+        print(f"written: {paths['json']}, {paths['table']}, {paths['png']}")
+        return result
+
     def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> dict:
         """PTQ: calibrate the recipe's observers (``calibration.*``: blocks of training or other data), convert,
         export, lower and check the ``.pte``; writes summary.json. Needs ``model.mode: ptq``."""
@@ -304,6 +336,7 @@ class QHarnessCLI(LightningCLI):
             "export": {"model", "datamodule"},
             "calibrate": {"model", "datamodule"},
             "evaluate": {"model", "datamodule"},
+            "sensitivity": {"model", "datamodule"},
         }
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -347,6 +380,11 @@ class QHarnessCLI(LightningCLI):
             for key, value in overrides.items():
                 if value is not None:
                     cfg.eval[key] = [t for t in value.split(",") if t] if key in ("tasks", "models") else value
+        if self.subcommand == "sensitivity":  # its options, before the model loads
+            from qharness.evaluation.sensitivity import check_options
+            from qharness.recipes.registry import load_recipe
+
+            check_options(load_recipe(cfg.model.recipe), cfg.get("candidates"), cfg.get("unit"), cfg.get("against"))
         preflight(cfg, self.subcommand)
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
@@ -408,6 +446,8 @@ class QHarnessCLI(LightningCLI):
 
     def before_evaluate(self) -> None:
         self._attach_configs()
+
+    before_sensitivity = before_evaluate
 
     def before_validate(self) -> None:
         self._default_weights_only()

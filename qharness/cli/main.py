@@ -5,6 +5,7 @@
     qharness validate|test CONFIG [--ckpt_path last]
     qharness export CONFIG [--ckpt_path last]      # .pte + parity + summary.json from a checkpoint
     qharness evaluate CONFIG [--tasks qharness_ppl,hellaswag] [--limit 32]   # lm-eval: FP / fake-quant / .pte
+    qharness sensitivity CONFIG [--candidates fp,8da4w-g32] [--unit block] [--against recipe]   # per-layer cost
     qharness recipes                                # the known backend recipes
     qharness generate --pte runs/x/model.pte --prompt "To be" [--temperature 0]
     qharness bench --pte runs/x/model.pte          # latency/memory/size vs the eager FP model
@@ -30,6 +31,7 @@ SUBCOMMANDS = {
     "test": "same as validate, on the test dataloader",
     "export": "export a trained checkpoint (--ckpt_path, default last) to .pte, with the parity gate",
     "evaluate": "lm-eval table of a run: FP vs fake-quant vs .pte [--pte PATH --ckpt PATH --tasks a,b --limit N --num_fewshot K]",
+    "sensitivity": "per-layer quantization cost: held-out perplexity change per layer x precision (table, heat map, JSON)",
     "recipes": "list the backend recipes",
     "generate": "stream text from a .pte (--pte PATH --prompt TEXT), with tokens/s",
     "bench": "load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model",
@@ -38,7 +40,7 @@ SUBCOMMANDS = {
 }
 
 # Run-config subcommands go through LightningCLI (cli/lightning.py); the plain ones are the functions of cli/commands.py.
-LIGHTNING = ("fit", "calibrate", "validate", "test", "export", "evaluate")
+LIGHTNING = ("fit", "calibrate", "validate", "test", "export", "evaluate", "sensitivity")
 PLAIN = ("recipes", "generate", "bench", "report", "sweep")
 
 # The option that places a plain subcommand's output (run configs: trainer.default_root_dir)

@@ -1,6 +1,6 @@
 """Fast validation of a run config, before torch and Lightning load: a bad config fails in about a second.
 
-``qharness fit|validate|test|calibrate|export|evaluate`` read their ``--config`` files and dotted overrides
+``qharness fit|validate|test|calibrate|export|evaluate|sensitivity`` read their ``--config`` files and dotted overrides
 (``--model.lr -1``, ``--model.lr=-1``) here and check what needs no torch: the YAML itself, the top-level
 sections, the fields and values of ``model`` (``check_model_args``: lr, warmup, recipe and mode), ``data``
 (``check_data_args``: sizes, the source path) and the typed sections of ``qharness.config``. What it cannot
@@ -52,6 +52,7 @@ SECTIONS = {
 # Top-level keys of the subcommands' configs (``qharness fit --print_config``; evaluate adds its options).
 TOP_LEVEL = {"seed_everything", "trainer", "model", "data", "checkpoint", "ckpt_path", "weights_only", "verbose"}
 TOP_LEVEL |= set(SECTIONS) | {"pte", "tasks", "limit", "num_fewshot", "models"}
+TOP_LEVEL |= {"candidates", "unit", "against"}  # sensitivity's options
 # Types of the trainer and checkpoint fields checked here (Lightning's annotations, the parts a YAML value can take).
 TRAINER_TYPES = {
     "max_steps": "int",

@@ -1,0 +1,341 @@
+"""Per-layer quantization sensitivity (``qharness sensitivity CONFIG``): the held-out perplexity cost of each layer
+(or decoder block) at each candidate precision, measured with the converted (really quantized) model, with a noise band.
+
+Two baselines (``against``):
+
+- ``fp``: the FP model; each unit is quantized alone at each candidate (the cost of quantizing it).
+- ``recipe``: the recipe's own quantized model (its ``layers:`` rules included); each unit is set to each candidate,
+  ``fp`` included (the cost, or gain, of changing it alone; ``fp`` = leaving it alone in floating point).
+
+Every figure is paired against the baseline on the same validation blocks (``checks/stats.py``: the interval of the
+per-block loss differences), so the band is the noise of the comparison itself. Candidates are scheme names of the
+``torchao_8da4w`` quantizer (``recipes/torchao.py``, ``scheme_name``): ``fp``, ``8da8w-pc``, ``8da4w-pc``,
+``8da4w-g32``, ...; each maps to the rule a recipe's ``layers:`` takes (``candidates`` in the JSON), so a tool that
+picks a per-layer assignment from ``sensitivity.json`` writes its rules straight from it. Each unit also carries an
+estimate of its weight bytes in the ``.pte`` per candidate (``weight_bytes``: int8/int4 values, fp32 per-channel or
+bf16 group scales, fp32 bias; as XNNPACK stores them).
+
+Example::
+
+    result = measure(fp_model, recipe, x, y, batch_size=8, candidates=default_candidates(recipe))
+    print(format_table(result)); write_outputs(result, Path("runs/ptq_xnnpack"))
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import re
+import time
+from pathlib import Path
+
+from qharness.errors import UserError
+
+FP = "fp"
+UNITS = ("layer", "block")
+AGAINST = ("fp", "recipe")
+SCHEMA_VERSION = 1
+_SCHEME = re.compile(r"8da(4|8)w-(pc|g(\d+))")
+_BLOCK = re.compile(r"^(.*\.layers\.\d+)\.")  # decoder block of a module name (HF: model.layers.N.)
+
+
+def candidate_rule(name: str) -> dict:
+    """The ``layers:`` rule settings of a candidate scheme name (``8da4w-g32`` -> weight_bits 4, group_size 32)."""
+    if name == FP:
+        return {"quant": FP}
+    m = _SCHEME.fullmatch(name)
+    if m is None:
+        raise UserError(
+            f"--candidates: unknown scheme {name!r}",
+            fix="use fp, 8da8w-pc, 8da4w-pc or 8da4w-g<N> (int8 dynamic activations; pc: per channel, gN: groups of N)",
+        )
+    return {"weight_bits": int(m.group(1)), "group_size": None if m.group(2) == "pc" else int(m.group(3))}
+
+
+def default_candidates(recipe, against: str = "fp") -> list[str]:
+    """What XNNPACK lowers: int8 and int4 per channel, int4 in the recipe's groups (default 32), and fp unless fp is
+    the baseline."""
+    group = getattr(recipe.settings, "group_size", None) or 32
+    return ([] if against == "fp" else [FP]) + ["8da8w-pc", "8da4w-pc", f"8da4w-g{group}"]
+
+
+def scheme_recipe(recipe, against: str):
+    """The recipe whose quantizer makes the candidates: ``recipe`` when it is source-level (torchao), else (baseline
+    ``fp`` only) the built-in ``xnnpack_8da4w``, so that a run config of any XNNPACK recipe can be measured."""
+    if recipe.kind == "source":
+        return recipe
+    if against == "recipe":
+        raise UserError(
+            f"--against recipe needs a source-level recipe (torchao_8da4w); {recipe.name!r} is {recipe.kind}",
+            fix="--model.recipe xnnpack_8da4w (or a recipe based on it), or --against fp",
+        )
+    from qharness.recipes.registry import load_recipe
+
+    return load_recipe("xnnpack_8da4w")
+
+
+def check_options(recipe, candidates: str | None, unit: str, against: str) -> list[str]:
+    """The candidate names (``--candidates a,b``, else ``default_candidates``), checked with the unit and baseline
+    before any model loads; ``UserError`` naming the option otherwise."""
+    if unit not in UNITS:
+        raise UserError(f"--unit must be one of {', '.join(UNITS)} (got {unit!r})", fix="--unit layer")
+    if against not in AGAINST:
+        raise UserError(f"--against must be one of {', '.join(AGAINST)} (got {against!r})", fix="--against fp")
+    recipe = scheme_recipe(recipe, against)
+    names = (
+        [c.strip() for c in candidates.split(",") if c.strip()] if candidates else default_candidates(recipe, against)
+    )
+    if len(set(names)) != len(names) or not names:
+        raise UserError(
+            f"--candidates must name distinct schemes (got {candidates!r})", fix="--candidates fp,8da4w-g32"
+        )
+    for name in names:
+        _settings(recipe, name)
+    return names
+
+
+def _settings(recipe, name: str):
+    """The quantizer settings of candidate ``name`` (None for fp): the recipe's, with the candidate's bits and group."""
+    rule = candidate_rule(name)
+    if rule.get("quant") == FP:
+        return None
+    from qharness.recipes.registration import parse_settings
+
+    merged = {**dataclasses.asdict(recipe.settings), **rule, "embedding_bits": None, "learn_scales": False}
+    try:
+        return parse_settings(type(recipe.settings), merged, f"--candidates {name}")
+    except UserError as e:  # the settings' own range checks: name the option
+        raise UserError(f"--candidates {name}: {e.what}", fix=e.fix) from None
+
+
+def _unit_of(name: str, unit: str) -> str:
+    m = _BLOCK.match(name) if unit == "block" else None
+    return m.group(1) if m else name
+
+
+def weight_bytes(module, scheme: str) -> int:
+    """Estimated bytes of a linear's weight (+ bias) in an XNNPACK ``.pte`` under ``scheme``."""
+    out, numel = module.weight.shape[0], module.weight.numel()
+    bias = 4 * module.bias.numel() if getattr(module, "bias", None) is not None else 0
+    if scheme == FP:
+        return 4 * numel + bias
+    rule = candidate_rule(scheme)
+    values = numel * rule["weight_bits"] // 8
+    scales = 4 * out if rule["group_size"] is None else 2 * (numel // rule["group_size"])  # fp32 / bf16 scales
+    return values + scales + bias
+
+
+class _Swapper:
+    """Put modules into ``model`` by name and take them back out."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def put(self, modules: dict):
+        old = {}
+        for name, module in modules.items():
+            parent, _, attr = name.rpartition(".")
+            owner = self.model.get_submodule(parent) if parent else self.model
+            old[name] = getattr(owner, attr)
+            setattr(owner, attr, module)
+        return old
+
+
+def _quantized_copies(fp_modules: dict, quantizer) -> dict | None:
+    """Copies of ``fp_modules`` quantized by ``quantizer`` (torchao ``quantize_``), or None when it cannot quantize
+    every one of them (e.g. a group size that does not divide an input size)."""
+    import torch
+
+    holder = torch.nn.ModuleDict({str(i): copy.deepcopy(m) for i, m in enumerate(fp_modules.values())})
+    if len(quantizer.assignment(holder)) != len(holder):
+        return None
+    quantizer.convert(holder)
+    return {name: holder[str(i)] for i, name in enumerate(fp_modules)}
+
+
+def measure(
+    fp_model,
+    recipe,
+    x,
+    y,
+    batch_size: int,
+    candidates: list[str],
+    unit: str = "layer",
+    against: str = "fp",
+    progress: bool = True,
+) -> dict:
+    """Score every (unit, candidate) on validation blocks ``x``/``y`` against the baseline (``against``); returns
+    the JSON-ready result (``write_outputs``). ``fp_model`` (an HF causal LM, eval mode) is left as it was."""
+    import torch
+
+    from qharness.checks.parity import score_batched
+    from qharness.checks.stats import loss_interval, paired_ratio
+    from qharness.progress import bar
+    from qharness.recipes.registration import QUANTIZERS
+
+    t0 = time.perf_counter()
+    recipe = scheme_recipe(recipe, against)
+    build = QUANTIZERS[recipe.quantizer].build
+    quantizers = {c: None if _settings(recipe, c) is None else build(_settings(recipe, c), False) for c in candidates}
+    linears = {n: m for n, m in fp_model.named_modules() if isinstance(m, torch.nn.Linear)}
+    names = [
+        n
+        for n, m in linears.items()
+        if any(q is not None and q.assignment(torch.nn.ModuleDict({"m": m})) for q in quantizers.values())
+    ]
+    if not names:
+        raise UserError(f"no candidate quantizes a layer of {type(fp_model).__name__}", fix="--candidates 8da8w-pc")
+    units: dict[str, list[str]] = {}
+    for n in names:
+        units.setdefault(_unit_of(n, unit), []).append(n)
+
+    model, schemes = fp_model, {n: FP for n in names}
+    if against == "recipe":
+        model = copy.deepcopy(fp_model)
+        applied = recipe.make_quantizer(is_qat=False).convert(model)
+        schemes = {n: applied.get(n, FP) for n in names}
+    swap = _Swapper(model)
+
+    def score(desc=None):
+        with torch.no_grad():
+            return score_batched(lambda b: model(input_ids=b, use_cache=False).logits, x, y, batch_size, desc=desc)
+
+    base = score("scoring the baseline" if progress else None)
+    jobs = [(u, c) for u, members in units.items() for c in candidates if any(schemes[n] != c for n in members)]
+    results: dict[str, dict] = {u: {} for u in units}
+    for u, c in bar(jobs, f"sensitivity ({unit} x precision)", unit="model") if progress else jobs:
+        members = {n: linears[n] for n in units[u]}
+        new = dict(members) if quantizers[c] is None else _quantized_copies(members, quantizers[c])
+        if new is None:
+            results[u][c] = {"applicable": False}
+            continue
+        old = swap.put(new)
+        try:
+            scored = score()
+        finally:
+            swap.put(old)
+        r = paired_ratio(scored["block_losses"], base["block_losses"])
+        lo, hi = r["ci"] or (None, None)
+        results[u][c] = {
+            "applicable": True,
+            "ppl": scored["ppl"],
+            "ppl_ratio": r["ppl_ratio"],
+            "ci": r["ci"],
+            "significant": lo is not None and (lo > 1 or hi < 1),
+        }
+    for u in units:  # the baseline's own scheme: no change, ratio 1
+        for c in candidates:
+            if c not in results[u]:
+                results[u][c] = {"applicable": True, "ppl": base["ppl"], "ppl_ratio": 1.0, "ci": [1.0, 1.0]}
+                results[u][c]["baseline"] = True
+                results[u][c]["significant"] = False
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "recipe": recipe.name,
+        "against": against,
+        "unit": unit,
+        "candidates": {c: candidate_rule(c) for c in candidates},
+        "baseline": {
+            "ppl": base["ppl"],
+            "loss": base["loss"],
+            **loss_interval(base["block_losses"]),
+            "schemes": schemes,
+        },
+        "units": [
+            {
+                "name": u,
+                "layers": members,
+                "params": sum(linears[n].weight.numel() for n in members),
+                "weight_bytes": {c: sum(weight_bytes(linears[n], c) for n in members) for c in candidates},
+                "results": {c: results[u][c] for c in candidates},
+            }
+            for u, members in units.items()
+        ],
+        "eval_blocks": len(x),
+        "seq_len": int(x.shape[1]),
+        "evaluations": len(jobs) + 1,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def _cell(r: dict) -> str:
+    if not r.get("applicable", True):
+        return "n/a"
+    if r.get("baseline"):
+        return "(baseline)"
+    ci = r["ci"]
+    band = f" [{ci[0] - 1:+.2%}, {ci[1] - 1:+.2%}]" if ci else ""
+    return f"{r['ppl_ratio'] - 1:+.2%}{band}{' *' if r['significant'] else ''}"
+
+
+def format_table(result: dict) -> str:
+    """The unit x candidate table: the perplexity change vs the baseline with its 95% paired band (``*``: outside
+    the band of no change)."""
+    cands = list(result["candidates"])
+    b = result["baseline"]
+    what = "quantized alone, the rest FP" if result["against"] == "fp" else f"changed alone in {result['recipe']}"
+    rows = [(result["unit"], *cands)]
+    rows += [(u["name"], *(_cell(u["results"][c]) for c in cands)) for u in result["units"]]
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    ci = b.get("ppl_ci")
+    lines = [
+        f"sensitivity: validation perplexity change per {result['unit']} ({what}), converted model, "
+        f"{result['eval_blocks']} blocks of {result['seq_len']} tokens; baseline ppl {b['ppl']:.3f}"
+        + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""),
+        *("  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows),
+        f"[lo, hi]: 95% interval of the paired per-block differences; *: no change lies outside it (by chance alone "
+        f"about 1 cell in 20 is starred); {result['evaluations']} models scored in {result['wall_s']:.1f}s",
+    ]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Path:
+    """Heat map (unit x candidate) of the perplexity change in %, each cell annotated; hatched: not applicable."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cands = list(result["candidates"])
+    units = result["units"]
+    values = [
+        [
+            (u["results"][c]["ppl_ratio"] - 1) * 100 if u["results"][c].get("applicable", True) else math.nan
+            for c in cands
+        ]
+        for u in units
+    ]
+    finite = [abs(v) for row in values for v in row if not math.isnan(v)]
+    limit = max(finite + [1e-6])
+    fig, ax = plt.subplots(figsize=(1.6 * len(cands) + 3, 0.32 * len(units) + 1.8))
+    image = ax.imshow(values, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto")
+    ax.set_xticks(range(len(cands)), cands)
+    ax.set_yticks(range(len(units)), [u["name"] for u in units], fontsize=7)
+    for i, u in enumerate(units):
+        for j, c in enumerate(cands):
+            r = u["results"][c]
+            text = "n/a" if math.isnan(values[i][j]) else f"{values[i][j]:+.2f}{'*' if r.get('significant') else ''}"
+            ax.text(j, i, text, ha="center", va="center", fontsize=6)
+    fig.colorbar(image, ax=ax, label=f"perplexity change vs {result['against']} baseline (%)")
+    ax.set_title(f"{result['recipe']}: sensitivity per {result['unit']} (*: outside the 95% paired band)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
+    """``sensitivity.json``, ``sensitivity.md`` (the table) and ``sensitivity.png`` (the heat map) in ``out_dir``."""
+    from qharness.io import write_bytes_atomic, write_json_atomic
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": out_dir / "sensitivity.json",
+        "table": out_dir / "sensitivity.md",
+        "png": out_dir / "sensitivity.png",
+    }
+    write_json_atomic(paths["json"], result)
+    write_bytes_atomic(paths["table"], ("```\n" + format_table(result) + "\n```\n").encode())
+    plot(result, paths["png"])
+    return paths
