@@ -13,7 +13,7 @@ from qharness.run.from_lightning import held_out, trained
 from qharness.run.pipeline import deploy_and_check
 from qharness.training.module import QuantLM
 
-FAST = {("xnnpack_int4w_dynamic", "qat"), ("xnnpack_8da4w", "qat")}
+FAST = {("xnnpack_int4w_dynamic", "qat"), ("xnnpack_8da4w", "qat"), ("xnnpack_8da3w", "qat")}
 CASES = [(r, m) for r in known_recipes() for m in load_recipe(r).modes]
 
 

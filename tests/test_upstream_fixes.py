@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from qharness.upstream.fixes import custom_sdpa, xnnpack_scalars
+from qharness.upstream.fixes import custom_sdpa, xnnpack_scalars, xnnpack_subbyte
 
 
 def _graph_with_int_add(device="cpu"):
@@ -114,3 +114,50 @@ def test_upstream_vulkan_quantizer_still_lifts_scalars():
     gm = VulkanQuantizer().transform_for_annotation(_graph_with_int_add())
     assert _lifted_dtypes(gm), "upstream no longer lifts add/mul scalars"
     assert not _lifted_dtypes(vulkan.vulkan_quantizer_cls()().transform_for_annotation(_graph_with_int_add()))
+
+
+def _int3_linear(group):
+    """A linear layer torchao quantizes to 3-bit weights with int8 dynamic activations (``xnnpack_8da3w``)."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerAxis, PerGroup
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    granularity = PerAxis(0) if group is None else PerGroup(group)
+    config = Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int3, weight_granularity=granularity)
+    quantize_(model, config)
+    return model
+
+
+def _lower(model, x):
+    from qharness.upstream import imports
+
+    with torch.no_grad():
+        ep = torch.export.export(model, (x,))
+    parts = [imports.xnnpack_partitioner(dynamic_quant=True), imports.xnnpack_partitioner(dynamic_quant=False)]
+    return imports.to_edge_transform_and_lower(ep, partitioner=parts).to_executorch().buffer
+
+
+def test_upstream_xnnpack_still_lowers_no_3bit_groups():
+    """When this fails, ExecuTorch's XNNPACK lowers 3-bit group-wise weights: retire xnnpack_subbyte (the .pte could
+    then store them as they are)."""
+    with pytest.raises(AssertionError, match="Only 4b group quantization is supported"):
+        _lower(_int3_linear(32), torch.randn(2, 64))
+
+
+@pytest.mark.parametrize("group", [32, None])
+def test_3bit_weights_as_int4_are_the_same_weights_and_run_on_xnnpack(group):
+    from executorch.runtime import Runtime
+
+    model, x = _int3_linear(group), torch.randn(2, 64)
+    weight = model[0].weight
+    before, values = weight.dequantize(), weight.qdata.clone()
+    assert int(values.min()) >= -4 and int(values.max()) <= 3
+    assert xnnpack_subbyte.store_as_int4(model) == {"0": "int3"}
+    assert weight.target_dtype == torch.int4
+    assert torch.equal(weight.qdata, values) and torch.equal(weight.dequantize(), before)
+    program = Runtime.get().load_program(_lower(model, x))
+    got = program.load_method("forward").execute([x])[0]
+    want = model(x)  # int8 per-token activations here and in XNNPACK, rounded a little differently
+    assert ((got - want).norm() / want.norm()).item() < 0.01
+    assert xnnpack_subbyte.store_as_int4(model) == {}  # nothing left below 4 bits

@@ -13,12 +13,15 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any, Callable
 
 from qharness.errors import UserError
+
+log = logging.getLogger(__name__)
 
 KINDS = ("pt2e", "source")
 
@@ -141,6 +144,7 @@ class SourceQuantizer:
         quantizer's scale (min-max off); the other steps quantize with min-max as without. Returns the assignment
         (``check``)."""
         from qharness.upstream import imports
+        from qharness.upstream.fixes import xnnpack_subbyte
 
         layers = self.check(model)
         qat = imports.torchao_qat()
@@ -156,6 +160,13 @@ class SourceQuantizer:
             model,
             lambda step: qat.QATConfig(step.config, step="convert") if learned and step.learn_scales else step.config,
         )
+        subbyte = xnnpack_subbyte.store_as_int4(model)  # 2/3-bit values, stored as XNNPACK's int4
+        if subbyte:
+            log.info(
+                "%d layers' %s weights are stored as int4 (XNNPACK lowers 4- and 8-bit weights)",
+                len(subbyte),
+                "/".join(sorted(set(subbyte.values()))),
+            )
         return layers
 
 

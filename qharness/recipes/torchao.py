@@ -17,6 +17,7 @@ from qharness.errors import UserError
 from qharness.recipes.registration import SourceConfig, SourceQuantizer, register_quantizer
 
 CHOOSE_QPARAMS = ("affine", "hqq_scale_only")
+WEIGHT_BITS = (2, 3, 4, 8)  # linear weights; 2 and 3 are stored as int4 on XNNPACK
 
 
 @dataclass(frozen=True)
@@ -26,7 +27,10 @@ class Torchao8da4wSettings:
 
     group_size: weights per scale (a power of two, 16 or more); null: one scale per output channel (per row for
         embeddings).
-    weight_bits: 4 or 8 (8: per channel only, ``group_size: null``; XNNPACK lowers no int8 group-wise weights).
+    weight_bits: 2, 3, 4 or 8 (8: per channel only, ``group_size: null``; XNNPACK lowers no int8 group-wise weights).
+        2 and 3: QAT and the ``.pte`` use values of that many bits, which XNNPACK (it lowers 4- and 8-bit weights
+        only) stores as int4: the accuracy of 2/3-bit weights at the size and speed of 4-bit ones
+        (``upstream/fixes/xnnpack_subbyte.py``); a backend with 2/3-bit kernels would store them smaller.
     embedding_bits: null (embeddings stay FP), 4 or 8.
     choose_qparams: ``affine`` (min-max scales, what QAT's fake quantization trains against) or ``hqq_scale_only``
         (HQQ-optimised scales, export_llm's default for 8da4w PTQ; PTQ-only recipes).
@@ -48,8 +52,16 @@ class Torchao8da4wSettings:
                 f"torchao_8da4w quantizer: group_size={self.group_size} must be a power of two >= 16",
                 fix="use 32 (or 64, 128, 256), or null for one scale per output channel",
             )
-        if self.weight_bits not in (4, 8) or self.embedding_bits not in (None, 4, 8):
-            raise UserError("torchao_8da4w quantizer: weight_bits and embedding_bits must be 4 or 8")
+        if self.weight_bits not in WEIGHT_BITS:
+            raise UserError(
+                f"torchao_8da4w quantizer: weight_bits={self.weight_bits} is not supported",
+                fix=f"use one of {', '.join(map(str, WEIGHT_BITS))}",
+            )
+        if self.embedding_bits not in (None, 4, 8):
+            raise UserError(
+                f"torchao_8da4w quantizer: embedding_bits={self.embedding_bits} is not supported",
+                fix="use null (FP embeddings), 4 or 8",
+            )
         if self.weight_bits == 8 and self.group_size is not None:
             raise UserError(
                 f"torchao_8da4w quantizer: weight_bits=8 with group_size={self.group_size}: XNNPACK lowers int8 "
@@ -81,7 +93,7 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             "(it trains affine scales)",
             fix="use it in PTQ-only recipes (modes: [ptq]), or choose_qparams: affine",
         )
-    bits = {4: torch.int4, 8: torch.int8}
+    bits = {2: torch.int2, 3: torch.int3, 4: torch.int4, 8: torch.int8}
     group = settings.group_size
     granularity = PerAxis(0) if group is None else PerGroup(group)
     configs = [
