@@ -114,8 +114,9 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: int = 900) -> subproce
 
 
 def write_config(path, model_dir, data_source, run_dir, **sections):
-    """A tiny fit/calibrate config (6 QAT steps, a 64-position .pte, a short benchmark, no lm-eval, no wandb: its
-    start costs seconds); ``sections`` update its groups, e.g. ``data={"seq_len": 16}``."""
+    """A tiny fit/calibrate config (6 QAT steps, a 64-position .pte, no benchmark (its fresh processes cost seconds
+    per run; ``bench={"enabled": True}`` runs a short one), no lm-eval, no wandb: its start costs seconds);
+    ``sections`` update its groups, e.g. ``data={"seq_len": 16}``."""
     cfg = {
         "model": {
             "checkpoint": str(model_dir),
@@ -130,7 +131,7 @@ def write_config(path, model_dir, data_source, run_dir, **sections):
         "deploy": {"max_seq_len": 64},
         "parity": {"eval_blocks": 8, "prompts": 2, "prompt_len": 16, "decode_steps": 4},
         "calibration": {"blocks": 4},
-        "bench": {"prompt_len": 16, "decode_tokens": 8, "reps": 2},
+        "bench": {"enabled": False, "prompt_len": 16, "decode_tokens": 8, "reps": 2},
         "eval": {"enabled": False, "limit": 4},
         "wandb": {"enabled": False},
     }
@@ -150,6 +151,7 @@ def fitted(tmp_path_factory, tiny_llama, corpus):
         corpus,
         tmp / "run",
         trainer={"log_every_n_steps": 2},
+        bench={"enabled": True},
         wandb={"enabled": True},
         eval={"enabled": True, "tasks": ["qharness_ppl", "qharness_mc", "qharness_gen"]},  # gen too: through the .pte
     )

@@ -121,6 +121,7 @@ def test_calibrate_refuses_qat_mode(tmp_path, tiny_llama, corpus):
     assert r.returncode == 2 and "calibrate needs model.mode: ptq" in r.stderr
 
 
+@pytest.mark.slow  # ~40 s; the default suite resumes killed runs to the same result (test_killed_run_resumes_...)
 def test_resumed_run_ends_where_an_uninterrupted_run_ends(tmp_path, tiny_llama, corpus):
     """A run killed right after its step-3 checkpoint (mid-epoch) and resumed with ``--ckpt_path last``
     ends with the same weights and observer state as the uninterrupted 8-step run.

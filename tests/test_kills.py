@@ -148,7 +148,7 @@ def test_fit_killed_in_every_stage_finishes_and_never_claims_more(tmp_path, tiny
             "callbacks": [{"class_path": "lightning.pytorch.callbacks.TQDMProgressBar"}],
         },
         checkpoint={"every_n_train_steps": every},
-        bench={"reps": 1, "eager": False},
+        bench={"enabled": True, "reps": 1, "eager": False},
         eval={"enabled": True, "tasks": ["qharness_ppl"], "limit": 4, "models": ["fake_quant", "pte"]},
     )
     ckpt = run_dir / "checkpoints" / "last.ckpt"
@@ -228,7 +228,7 @@ def test_sweep_killed_between_runs_in_training_and_in_the_report(tmp_path, tiny_
     shared = yaml.safe_load(write_config(tmp_path / "shared.yaml", tiny_llama, corpus, tmp_path / "unused").read_text())
     del shared["trainer"]["default_root_dir"]
     shared["trainer"].update(max_steps=12, val_check_interval=12)
-    shared["bench"].update(reps=1)
+    shared["bench"].update(enabled=True, reps=1)
     config = tmp_path / "sweep.yaml"
     config.write_text(
         yaml.safe_dump(
