@@ -21,10 +21,18 @@ def _blocks(n=4, seq_len=24, vocab=256):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def test_sub_4bit_candidates_cost_the_bytes_of_int4_on_xnnpack():
+    """XNNPACK stores 2/3-bit values as int4 (upstream/fixes/xnnpack_subbyte.py): no size below 4-bit."""
+    linear = torch.nn.Linear(64, 32)
+    assert weight_bytes(linear, "8da3w-g32") == weight_bytes(linear, "8da2w-g32") == weight_bytes(linear, "8da4w-g32")
+    assert weight_bytes(linear, "8da4w-g32") < weight_bytes(linear, "8da8w-pc") < weight_bytes(linear, "fp")
+
+
 def test_candidates_are_the_rules_a_recipe_takes():
     assert candidate_rule("fp") == {"quant": "fp"}
     assert candidate_rule("8da8w-pc") == {"weight_bits": 8, "group_size": None}
     assert candidate_rule("8da4w-g64") == {"weight_bits": 4, "group_size": 64}
+    assert candidate_rule("8da3w-pc") == {"weight_bits": 3, "group_size": None}
     assert check_options(load_recipe("xnnpack_8da4w"), None, "layer", "fp") == ["8da8w-pc", "8da4w-pc", "8da4w-g32"]
     assert check_options(load_recipe("xnnpack_8da4w"), None, "block", "recipe")[0] == "fp"
     # a PT2E recipe's run config is measured with the torchao schemes against FP

@@ -36,7 +36,7 @@ FP = "fp"
 UNITS = ("layer", "block")
 AGAINST = ("fp", "recipe")
 SCHEMA_VERSION = 1
-_SCHEME = re.compile(r"8da(4|8)w-(pc|g(\d+))")
+_SCHEME = re.compile(r"8da([2348])w-(pc|g(\d+))")
 _BLOCK = re.compile(r"^(.*\.layers\.\d+)\.")  # decoder block of a module name (HF: model.layers.N.)
 
 
@@ -48,7 +48,8 @@ def candidate_rule(name: str) -> dict:
     if m is None:
         raise UserError(
             f"--candidates: unknown scheme {name!r}",
-            fix="use fp, 8da8w-pc, 8da4w-pc or 8da4w-g<N> (int8 dynamic activations; pc: per channel, gN: groups of N)",
+            fix="use fp, 8da8w-pc, 8da4w-pc, 8da4w-g<N>, or 2/3 bits (8da3w-g32, ...) (int8 dynamic activations; pc: per "
+            "channel, gN: groups of N)",
         )
     return {"weight_bits": int(m.group(1)), "group_size": None if m.group(2) == "pc" else int(m.group(3))}
 
@@ -121,7 +122,9 @@ def weight_bytes(module, scheme: str) -> int:
     if scheme == FP:
         return 4 * numel + bias
     rule = candidate_rule(scheme)
-    values = numel * rule["weight_bits"] // 8
+    values = (
+        numel * max(rule["weight_bits"], 4) // 8
+    )  # 2/3-bit values are stored as int4 (upstream/fixes/xnnpack_subbyte)
     scales = 4 * out if rule["group_size"] is None else 2 * (numel // rule["group_size"])  # fp32 / bf16 scales
     return values + scales + bias
 
