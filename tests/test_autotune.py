@@ -193,3 +193,38 @@ def test_autotune_cli_writes_a_recipe_that_fits_and_runs_it(tmp_path, tiny_llama
     assert recipe["base"] == "xnnpack_8da4w" and len(recipe["layers"]) == 3
     assert "predicted .pte" in r.stdout and "[autotune] .pte size: predicted" in r.stdout
     assert (run / "sensitivity.json").is_file()
+
+
+@pytest.mark.slow
+def test_autotune_qat_trains_the_planned_assignment_and_its_recipe_reruns(tmp_path, tiny_llama, corpus):
+    """QAT: the plan is trained (last.ckpt) and deployed with the fake-quant comparison; then the written recipe run
+    again by calibrate (PTQ on the same FP model) gives a .pte with the same assignment, of about the same size (not
+    byte for byte: the untrained model's norm weights are equal, and ExecuTorch stores equal constants once)."""
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        tiny_llama,
+        corpus,
+        tmp_path / "run",
+        model={"recipe": "xnnpack_8da4w", "mode": "qat"},
+        bench={"enabled": False},
+    )
+    r = run_cli("autotune", cfg, "--max_size_mb", "0.225", "--unit", "block")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["mode"] == "qat" and summary["parity"]["passed"] and "fake_quant" in summary["parity"]
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    again = run_cli(
+        "calibrate",
+        cfg,
+        "--model.mode",
+        "ptq",
+        "--model.recipe",
+        run / "autotuned.yaml",
+        "--trainer.default_root_dir",
+        tmp_path / "again",
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert abs(rerun["pte"]["size_bytes"] - summary["pte"]["size_bytes"]) <= 2048
+    assert rerun["layers"]["schemes"] == summary["layers"]["schemes"]

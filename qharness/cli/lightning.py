@@ -443,7 +443,7 @@ class QTrainer(Trainer):
         write_json_atomic(run_dir / at.PLAN_FILE, record)
         print(
             f"[autotune] .pte ppl {ppl:.3f} (predicted {plan.predicted_ppl:.3f}); plan: {run_dir / at.PLAN_FILE}; "
-            f"run it again: qharness calibrate CONFIG --model.recipe {recipe_path}"
+            f"run it again: qharness {'fit' if model.hparams.mode == 'qat' else 'calibrate'} CONFIG --model.recipe {recipe_path}"
         )
         if measured > budget:
             raise UserError(

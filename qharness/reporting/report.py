@@ -508,8 +508,10 @@ def plot_pareto(
         ax.errorbar(
             [r[x]],
             [r[column]],
-            xerr=[[r[x] - xlo], [xhi - r[x]]],
-            yerr=[[r[column] - ylo], [yhi - r[column]]],
+            # clipped at 0: a band computed apart from its value (ppl vs the paired per-block ratio) can miss it by
+            # float rounding when it is ~1e-7 wide (the FP .pte against the FP model), which matplotlib refuses
+            xerr=[[max(0.0, r[x] - xlo)], [max(0.0, xhi - r[x])]],
+            yerr=[[max(0.0, r[column] - ylo)], [max(0.0, yhi - r[column])]],
             fmt="none",
             ecolor=color,
             elinewidth=1,
