@@ -93,6 +93,21 @@ def test_pareto_front_and_budget_on_a_hand_computed_example(runs_dir):
     assert best_under(result["rows"], "ppl_pte", True, max_latency_ms=0.6) is None  # only the failed run is that fast
 
 
+def test_the_size_front_ranks_by_pte_size_not_latency(runs_dir):
+    """A fast but large program is on the latency front and off the size front (int8-ptq is smaller and better)."""
+    write_json_atomic(
+        runs_dir / "fast-big" / "summary.json",
+        summary("fast-big", "xnnpack_fp32", "ptq", True, 100.0, 0.7, 3.0, True, 0.4),
+    )
+    result = write_report(runs_dir, wandb=False, max_size_mb=2.0)
+    assert "fast-big" in result["front"] and "fast-big" not in result["front_size"]
+    assert result["front_size"] == FRONT  # sizes here happen to order the other runs as latency does
+    rows = {r["run"]: r for r in result["rows"]}
+    assert rows["int8-ptq"]["pareto_size"] and not rows["int8-qat"]["pareto_size"]
+    assert (runs_dir / "pareto_size.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Pareto front by .pte size" in result["text"]
+
+
 def test_higher_is_better_metric_from_lm_eval_results(runs_dir):
     result = write_report(runs_dir, metric="toy/acc", wandb=False)
     assert result["metric"] == "eval/toy/acc/pte" and not result["lower_is_better"]

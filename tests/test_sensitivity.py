@@ -80,7 +80,11 @@ def test_each_figure_is_the_model_that_recipe_rules_would_deploy(tmp_path):
         assert cell["ci"][0] <= cell["ppl_ratio"] <= cell["ci"][1]
         assert cell["ppl_ratio"] == pytest.approx(ppl / fp_ppl, rel=1e-6)
     w = model.lm_head.weight  # 256 x 64, no bias
-    assert units["lm_head"]["weight_bytes"] == {"8da8w-pc": w.numel() + 4 * 256, "8da4w-g32": w.numel() // 2 + 2 * 512}
+    assert units["lm_head"]["weight_bytes"] == {
+        "8da8w-pc": w.numel() + 4 * 256,
+        "8da4w-g32": w.numel() // 2 + 2 * 512,
+        "fp": 4 * w.numel(),
+    }
     assert weight_bytes(model.lm_head, "fp") == 4 * w.numel()
 
 

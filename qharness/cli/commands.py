@@ -172,7 +172,8 @@ def report(
     max_size_mb: float | None = None,
     no_wandb: bool = False,
 ) -> None:
-    """Accuracy vs latency over the runs under RUNS_DIR: table (report.md/.csv), Pareto plot (pareto.png), best run under
+    """Accuracy vs latency over the runs under RUNS_DIR: table (report.md/.csv), Pareto plots (pareto.png; by .pte size:
+    pareto_size.png), best run under
     a budget, ties called ties; logged to wandb.
 
     Args:
@@ -193,6 +194,7 @@ def report(
     print(result["text"])
     print(f"table: {result['paths']['markdown']} and {result['paths']['csv']}")
     print(f"Pareto plot: {result['paths']['png']}")
+    print(f"Pareto plot by .pte size: {result['paths']['size_png']}")
     if result["wandb_dir"]:
         print(f"wandb run: {result['wandb_dir']}")
 
@@ -233,5 +235,6 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False) -> None:
     if rep is not None:
         print(f"table: {rep['paths']['markdown']} and {rep['paths']['csv']}")
         print(f"Pareto plot: {rep['paths']['png']}")
+        print(f"Pareto plot by .pte size: {rep['paths']['size_png']}")
     if done < len(result["runs"]):
         raise SystemExit(1)

@@ -140,7 +140,14 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.evaluation.harness import check_eval_config
 
         check_eval_config(cfg.eval, seq_len, deploy.max_seq_len)
-    if subcommand in ("fit", "calibrate", "export", "evaluate", "sensitivity"):  # they write into the run directory
+    if subcommand in (
+        "fit",
+        "calibrate",
+        "export",
+        "evaluate",
+        "sensitivity",
+        "autotune",
+    ):  # they write into the run directory
         hold_run_lock(cfg.trainer.default_root_dir)
     if cfg.model.checkpoint != "embedded":
         from qharness.deploy.architectures import check_architecture
@@ -148,6 +155,14 @@ def preflight(cfg, subcommand: str | None = None) -> None:
 
         # an architecture that cannot be exported with a static KV cache fails here, before any training
         check_architecture(resolve_checkpoint(cfg.model.checkpoint), cfg.model.trust_remote_code)
+
+
+def init_args(module: QuantLM) -> dict:
+    """The arguments ``module`` was made with (its hyperparameters, without what Lightning adds)."""
+    import inspect
+
+    names = set(inspect.signature(QuantLM.__init__).parameters) - {"self"}
+    return {k: v for k, v in module.hparams.items() if k in names}
 
 
 class SaveOnSigterm(Callback):
@@ -304,6 +319,7 @@ class QTrainer(Trainer):
         """
         from qharness.evaluation.sensitivity import check_options, format_table, measure, write_outputs
         from qharness.run.from_lightning import held_out
+        from qharness.run.pipeline import validation_blocks_id
 
         names = check_options(model.recipe, candidates, unit, against)
         datamodule.setup("fit")
@@ -311,10 +327,131 @@ class QTrainer(Trainer):
         fp_model, _ = model.load_fp()
         result = measure(fp_model, model.recipe, data.x, data.y, data.batch_size, names, unit, against)
         result["model"] = model.hparams.checkpoint
+        result["val_blocks"] = validation_blocks_id(data.x, data.y)
         paths = write_outputs(result, Path(self.default_root_dir))
         print(format_table(result))
         print(f"written: {paths['json']}, {paths['table']}, {paths['png']}")
         return result
+
+    def autotune(
+        self,
+        model: QuantLM,
+        datamodule: TextDataModule,
+        max_size_mb: float | None = None,
+        sensitivity: str | None = None,
+        candidates: str | None = None,
+        unit: str = "layer",
+    ) -> dict:
+        """Per-layer precision under a ``.pte`` size budget: measure (or reuse) the sensitivity table against FP, pick
+        each layer's scheme (exact knapsack: least summed perplexity cost within the budget), write it as a recipe
+        (``autotuned.yaml`` in the run directory), then run it like ``calibrate`` (``model.mode: ptq``) or ``fit``
+        (``qat``): ``.pte``, parity gate, summary.json; ``autotune.json`` has the plan, predicted vs measured size.
+
+        Args:
+            max_size_mb: Budget for the ``.pte`` file, MB (1 MB = 1e6 bytes).
+            sensitivity: A ``sensitivity.json`` to use (default: the run directory's when it was measured on this
+                model and these validation blocks against FP, else measured now and written there).
+            candidates: Comma-separated schemes besides fp (default: 8da8w-pc, 8da4w-pc, 8da4w-g<recipe group size>).
+            unit: ``layer`` (one rule per linear) or ``block`` (one per decoder block; other layers alone).
+        """
+        import json
+
+        from qharness.evaluation import autotune as at
+        from qharness.evaluation.sensitivity import (
+            check_options,
+            format_table,
+            measure,
+            scheme_recipe,
+            unit_sizes,
+            write_outputs,
+        )
+        from qharness.run.from_lightning import held_out
+        from qharness.run.pipeline import validation_blocks_id
+
+        budget = at.check_budget(max_size_mb)
+        names = check_options(model.recipe, candidates, unit, "fp")
+        run_dir = Path(self.default_root_dir)
+        scheme = scheme_recipe(model.recipe, "fp")
+        datamodule.setup("fit")
+        data = held_out(datamodule, self.parity_config, self.calibration_config)
+        fp_model, _ = model.load_fp()
+        settings, seq = scheme.settings, self.export_config.max_seq_len
+        sizes = {"units": unit_sizes(fp_model, model.recipe, names, unit)}
+        rest = at.rest_bytes(fp_model, sizes, seq, settings.embedding_bits, settings.group_size)
+        at.check_fits(sizes, budget, rest)  # before any measuring: a budget nothing fits fails now
+        val = validation_blocks_id(data.x, data.y)
+        path = Path(sensitivity) if sensitivity else run_dir / "sensitivity.json"
+        table = None
+        if path.is_file():
+            table = json.loads(path.read_text())
+            why = at.table_matches(table, model.hparams.checkpoint, len(data.x), data.seq_len, val, unit)
+            if why and sensitivity:
+                raise UserError(
+                    f"--sensitivity {path} does not fit this config: {why}",
+                    fix="leave --sensitivity out (autotune measures the table), or measure it with this config",
+                )
+            print(f"[autotune] {path}: " + (f"not reused ({why}); measuring again" if why else "reused"), flush=True)
+            table = None if why else table
+        elif sensitivity:
+            raise UserError(f"--sensitivity {path} does not exist", fix="run qharness sensitivity CONFIG first")
+        if table is None:
+            table = measure(fp_model, model.recipe, data.x, data.y, data.batch_size, names, unit, "fp")
+            table.update(model=model.hparams.checkpoint, val_blocks=val)
+            write_outputs(table, run_dir)
+            print(format_table(table))
+        del fp_model
+        command = "qharness " + " ".join(sys.argv[1:])
+        recipe_path = run_dir / at.RECIPE_FILE
+        base = model.hparams.recipe if scheme is model.recipe else scheme.name
+        base = str(Path(base).resolve()) if Path(base).suffix in (".yaml", ".yml") else base
+        correction, plan, summary = 0, None, None
+        for attempt in (1, 2):
+            plan = at.choose(table, budget, rest + correction)
+            at.check_not_all_fp(plan)
+            print(at.format_plan(plan, table), flush=True)
+            at.write_recipe(plan, recipe_path, base, command)
+            print(f"[autotune] recipe written: {recipe_path}", flush=True)
+            tuned = QuantLM(**{**init_args(model), "recipe": str(recipe_path)})
+            if tuned.hparams.mode == "qat":
+                self.fit(tuned, datamodule)
+                self.save_checkpoint(Path(checkpoint_dir(run_dir)) / "last.ckpt", weights_only=False)
+                tuned.gather()
+            summary = self.deploy(tuned, datamodule)
+            measured = summary["pte"]["size_bytes"]
+            print(
+                f"[autotune] .pte size: predicted {plan.predicted_bytes:,} bytes, measured {measured:,} "
+                f"({(measured - plan.predicted_bytes) / plan.predicted_bytes:+.2%}); budget {budget:,}",
+                flush=True,
+            )
+            if measured <= budget or attempt == 2 or tuned.hparams.mode == "qat":
+                break
+            correction = measured - plan.predicted_bytes
+            print(f"[autotune] over the budget: planning again with the rest corrected by {correction:+,} bytes")
+        ppl = summary["metrics"]["pte"]["ppl"]
+        record = {
+            **plan.to_dict(),
+            "command": command,
+            "recipe": str(recipe_path),
+            "sensitivity": str(path) if sensitivity or (run_dir / "sensitivity.json").is_file() else None,
+            "measured_size_bytes": measured,
+            "measured_ppl_pte": ppl,
+            "rest_correction_bytes": correction,
+            "within_budget": measured <= budget,
+        }
+        from qharness.io import write_json_atomic
+
+        write_json_atomic(run_dir / at.PLAN_FILE, record)
+        print(
+            f"[autotune] .pte ppl {ppl:.3f} (predicted {plan.predicted_ppl:.3f}); plan: {run_dir / at.PLAN_FILE}; "
+            f"run it again: qharness {'fit' if model.hparams.mode == 'qat' else 'calibrate'} CONFIG --model.recipe {recipe_path}"
+        )
+        if measured > budget:
+            raise UserError(
+                f"the .pte is {measured:,} bytes, over --max_size_mb {budget / 1e6:g} (predicted {plan.predicted_bytes:,})",
+                fix=f"lower --max_size_mb by about {(measured - budget) / 1e6:.3f}, or edit {recipe_path} and run it "
+                "with qharness calibrate",
+            )
+        return record
 
     def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> dict:
         """PTQ: calibrate the recipe's observers (``calibration.*``: blocks of training or other data), convert,
@@ -337,6 +474,7 @@ class QHarnessCLI(LightningCLI):
             "calibrate": {"model", "datamodule"},
             "evaluate": {"model", "datamodule"},
             "sensitivity": {"model", "datamodule"},
+            "autotune": {"model", "datamodule"},
         }
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -385,6 +523,13 @@ class QHarnessCLI(LightningCLI):
             from qharness.recipes.registry import load_recipe
 
             check_options(load_recipe(cfg.model.recipe), cfg.get("candidates"), cfg.get("unit"), cfg.get("against"))
+        if self.subcommand == "autotune":
+            from qharness.evaluation.autotune import check_budget
+            from qharness.evaluation.sensitivity import check_options
+            from qharness.recipes.registry import load_recipe
+
+            check_budget(cfg.get("max_size_mb"))
+            check_options(load_recipe(cfg.model.recipe), cfg.get("candidates"), cfg.get("unit"), "fp")
         preflight(cfg, self.subcommand)
 
     def instantiate_trainer(self, **kwargs) -> Trainer:
@@ -448,6 +593,13 @@ class QHarnessCLI(LightningCLI):
         self._attach_configs()
 
     before_sensitivity = before_evaluate
+
+    def before_autotune(self) -> None:
+        self._attach_configs()
+        if self.model.hparams.mode == "qat":  # it trains: as fit does
+            self.trainer.callbacks.append(
+                SaveOnSigterm(Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt")
+            )
 
     def before_validate(self) -> None:
         self._default_weights_only()

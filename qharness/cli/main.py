@@ -6,6 +6,7 @@
     qharness export CONFIG [--ckpt_path last]      # .pte + parity + summary.json from a checkpoint
     qharness evaluate CONFIG [--tasks qharness_ppl,hellaswag] [--limit 32]   # lm-eval: FP / fake-quant / .pte
     qharness sensitivity CONFIG [--candidates fp,8da4w-g32] [--unit block] [--against recipe]   # per-layer cost
+    qharness autotune CONFIG --max_size_mb 1.6      # per-layer precision under a size budget -> autotuned.yaml, .pte
     qharness recipes                                # the known backend recipes
     qharness generate --pte runs/x/model.pte --prompt "To be" [--temperature 0]
     qharness bench --pte runs/x/model.pte          # latency/memory/size vs the eager FP model
@@ -32,6 +33,7 @@ SUBCOMMANDS = {
     "export": "export a trained checkpoint (--ckpt_path, default last) to .pte, with the parity gate",
     "evaluate": "lm-eval table of a run: FP vs fake-quant vs .pte [--pte PATH --ckpt PATH --tasks a,b --limit N --num_fewshot K]",
     "sensitivity": "per-layer quantization cost: held-out perplexity change per layer x precision (table, heat map, JSON)",
+    "autotune": "per-layer precision under a .pte size budget (--max_size_mb): writes autotuned.yaml, runs and checks it",
     "recipes": "list the backend recipes",
     "generate": "stream text from a .pte (--pte PATH --prompt TEXT), with tokens/s",
     "bench": "load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model",
@@ -40,7 +42,7 @@ SUBCOMMANDS = {
 }
 
 # Run-config subcommands go through LightningCLI (cli/lightning.py); the plain ones are the functions of cli/commands.py.
-LIGHTNING = ("fit", "calibrate", "validate", "test", "export", "evaluate", "sensitivity")
+LIGHTNING = ("fit", "calibrate", "validate", "test", "export", "evaluate", "sensitivity", "autotune")
 PLAIN = ("recipes", "generate", "bench", "report", "sweep")
 
 # The option that places a plain subcommand's output (run configs: trainer.default_root_dir)

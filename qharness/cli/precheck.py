@@ -1,6 +1,6 @@
 """Fast validation of a run config, before torch and Lightning load: a bad config fails in about a second.
 
-``qharness fit|validate|test|calibrate|export|evaluate|sensitivity`` read their ``--config`` files and dotted overrides
+``qharness fit|validate|test|calibrate|export|evaluate|sensitivity|autotune`` read their ``--config`` files and dotted overrides
 (``--model.lr -1``, ``--model.lr=-1``) here and check what needs no torch: the YAML itself, the top-level
 sections, the fields and values of ``model`` (``check_model_args``: lr, warmup, recipe and mode), ``data``
 (``check_data_args``: sizes, the source path) and the typed sections of ``qharness.config``. What it cannot
@@ -53,6 +53,7 @@ SECTIONS = {
 TOP_LEVEL = {"seed_everything", "trainer", "model", "data", "checkpoint", "ckpt_path", "weights_only", "verbose"}
 TOP_LEVEL |= set(SECTIONS) | {"pte", "tasks", "limit", "num_fewshot", "models"}
 TOP_LEVEL |= {"candidates", "unit", "against"}  # sensitivity's options
+TOP_LEVEL |= {"max_size_mb", "sensitivity"}  # autotune's
 # Types of the trainer and checkpoint fields checked here (Lightning's annotations, the parts a YAML value can take).
 TRAINER_TYPES = {
     "max_steps": "int",
@@ -494,7 +495,18 @@ def precheck(argv: list[str]) -> None:
     if any(a in ("-h", "--help") or a.startswith("--print_config") or a.endswith(".help") for a in args):
         return
     try:
-        check_config(*merged_config(args))
+        cfg, unclear = merged_config(args)
+        if argv[0] == "autotune":  # its budget (an option or a key of the config), before torch loads
+            from qharness.evaluation.autotune import check_budget
+
+            budget = cfg.get("max_size_mb")
+            for i, a in enumerate(args):
+                if a == "--max_size_mb" and i + 1 < len(args):
+                    budget = _value(args[i + 1])
+                elif a.startswith("--max_size_mb="):
+                    budget = _value(a.partition("=")[2])
+            check_budget(budget if _number(budget) is None else _number(budget))
+        check_config(cfg, unclear)
     except UserError:
         raise
     except Exception:  # noqa: BLE001  whatever this quick look cannot handle, LightningCLI's full check decides

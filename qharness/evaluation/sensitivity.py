@@ -12,8 +12,9 @@ per-block loss differences), so the band is the noise of the comparison itself. 
 ``torchao_8da4w`` quantizer (``recipes/torchao.py``, ``scheme_name``): ``fp``, ``8da8w-pc``, ``8da4w-pc``,
 ``8da4w-g32``, ...; each maps to the rule a recipe's ``layers:`` takes (``candidates`` in the JSON), so a tool that
 picks a per-layer assignment from ``sensitivity.json`` writes its rules straight from it. Each unit also carries an
-estimate of its weight bytes in the ``.pte`` per candidate (``weight_bytes``: int8/int4 values, fp32 per-channel or
-bf16 group scales, fp32 bias; as XNNPACK stores them).
+estimate of its weight bytes in the ``.pte`` per candidate and for ``fp`` (``weight_bytes``: int8/int4 values, fp32
+per-channel or bf16 group scales, fp32 bias; as XNNPACK stores them), which ``qharness autotune`` (``autotune.py``)
+adds up under a size budget.
 
 Example::
 
@@ -157,6 +158,54 @@ def _quantized_copies(fp_modules: dict, quantizer) -> dict | None:
     return {name: holder[str(i)] for i, name in enumerate(fp_modules)}
 
 
+def _units(fp_model, recipe, candidates: list[str], unit: str):
+    """The candidates' quantizers, the model's linears by name, and ``{unit: [layer names]}`` of the layers some
+    candidate quantizes (``recipe``: the scheme recipe)."""
+    import torch
+
+    from qharness.recipes.registration import QUANTIZERS
+
+    build = QUANTIZERS[recipe.quantizer].build
+    quantizers = {c: None if _settings(recipe, c) is None else build(_settings(recipe, c), False) for c in candidates}
+    linears = {n: m for n, m in fp_model.named_modules() if isinstance(m, torch.nn.Linear)}
+    names = [
+        n
+        for n, m in linears.items()
+        if any(q is not None and q.assignment(torch.nn.ModuleDict({"m": m})) for q in quantizers.values())
+    ]
+    if not names:
+        raise UserError(f"no candidate quantizes a layer of {type(fp_model).__name__}", fix="--candidates 8da8w-pc")
+    units: dict[str, list[str]] = {}
+    for n in names:
+        units.setdefault(_unit_of(n, unit), []).append(n)
+    return quantizers, linears, units
+
+
+def unit_sizes(fp_model, recipe, candidates: list[str], unit: str = "layer") -> list[dict]:
+    """Without scoring anything: each unit's ``name``, ``layers`` and ``weight_bytes`` for ``fp`` and each candidate
+    that quantizes all its layers (what ``measure`` reports as applicable); for a size check before measuring."""
+    import torch
+
+    quantizers, linears, units = _units(fp_model, scheme_recipe(recipe, "fp"), candidates, unit)
+    out = []
+    for u, members in units.items():
+        ok = [
+            c
+            for c in candidates
+            if quantizers[c] is None
+            or all(quantizers[c].assignment(torch.nn.ModuleDict({"m": linears[n]})) for n in members)
+        ]
+        out.append(
+            {
+                "name": u,
+                "layers": members,
+                "weight_bytes": {c: sum(weight_bytes(linears[n], c) for n in members) for c in [*ok, FP]},
+                "results": {c: {"applicable": True, "ppl_ratio": 1.0} for c in ok},
+            }
+        )
+    return out
+
+
 def measure(
     fp_model,
     recipe,
@@ -175,23 +224,11 @@ def measure(
     from qharness.checks.parity import score_batched
     from qharness.checks.stats import loss_interval, paired_ratio
     from qharness.progress import bar
-    from qharness.recipes.registration import QUANTIZERS
 
     t0 = time.perf_counter()
     recipe = scheme_recipe(recipe, against)
-    build = QUANTIZERS[recipe.quantizer].build
-    quantizers = {c: None if _settings(recipe, c) is None else build(_settings(recipe, c), False) for c in candidates}
-    linears = {n: m for n, m in fp_model.named_modules() if isinstance(m, torch.nn.Linear)}
-    names = [
-        n
-        for n, m in linears.items()
-        if any(q is not None and q.assignment(torch.nn.ModuleDict({"m": m})) for q in quantizers.values())
-    ]
-    if not names:
-        raise UserError(f"no candidate quantizes a layer of {type(fp_model).__name__}", fix="--candidates 8da8w-pc")
-    units: dict[str, list[str]] = {}
-    for n in names:
-        units.setdefault(_unit_of(n, unit), []).append(n)
+    quantizers, linears, units = _units(fp_model, recipe, candidates, unit)
+    names = [n for members in units.values() for n in members]
 
     model, schemes = fp_model, {n: FP for n in names}
     if against == "recipe":
@@ -250,7 +287,9 @@ def measure(
                 "name": u,
                 "layers": members,
                 "params": sum(linears[n].weight.numel() for n in members),
-                "weight_bytes": {c: sum(weight_bytes(linears[n], c) for n in members) for c in candidates},
+                "weight_bytes": {
+                    c: sum(weight_bytes(linears[n], c) for n in members) for c in dict.fromkeys([*candidates, FP])
+                },
                 "results": {c: results[u][c] for c in candidates},
             }
             for u, members in units.items()

@@ -104,9 +104,12 @@ def resolve_metric(metric: str, rows: list[dict]) -> tuple[str, bool]:
     return column, bool(LOWER_IS_BETTER.search(column.split("/")[-2] if column.startswith("eval/") else column))
 
 
-def eligible(row: dict, column: str) -> bool:
-    """Shippable and measured: parity passed, decode latency and the metric known."""
-    return row.get("parity_passed") is True and _number(row.get("decode_ms_per_token")) and _number(row.get(column))
+AXES = {"latency": "decode_ms_per_token", "size": "pte_size_mb"}  # the x axis of a front: decode latency or .pte size
+
+
+def eligible(row: dict, column: str, axis: str = "latency") -> bool:
+    """Shippable and measured: parity passed, the axis (decode latency, or ``.pte`` size) and the metric known."""
+    return row.get("parity_passed") is True and _number(row.get(AXES[axis])) and _number(row.get(column))
 
 
 def pareto_front(points: list[tuple[float, float]], lower_is_better: bool) -> list[int]:
@@ -221,23 +224,33 @@ def compare_latency(a: dict, b: dict) -> Comparison:
     return Comparison(0 if ma == mb else faster, f"{head} (no noise estimate)")
 
 
+def compare_size(a: dict, b: dict) -> Comparison:
+    """``.pte`` size: exact (a file size has no noise); +1 when ``a`` is smaller."""
+    sa, sb = a["pte_size_mb"], b["pte_size_mb"]
+    return Comparison(0 if sa == sb else 1 if sa < sb else -1, f".pte {sa:.3f} vs {sb:.3f} MB")
+
+
 def dominates(acc: Comparison, lat: Comparison) -> bool:
     """``a`` dominates ``b`` (``acc``, ``lat``: a against b): better beyond the noise on one axis, not worse beyond it on the other."""
     return (acc.sign > 0 and lat.sign >= 0) or (lat.sign > 0 and acc.sign >= 0)
 
 
-def noisy_front(rows: list[dict], column: str, lower_is_better: bool) -> tuple[list[dict], dict[str, list[str]]]:
-    """The Pareto front of the eligible rows with ties inside the noise (``compare_accuracy``, ``compare_latency``),
-    sorted by latency, and each eligible run's ties (runs it ties with on both axes).
+def noisy_front(
+    rows: list[dict], column: str, lower_is_better: bool, axis: str = "latency"
+) -> tuple[list[dict], dict[str, list[str]]]:
+    """The Pareto front of the eligible rows with ties inside the noise (``compare_accuracy``, ``compare_latency``;
+    ``axis="size"``: ``.pte`` size in place of latency, ``compare_size``), sorted by that axis, and each eligible
+    run's ties (runs it ties with on both axes).
 
     Runs that tie on both axes with the same ``.pte`` size (or the same ``.pte``) are one program: they are on the
     front together or not at all (on it when any of them is undominated)."""
-    ok = [r for r in rows if eligible(r, column)]
+    ok = [r for r in rows if eligible(r, column, axis)]
     n = len(ok)
     acc = {
         (i, j): compare_accuracy(ok[i], ok[j], column, lower_is_better) for i in range(n) for j in range(n) if i != j
     }
-    lat = {(i, j): compare_latency(ok[i], ok[j]) for i in range(n) for j in range(n) if i != j}
+    other = compare_size if axis == "size" else compare_latency
+    lat = {(i, j): other(ok[i], ok[j]) for i in range(n) for j in range(n) if i != j}
     undominated = [not any(dominates(acc[j, i], lat[j, i]) for j in range(n) if j != i) for i in range(n)]
     tie = {(i, j) for (i, j) in acc if acc[i, j].sign == 0 and lat[i, j].sign == 0}
     group = list(range(n))  # union-find of identical programs
@@ -252,9 +265,7 @@ def noisy_front(rows: list[dict], column: str, lower_is_better: bool) -> tuple[l
             group[max(root(i), root(j))] = min(root(i), root(j))
     on = [any(undominated[k] for k in range(n) if root(k) == root(i)) for i in range(n)]
     sign = 1 if lower_is_better else -1
-    front = sorted(
-        (ok[i] for i in range(n) if on[i]), key=lambda r: (r["decode_ms_per_token"], sign * r[column], r["run"])
-    )
+    front = sorted((ok[i] for i in range(n) if on[i]), key=lambda r: (r[AXES[axis]], sign * r[column], r["run"]))
     ties = {ok[i]["run"]: sorted(ok[j]["run"] for j in range(n) if (i, j) in tie) for i in range(n)}
     return front, ties
 
@@ -406,12 +417,17 @@ def eval_header(rows: list[dict], column: str) -> str:
     return header if chance is None else f"{header} (chance {chance:.3g})"
 
 
-def markdown_table(rows: list[dict], column: str, front_runs: set[str]) -> str:
+def markdown_table(rows: list[dict], column: str, front_runs: set[str], size_runs: set[str] = frozenset()) -> str:
+    """The runs' table; ``Pareto``: on the latency front, ``Pareto (size)``: on the ``.pte`` size front."""
     cols = table_columns(rows, column)
-    header = [h for _, h, _ in cols] + ["Pareto", "ties"]
+    header = [h for _, h, _ in cols] + ["Pareto", "Pareto (size)", "ties"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
-        cells = [_cell(r, k, f) for k, _, f in cols] + ["*" if r["run"] in front_runs else "", r.get("ties") or ""]
+        cells = [_cell(r, k, f) for k, _, f in cols] + [
+            "*" if r["run"] in front_runs else "",
+            "*" if r["run"] in size_runs else "",
+            r.get("ties") or "",
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -455,14 +471,18 @@ def plot_pareto(
     front_runs: set[str],
     title: str,
     max_latency_ms: float | None = None,
+    axis: str = "latency",
+    max_size_mb: float | None = None,
 ) -> bytes:
-    """The PNG: metric vs decode latency, point area ~ ``.pte`` size, the Pareto front drawn and labelled."""
+    """The PNG: metric vs decode latency (``axis="size"``: vs ``.pte`` MB), point area ~ ``.pte`` size, the Pareto
+    front drawn and labelled."""
+    x = AXES[axis]
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pts = [r for r in rows if _number(r.get("decode_ms_per_token")) and _number(r.get(column))]
+    pts = [r for r in rows if _number(r.get(x)) and _number(r.get(column))]
     sizes = [r.get("pte_size_mb") or 0.0 for r in pts]
     biggest = max(sizes, default=1.0) or 1.0
     fig, ax = plt.subplots(figsize=(9, 6), dpi=120)
@@ -470,7 +490,7 @@ def plot_pareto(
         sel = [r for r in pts if r["mode"] == mode and r.get("parity_passed") is True]
         if sel:
             ax.scatter(
-                [r["decode_ms_per_token"] for r in sel],
+                [r[x] for r in sel],
                 [r[column] for r in sel],
                 s=[60 + 540 * (r.get("pte_size_mb") or 0) / biggest for r in sel],
                 c=color,
@@ -481,15 +501,17 @@ def plot_pareto(
             ax.scatter([], [], s=60, c=color, alpha=0.55, label=mode)  # legend entry of a fixed size
     for r in pts:
         (xlo, xhi), (ylo, yhi) = (
-            interval(r, "decode_ms_per_token"),
+            interval(r, x),
             (paired_band(r) if column == "ppl_pte" else None) or interval(r, column),
         )
         color = MODE_COLORS.get(r["mode"], "gray") if r.get("parity_passed") is True else "gray"
         ax.errorbar(
-            [r["decode_ms_per_token"]],
+            [r[x]],
             [r[column]],
-            xerr=[[r["decode_ms_per_token"] - xlo], [xhi - r["decode_ms_per_token"]]],
-            yerr=[[r[column] - ylo], [yhi - r[column]]],
+            # clipped at 0: a band computed apart from its value (ppl vs the paired per-block ratio) can miss it by
+            # float rounding when it is ~1e-7 wide (the FP .pte against the FP model), which matplotlib refuses
+            xerr=[[max(0.0, r[x] - xlo)], [max(0.0, xhi - r[x])]],
+            yerr=[[max(0.0, r[column] - ylo)], [max(0.0, yhi - r[column])]],
             fmt="none",
             ecolor=color,
             elinewidth=1,
@@ -500,17 +522,17 @@ def plot_pareto(
     failed = [r for r in pts if r.get("parity_passed") is not True]
     if failed:
         ax.scatter(
-            [r["decode_ms_per_token"] for r in failed],
+            [r[x] for r in failed],
             [r[column] for r in failed],
             s=80,
             marker="x",
             c="gray",
             label="parity failed/skipped",
         )
-    front = sorted((r for r in pts if r["run"] in front_runs), key=lambda r: r["decode_ms_per_token"])
+    front = sorted((r for r in pts if r["run"] in front_runs), key=lambda r: r[x])
     if front:
         ax.plot(
-            [r["decode_ms_per_token"] for r in front],
+            [r[x] for r in front],
             [r[column] for r in front],
             "-",
             drawstyle="steps-post",
@@ -519,7 +541,7 @@ def plot_pareto(
             zorder=0,
             label="Pareto front",
         )
-        ax.scatter([r["decode_ms_per_token"] for r in front], [r[column] for r in front], s=18, c="crimson", zorder=3)
+        ax.scatter([r[x] for r in front], [r[column] for r in front], s=18, c="crimson", zorder=3)
     fp_ppl = {round(r["ppl_fp"], 9) for r in rows if _number(r.get("ppl_fp"))}
     if column == "ppl_pte" and len(fp_ppl) == 1:  # every run starts from the same FP model
         ax.axhline(fp_ppl.pop(), ls=":", color="black", lw=1, label="FP model before quantization (PyTorch)")
@@ -528,16 +550,22 @@ def plot_pareto(
         radius = math.sqrt(60 + 540 * (r.get("pte_size_mb") or 0) / biggest) / 2  # points: label beside the marker
         ax.annotate(
             f"{r['recipe']}/{r['mode']}",
-            (r["decode_ms_per_token"], r[column]),
+            (r[x], r[column]),
             xytext=(radius + 2, radius / 2 + 2),
             textcoords="offset points",
             fontsize=8,
             fontweight="bold" if on else "normal",
             color="crimson" if on else "dimgray",
         )
-    if max_latency_ms is not None:
+    if max_latency_ms is not None and axis == "latency":
         ax.axvline(max_latency_ms, ls="--", color="gray", lw=1, label=f"latency budget {max_latency_ms:g} ms")
-    ax.set_xlabel("decode latency of the .pte (ms/token, median; bars: min-max; lower is better)")
+    if max_size_mb is not None and axis == "size":
+        ax.axvline(max_size_mb, ls="--", color="gray", lw=1, label=f"size budget {max_size_mb:g} MB")
+    ax.set_xlabel(
+        ".pte size (MB; lower is better)"
+        if axis == "size"
+        else "decode latency of the .pte (ms/token, median; bars: min-max; lower is better)"
+    )
     label = ".pte validation perplexity" if column == "ppl_pte" else column
     bars = "95%, paired per block with FP" if column == "ppl_pte" else "95%"
     ax.set_ylabel(f"{label} ({'lower' if lower_is_better else 'higher'} is better; bars: {bars})")
@@ -642,10 +670,13 @@ def write_report(
     rows.sort(key=lambda r: (r["decode_ms_per_token"] is None, r["decode_ms_per_token"] or 0.0, r["run"]))
     front, ties = noisy_front(rows, column, lower)
     front_runs = {r["run"] for r in front}
+    size_front, _ = noisy_front(rows, column, lower, axis="size")  # accuracy vs .pte size (no latency needed)
+    size_runs = {r["run"] for r in size_front}
     choice = best_choice(rows, column, lower, max_latency_ms, max_size_mb)
     best = choice["best"]
     for r in rows:
         r["pareto"] = r["run"] in front_runs
+        r["pareto_size"] = r["run"] in size_runs
         r["ties"] = "tie with " + ", ".join(ties[r["run"]]) if ties.get(r["run"]) else None
     columns = list(dict.fromkeys(c for r in rows for c in r if not c.startswith("_")))
     budget = (
@@ -660,7 +691,7 @@ def write_report(
         or "no budget"
     )
     title = f"{runs_dir.name}: {'.pte perplexity' if column == 'ppl_pte' else column} vs decode latency"
-    md = markdown_table(rows, column, front_runs)
+    md = markdown_table(rows, column, front_runs, size_runs)
 
     def on_front(r):
         tied = [t for t in ties[r["run"]] if t in front_runs]
@@ -673,6 +704,11 @@ def write_report(
         "",
         f"Pareto front ({'lower' if lower else 'higher'} {column} is better, lower latency is better; differences inside the noise are ties): "
         + ("; ".join(on_front(r) for r in front) or "no run with a passed parity gate and a benchmark"),
+        f"Pareto front by .pte size ({'lower' if lower else 'higher'} {column} is better, smaller is better; pareto_size.png): "
+        + (
+            "; ".join(f"{r['recipe']}/{r['mode']} ({r['run']}, {r['pte_size_mb']:.3f} MB)" for r in size_front)
+            or "no run with a passed parity gate and a .pte size"
+        ),
         f"Best under {budget}: {choice['text']}",
     ]
     lines += noise_notes(rows, column)
@@ -691,16 +727,20 @@ def write_report(
     lines += notes or []
     text = "\n".join(lines)
     png = plot_pareto(rows, column, lower, front_runs, title, max_latency_ms)
+    size_title = f"{runs_dir.name}: {'.pte perplexity' if column == 'ppl_pte' else column} vs .pte size"
+    size_png = plot_pareto(rows, column, lower, size_runs, size_title, axis="size", max_size_mb=max_size_mb)
     paths = {
         "markdown": write_bytes_atomic(out / "report.md", (f"# {title}\n\n{text}\n").encode()),
         "csv": write_bytes_atomic(out / "report.csv", csv_text(rows, columns).encode()),
         "png": write_bytes_atomic(out / "pareto.png", png),
+        "size_png": write_bytes_atomic(out / "pareto_size.png", size_png),
     }
     result = {
         "metric": column,
         "lower_is_better": lower,
         "rows": rows,
         "front": [r["run"] for r in front],
+        "front_size": [r["run"] for r in size_front],
         "best": best,
         "best_tied_with": [r["run"] for r in choice["tied"]],
         "budget": {"max_latency_ms": max_latency_ms, "max_size_mb": max_size_mb},

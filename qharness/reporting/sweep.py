@@ -28,6 +28,12 @@ Example config::
       model: {checkpoint: embedded}
       trainer: {max_steps: 100}
     report: {max_size_mb: 2.0}
+
+A run entry may also name an autotune budget instead of (or with) a recipe: ``{autotune: {max_size_mb: 1.6},
+modes: [ptq]}`` runs ``qharness autotune`` (base recipe: ``recipe``, default ``xnnpack_8da4w``; other keys of
+``autotune``: ``candidates``, ``unit``, ``sensitivity``) in ``<sweep_dir>/<name or autotune_<budget>mb>-<mode>/``, so
+its ``.pte`` joins the report and the Pareto plots; its ``autotuned.yaml`` is a recipe file that a later entry (or
+any run) can name as ``recipe``.
 """
 
 from __future__ import annotations
@@ -51,7 +57,9 @@ from qharness.progress import format_seconds
 from qharness.upstream import process
 
 TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report"}
-RUN_KEYS = {"recipe", "modes", "mode", "config", "name"}
+RUN_KEYS = {"recipe", "modes", "mode", "config", "name", "autotune"}
+AUTOTUNE_KEYS = {"max_size_mb", "candidates", "unit", "sensitivity"}  # qharness autotune's options
+AUTOTUNED = "autotuned"  # the recipe name of an autotune run (its recipe file autotuned.yaml)
 REPORT_KEYS = {"metric", "max_latency_ms", "max_size_mb", "wandb", "bench_processes"}
 SUBCOMMAND = {"qat": "fit", "ptq": "calibrate"}
 STATUS = "sweep_status.json"
@@ -66,10 +74,16 @@ class SweepRun:
     mode: str
     config: dict
     run_dir: Path
+    autotune: bool = False
 
     @property
     def subcommand(self) -> str:
-        return SUBCOMMAND[self.mode]
+        return "autotune" if self.autotune else SUBCOMMAND[self.mode]
+
+    @property
+    def summary_recipe(self) -> str:
+        """The recipe name the run's summary.json records."""
+        return AUTOTUNED if self.autotune else Path(self.recipe).stem
 
     @property
     def config_path(self) -> Path:
@@ -126,12 +140,30 @@ def load_sweep(path: str | Path) -> dict:
     for i, run in enumerate(spec["runs"]):
         run = _mapping(run, f"sweep config: runs[{i}]")
         unknown = set(run) - RUN_KEYS
-        if unknown or "recipe" not in run:
+        if unknown or ("recipe" not in run and "autotune" not in run):
             raise UserError(
-                f"sweep config {path}: runs[{i}] needs recipe and modes (unknown keys: {sorted(unknown)})",
-                fix="write runs entries like {recipe: xnnpack_int8_dynamic, modes: [ptq, qat]}",
+                f"sweep config {path}: runs[{i}] needs recipe (or autotune) and modes (unknown keys: {sorted(unknown)})",
+                fix="write runs entries like {recipe: xnnpack_int8_dynamic, modes: [ptq, qat]} or "
+                "{autotune: {max_size_mb: 1.6}, modes: [ptq]}",
             )
+        if "autotune" in run:
+            _check_autotune(run["autotune"], f"sweep config {path}: runs[{i}].autotune")
+            run.setdefault("recipe", "xnnpack_8da4w")
     return spec
+
+
+def _check_autotune(value, where: str) -> None:
+    from qharness.evaluation.autotune import check_budget
+
+    if not isinstance(value, dict):
+        raise UserError(f"{where} must be a mapping (got {value!r})", fix="e.g. autotune: {max_size_mb: 1.6}")
+    unknown = sorted(set(value) - AUTOTUNE_KEYS)
+    if unknown:
+        raise UserError(f"{where}: unknown keys {unknown}", fix=f"use {', '.join(sorted(AUTOTUNE_KEYS))}")
+    try:
+        check_budget(value.get("max_size_mb"))
+    except UserError as e:
+        raise UserError(f"{where}.max_size_mb: {e.what}", fix="e.g. autotune: {max_size_mb: 1.6}") from None
 
 
 def plan(spec: dict) -> list[SweepRun]:
@@ -150,7 +182,9 @@ def plan(spec: dict) -> list[SweepRun]:
             if mode not in SUBCOMMAND:
                 raise UserError(f"sweep run {entry['recipe']}: unknown mode {mode!r}", fix="use ptq or qat")
             recipe.check_mode(mode)
-            name = f"{entry.get('name') or Path(entry['recipe']).stem}-{mode}"
+            tune = entry.get("autotune")
+            default_name = f"autotune_{tune['max_size_mb']:g}mb" if tune else Path(entry["recipe"]).stem
+            name = f"{entry.get('name') or default_name}-{mode}"
             if name in names:
                 if runs and name == runs[0].name and not entry.get("config"):
                     continue  # the baseline listed again among the runs
@@ -173,7 +207,9 @@ def plan(spec: dict) -> list[SweepRun]:
             )
             if runs:  # the eager FP model is the same in every run: benchmarked once, in the first (baseline) run
                 config.setdefault("bench", {}).setdefault("eager", False)
-            runs.append(SweepRun(name, entry["recipe"], mode, config, run_dir))
+            if tune:  # autotune's options are top-level keys of its run config
+                config.update(tune)
+            runs.append(SweepRun(name, entry["recipe"], mode, config, run_dir, autotune=bool(tune)))
     return runs
 
 
@@ -197,13 +233,18 @@ def is_done(run: SweepRun) -> bool:
         summary = RunSummary.read(run.run_dir / "summary.json")
     except (OSError, ValueError, UserError):
         return False
-    return summary.recipe == Path(run.recipe).stem and summary.mode == run.mode
+    return summary.recipe == run.summary_recipe and summary.mode == run.mode
 
 
 def resumable(run: SweepRun) -> bool:
     """A QAT run of this very config that was started and did not finish (killed, or failed) and left a
     ``last.ckpt``: it goes on from there (``--ckpt_path last``) instead of training again from step 0."""
-    return run.mode == "qat" and _status(run) is not None and (run.run_dir / "checkpoints" / "last.ckpt").is_file()
+    return (
+        run.mode == "qat"
+        and not run.autotune
+        and _status(run) is not None
+        and (run.run_dir / "checkpoints" / "last.ckpt").is_file()
+    )
 
 
 def child_env() -> dict:

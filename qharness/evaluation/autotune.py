@@ -1,0 +1,294 @@
+"""Per-layer precision under a size budget (``qharness autotune CONFIG --max_size_mb X``): pick each layer's scheme
+from a ``qharness sensitivity`` table so that the ``.pte`` fits the budget and the predicted perplexity cost is least,
+then write the choice as a recipe (``autotuned.yaml``: ``base:`` and one ``layers:`` rule per unit) that the normal
+calibrate/fit path runs, and that a user can read, edit and run again.
+
+- **Cost** of a unit at a scheme: the log of its perplexity ratio against FP from ``sensitivity.json`` (``--against
+  fp``: the unit quantized alone), so costs add up as if the units were independent (a first-order model; the run
+  measures the real thing). ``fp`` costs 0. A scheme never costs less than one that stores more bytes for the same
+  unit (isotonic in bytes): a lower figure there is noise, and trusting it would trade precision for nothing.
+- **Size**: the ``.pte`` is predicted as the sum of the units' ``weight_bytes`` at their schemes (what XNNPACK
+  stores: int4 values for 2/3/4-bit weights, int8 for 8-bit, fp32 for fp, plus scales) plus the rest of the program
+  (``rest_bytes``: the embedding and every other non-linear tensor at the bytes it is stored in, and a fixed program
+  overhead). The run reports predicted against measured size.
+- **Choice**: an exact multiple-choice knapsack (dynamic programme over byte costs rounded up to ``resolution``
+  bytes, so a chosen plan never exceeds the budget by rounding) minimising the summed cost; equal costs go to the
+  smaller ``.pte``.
+
+Example::
+
+    plan = choose(json.load(open("runs/x/sensitivity.json")), budget_bytes=1_600_000, rest_bytes=1_200_000)
+    write_recipe(plan, Path("runs/x/autotuned.yaml"), base="xnnpack_8da4w", command="qharness autotune ...")
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from qharness.errors import UserError
+
+FP = "fp"
+RECIPE_FILE = "autotuned.yaml"
+PLAN_FILE = "autotune.json"
+# Program bytes besides the tensors (flatbuffer, delegate headers, per-op metadata, runner methods), fitted to two
+# measured XNNPACK .pte files (BENCHMARKS.md 11): 45.8 KB over 15 linears (tiny test Llama), 84.6 KB over 29.
+OVERHEAD_BYTES, OVERHEAD_PER_LAYER_BYTES = 4096, 2816
+
+
+@dataclass
+class Plan:
+    """A per-unit assignment: ``schemes`` ``{unit: scheme}``, each unit's ``layers`` (module names), the predicted
+    ``.pte`` bytes and perplexity ratio against FP (the product of the units' ratios), the budget."""
+
+    schemes: dict[str, str]
+    layers: dict[str, list[str]]
+    unit: str
+    predicted_bytes: int
+    predicted_ppl_ratio: float
+    budget_bytes: int
+    rest_bytes: int
+    baseline_ppl: float
+    rules: list[dict] = field(default_factory=list)
+
+    @property
+    def predicted_ppl(self) -> float:
+        return self.baseline_ppl * self.predicted_ppl_ratio
+
+    def to_dict(self) -> dict:
+        return {
+            "unit": self.unit,
+            "schemes": self.schemes,
+            "predicted_size_bytes": self.predicted_bytes,
+            "predicted_ppl": self.predicted_ppl,
+            "predicted_ppl_ratio_vs_fp": self.predicted_ppl_ratio,
+            "budget_bytes": self.budget_bytes,
+            "rest_bytes": self.rest_bytes,
+            "fp_ppl": self.baseline_ppl,
+            "rules": self.rules,
+        }
+
+
+def options(unit: dict) -> dict[str, tuple[int, float]]:
+    """``{scheme: (bytes, cost)}`` of one ``sensitivity.json`` unit: its applicable candidates and fp (cost 0), each
+    cost the log perplexity ratio made isotonic (never below that of a scheme storing more bytes)."""
+    raw = {FP: (unit["weight_bytes"][FP], 0.0)} if FP in unit["weight_bytes"] else {}
+    for c, r in unit["results"].items():
+        if c != FP and r.get("applicable", True) and r.get("ppl_ratio"):
+            raw[c] = (unit["weight_bytes"][c], math.log(r["ppl_ratio"]))
+    out, floor = {}, 0.0
+    for c, (b, cost) in sorted(raw.items(), key=lambda kv: -kv[1][0]):  # most bytes first
+        floor = max(floor, cost)
+        out[c] = (b, floor)
+    return out
+
+
+def check_budget(max_size_mb) -> int:
+    """``--max_size_mb`` as bytes (``UserError`` when absent or not a positive number), before any model loads."""
+    if max_size_mb is None:
+        raise UserError("autotune needs --max_size_mb (the .pte budget in MB)", fix="e.g. --max_size_mb 1.6")
+    if isinstance(max_size_mb, bool) or not isinstance(max_size_mb, (int, float)) or not 0 < max_size_mb < math.inf:
+        raise UserError(f"--max_size_mb must be a positive number of MB (got {max_size_mb!r})", fix="e.g. 1.6")
+    return int(max_size_mb * 1e6)
+
+
+def check_fits(table: dict, budget_bytes: int, rest_bytes: int) -> None:
+    """``UserError`` saying the smallest possible ``.pte`` when nothing the candidates allow fits the budget."""
+    least, pick = smallest_bytes(table, rest_bytes)
+    if least > budget_bytes:
+        schemes = sorted(set(pick.values()))
+        raise UserError(
+            f"--max_size_mb {budget_bytes / 1e6:g} is below the smallest .pte these candidates allow, about "
+            f"{least / 1e6:.3f} MB ({rest_bytes / 1e6:.3f} MB embedding and program, the layers at {', '.join(schemes)})",
+            fix=f"use --max_size_mb {math.ceil(least / 1e4) / 100:.2f} or more, or add smaller candidates "
+            "(e.g. --candidates 8da8w-pc,8da4w-pc,8da4w-g128) or embedding_bits in the recipe",
+        )
+
+
+def check_not_all_fp(plan: Plan) -> None:
+    if all(s == FP for s in plan.schemes.values()):
+        raise UserError(
+            f"--max_size_mb {plan.budget_bytes / 1e6:g} holds the whole FP model ({plan.predicted_bytes / 1e6:.3f} MB "
+            "predicted): there is nothing to tune",
+            fix="use the FP recipe (xnnpack_fp32), or a smaller --max_size_mb",
+        )
+
+
+def check_table(table: dict, where: str) -> None:
+    """The sensitivity table must be one measured against FP, with fp bytes per unit (``UserError`` otherwise)."""
+    if table.get("against") != "fp":
+        raise UserError(
+            f"{where} was measured --against {table.get('against')}; autotune needs the cost of each unit against FP",
+            fix="measure it with qharness sensitivity CONFIG --against fp (or let autotune measure it)",
+        )
+    if not table.get("units") or any(FP not in u.get("weight_bytes", {}) for u in table["units"]):
+        raise UserError(
+            f"{where} has no fp weight_bytes per unit (written by an older qharness)",
+            fix="measure it again: qharness sensitivity CONFIG",
+        )
+
+
+def smallest_bytes(table: dict, rest_bytes: int) -> tuple[int, dict[str, str]]:
+    """The smallest ``.pte`` the table's candidates allow, and the assignment that gives it."""
+    pick = {u["name"]: min(options(u).items(), key=lambda kv: (kv[1][0], kv[1][1]))[0] for u in table["units"]}
+    by = {u["name"]: u for u in table["units"]}
+    return rest_bytes + sum(by[n]["weight_bytes"][s] for n, s in pick.items()), pick
+
+
+def choose(table: dict, budget_bytes: int, rest_bytes: int, resolution: int | None = None) -> Plan:
+    """The assignment of least summed cost whose predicted ``.pte`` bytes fit ``budget_bytes`` (exact knapsack over
+    byte costs rounded up to ``resolution``, default budget/4096); ``UserError`` when even the smallest does not fit."""
+    check_table(table, "the sensitivity table")
+    units = table["units"]
+    check_fits(table, budget_bytes, rest_bytes)
+    room = budget_bytes - rest_bytes
+    step = resolution or max(1, room // 4096)
+    cap = room // step
+    opts = [sorted(options(u).items(), key=lambda kv: kv[1][0]) for u in units]
+    # best[c] = (cost, bytes, choices) of the first k units within c steps; ties: fewer bytes
+    inf = (math.inf, math.inf, ())
+    best = [(0.0, 0, ())] * (cap + 1)
+    for unit_opts in opts:
+        new = [inf] * (cap + 1)
+        for scheme, (nbytes, cost) in unit_opts:
+            w = -(-nbytes // step)  # rounded up: the rounded plan is never larger than the real one
+            if w > cap:
+                continue
+            for c in range(w, cap + 1):
+                prev = best[c - w]
+                if prev[0] == math.inf:
+                    continue
+                cand = (prev[0] + cost, prev[1] + nbytes, (*prev[2], scheme))
+                if (round(cand[0], 12), cand[1]) < (round(new[c][0], 12), new[c][1]):
+                    new[c] = cand
+        best = new
+    cost, nbytes, picks = min(best, key=lambda t: (round(t[0], 12), t[1]))
+    if cost == math.inf:  # rounding took the last bytes: the exact smallest still fits, take it
+        _, pick = smallest_bytes(table, rest_bytes)
+        picks = tuple(pick[u["name"]] for u in units)
+        cost = sum(options(u)[s][1] for u, s in zip(units, picks))
+        nbytes = sum(u["weight_bytes"][s] for u, s in zip(units, picks))
+    schemes = {u["name"]: s for u, s in zip(units, picks)}
+    ratio = math.exp(sum(options(u)[s][1] for u, s in zip(units, picks)))
+    plan = Plan(
+        schemes=schemes,
+        layers={u["name"]: list(u["layers"]) for u in units},
+        unit=table["unit"],
+        predicted_bytes=int(rest_bytes + nbytes),
+        predicted_ppl_ratio=ratio,
+        budget_bytes=int(budget_bytes),
+        rest_bytes=int(rest_bytes),
+        baseline_ppl=table["baseline"]["ppl"],
+    )
+    plan.rules = rules(plan, table["candidates"])
+    return plan
+
+
+def rules(plan: Plan, candidates: dict[str, dict]) -> list[dict]:
+    """One ``layers:`` rule per unit: its module name (a layer) or ``<block>.*`` (a decoder block's linears)."""
+    out = []
+    for name, scheme in plan.schemes.items():
+        layers = plan.layers[name]
+        match = name if layers == [name] else f"{name}.*"
+        out.append({"match": match, **(candidates.get(scheme) or {"quant": FP})})
+    return out
+
+
+def rest_bytes(
+    model, table: dict, max_seq_len: int, embedding_bits: int | None = None, group_size: int | None = None
+) -> int:
+    """Predicted bytes of the ``.pte`` outside the table's units: every parameter and persistent buffer of modules
+    that are not units' layers (fp32; the embedding at ``embedding_bits`` when set), the rotary cos/sin tables of
+    ``max_seq_len`` positions the static-cache export bakes in, and the program overhead."""
+    import torch
+
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rotary = any(n.endswith("rotary_emb") for n, _ in model.named_modules())
+    n_layers = sum(len(u["layers"]) for u in table["units"])
+
+    taken = {n for u in table["units"] for n in u["layers"]}
+    seen, total = set(), 0
+    for name, module in model.named_modules():
+        if name in taken:  # a tied embedding is stored on its own too (the head's copy is the unit's)
+            continue
+        tensors = list(module.parameters(recurse=False)) + [
+            b for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set
+        ]
+        for t in tensors:
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            if isinstance(module, torch.nn.Embedding) and embedding_bits is not None:
+                rows = t.shape[0]
+                scales = 4 * rows if group_size is None else 2 * (t.numel() // group_size)
+                total += t.numel() * embedding_bits // 8 + scales
+            else:
+                total += t.numel() * t.element_size()
+    total += 2 * max_seq_len * head_dim * 4 if rotary else 0
+    return total + OVERHEAD_BYTES + OVERHEAD_PER_LAYER_BYTES * n_layers
+
+
+def format_plan(plan: Plan, table: dict) -> str:
+    """The chosen scheme per unit with its bytes and predicted cost, then the predicted totals."""
+    by = {u["name"]: u for u in table["units"]}
+    rows = [(table["unit"], "scheme", "weight bytes", "ppl vs FP (sensitivity)")]
+    for name, scheme in plan.schemes.items():
+        r = by[name]["results"].get(scheme)
+        cost = "0 (fp)" if scheme == FP else f"{r['ppl_ratio'] - 1:+.2%}"
+        rows.append((name, scheme, f"{by[name]['weight_bytes'][scheme]:,}", cost))
+    width = [max(len(r[i]) for r in rows) for i in range(4)]
+    counts: dict[str, int] = {}
+    for s in plan.schemes.values():
+        counts[s] = counts.get(s, 0) + 1
+    return "\n".join(
+        ["  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip() for r in rows]
+        + [
+            f"assignment: {', '.join(f'{n} x {s}' for s, n in sorted(counts.items()))}",
+            f"predicted .pte {plan.predicted_bytes / 1e6:.3f} MB (budget {plan.budget_bytes / 1e6:g} MB; "
+            f"{plan.rest_bytes / 1e6:.3f} MB of it outside the tuned layers), predicted ppl {plan.predicted_ppl:.3f} "
+            f"({plan.predicted_ppl_ratio - 1:+.2%} vs FP {plan.baseline_ppl:.3f}, summing the units' measured costs)",
+        ]
+    )
+
+
+def write_recipe(plan: Plan, path: Path, base: str, command: str) -> Path:
+    """``autotuned.yaml``: a recipe on ``base`` with one ``layers:`` rule per unit, headed by the command that made it,
+    the budget and the prediction (``qharness calibrate CONFIG --model.recipe PATH`` runs it again)."""
+    import yaml
+
+    from qharness.io import write_bytes_atomic
+
+    head = [
+        f"# written by: {command}",
+        f"# budget: .pte <= {plan.budget_bytes / 1e6:g} MB; predicted .pte {plan.predicted_bytes:,} bytes, predicted "
+        f"ppl {plan.predicted_ppl:.3f} ({plan.predicted_ppl_ratio - 1:+.2%} vs FP)",
+        f"# one rule per {plan.unit} (first match wins); edit and run again: qharness calibrate CONFIG --model.recipe {path}",
+    ]
+    body = {
+        "base": base,
+        "description": f"autotuned per-{plan.unit} precision for .pte <= {plan.budget_bytes / 1e6:g} MB (base {Path(base).stem})",
+    }
+    text = yaml.safe_dump(body, sort_keys=False) + "layers:\n"
+    for r in plan.rules:
+        text += "  - " + yaml.safe_dump(r, default_flow_style=True, sort_keys=False).strip() + "\n"
+    return write_bytes_atomic(path, ("\n".join(head) + "\n" + text).encode())
+
+
+def table_matches(table: dict, model: str, eval_blocks: int, seq_len: int, val_blocks: str, unit: str) -> str | None:
+    """Why an existing ``sensitivity.json`` cannot be reused for this config (None: it can)."""
+    wanted = {
+        "model": model,
+        "eval_blocks": eval_blocks,
+        "seq_len": seq_len,
+        "val_blocks": val_blocks,
+        "unit": unit,
+        "against": "fp",
+    }
+    for key, value in wanted.items():
+        if table.get(key) != value:
+            return f"its {key} is {table.get(key)!r}, this config's {value!r}"
+    if any(FP not in u.get("weight_bytes", {}) for u in table.get("units", [])):
+        return "it has no fp weight_bytes (older qharness)"
+    return None

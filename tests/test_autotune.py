@@ -1,0 +1,230 @@
+"""``qharness autotune``: the per-layer assignment of least predicted cost under a ``.pte`` size budget (an exact
+knapsack over the sensitivity table), written as a recipe that the normal path runs; its size prediction, its bad
+input, and the sweep entry that names a budget."""
+
+import itertools
+import json
+import math
+
+import pytest
+import yaml
+from conftest import run_cli, write_config
+from test_mixed_precision import _recipe, _tiny_model
+
+from qharness.errors import UserError
+from qharness.evaluation import autotune as at
+from qharness.evaluation.sensitivity import unit_sizes
+from qharness.reporting.sweep import load_sweep, plan
+
+CANDIDATES = {
+    "8da8w-pc": {"weight_bits": 8, "group_size": None},
+    "8da4w-pc": {"weight_bits": 4, "group_size": None},
+    "8da4w-g32": {"weight_bits": 4, "group_size": 32},
+}
+
+
+def _table(costs: dict[str, dict[str, float]], sizes: dict[str, dict[str, int]]) -> dict:
+    """A sensitivity.json (against fp) with the given ppl ratios - 1 and weight bytes per unit and scheme."""
+    return {
+        "against": "fp",
+        "unit": "layer",
+        "candidates": CANDIDATES,
+        "baseline": {"ppl": 50.0},
+        "units": [
+            {
+                "name": u,
+                "layers": [u],
+                "weight_bytes": sizes[u],
+                "results": {c: {"applicable": True, "ppl_ratio": 1 + v} for c, v in costs[u].items()},
+            }
+            for u in costs
+        ],
+    }
+
+
+SIZES = {"fp": 4000, "8da8w-pc": 1040, "8da4w-g32": 560, "8da4w-pc": 520}
+COSTS = {
+    "a": {"8da8w-pc": 0.0001, "8da4w-g32": 0.030, "8da4w-pc": 0.050},  # sensitive
+    "b": {"8da8w-pc": 0.0002, "8da4w-g32": 0.002, "8da4w-pc": 0.004},  # robust
+    "c": {"8da8w-pc": 0.0001, "8da4w-g32": 0.010, "8da4w-pc": 0.012},
+    "d": {"8da8w-pc": 0.0000, "8da4w-g32": 0.001, "8da4w-pc": 0.020},  # 8-bit costs nothing: never fp
+}
+
+
+def _brute_force(table, budget, rest):
+    """The least summed log cost over every assignment that fits (isotonic costs, as the planner reads them)."""
+    opts = [at.options(u) for u in table["units"]]
+    best = (math.inf, math.inf)
+    for picks in itertools.product(*[list(o.items()) for o in opts]):
+        nbytes = rest + sum(b for _, (b, _) in picks)
+        if nbytes <= budget:
+            best = min(best, (round(sum(c for _, (_, c) in picks), 12), nbytes))
+    return best
+
+
+@pytest.mark.parametrize("budget", [3080, 3300, 3600, 4100, 4800, 9000, 13000])
+def test_the_plan_is_the_exact_least_cost_assignment_that_fits(budget):
+    table = _table(COSTS, {u: SIZES for u in COSTS})
+    plan = at.choose(table, budget, rest_bytes=1000, resolution=1)
+    opts = {u["name"]: at.options(u) for u in table["units"]}
+    cost = sum(opts[u][s][1] for u, s in plan.schemes.items())
+    assert plan.predicted_bytes <= budget
+    assert plan.predicted_bytes == 1000 + sum(SIZES[s] for s in plan.schemes.values())
+    assert (round(cost, 12), plan.predicted_bytes) == _brute_force(table, budget, 1000)
+    assert plan.predicted_ppl == pytest.approx(50.0 * math.exp(cost))
+
+
+def test_coarse_resolution_never_exceeds_the_budget():
+    table = _table(COSTS, {u: SIZES for u in COSTS})
+    for budget in range(3080, 5200, 37):
+        assert at.choose(table, budget, 1000, resolution=97).predicted_bytes <= budget
+
+
+def test_the_sensitive_unit_keeps_precision_first():
+    plan = at.choose(_table(COSTS, {u: SIZES for u in COSTS}), 1000 + 1040 + 3 * 560, 1000, resolution=1)
+    assert plan.schemes == {"a": "8da8w-pc", "b": "8da4w-g32", "c": "8da4w-g32", "d": "8da4w-g32"}
+    assert plan.rules[0] == {"match": "a", "weight_bits": 8, "group_size": None}
+
+
+def test_a_scheme_never_costs_less_than_one_storing_more_bytes():
+    """A 4-bit cell below its 8-bit cell (noise) is read at the 8-bit cost, so equal costs go to fewer bytes."""
+    costs = {"a": {"8da8w-pc": 0.004, "8da4w-g32": -0.001, "8da4w-pc": 0.010}}
+    opts = at.options(_table(costs, {"a": SIZES})["units"][0])
+    assert opts["fp"] == (4000, 0.0)
+    assert opts["8da4w-g32"][1] == pytest.approx(math.log(1.004)) == opts["8da8w-pc"][1]
+    assert opts["8da4w-pc"][1] == pytest.approx(math.log(1.010))
+
+
+@pytest.mark.parametrize(
+    "budget, message",
+    [
+        (2000, r"--max_size_mb 0.002 is below the smallest \.pte these candidates allow, about 0\.003 MB"),
+        (20000, "holds the whole FP model"),
+    ],
+)
+def test_budgets_nothing_fits_or_everything_fits_are_one_line_errors(budget, message):
+    costs = {u: {c: v + 0.0001 for c, v in cs.items()} for u, cs in COSTS.items()}  # every scheme costs something
+    with pytest.raises(UserError, match=message):
+        at.check_not_all_fp(at.choose(_table(costs, {u: SIZES for u in COSTS}), budget, 1000))
+    if budget > 17000:  # where 8-bit costs nothing (unit d), the plan takes it over fp: the same accuracy, smaller
+        assert at.choose(_table(COSTS, {u: SIZES for u in COSTS}), budget, 1000).schemes["d"] == "8da8w-pc"
+
+
+@pytest.mark.parametrize("value", [None, 0, -1.5, "big", float("inf"), True])
+def test_bad_budgets(value):
+    with pytest.raises(UserError, match="max_size_mb"):
+        at.check_budget(value)
+
+
+def test_a_table_against_the_recipe_is_refused():
+    table = {**_table(COSTS, {u: SIZES for u in COSTS}), "against": "recipe"}
+    with pytest.raises(UserError, match="measured --against recipe"):
+        at.choose(table, 5000, 1000)
+
+
+def test_the_written_recipe_gives_each_layer_the_planned_scheme(tmp_path):
+    """Sizes from the real model (``unit_sizes``); the recipe file read back assigns exactly the plan."""
+    from qharness.recipes.registry import load_recipe
+
+    model = _tiny_model()
+    units = unit_sizes(model, load_recipe("xnnpack_8da4w"), list(CANDIDATES), "block")
+    costs = {u["name"]: {"8da8w-pc": 0.001, "8da4w-g32": 0.01 * (i + 1), "8da4w-pc": 0.02} for i, u in enumerate(units)}
+    table = _table(costs, {u["name"]: u["weight_bytes"] for u in units})
+    for u, sized in zip(table["units"], units):
+        u["layers"] = sized["layers"]
+    table["unit"] = "block"
+    all4 = sum(u["weight_bytes"]["8da4w-g32"] for u in units)
+    budget = 10_000 + all4 + (units[-1]["weight_bytes"]["8da8w-pc"] - units[-1]["weight_bytes"]["8da4w-g32"])
+    plan = at.choose(table, budget, 10_000, resolution=1)
+    assert plan.schemes["lm_head"] == "8da8w-pc" and plan.schemes["model.layers.0"] == "8da4w-g32"
+    path = at.write_recipe(plan, tmp_path / "autotuned.yaml", "xnnpack_8da4w", "qharness autotune x.yaml")
+    text = path.read_text()
+    assert text.startswith("# written by: qharness autotune x.yaml\n# budget: .pte <= ")
+    assert yaml.safe_load(text)["layers"][0] == {"match": "model.layers.0.*", "weight_bits": 4, "group_size": 32}
+    assigned = _recipe(tmp_path, text, "again.yaml").make_quantizer(is_qat=False).check(model)
+    for u in units:
+        for layer in u["layers"]:
+            assert assigned[layer] == plan.schemes[u["name"]], layer
+
+
+def test_a_sweep_entry_names_an_autotune_budget(tmp_path):
+    spec = {
+        "sweep_dir": str(tmp_path / "sweep"),
+        "runs": [{"recipe": "xnnpack_8da4w", "modes": ["ptq"]}, {"autotune": {"max_size_mb": 1.6}, "modes": ["ptq"]}],
+    }
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    runs = plan(load_sweep(tmp_path / "s.yaml"))
+    tuned = runs[-1]
+    assert (tuned.name, tuned.subcommand, tuned.summary_recipe) == ("autotune_1.6mb-ptq", "autotune", "autotuned")
+    assert tuned.config["max_size_mb"] == 1.6 and tuned.config["model"]["recipe"] == "xnnpack_8da4w"
+    assert runs[1].subcommand == "calibrate"
+    spec["runs"][1]["autotune"] = {"max_size_mb": -1}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(UserError, match=r"runs\[1\]\.autotune\.max_size_mb: --max_size_mb must be a positive"):
+        load_sweep(tmp_path / "s.yaml")
+
+
+def test_autotune_cli_writes_a_recipe_that_fits_and_runs_it(tmp_path, tiny_llama, corpus):
+    """End to end on the tiny Llama (one rule per block): sensitivity measured, the plan written as autotuned.yaml,
+    calibrated, lowered, parity-checked; the .pte fits the budget and its layers are the plan's."""
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        tiny_llama,
+        corpus,
+        tmp_path / "run",
+        model={"recipe": "xnnpack_8da4w", "mode": "ptq"},
+        bench={"enabled": False},
+    )
+    bad = run_cli("autotune", cfg, "--max_size_mb", "-1")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: --max_size_mb must be")
+    r = run_cli("autotune", cfg, "--max_size_mb", "0.225", "--unit", "block")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "run"
+    record = json.loads((run / "autotune.json").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["recipe"] == "autotuned" and summary["parity"]["passed"]
+    assert summary["pte"]["size_bytes"] == record["measured_size_bytes"] <= 225_000
+    assert abs(record["measured_size_bytes"] - record["predicted_size_bytes"]) / record["measured_size_bytes"] < 0.03
+    assert len(set(record["schemes"].values())) > 1  # the budget lies between the uniform sizes: a mix
+    for layer, scheme in summary["layers"]["schemes"].items():
+        unit = "lm_head" if layer == "lm_head" else ".".join(layer.split(".")[:3])
+        assert scheme == record["schemes"][unit], layer
+    recipe = yaml.safe_load((run / "autotuned.yaml").read_text())
+    assert recipe["base"] == "xnnpack_8da4w" and len(recipe["layers"]) == 3
+    assert "predicted .pte" in r.stdout and "[autotune] .pte size: predicted" in r.stdout
+    assert (run / "sensitivity.json").is_file()
+
+
+@pytest.mark.slow
+def test_autotune_qat_trains_the_planned_assignment_and_its_recipe_reruns(tmp_path, tiny_llama, corpus):
+    """QAT: the plan is trained (last.ckpt) and deployed with the fake-quant comparison; then the written recipe run
+    again by calibrate (PTQ on the same FP model) gives a .pte with the same assignment, of about the same size (not
+    byte for byte: the untrained model's norm weights are equal, and ExecuTorch stores equal constants once)."""
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        tiny_llama,
+        corpus,
+        tmp_path / "run",
+        model={"recipe": "xnnpack_8da4w", "mode": "qat"},
+        bench={"enabled": False},
+    )
+    r = run_cli("autotune", cfg, "--max_size_mb", "0.225", "--unit", "block")
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["mode"] == "qat" and summary["parity"]["passed"] and "fake_quant" in summary["parity"]
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    again = run_cli(
+        "calibrate",
+        cfg,
+        "--model.mode",
+        "ptq",
+        "--model.recipe",
+        run / "autotuned.yaml",
+        "--trainer.default_root_dir",
+        tmp_path / "again",
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    rerun = json.loads((tmp_path / "again" / "summary.json").read_text())
+    assert abs(rerun["pte"]["size_bytes"] - summary["pte"]["size_bytes"]) <= 2048
+    assert rerun["layers"]["schemes"] == summary["layers"]["schemes"]
