@@ -106,7 +106,7 @@ def worker(args) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
     strategy, ac, lora = MODES[args.mode]
     lora = LoRA(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if lora else None
@@ -147,10 +147,10 @@ def worker(args) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     steady = None if cuda else Sampler()
     gen = torch.Generator().manual_seed(rank)
-    times = []
+    times, cpu = [], []
     for _ in range(args.steps):
         x = torch.randint(0, SHAPES[args.shape]["vocab_size"], (args.batch, args.seq + 1), generator=gen).to(device)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
             logits = train(x[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
@@ -160,6 +160,7 @@ def worker(args) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)  # CPU seconds of all this process's threads: the work, less the waiting
     peak = (torch.cuda.max_memory_allocated(device) if cuda else steady.stop()) - base
     result = dict(
         mode=args.mode,
@@ -170,6 +171,7 @@ def worker(args) -> None:
         setup=setup_peak,
         trained=trained,
         step_s=statistics.median(times[1:] or times),
+        cpu_s=statistics.median(cpu[1:] or cpu),
         loss=float(loss.detach()),
     )
     Path(f"{args.out}.{rank}").write_text(json.dumps(result))
@@ -194,7 +196,7 @@ def run_mode(args, mode: str, out: Path) -> list[dict]:
         cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--out", str(out)]
         cmd += [
             f"--{k}={getattr(args, k)}"
-            for k in ("shape", "recipe", "batch", "seq", "steps", "device", "precision", "lora_rank")
+            for k in ("shape", "recipe", "batch", "seq", "steps", "device", "precision", "lora_rank", "threads")
         ]
         procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
     codes = [p.wait() for p in procs]
@@ -204,7 +206,8 @@ def run_mode(args, mode: str, out: Path) -> list[dict]:
     for r in results:  # as it comes, so a run cut short still reports what it measured
         print(
             f"  {mode} rank {r['rank']}: steady {r['steady'] / r['params']:.2f} B/param ({r['steady'] / 2**30:.2f} GiB), "
-            f"set-up {r['setup'] / 2**30:.2f} GiB, {r['step_s']:.3f} s/step, {r['trained'] / 1e6:.2f}M trained",
+            f"set-up {r['setup'] / 2**30:.2f} GiB, {r['step_s']:.3f} s/step ({r['cpu_s']:.3f} CPU s), "
+            f"{r['trained'] / 1e6:.2f}M trained",
             flush=True,
         )
     return results
@@ -226,6 +229,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per process (0: the CPUs / processes); 1 makes CPU time clean",
+    )
     p.add_argument("--lora_rank", type=int, default=8, help="adapter rank of the *_lora modes (alpha = 2 x rank)")
     p.add_argument("--json", help="write every run's numbers here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -253,19 +262,22 @@ def main() -> None:
         f"{args.device}, {args.precision}, batch {args.batch} x seq {args.seq} per process, {args.steps} steps; "
         f"mean [min, max] over {args.repeats} fresh runs x {args.procs} processes"
     )
-    print(f"{'mode':<9} {'steady B/param':>22} {'steady GiB/process':>22} {'set-up GiB/process':>22} {'s/step':>20}")
+    print(
+        f"{'mode':<9} {'steady B/param':>22} {'steady GiB/process':>22} {'set-up GiB/process':>22} {'s/step':>20} "
+        f"{'CPU s/step':>20}"
+    )
     for mode in modes:
         flat = [r for run in runs[mode] for r in run]
         print(
             f"{mode:<9} {spread([r['steady'] / params for r in flat]):>22} "
             f"{spread([r['steady'] / 2**30 for r in flat]):>22} {spread([r['setup'] / 2**30 for r in flat]):>22} "
-            f"{spread([r['step_s'] for r in flat]):>20}"
+            f"{spread([r['step_s'] for r in flat]):>20} {spread([r['cpu_s'] for r in flat]):>20}"
         )
     for mode in modes:  # LoRA-QAT against full QAT of the same strategy, paired by repeat (adjacent fresh runs)
         full = mode[: -len("_lora")] if mode.endswith("_lora") else None
         if full not in runs:
             continue
-        for key, what in (("steady", "steady memory"), ("step_s", "step time")):
+        for key, what in (("steady", "steady memory"), ("step_s", "step time"), ("cpu_s", "step CPU time")):
             ratios = [
                 statistics.mean(r[key] for r in lo) / statistics.mean(r[key] for r in fu)
                 for lo, fu in zip(runs[mode], runs[full])
