@@ -157,12 +157,16 @@ def check_merged_fake_quant(graph: torch.fx.GraphModule) -> int:
             weights_only.add(n)
             if n in adapter_nodes or any(i in derived for i in inputs):
                 derived.add(n)
-    modules = dict(graph.named_modules())
     merged = 0
-    for n in derived:
-        if n.op == "call_module" and isinstance(modules[n.target], torch.nn.Module) and n.users:
+    for n in derived:  # in a prepared graph the modules called on the weight path are the quantizer's
+        if n.op == "call_module" and n.users:
             ok = all(u.op == "call_function" and "linear" in str(u.target) and u.args[1] is n for u in n.users)
             if not ok:
-                raise RuntimeError(f"{n.target} fake-quantizes inside an adapter's path (not the merged weight)")
+                raise UserError(
+                    f"the recipe quantizes inside a LoRA adapter's weight path ({n.target} on {n.args[0]}), not only "
+                    "the merged weight the linear layer uses, so the trained model would not be the deployed one",
+                    fix="use model.lora with a dynamic-activation recipe (xnnpack_int8_dynamic, xnnpack_int4w_dynamic, "
+                    "xnnpack_8da4w), or drop model.lora",
+                )
             merged += 1
     return merged

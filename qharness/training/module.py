@@ -337,9 +337,8 @@ class QuantLM(L.LightningModule):
             for k, v in self.graph.named_parameters(remove_duplicate=False)
             if k.startswith("model.") and k not in scales
         }
-        if (
-            self.lora is not None
-        ):  # LoRA: each adapted weight merged, W + s * B @ A, as the training forward computes it
+        if self.lora is not None:
+            # LoRA: each adapted weight merged, W + s * B @ A, as the training forward computes it
             from qharness.training.lora import merge
 
             weights = merge(weights, self.lora.scale)
