@@ -1,4 +1,5 @@
-"""Memory per parameter of QAT (issue 21): DDP vs FSDP per decoder layer, with and without activation checkpointing.
+"""Memory per parameter of QAT (issue 21): DDP vs FSDP per decoder layer, with and without activation checkpointing;
+and LoRA-QAT against full QAT (issue 19, ``--modes ddp,ddp_lora``).
 
 Each mode runs in its own fresh processes (``--procs`` of them, gloo on CPU, NCCL on CUDA), on a random-init model of
 a real shape (default SmolLM2-135M's), through qharness's own pieces: the recipe's QAT graph
@@ -11,6 +12,9 @@ bf16 autocast, as ``trainer.precision: bf16-mixed``). Per process it measures:
   set-up); CPU: peak RSS sampled every 2 ms during the steps.
 - ``setup``: peak during building (every process exports the whole model before sharding it).
 
+``*_lora`` modes train ``model.lora`` adapters (``--lora_rank``, alpha 2 x rank, the default targets) on the frozen
+base instead of every weight; ``params`` still counts the whole model, so B/param compares directly with full QAT.
+
 It prints bytes per parameter (``steady / parameters``; parameters counted once, tied weights once), the spread over
 ``--repeats`` fresh runs of each mode (modes interleaved), and seconds per step.
 
@@ -18,6 +22,7 @@ Usage::
 
     python scripts/bench_memory.py --procs 2 --repeats 2                       # CPU, 135M shape
     python scripts/bench_memory.py --device cuda --procs 1 --precision bf16-mixed  # one GPU
+    python scripts/bench_memory.py --procs 1 --repeats 4 --modes ddp,ddp_lora --steps 6  # LoRA-QAT vs full QAT
 """
 
 from __future__ import annotations
@@ -50,11 +55,12 @@ SHAPES = {  # HF LlamaConfig fields: SmolLM2-135M's, Llama-3.2-1B's (scripts/sca
         tie_word_embeddings=True,
     ),
 }
-MODES = {  # name: (strategy, activation checkpointing)
-    "ddp": ("ddp", False),
-    "ddp_ac": ("ddp", True),
-    "fsdp": ("fsdp", False),
-    "fsdp_ac": ("fsdp", True),
+MODES = {  # name: (strategy, activation checkpointing, LoRA adapters instead of full QAT)
+    "ddp": ("ddp", False, False),
+    "ddp_ac": ("ddp", True, False),
+    "fsdp": ("fsdp", False, False),
+    "fsdp_ac": ("fsdp", True, False),
+    "ddp_lora": ("ddp", False, True),
 }
 
 
@@ -90,6 +96,7 @@ def worker(args) -> None:
     from qharness.recipes.registry import load_recipe
     from qharness.training import sharding
     from qharness.training.layerwise import set_checkpointing
+    from qharness.training.model_args import LoRA
     from qharness.training.module import prepare_for_training
     from qharness.upstream.process import map_large_allocations_separately
 
@@ -99,9 +106,10 @@ def worker(args) -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    strategy, ac = MODES[args.mode]
+    strategy, ac, lora = MODES[args.mode]
+    lora = LoRA(rank=args.lora_rank, alpha=2.0 * args.lora_rank) if lora else None
 
     def used() -> int:
         return torch.cuda.memory_allocated(device) if cuda else rss()
@@ -111,7 +119,7 @@ def worker(args) -> None:
         model = LlamaForCausalLM(LlamaConfig(**{"max_position_embeddings": 4096, **SHAPES[shape]})).to(device)
         layerwise = strategy == "fsdp" or ac
         return model, prepare_for_training(
-            model, load_recipe(args.recipe), batch, seq, is_qat=True, layerwise=layerwise
+            model, load_recipe(args.recipe), batch, seq, is_qat=True, layerwise=layerwise, lora=lora
         )
 
     build("tiny", 1, 8)  # libraries and caches that export and the quantizer load once are not the model's memory
@@ -120,7 +128,8 @@ def worker(args) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     model, root = build(args.shape, args.batch, args.seq)
-    params = sum(p.numel() for p in model.parameters())  # unique parameters (a tied weight once)
+    params = sum(p.numel() for n, p in model.named_parameters() if not n.endswith((".lora_a", ".lora_b")))
+    trained = sum(p.numel() for p in root.parameters() if p.requires_grad)
     del model
     if ac:
         set_checkpointing(root, True)
@@ -138,10 +147,10 @@ def worker(args) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     steady = None if cuda else Sampler()
     gen = torch.Generator().manual_seed(rank)
-    times = []
+    times, cpu = [], []
     for _ in range(args.steps):
         x = torch.randint(0, SHAPES[args.shape]["vocab_size"], (args.batch, args.seq + 1), generator=gen).to(device)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.precision == "bf16-mixed"):
             logits = train(x[:, :-1])
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
@@ -151,6 +160,7 @@ def worker(args) -> None:
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)  # CPU seconds of all this process's threads: the work, less the waiting
     peak = (torch.cuda.max_memory_allocated(device) if cuda else steady.stop()) - base
     result = dict(
         mode=args.mode,
@@ -159,7 +169,9 @@ def worker(args) -> None:
         params=params,
         steady=peak,
         setup=setup_peak,
+        trained=trained,
         step_s=statistics.median(times[1:] or times),
+        cpu_s=statistics.median(cpu[1:] or cpu),
         loss=float(loss.detach()),
     )
     Path(f"{args.out}.{rank}").write_text(json.dumps(result))
@@ -183,7 +195,8 @@ def run_mode(args, mode: str, out: Path) -> list[dict]:
     for r in range(args.procs):
         cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--out", str(out)]
         cmd += [
-            f"--{k}={getattr(args, k)}" for k in ("shape", "recipe", "batch", "seq", "steps", "device", "precision")
+            f"--{k}={getattr(args, k)}"
+            for k in ("shape", "recipe", "batch", "seq", "steps", "device", "precision", "lora_rank", "threads")
         ]
         procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
     codes = [p.wait() for p in procs]
@@ -193,7 +206,8 @@ def run_mode(args, mode: str, out: Path) -> list[dict]:
     for r in results:  # as it comes, so a run cut short still reports what it measured
         print(
             f"  {mode} rank {r['rank']}: steady {r['steady'] / r['params']:.2f} B/param ({r['steady'] / 2**30:.2f} GiB), "
-            f"set-up {r['setup'] / 2**30:.2f} GiB, {r['step_s']:.3f} s/step",
+            f"set-up {r['setup'] / 2**30:.2f} GiB, {r['step_s']:.3f} s/step ({r['cpu_s']:.3f} CPU s), "
+            f"{r['trained'] / 1e6:.2f}M trained",
             flush=True,
         )
     return results
@@ -215,6 +229,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed"])
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per process (0: the CPUs / processes); 1 makes CPU time clean",
+    )
+    p.add_argument("--lora_rank", type=int, default=8, help="adapter rank of the *_lora modes (alpha = 2 x rank)")
     p.add_argument("--json", help="write every run's numbers here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--mode", help=argparse.SUPPRESS)
@@ -228,6 +249,7 @@ def main() -> None:
         raise SystemExit(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
     import tempfile
 
+    print(f"load average before: {', '.join(f'{x:.2f}' for x in os.getloadavg())}", flush=True)
     runs: dict[str, list[list[dict]]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
@@ -240,14 +262,31 @@ def main() -> None:
         f"{args.device}, {args.precision}, batch {args.batch} x seq {args.seq} per process, {args.steps} steps; "
         f"mean [min, max] over {args.repeats} fresh runs x {args.procs} processes"
     )
-    print(f"{'mode':<9} {'steady B/param':>22} {'steady GiB/process':>22} {'set-up GiB/process':>22} {'s/step':>20}")
+    print(
+        f"{'mode':<9} {'steady B/param':>22} {'steady GiB/process':>22} {'set-up GiB/process':>22} {'s/step':>20} "
+        f"{'CPU s/step':>20}"
+    )
     for mode in modes:
         flat = [r for run in runs[mode] for r in run]
         print(
             f"{mode:<9} {spread([r['steady'] / params for r in flat]):>22} "
             f"{spread([r['steady'] / 2**30 for r in flat]):>22} {spread([r['setup'] / 2**30 for r in flat]):>22} "
-            f"{spread([r['step_s'] for r in flat]):>20}"
+            f"{spread([r['step_s'] for r in flat]):>20} {spread([r['cpu_s'] for r in flat]):>20}"
         )
+    for mode in modes:  # LoRA-QAT against full QAT of the same strategy, paired by repeat (adjacent fresh runs)
+        full = mode[: -len("_lora")] if mode.endswith("_lora") else None
+        if full not in runs:
+            continue
+        for key, what in (("steady", "steady memory"), ("step_s", "step time"), ("cpu_s", "step CPU time")):
+            ratios = [
+                statistics.mean(r[key] for r in lo) / statistics.mean(r[key] for r in fu)
+                for lo, fu in zip(runs[mode], runs[full])
+            ]
+            print(
+                f"{mode} / {full} {what}: median {statistics.median(ratios):.2f} [{min(ratios):.2f}, {max(ratios):.2f}] "
+                f"over {len(ratios)} paired repeats ({', '.join(f'{x:.2f}' for x in ratios)})"
+            )
+    print(f"load average after: {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
 

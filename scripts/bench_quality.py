@@ -10,7 +10,8 @@ project), cached. Per seed, one ``qharness sweep`` runs, each run in its own pro
   how much of a QAT gain is plain fine-tuning);
 - per recipe: ``ptq`` (``qharness calibrate``); ``qat`` (plain straight-through QAT); ``qat_kd`` (QAT with
   distillation from the FP model: ``model.distill``, KL only); ``qat_lsq`` (the recipe's learned-scale twin,
-  e.g. ``xnnpack_int4w_lsq``); ``qat_lsq_kd`` (both).
+  e.g. ``xnnpack_int4w_lsq``); ``qat_lsq_kd`` (both); ``qat_lora`` (LoRA-QAT: ``model.lora``, adapters of rank 8,
+  alpha 16 on the attention/MLP projections, the base frozen, at ``--lora_lr``).
 
 Every perplexity is the ``.pte``'s, through the ExecuTorch runtime, on the same held-out blocks (the last 10% of
 the corpus, never trained on). The recovered fraction of a variant is ``(ppl_ptq - ppl_variant) / (ppl_ptq -
@@ -21,6 +22,7 @@ has a 95% t-interval above 0). Re-running reuses the cached model and the finish
 
     python scripts/bench_quality.py                                   # 2 recipes x 5 variants x 3 seeds
     python scripts/bench_quality.py --recipes xnnpack_8da4w --seeds 1 2 3 --qat_steps 200
+    python scripts/bench_quality.py --recipes xnnpack_int4w_dynamic --variants ptq qat qat_lora   # LoRA-QAT only
 """
 
 from __future__ import annotations
@@ -42,11 +44,12 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 RECIPES = ["xnnpack_int4w_dynamic", "xnnpack_8da4w"]
 LEARNED_SCALES = {"xnnpack_int4w_dynamic": "xnnpack_int4w_lsq", "xnnpack_8da4w": "xnnpack_8da4w_lsq"}
-VARIANTS = ["ptq", "qat", "qat_kd", "qat_lsq", "qat_lsq_kd"]
+VARIANTS = ["ptq", "qat", "qat_kd", "qat_lsq", "qat_lsq_kd", "qat_lora"]
 PRETRAIN_STEPS = (
     1500  # tinyshakespeare's held-out loss is lowest here (3.92 at 1500 of 3000 steps; 3.98 at 3000: overfit)
 )
 DISTILL = {"kl_weight": 1.0, "temperature": 1.0, "hard_loss": False}
+LORA = {"rank": 8, "alpha": 16.0}
 
 
 def benchmark_model(corpus: str, steps: int) -> Path:
@@ -66,22 +69,26 @@ def fp_finetune_recipe(out: Path) -> Path:
     return path
 
 
-def variant_runs(recipe: str) -> list[dict]:
-    """The sweep entries of one recipe's variants; run directories ``<recipe>-ptq``, ``<recipe>-qat``,
-    ``<recipe>_kd-qat``, ``<recipe>_lsq-qat``, ``<recipe>_lsq_kd-qat``."""
+def variant_runs(recipe: str, variants: list[str] = VARIANTS, lora_lr: float = 1e-3) -> list[dict]:
+    """The sweep entries of one recipe's ``variants``; run directories ``<recipe>-ptq``, ``<recipe>-qat``,
+    ``<recipe>_kd-qat``, ``<recipe>_lsq-qat``, ``<recipe>_lsq_kd-qat``, ``<recipe>_lora-qat``."""
     kd = {"model": {"distill": DISTILL}}
     lsq = LEARNED_SCALES.get(recipe)
-    runs = [
-        {"recipe": recipe, "modes": ["ptq"], "name": recipe},
-        {"recipe": recipe, "modes": ["qat"], "name": recipe},
-        {"recipe": recipe, "modes": ["qat"], "name": f"{recipe}_kd", "config": kd},
-    ]
+    runs = {
+        "ptq": {"recipe": recipe, "modes": ["ptq"], "name": recipe},
+        "qat": {"recipe": recipe, "modes": ["qat"], "name": recipe},
+        "qat_kd": {"recipe": recipe, "modes": ["qat"], "name": f"{recipe}_kd", "config": kd},
+        "qat_lora": {
+            "recipe": recipe,
+            "modes": ["qat"],
+            "name": f"{recipe}_lora",
+            "config": {"model": {"lora": LORA, "lr": lora_lr}},
+        },
+    }
     if lsq:
-        runs += [
-            {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq"},
-            {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq_kd", "config": kd},
-        ]
-    return runs
+        runs["qat_lsq"] = {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq"}
+        runs["qat_lsq_kd"] = {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq_kd", "config": kd}
+    return [runs[v] for v in variants if v in runs]
 
 
 def run_dir(sweep_dir: Path, recipe: str, variant: str) -> Path:
@@ -93,7 +100,7 @@ def sweep_config(out: Path, seed: int, model_dir: Path, corpus: str, recipes: li
         "sweep_dir": str(out / f"seed{seed}"),
         "baseline": "xnnpack_fp32",
         "runs": [{"recipe": str(fp_finetune_recipe(out)), "modes": ["qat"]}]
-        + [entry for r in recipes for entry in variant_runs(r)],
+        + [entry for r in recipes for entry in variant_runs(r, args.variants, args.lora_lr)],
         "config": {
             "seed_everything": seed,
             "model": {"checkpoint": str(model_dir), "lr": args.lr, "warmup_steps": max(1, args.qat_steps // 10)},
@@ -124,11 +131,11 @@ def pte_ppl(path: Path) -> float | None:
     return json.loads(summary.read_text())["metrics"]["pte"]["ppl"]
 
 
-def seed_rows(sweep_dir: Path, recipes: list[str]) -> dict:
+def seed_rows(sweep_dir: Path, recipes: list[str], variants: list[str] = VARIANTS) -> dict:
     """One seed's ppls: ``{"fp", "control", recipe: {variant: ppl}}`` (None: the run did not finish)."""
     out = {"fp": pte_ppl(sweep_dir / "xnnpack_fp32-ptq"), "control": pte_ppl(sweep_dir / "fp32_finetune-qat")}
     for r in recipes:
-        out[r] = {v: pte_ppl(run_dir(sweep_dir, r, v)) for v in VARIANTS}
+        out[r] = {v: pte_ppl(run_dir(sweep_dir, r, v)) for v in variants}
     return out
 
 
@@ -156,10 +163,10 @@ def t_interval(diffs: list[float]) -> tuple[float, float] | None:
     return m - h, m + h
 
 
-def summarize(per_seed: dict[int, dict], recipes: list[str]) -> list[dict]:
+def summarize(per_seed: dict[int, dict], recipes: list[str], variants: list[str] = VARIANTS) -> list[dict]:
     rows = []
     for r in recipes:
-        for v in VARIANTS:
+        for v in variants:
             ppls = [s[r][v] for s in per_seed.values()]
             vs_control = [recovered(s[r]["ptq"], s[r][v], s["control"]) for s in per_seed.values()]
             vs_fp = [recovered(s[r]["ptq"], s[r][v], s["fp"]) for s in per_seed.values()]
@@ -250,6 +257,10 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=2e-4, help="peak learning rate of QAT (cosine decay after 10%% warm-up)")
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--eval_blocks", type=int, default=64, help="held-out blocks of 128 tokens scored on every .pte")
+    p.add_argument(
+        "--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="which variants (ptq and qat always)"
+    )
+    p.add_argument("--lora_lr", type=float, default=1e-3, help="peak learning rate of the qat_lora variant")
     p.add_argument("--force", action="store_true", help="redo every run (the pretrained model stays cached)")
     a = p.parse_args(argv)
     corpus = Path(a.corpus).expanduser()
@@ -258,8 +269,9 @@ def main(argv=None) -> None:
             f"error: --corpus {corpus} does not exist. fix: pass --corpus PATH (a text file), "
             f"or put tinyshakespeare at {DEFAULT_CORPUS}"
         )
+    a.variants = ["ptq", "qat"] + [v for v in a.variants if v not in ("ptq", "qat")]
     unknown = [r for r in a.recipes if r not in LEARNED_SCALES]
-    if unknown:
+    if unknown and {"qat_lsq", "qat_lsq_kd"} & set(a.variants):
         sys.exit(f"error: --recipes {unknown}: no learned-scale twin known. fix: choose among {sorted(LEARNED_SCALES)}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -283,10 +295,10 @@ def main(argv=None) -> None:
         cmd += ["--force"] if a.force else []
         print("$ " + " ".join(cmd), flush=True)
         subprocess.run(cmd, env=env, check=False)
-        per_seed[seed] = seed_rows(out / f"seed{seed}", a.recipes)
+        per_seed[seed] = seed_rows(out / f"seed{seed}", a.recipes, a.variants)
     t_sweeps = time.perf_counter() - t1
 
-    rows = summarize(per_seed, a.recipes)
+    rows = summarize(per_seed, a.recipes, a.variants)
     curve = ", ".join(f"{s}: {v:.3f}" for s, v in info.get("val_loss", []))
     fp, control = mean_sd([s["fp"] for s in per_seed.values()]), mean_sd([s["control"] for s in per_seed.values()])
     print(
@@ -295,6 +307,7 @@ def main(argv=None) -> None:
     )
     print(
         f"QAT: {a.qat_steps} steps, batch {a.batch_size} x 128, lr {a.lr:g}, seeds {a.seeds}; distillation {DISTILL}; "
+        f"LoRA {LORA} at lr {a.lora_lr:g}; "
         f"every ppl: the .pte through the ExecuTorch runtime on {a.eval_blocks} held-out blocks of 128 tokens; "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; pretraining/cache {t_pretrain:.0f} s, sweeps {t_sweeps:.0f} s"
     )

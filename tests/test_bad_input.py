@@ -276,6 +276,34 @@ CASES = {
         lambda t: _cfg(t, model={"mode": "ptq", "recipe": "xnnpack_int8_static", "distill": {"temperature": 2.0}}),
         "model.distill needs model.mode: qat",
     ),
+    "zero LoRA rank": (
+        lambda t: [*_cfg(t, model={"lora": {"alpha": 16}}), "--model.lora.rank", "0"],
+        "model.lora.rank must be an integer >= 1 (got 0). fix: e.g. model.lora.rank: 8",
+    ),
+    "negative LoRA alpha": (
+        lambda t: [*_cfg(t), "--model.lora.alpha", "-2"],
+        "model.lora.alpha must be a positive number (got -2",
+    ),
+    "LoRA targets as one string": (
+        lambda t: _cfg(t, model={"lora": {"targets": "q_proj"}}),
+        "model.lora.targets must be a non-empty list of layer-name patterns (got 'q_proj')",
+    ),
+    "LoRA dropout": (
+        lambda t: _cfg(t, model={"lora": {"dropout": 0.1}}),
+        "unknown config field(s) model.lora.dropout. fix: model.lora fields are rank, alpha, targets",
+    ),
+    "LoRA in PTQ": (
+        lambda t: _cfg(t, model={"mode": "ptq", "recipe": "xnnpack_int8_static", "lora": {}}),
+        "model.lora needs model.mode: qat",
+    ),
+    "LoRA with learned scales": (
+        lambda t: _cfg(t, model={"recipe": "xnnpack_int4w_lsq", "lora": {"rank": 4}}),
+        "model.lora with recipe 'xnnpack_int4w_lsq' (learned weight scales) is not supported yet",
+    ),
+    "LoRA target matching no layer": (
+        lambda t: _cfg(t, model={"lora": {"targets": ["q_proj", "qkv"]}}, trainer={"max_steps": 1}),
+        "model.lora.targets ['qkv'] match no linear layer of LlamaForCausalLM",
+    ),
     "negative weight decay": (lambda t: _cfg(t, model={"weight_decay": -0.1}), "model.weight_decay must be a finite"),
     "zero gradient accumulation": (
         lambda t: _cfg(t, trainer={"accumulate_grad_batches": 0}),

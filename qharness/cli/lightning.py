@@ -76,7 +76,24 @@ def read_checkpoint(ckpt_path: str, model_cfg) -> dict:
                 f"checkpoint {ckpt_path} was trained with model.{key}={saved[key]!r}, this config has {model_cfg[key]!r}",
                 fix="use the config the checkpoint was trained with",
             )
+    if _lora(saved.get("lora")) != _lora(model_cfg.get("lora")):  # adapters are part of the trained state
+        raise UserError(
+            f"checkpoint {ckpt_path} was trained with model.lora={saved.get('lora')!r}, this config has "
+            f"{_lora(model_cfg.get('lora'))!r}",
+            fix="use the model.lora the checkpoint was trained with",
+        )
     return ckpt
+
+
+def _lora(value) -> dict | None:
+    """``model.lora`` as plain data (a config group, a dict, a ``LoRA`` or None), for comparing."""
+    from qharness.training.model_args import LoRA
+
+    if value is None:
+        return None
+    if hasattr(value, "as_dict"):
+        value = value.as_dict()
+    return (value if isinstance(value, LoRA) else LoRA(**dict(value))).record()
 
 
 def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None:
@@ -128,6 +145,10 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.training.model_args import Distill
 
         Distill(**cfg.model.distill.as_dict())  # its own field checks, as one line (jsonargparse would wrap them)
+    if cfg.model.get("lora") is not None:
+        from qharness.training.model_args import LoRA
+
+        LoRA(**cfg.model.lora.as_dict())
     if cfg.model.mode == "qat" and str(cfg.trainer.precision or "32-true") not in ("32", "32-true"):
         from qharness.recipes.registry import load_recipe
         from qharness.training.model_args import check_precision

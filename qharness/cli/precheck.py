@@ -39,7 +39,7 @@ from qharness.errors import UserError
 from qharness.io import read_yaml
 from qharness.sources.models import EMBEDDED, check_local_checkpoint
 from qharness.sources.torchtune import PREFIX as TORCHTUNE
-from qharness.training.model_args import Distill, check_model_args, check_precision
+from qharness.training.model_args import Distill, LoRA, check_model_args, check_precision
 
 SECTIONS = {
     "deploy": ExportConfig,
@@ -307,6 +307,7 @@ def _check_model(model: dict, trainer: dict | None = None) -> None:
     check_types("model", model, init_annotations("training/module.py", "QuantLM"))
     m = {**defaults, **_as_text(model, ("checkpoint", "recipe", "mode"))}
     _check_distill(m["distill"])
+    _check_lora(m["lora"])
     lr, warmup, fq = _number(m["lr"]), _number(m["warmup_steps"], int), _number(m["fake_quant_after_n_steps"], int)
     freeze = m["freeze_observers_after_n_steps"]
     freeze = -1 if freeze is None else _number(freeze, int)  # -1 stands for None while the types are checked
@@ -319,7 +320,16 @@ def _check_model(model: dict, trainer: dict | None = None) -> None:
         flags["strategy"] = strategy
     wd = _number(m["weight_decay"])
     recipe = check_model_args(
-        m["recipe"], m["mode"], lr, warmup, fq, freeze, distill=m["distill"] is not None, weight_decay=wd, **flags
+        m["recipe"],
+        m["mode"],
+        lr,
+        warmup,
+        fq,
+        freeze,
+        distill=m["distill"] is not None,
+        weight_decay=wd,
+        lora=m["lora"] is not None,
+        **flags,
     )
     checkpoint = m["checkpoint"]
     if isinstance(checkpoint, str) and checkpoint != EMBEDDED and not checkpoint.startswith(TORCHTUNE):
@@ -350,6 +360,22 @@ def _check_distill(distill) -> None:
     _unknown_fields("model.distill", distill, fields)
     check_types("model.distill", distill, {k: str(f.type) for k, f in fields.items()})
     Distill(**{k: v if isinstance(v, bool) else _number(v) for k, v in distill.items() if k != "hard_loss"})
+
+
+def _check_lora(lora) -> None:
+    """``model.lora``: null or a mapping of ``LoRA``'s fields, each checked as ``LoRA`` checks it."""
+    if lora is None:
+        return
+    fields = {f.name: f for f in dataclasses.fields(LoRA)}
+    if not isinstance(lora, dict):
+        raise UserError(
+            f"model.lora must be a mapping of {', '.join(fields)} or null (got {lora!r})",
+            fix="e.g. model.lora: {rank: 8, alpha: 16}",
+        )
+    _unknown_fields("model.lora", lora, fields)
+    check_types("model.lora", lora, {k: str(f.type) for k, f in fields.items()})
+    values = {k: v if k == "targets" else _number(v, int if k == "rank" else float) for k, v in lora.items()}
+    LoRA(**{k: lora[k] if v is None else v for k, v in values.items()})  # a non-number keeps its text: LoRA names it
 
 
 def _check_data(data: dict) -> tuple[int, int] | None:

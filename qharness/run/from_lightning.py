@@ -30,6 +30,7 @@ def trained(module) -> Trained:
         load_trained=module.load_into if fake_quant is not None else None,
         weight_qparams=module.learned_qparams() if fake_quant is not None else None,
         distill=module.hparams.get("distill"),
+        lora=module.lora_summary(),
     )
 
 

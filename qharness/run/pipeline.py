@@ -84,6 +84,8 @@ class Trained:
         weight_qparams: QAT with learned scales: ``{HF weight name: (scale, zero_point)}`` as trained; the deployed
             program quantizes each weight with these (else with min-max of the trained weights).
         distill: QAT with distillation: its settings (``kl_weight``, ``temperature``, ``hard_loss``; recorded).
+        lora: LoRA-QAT: its settings, adapted layers and trained parameter count (recorded; the weights that
+            ``load_trained`` puts in are already merged).
     """
 
     fp_model: torch.nn.Module
@@ -96,6 +98,7 @@ class Trained:
     load_trained: Callable[[torch.nn.Module], None] | None = None
     weight_qparams: dict | None = None
     distill: dict | None = None
+    lora: dict | None = None
 
 
 @dataclass
@@ -278,6 +281,7 @@ def deploy_and_check(
         eval_blocks=len(vx),
         val_blocks=validation_blocks_id(vx, vy),
         distill=trained.distill,
+        lora=trained.lora,
         metrics=metrics,
         parity=figures,
         pte={

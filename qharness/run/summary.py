@@ -39,6 +39,7 @@ class RunSummary:
         eval_blocks: How many validation blocks.
         val_blocks: Fingerprint of those blocks: runs with the same one were scored on the same text (paired).
         distill: QAT with knowledge distillation from the FP model: its settings (``model.distill``); None: without.
+        lora: LoRA-QAT: its settings (``model.lora``), the adapted layers and trained parameters; None: full QAT.
         metrics: Per model (``fp``, ``fake_quant``, ``converted``, ``pte``): loss, ppl and their intervals.
         parity: The parity gate's figures and verdict.
         pte: The ``.pte``: path, size_bytes, max_seq_len, export_path, fallback_reason, kv_cache (fp32 or int8).
@@ -63,6 +64,7 @@ class RunSummary:
     eval_blocks: int
     val_blocks: str | None = None
     distill: dict[str, Any] | None = None
+    lora: dict[str, Any] | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     parity: dict[str, Any] = field(default_factory=dict)
     pte: dict[str, Any] = field(default_factory=dict)

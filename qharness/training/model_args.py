@@ -21,6 +21,7 @@ def check_model_args(
     activation_checkpointing: bool = False,
     strategy: str | None = None,
     weight_decay: float = 0.0,
+    lora: bool = False,
 ) -> Recipe:
     """The recipe (loaded and checked for ``mode``) if the arguments make sense together, else a ``UserError``.
 
@@ -35,6 +36,16 @@ def check_model_args(
         raise UserError(
             f"model.distill needs model.mode: qat (got {mode!r}: PTQ trains nothing)",
             fix="set model.mode: qat, or remove model.distill",
+        )
+    if lora and mode != "qat":
+        raise UserError(
+            f"model.lora needs model.mode: qat (got {mode!r}: PTQ trains nothing)",
+            fix="set model.mode: qat, or remove model.lora",
+        )
+    if lora and loaded.learns_scales:
+        raise UserError(
+            f"model.lora with recipe {recipe!r} (learned weight scales) is not supported yet",
+            fix="use its min-max twin (xnnpack_int4w_dynamic, xnnpack_8da4w) with model.lora, or drop model.lora",
         )
     if not lr > 0 or lr == float("inf"):
         raise UserError(f"model.lr must be positive (got {lr})", fix="e.g. model.lr: 1.0e-4")
@@ -152,3 +163,68 @@ class Distill:
                 )
         if not isinstance(self.hard_loss, bool):
             raise UserError(f"model.distill.hard_loss must be true or false (got {self.hard_loss!r})")
+
+
+# HF names of the attention and MLP projections (Llama, Mistral, Qwen2/3, Gemma, OLMo2, ...): LoRA's default targets.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRA:
+    """LoRA-QAT (QAT only): train low-rank adapters on top of the frozen base weights; only the adapters learn.
+
+    Each target linear layer computes ``linear(x, fake_quant(W + (alpha/rank) * B @ A))``: the recipe's weight
+    fake quantization sees the *merged* weight, the one deployment quantizes, so what trains is what ships
+    (torchtune's QAT+LoRA fake-quantizes ``W`` alone and adds ``B @ A x`` in float, which the deployed, merged and
+    quantized weight does not compute). ``A`` starts random (Kaiming uniform), ``B`` at zero: step 0 is plain QAT.
+    Before deployment the adapters are merged into the weights, so the ``.pte`` has the program shape of full QAT.
+    Embeddings, norms and untargeted layers stay frozen. No dropout: in the merged form there is no separate
+    adapter path for it to act on.
+
+    Example (YAML): ``model: {lora: {rank: 8, alpha: 16, targets: [q_proj, v_proj]}}``.
+
+    Args:
+        rank: Rank r of each adapter (``B: [out, r]``, ``A: [r, in]``), >= 1.
+        alpha: Scale numerator: the update is ``(alpha / rank) * B @ A`` (> 0).
+        targets: Which linear layers get adapters: glob patterns matched against a layer's name in the HF model
+            (``model.layers.0.self_attn.q_proj``) or its last part (``q_proj``). Default: the attention and MLP
+            projections. Given patterns must each match a linear layer.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[str, ...] = LORA_TARGETS
+
+    def __post_init__(self):
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
+            raise UserError(
+                f"model.lora.rank must be an integer >= 1 (got {self.rank!r})", fix="e.g. model.lora.rank: 8"
+            )
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+            raise UserError(
+                f"model.lora.alpha must be a positive number (got {alpha!r})",
+                fix="e.g. model.lora.alpha: 16 (the update is scaled by alpha / rank)",
+            )
+        targets = self.targets
+        if isinstance(targets, str) or not isinstance(targets, (list, tuple)) or not targets:
+            raise UserError(
+                f"model.lora.targets must be a non-empty list of layer-name patterns (got {targets!r})",
+                fix="e.g. model.lora.targets: [q_proj, v_proj]",
+            )
+        if not all(isinstance(t, str) and t.strip() for t in targets):
+            raise UserError(
+                f"model.lora.targets must hold non-empty names or glob patterns (got {list(targets)!r})",
+                fix="e.g. model.lora.targets: [q_proj, 'model.layers.*.mlp.*']",
+            )
+        object.__setattr__(self, "targets", tuple(targets))
+        object.__setattr__(self, "alpha", float(alpha))
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``, the factor of ``B @ A`` in the merged weight."""
+        return self.alpha / self.rank
+
+    def record(self) -> dict:
+        """Plain data (checkpoint hyperparameters, ``summary.json``): targets as a list."""
+        return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}

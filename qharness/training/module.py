@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from qharness.errors import UserError
-from qharness.training.model_args import Distill, check_layer_units, check_model_args
+from qharness.training.model_args import Distill, LoRA, check_layer_units, check_model_args
 from qharness.upstream import imports
 
 
@@ -42,14 +42,31 @@ def export_for_training(model, batch_size: int, seq_len: int) -> torch.fx.GraphM
 
 
 def prepare_for_training(
-    model, recipe, batch_size: int, seq_len: int, is_qat: bool, layerwise: bool = False
+    model, recipe, batch_size: int, seq_len: int, is_qat: bool, layerwise: bool = False, lora: LoRA | None = None
 ) -> torch.nn.Module:
     """Export the model and insert the recipe's fake-quant (QAT) or observers (PTQ).
 
     PT2E recipes annotate the exported graph (``prepare_qat_pt2e`` / ``prepare_pt2e``); source-level
     recipes (torchao ``quantize_``) swap in fake-quantized modules first and export the result.
     ``layerwise``: one graph per decoder layer (``training/layerwise.py``) instead of one for the whole model.
+    ``lora`` (QAT): low-rank adapters on the target linears, fake-quantized merged with the frozen base weights
+    (``training/lora.py``); everything but the adapters (and learned scales) is frozen.
     """
+    root = _prepare(model, recipe, batch_size, seq_len, is_qat, layerwise, lora)
+    if lora is not None:
+        from qharness.recipes.learned_scales import quantization_parameter_names
+        from qharness.training.layerwise import graph_modules
+        from qharness.training.lora import check_merged_fake_quant, freeze_base
+
+        freeze_base(root, keep=quantization_parameter_names(root))
+        for _, graph in graph_modules(root):
+            check_merged_fake_quant(graph)
+    return root
+
+
+def _prepare(model, recipe, batch_size, seq_len, is_qat, layerwise, lora) -> torch.nn.Module:
+    if lora is not None and not is_qat:
+        raise ValueError("LoRA adapters need QAT")
     quantizer = recipe.make_quantizer(is_qat=is_qat)
     if recipe.kind == "source":
         if is_qat:
@@ -57,6 +74,10 @@ def prepare_for_training(
             # torch.export decomposes into round/clamp (zero gradient: nothing would train). Train the eager
             # modules instead; deployment re-exports the trained weights anyway.
             quantizer.prepare_qat(model)
+            if lora is not None:  # onto torchao's FakeQuantizedLinear modules: their weight fake quantizer sees W + sBA
+                from qharness.training.lora import add_adapters
+
+                add_adapters(model, lora)
             if recipe.learns_scales:
                 from qharness.recipes.learned_scales import init_source_scales
 
@@ -76,6 +97,10 @@ def prepare_for_training(
             init_learned_scales(prepared)  # the scales are parameters before the optimizer (or a checkpoint) sees them
         return pt2e.allow_train_eval(prepared)
 
+    if lora is not None:  # before export: each linear's exported weight input is W + s * B @ A
+        from qharness.training.lora import add_adapters
+
+        add_adapters(model, lora)
     if layerwise:
         from qharness.training.layerwise import export_layerwise
 
@@ -142,6 +167,7 @@ class QuantLM(L.LightningModule):
         distill: Distill | None = None,
         layerwise: bool = False,
         activation_checkpointing: bool = False,
+        lora: LoRA | None = None,
     ):
         """A causal LM trained with quantization-aware training (or calibrated) for one backend recipe.
 
@@ -174,12 +200,19 @@ class QuantLM(L.LightningModule):
                 recomputes. Same numerics as the whole-model graph; checkpoints of one form do not load into the other.
             activation_checkpointing: Recompute each decoder layer in backward instead of keeping its activations
                 (less memory, about one more forward of time). PT2E recipes need ``layerwise``.
+            lora: QAT: train low-rank adapters on the frozen base weights instead of the weights themselves (LoRA-QAT;
+                its fields: ``qharness fit --model.lora.help``), e.g. ``--model.lora.rank 8 --model.lora.alpha 16``. The
+                recipe's weight fake quantization sees the merged weight ``W + (alpha/rank) B A``, which deployment
+                quantizes: the ``.pte`` is the trained model, with the program shape of full QAT. None: full QAT.
         """
         super().__init__()
         self.save_hyperparameters()
         distill = Distill(**distill) if isinstance(distill, dict) else distill
         self.hparams.distill = dataclasses.asdict(distill) if distill is not None else None  # plain data in checkpoints
         self.distill = distill
+        lora = LoRA(**lora) if isinstance(lora, dict) else lora
+        self.hparams.lora = lora.record() if lora is not None else None
+        self.lora = lora
         self.recipe = check_model_args(
             recipe,
             mode,
@@ -191,6 +224,7 @@ class QuantLM(L.LightningModule):
             layerwise,
             activation_checkpointing,
             weight_decay=weight_decay,
+            lora=lora is not None,
         )
         if checkpoint != "embedded":
             from qharness.sources.models import resolve_checkpoint
@@ -230,6 +264,7 @@ class QuantLM(L.LightningModule):
             seq_len,
             is_qat=self.hparams.mode == "qat",
             layerwise=self.hparams.layerwise,
+            lora=self.lora,
         )
         if self.hparams.activation_checkpointing:
             from qharness.training.layerwise import set_checkpointing
@@ -298,10 +333,29 @@ class QuantLM(L.LightningModule):
         from qharness.training.layerwise import hf_name
 
         scales = quantization_parameter_names(self.graph)
-        return {
+        weights = {
             hf_name(k)[len("model.") :]: v.detach()
             for k, v in self.graph.named_parameters(remove_duplicate=False)
             if k.startswith("model.") and k not in scales
+        }
+        if self.lora is not None:
+            # LoRA: each adapted weight merged, W + s * B @ A, as the training forward computes it
+            from qharness.training.lora import merge
+
+            weights = merge(weights, self.lora.scale)
+        return weights
+
+    def lora_summary(self) -> dict | None:
+        """LoRA-QAT: its settings, how many linear layers have adapters, and the trained vs all parameter elements
+        (``summary.json``'s ``lora``); None without LoRA."""
+        if self.lora is None:
+            return None
+        params = dict(self.graph.named_parameters()) if self.graph is not None else {}
+        return {
+            **self.lora.record(),
+            "layers": sum(k.endswith(".lora_a") for k in params),
+            "trained_parameters": sum(p.numel() for p in params.values() if p.requires_grad),
+            "parameters": sum(p.numel() for p in params.values()),
         }
 
     def learned_qparams(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
