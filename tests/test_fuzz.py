@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from qharness.cli.precheck import precheck
 from qharness.errors import UserError
+from qharness.recipes.registry import _FIELDS as KNOWN_RECIPE_FIELDS
 
 FAST = settings(
     max_examples=60,
@@ -177,7 +178,8 @@ def _set(cfg: dict, dotted: str, value) -> None:
 
 def _base(tmp: Path) -> dict:
     (tmp / "d.txt").write_text("some text " * 50)
-    return yaml.safe_load(write_config(tmp / "base.yaml", "embedded", tmp / "d.txt", tmp / "run").read_text())
+    text = write_config(tmp / "base.yaml", "embedded", tmp / "d.txt", tmp / "run", bench={"enabled": True}).read_text()
+    return yaml.safe_load(text)  # bench on: its fields are checked as a run that benchmarks checks them
 
 
 def _override_text(value) -> str:
@@ -341,19 +343,7 @@ def bad_recipes(draw):
     if kind == "unknown":
         key = draw(
             identifiers.filter(
-                lambda k: (
-                    k
-                    not in {
-                        "description",
-                        "backend",
-                        "modes",
-                        "quantizer",
-                        "partitioners",
-                        "executorch_config",
-                        "runs_here",
-                        "base",
-                    }
-                )
+                lambda k: k not in KNOWN_RECIPE_FIELDS | {"base"}  # every known field of a recipe file
             )
         )
         return yaml.safe_dump({"base": "xnnpack_int8_dynamic", key: 1}), key

@@ -48,7 +48,7 @@ CASES = {
     "bad section value": (lambda t: _good(t), ["--parity.prompts", "0"], "parity.prompts must be a number >= 1"),
     "across sections": (lambda t: _good(t, deploy={"max_seq_len": 32}), [], "deploy.max_seq_len=32 must exceed"),
     "bench longer than the .pte": (
-        lambda t: _good(t, bench={"prompt_len": 60}),
+        lambda t: _good(t, bench={"enabled": True, "prompt_len": 60}),
         [],
         "bench.prompt_len + bench.decode_tokens = 68 exceeds the .pte's KV cache (64 positions)",
     ),

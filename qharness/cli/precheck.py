@@ -347,35 +347,34 @@ def _as_text(values: dict, names: tuple[str, ...]) -> dict:
     }
 
 
+def _checked_mapping(group: str, value, cls, example: str) -> bool:
+    """``model.<group>`` (null or a mapping of ``cls``'s fields): whether one is given, after checking it is a mapping
+    of known fields with values of the fields' types."""
+    if value is None:
+        return False
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    if not isinstance(value, dict):
+        raise UserError(
+            f"{group} must be a mapping of {', '.join(fields)} or null (got {value!r})", fix=f"e.g. {group}: {example}"
+        )
+    _unknown_fields(group, value, fields)
+    check_types(group, value, {k: str(f.type) for k, f in fields.items()})
+    return True
+
+
 def _check_distill(distill) -> None:
     """``model.distill``: null or a mapping of ``Distill``'s fields, each checked as ``Distill`` checks it."""
-    if distill is None:
-        return
-    fields = {f.name: f for f in dataclasses.fields(Distill)}
-    if not isinstance(distill, dict):
-        raise UserError(
-            f"model.distill must be a mapping of {', '.join(fields)} or null (got {distill!r})",
-            fix="e.g. model.distill: {kl_weight: 1.0, temperature: 2.0}",
-        )
-    _unknown_fields("model.distill", distill, fields)
-    check_types("model.distill", distill, {k: str(f.type) for k, f in fields.items()})
-    Distill(**{k: v if isinstance(v, bool) else _number(v) for k, v in distill.items() if k != "hard_loss"})
+    if _checked_mapping("model.distill", distill, Distill, "{kl_weight: 1.0, temperature: 2.0}"):
+        Distill(**{k: v if isinstance(v, bool) else _number(v) for k, v in distill.items() if k != "hard_loss"})
 
 
 def _check_lora(lora) -> None:
     """``model.lora``: null or a mapping of ``LoRA``'s fields, each checked as ``LoRA`` checks it."""
-    if lora is None:
-        return
-    fields = {f.name: f for f in dataclasses.fields(LoRA)}
-    if not isinstance(lora, dict):
-        raise UserError(
-            f"model.lora must be a mapping of {', '.join(fields)} or null (got {lora!r})",
-            fix="e.g. model.lora: {rank: 8, alpha: 16}",
-        )
-    _unknown_fields("model.lora", lora, fields)
-    check_types("model.lora", lora, {k: str(f.type) for k, f in fields.items()})
-    values = {k: v if k == "targets" else _number(v, int if k == "rank" else float) for k, v in lora.items()}
-    LoRA(**{k: lora[k] if v is None else v for k, v in values.items()})  # a non-number keeps its text: LoRA names it
+    if _checked_mapping("model.lora", lora, LoRA, "{rank: 8, alpha: 16}"):
+        values = {k: v if k == "targets" else _number(v, int if k == "rank" else float) for k, v in lora.items()}
+        LoRA(
+            **{k: lora[k] if v is None else v for k, v in values.items()}
+        )  # a non-number keeps its text: LoRA names it
 
 
 def _check_data(data: dict) -> tuple[int, int] | None:
