@@ -6,7 +6,7 @@
     qharness export CONFIG [--ckpt_path last]      # .pte + parity + summary.json from a checkpoint
     qharness evaluate CONFIG [--tasks qharness_ppl,hellaswag] [--limit 32]   # lm-eval: FP / fake-quant / .pte
     qharness sensitivity CONFIG [--candidates fp,8da4w-g32] [--unit block] [--against recipe]   # per-layer cost
-    qharness autotune CONFIG --max_size_mb 1.6      # per-layer precision under a size budget -> autotuned.yaml, .pte
+    qharness autotune CONFIG --max_size_mb 2.0      # per-layer precision under a size budget -> autotuned.yaml, .pte
     qharness recipes                                # the known backend recipes
     qharness generate --pte runs/x/model.pte --prompt "To be" [--temperature 0]
     qharness bench --pte runs/x/model.pte          # latency/memory/size vs the eager FP model

@@ -87,9 +87,9 @@ def options(unit: dict) -> dict[str, tuple[int, float]]:
 def check_budget(max_size_mb) -> int:
     """``--max_size_mb`` as bytes (``UserError`` when absent or not a positive number), before any model loads."""
     if max_size_mb is None:
-        raise UserError("autotune needs --max_size_mb (the .pte budget in MB)", fix="e.g. --max_size_mb 1.6")
+        raise UserError("autotune needs --max_size_mb (the .pte budget in MB)", fix="e.g. --max_size_mb 2.0")
     if isinstance(max_size_mb, bool) or not isinstance(max_size_mb, (int, float)) or not 0 < max_size_mb < math.inf:
-        raise UserError(f"--max_size_mb must be a positive number of MB (got {max_size_mb!r})", fix="e.g. 1.6")
+        raise UserError(f"--max_size_mb must be a positive number of MB (got {max_size_mb!r})", fix="e.g. 2.0")
     return int(max_size_mb * 1e6)
 
 
