@@ -263,7 +263,10 @@ CASES = {
         lambda t: _cfg(t, parity={"max_ppl_rel_diff": float("nan")}),
         "parity.max_ppl_rel_diff must be a number >= 0",
     ),
-    "zero bench reps": (lambda t: _cfg(t, bench={"enabled": True, "reps": 0}), "bench.reps must be a number >= 1 (got 0)"),
+    "zero bench reps": (
+        lambda t: _cfg(t, bench={"enabled": True, "reps": 0}),
+        "bench.reps must be a number >= 1 (got 0)",
+    ),
     "zero distillation temperature": (
         lambda t: [*_cfg(t, model={"distill": {"kl_weight": 1.0}}), "--model.distill.temperature", "0"],
         "model.distill.temperature must be a positive number (got 0). fix: set model.distill.temperature > 0",
