@@ -338,17 +338,23 @@ class QTrainer(Trainer):
             against: ``fp``: each unit quantized alone, the rest FP; ``recipe``: each unit changed alone in the
                 recipe's quantized model (``fp`` = leaving it alone in floating point).
         """
-        from qharness.evaluation.sensitivity import check_options, format_table, measure, write_outputs
+        from qharness.evaluation.sensitivity import check_options
         from qharness.run.from_lightning import held_out
-        from qharness.run.pipeline import validation_blocks_id
 
         names = check_options(model.recipe, candidates, unit, against)
         datamodule.setup("fit")
         data = held_out(datamodule, self.parity_config, self.calibration_config)
         fp_model, _ = model.load_fp()
+        return self._sensitivity_table(model, fp_model, data, names, unit, against)
+
+    def _sensitivity_table(self, model: QuantLM, fp_model, data, names: list[str], unit: str, against: str) -> dict:
+        """Measure the sensitivity table of ``fp_model`` on the held-out ``data``, record which model and blocks it
+        was measured on, write sensitivity.json/.md/.png into the run directory and print the table."""
+        from qharness.evaluation.sensitivity import format_table, measure, write_outputs
+        from qharness.run.pipeline import validation_blocks_id
+
         result = measure(fp_model, model.recipe, data.x, data.y, data.batch_size, names, unit, against)
-        result["model"] = model.hparams.checkpoint
-        result["val_blocks"] = validation_blocks_id(data.x, data.y)
+        result.update(model=model.hparams.checkpoint, val_blocks=validation_blocks_id(data.x, data.y))
         paths = write_outputs(result, Path(self.default_root_dir))
         print(format_table(result))
         print(f"written: {paths['json']}, {paths['table']}, {paths['png']}")
@@ -378,14 +384,7 @@ class QTrainer(Trainer):
         import json
 
         from qharness.evaluation import autotune as at
-        from qharness.evaluation.sensitivity import (
-            check_options,
-            format_table,
-            measure,
-            scheme_recipe,
-            unit_sizes,
-            write_outputs,
-        )
+        from qharness.evaluation.sensitivity import check_options, scheme_recipe, unit_sizes
         from qharness.run.from_lightning import held_out
         from qharness.run.pipeline import validation_blocks_id
 
@@ -416,10 +415,7 @@ class QTrainer(Trainer):
         elif sensitivity:
             raise UserError(f"--sensitivity {path} does not exist", fix="run qharness sensitivity CONFIG first")
         if table is None:
-            table = measure(fp_model, model.recipe, data.x, data.y, data.batch_size, names, unit, "fp")
-            table.update(model=model.hparams.checkpoint, val_blocks=val)
-            write_outputs(table, run_dir)
-            print(format_table(table))
+            table = self._sensitivity_table(model, fp_model, data, names, unit, "fp")
         del fp_model
         command = "qharness " + " ".join(sys.argv[1:])
         recipe_path = run_dir / at.RECIPE_FILE

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
@@ -131,12 +132,7 @@ def quantized_layers(graph: torch.fx.GraphModule) -> dict[str, str] | None:
 
 def layer_counts(layers: dict[str, str] | None) -> dict[str, int] | None:
     """How many layers got each scheme, e.g. ``{"8da4w-g32": 12, "fp": 1}``."""
-    if layers is None:
-        return None
-    counts: dict[str, int] = {}
-    for scheme in layers.values():
-        counts[scheme] = counts.get(scheme, 0) + 1
-    return dict(sorted(counts.items()))
+    return None if layers is None else dict(sorted(Counter(layers.values()).items()))
 
 
 def runner_metadata(

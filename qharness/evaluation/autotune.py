@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qharness.errors import UserError
+from qharness.recipes.layers import FP  # the scheme of a layer kept in floating point
 
-FP = "fp"
 RECIPE_FILE = "autotuned.yaml"
 PLAN_FILE = "autotune.json"
 # Program bytes besides the tensors (flatbuffer, delegate headers, per-op metadata, runner methods), fitted to two

@@ -32,8 +32,8 @@ import time
 from pathlib import Path
 
 from qharness.errors import UserError
+from qharness.recipes.layers import FP  # the scheme of a layer kept in floating point
 
-FP = "fp"
 UNITS = ("layer", "block")
 AGAINST = ("fp", "recipe")
 SCHEMA_VERSION = 1

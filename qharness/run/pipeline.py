@@ -270,6 +270,7 @@ def deploy_and_check(
     if not reasons:
         failed.unlink(missing_ok=True)  # a stale failure from an earlier export of this run
 
+    layers, rules = quantized_layers(deployed), [rule.raw for rule in recipe.layers]
     summary = RunSummary(
         run_dir=str(run_dir),
         model=trained.checkpoint,
@@ -293,13 +294,7 @@ def deploy_and_check(
             "kv_cache": kv_cache_dtype(deployed),
             "sha256": hashlib.sha256(pte_bytes).hexdigest(),
         },
-        layers=None
-        if quantized_layers(deployed) is None
-        else {
-            "schemes": quantized_layers(deployed),
-            "counts": layer_counts(quantized_layers(deployed)),
-            "rules": [rule.raw for rule in recipe.layers],
-        },
+        layers=None if layers is None else {"schemes": layers, "counts": layer_counts(layers), "rules": rules},
         timings=timings,
     )
     summary.evaluations = earlier_evaluations(run_dir / "summary.json")
