@@ -59,16 +59,6 @@ def benchmark_model(corpus: str, steps: int) -> Path:
     return embedded_dir(replace(EmbeddedSpec(), steps=steps), str(corpus))
 
 
-def fp_finetune_recipe(out: Path) -> Path:
-    """An fp32 recipe that allows ``fit``: the FP fine-tuning control (same pipeline, no fake quantization)."""
-    path = out / "fp32_finetune.yaml"
-    path.write_text(
-        "# fp32 with training allowed: the FP fine-tuning control of bench_quality.py\n"
-        "base: xnnpack_fp32\ndescription: XNNPACK fp32, FP fine-tuned (control)\nmodes: [qat]\n"
-    )
-    return path
-
-
 def variant_runs(recipe: str, variants: list[str] = VARIANTS, lora_lr: float = 1e-3) -> list[dict]:
     """The sweep entries of one recipe's ``variants``; run directories ``<recipe>-ptq``, ``<recipe>-qat``,
     ``<recipe>_kd-qat``, ``<recipe>_lsq-qat``, ``<recipe>_lsq_kd-qat``, ``<recipe>_lora-qat``."""
@@ -99,7 +89,7 @@ def sweep_config(out: Path, seed: int, model_dir: Path, corpus: str, recipes: li
     config = {
         "sweep_dir": str(out / f"seed{seed}"),
         "baseline": "xnnpack_fp32",
-        "runs": [{"recipe": str(fp_finetune_recipe(out)), "modes": ["qat"]}]
+        "runs": [{"recipe": "xnnpack_fp32_finetune", "modes": ["qat"], "name": "fp32_finetune"}]
         + [entry for r in recipes for entry in variant_runs(r, args.variants, args.lora_lr)],
         "config": {
             "seed_everything": seed,

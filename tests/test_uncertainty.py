@@ -322,3 +322,33 @@ def test_the_png_draws_error_bars(sweep):
         dark_blue(plot_pareto(bare, "ppl_pte", True, front, "t")),
     )
     assert with_bars > without + 60  # 145 vs 17 pixels when written
+
+
+def test_the_report_says_what_qat_recovers_per_ptq_qat_pair(tmp_path):
+    """<name>-ptq / <name>-qat pairs: PTQ's loss against FP, QAT against PTQ (paired), the recovered fraction against
+    FP and against the fine-tuned FP control; a PTQ loss inside the noise gets no fraction."""
+    ms = [1.0, 1.0, 1.0, 1.0, 1.0]
+    runs = {  # run dir: (recipe, mode, block-loss shift over FP)
+        "xnnpack_8da3w-ptq": ("xnnpack_8da3w", "ptq", 0.070),
+        "xnnpack_8da3w-qat": ("xnnpack_8da3w_lsq", "qat", 0.020),
+        "xnnpack_int8-ptq": ("xnnpack_int8_dynamic", "ptq", 0.0005),
+        "xnnpack_int8-qat": ("xnnpack_int8_dynamic", "qat", 0.0010),
+        "xnnpack_fp32-qat": ("xnnpack_fp32", "qat", 0.005),
+        "lonely-ptq": ("xnnpack_8da4w", "ptq", 0.030),  # no QAT twin: no line
+    }
+    for i, (name, (recipe, mode, shift)) in enumerate(runs.items()):
+        s = new_summary(name, recipe, mode, shifted(shift, i), ms, 1.0)
+        s["quantized"] = recipe != "xnnpack_fp32"
+        write_json_atomic(tmp_path / name / "summary.json", s)
+    result = write_report(tmp_path, wandb=False)
+    rows = rows_of(result)
+    lines = [line for line in result["text"].splitlines() if line.startswith("- ")]
+    assert len(lines) == 2 and "What QAT recovers" in result["text"]
+    three = next(line for line in lines if line.startswith("- xnnpack_8da3w:"))
+    p, q = rows["xnnpack_8da3w-ptq"]["ppl_pte"], rows["xnnpack_8da3w-qat"]["ppl_pte"]
+    fp, control = rows["xnnpack_8da3w-ptq"]["ppl_fp"], rows["xnnpack_fp32-qat"]["ppl_pte"]
+    assert "QAT (xnnpack_8da3w_lsq) against PTQ" in three and "better beyond the noise" in three
+    assert f"recovered {(p - q) / (p - fp):.0%} of PTQ's loss" in three
+    assert f"({(p - q) / (p - control):.0%} against the fine-tuned FP control xnnpack_fp32-qat" in three
+    int8 = next(line for line in lines if line.startswith("- xnnpack_int8:"))
+    assert "a tie (inside the noise)" in int8 and "nothing for QAT to recover" in int8 and "recovered" not in int8
