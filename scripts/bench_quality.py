@@ -11,7 +11,9 @@ project), cached. Per seed, one ``qharness sweep`` runs, each run in its own pro
 - per recipe: ``ptq`` (``qharness calibrate``); ``qat`` (plain straight-through QAT); ``qat_kd`` (QAT with
   distillation from the FP model: ``model.distill``, KL only); ``qat_lsq`` (the recipe's learned-scale twin,
   e.g. ``xnnpack_int4w_lsq``); ``qat_lsq_kd`` (both); ``qat_lora`` (LoRA-QAT: ``model.lora``, adapters of rank 8,
-  alpha 16 on the attention/MLP projections, the base frozen, at ``--lora_lr``).
+  alpha 16 on the attention/MLP projections, the base frozen, at ``--lora_lr``); for recipes with a GPTQ twin
+  (``xnnpack_8da4w_gptq``, ``xnnpack_8da3w_gptq``): ``ptq_gptq`` (PTQ by GPTQ rounding) and ``qat_gptq`` (plain QAT
+  from GPTQ's weights: the warm start). Not in the default variants.
 
 Every perplexity is the ``.pte``'s, through the ExecuTorch runtime, on the same held-out blocks (the last 10% of
 the corpus, never trained on). The recovered fraction of a variant is ``(ppl_ptq - ppl_variant) / (ppl_ptq -
@@ -43,8 +45,14 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 RECIPES = ["xnnpack_int4w_dynamic", "xnnpack_8da4w"]
-LEARNED_SCALES = {"xnnpack_int4w_dynamic": "xnnpack_int4w_lsq", "xnnpack_8da4w": "xnnpack_8da4w_lsq"}
-VARIANTS = ["ptq", "qat", "qat_kd", "qat_lsq", "qat_lsq_kd", "qat_lora"]
+LEARNED_SCALES = {
+    "xnnpack_int4w_dynamic": "xnnpack_int4w_lsq",
+    "xnnpack_8da4w": "xnnpack_8da4w_lsq",
+    "xnnpack_8da3w": "xnnpack_8da3w_lsq",
+}
+GPTQ = {"xnnpack_8da4w": "xnnpack_8da4w_gptq", "xnnpack_8da3w": "xnnpack_8da3w_gptq"}  # rounding: gptq twins
+VARIANTS = ["ptq", "qat", "qat_kd", "qat_lsq", "qat_lsq_kd", "qat_lora", "ptq_gptq", "qat_gptq"]
+DEFAULT_VARIANTS = VARIANTS[:6]
 PRETRAIN_STEPS = (
     1500  # tinyshakespeare's held-out loss is lowest here (3.92 at 1500 of 3000 steps; 3.98 at 3000: overfit)
 )
@@ -75,6 +83,9 @@ def variant_runs(recipe: str, variants: list[str] = VARIANTS, lora_lr: float = 1
             "config": {"model": {"lora": LORA, "lr": lora_lr}},
         },
     }
+    if recipe in GPTQ:
+        runs["ptq_gptq"] = {"recipe": GPTQ[recipe], "modes": ["ptq"], "name": f"{recipe}_gptq"}
+        runs["qat_gptq"] = {"recipe": GPTQ[recipe], "modes": ["qat"], "name": f"{recipe}_gptq"}
     if lsq:
         runs["qat_lsq"] = {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq"}
         runs["qat_lsq_kd"] = {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq_kd", "config": kd}
@@ -82,7 +93,11 @@ def variant_runs(recipe: str, variants: list[str] = VARIANTS, lora_lr: float = 1
 
 
 def run_dir(sweep_dir: Path, recipe: str, variant: str) -> Path:
-    return sweep_dir / (f"{recipe}-{variant}" if variant in ("ptq", "qat") else f"{recipe}_{variant[4:]}-qat")
+    """``<recipe>-ptq``, ``<recipe>-qat``, else ``<recipe>_<what>-<mode>`` (``qat_kd``: ``<recipe>_kd-qat``)."""
+    if variant in ("ptq", "qat"):
+        return sweep_dir / f"{recipe}-{variant}"
+    mode, _, what = variant.partition("_")
+    return sweep_dir / f"{recipe}_{what}-{mode}"
 
 
 def sweep_config(out: Path, seed: int, model_dir: Path, corpus: str, recipes: list[str], args) -> Path:
@@ -248,7 +263,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--eval_blocks", type=int, default=64, help="held-out blocks of 128 tokens scored on every .pte")
     p.add_argument(
-        "--variants", nargs="+", default=VARIANTS, choices=VARIANTS, help="which variants (ptq and qat always)"
+        "--variants", nargs="+", default=DEFAULT_VARIANTS, choices=VARIANTS, help="which variants (ptq and qat always)"
     )
     p.add_argument("--lora_lr", type=float, default=1e-3, help="peak learning rate of the qat_lora variant")
     p.add_argument("--force", action="store_true", help="redo every run (the pretrained model stays cached)")

@@ -286,7 +286,7 @@ class QTrainer(Trainer):
 
         from qharness.checks.parity import fold_constants
         from qharness.run.from_lightning import held_out, trained
-        from qharness.run.pipeline import deploy_graph, evaluate_run
+        from qharness.run.pipeline import deploy_graph, evaluate_run, with_gptq
 
         cfg = self.eval_config
         run_dir = Path(self.default_root_dir)
@@ -306,6 +306,7 @@ class QTrainer(Trainer):
         run, data = trained(model), held_out(datamodule, self.parity_config, self.calibration_config, cfg)
         converted = None
         if "converted" in cfg.models or (not qat and "fake_quant" in cfg.models):
+            run = with_gptq(run, data.calibration)  # PTQ by GPTQ: the deployed weights are GPTQ's, as at export
             converted = fold_constants(deploy_graph(run, data.calibration, self.export_config.max_seq_len))
         # beside the run's own eval.json, never over it: each evaluation has its own file and summary entry
         filename = time.strftime("eval-%Y%m%d-%H%M%S.json", time.gmtime())

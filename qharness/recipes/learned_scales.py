@@ -234,6 +234,24 @@ def init_source_scales(model: torch.nn.Module) -> int:
     return n
 
 
+def start_source_scales(model: torch.nn.Module, qparams: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """Start the trainable scales of ``model``'s range-learning fake quantizers (after ``init_source_scales``) at
+    ``qparams`` (keyed by weight name) where given: GPTQ's scales as QAT's warm start (``recipes/gptq.py``); the
+    others keep min-max. Returns how many were set."""
+    n = 0
+    with torch.no_grad():
+        for fq, target in _source_weight_calls(model):
+            if target in qparams:
+                scale = qparams[target][0]
+                if tuple(scale.shape) != tuple(fq.scale.shape):
+                    raise RuntimeError(
+                        f"scale of {target} has shape {tuple(scale.shape)}, its quantizer {tuple(fq.scale.shape)}"
+                    )
+                fq.scale.copy_(scale.to(fq.scale))
+                n += 1
+    return n
+
+
 def use_source_scales(model: torch.nn.Module, qparams: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> int:
     """Give every range-learning weight fake quantizer of ``model`` (a fresh deploy model, prepared) its trained
     ``(scale, zero_point)`` from ``qparams`` (keyed by weight name); returns how many. Every fake quantizer must get

@@ -67,8 +67,8 @@ class SourceConfig:
     """One ``quantize_`` step of a source-level recipe: a torchao config, ``select(module, fqn)`` picking the modules
     it quantizes, what those are (for messages), whether QAT learns their weight scales (LSQ, torchao's range
     learning) for deployment to use as trained, the name of the scheme it gives a module (``summary.json``'s
-    ``layers``, e.g. ``8da4w-g32``) and whether selecting no module is an error (per-layer recipes check their
-    rules instead, ``recipes/layers.py``)."""
+    ``layers``, e.g. ``8da4w-g32``), whether selecting no module is an error (per-layer recipes check their
+    rules instead, ``recipes/layers.py``) and whether its linears are rounded by GPTQ (``recipes/gptq.py``)."""
 
     config: Any
     select: Callable[[Any, str], bool]
@@ -76,6 +76,12 @@ class SourceConfig:
     learn_scales: bool = False
     scheme: str = "quantized"
     required: bool = True
+    gptq: bool = False
+
+    @property
+    def scales_given(self) -> bool:
+        """Whether deployment quantizes this step's weights with given scales (trained, or GPTQ's) when it has them."""
+        return self.learn_scales or self.gptq
 
 
 @dataclass
@@ -139,7 +145,7 @@ class SourceQuantizer:
 
     def convert(self, model, weight_qparams: dict | None = None) -> dict[str, str]:
         """Quantize the (trained, plain FP) model in place for deployment. With ``weight_qparams`` (``{weight name:
-        (scale, zero_point)}`` as trained) the learned-scale steps take torchao's range-learning path: fake quantizers
+        (scale, zero_point)}`` as trained, or as GPTQ chose them) the learned-scale and GPTQ steps take torchao's range-learning path: fake quantizers
         holding the trained scales, then ``QATConfig(config, step="convert")`` quantizes each weight with its
         quantizer's scale (min-max off); the other steps quantize with min-max as without. Returns the assignment
         (``check``)."""
@@ -152,13 +158,14 @@ class SourceQuantizer:
         if learned:
             from qharness.recipes.learned_scales import use_source_scales
 
-            if not any(step.learn_scales for step in self.configs):
-                raise ValueError("learned weight scales given to a recipe that learns none")
-            SourceQuantizer([step for step in self.configs if step.learn_scales]).prepare_qat(model)
+            if not any(step.scales_given for step in self.configs):
+                raise ValueError("weight scales given to a recipe that neither learns nor GPTQ-rounds any")
+            given = [dataclasses.replace(step, learn_scales=True) for step in self.configs if step.scales_given]
+            SourceQuantizer(given).prepare_qat(model)  # range-learning fake quantizers: they hold the given scales
             use_source_scales(model, weight_qparams)
         self._apply(
             model,
-            lambda step: qat.QATConfig(step.config, step="convert") if learned and step.learn_scales else step.config,
+            lambda step: qat.QATConfig(step.config, step="convert") if learned and step.scales_given else step.config,
         )
         subbyte = xnnpack_subbyte.store_as_int4(model)  # 2/3-bit values, stored as XNNPACK's int4
         if subbyte:

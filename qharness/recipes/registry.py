@@ -61,6 +61,12 @@ class Recipe:
         """Whether QAT trains the weight scales and deployment uses them (``learn_scales: true``)."""
         return bool(getattr(self.settings, "learn_scales", False))
 
+    @property
+    def rounds_with_gptq(self) -> bool:
+        """Whether the linear weights are rounded by GPTQ on the calibration blocks (``rounding: gptq``): PTQ deploys
+        GPTQ's weights and scales, QAT starts from them (``recipes/gptq.py``)."""
+        return getattr(self.settings, "rounding", "nearest") == "gptq"
+
     def make_quantizer(self, is_qat: bool):
         """The quantizer for QAT (fake-quant training) or PTQ/deploy: a PT2E ``Quantizer`` or a ``SourceQuantizer``."""
         if self.quantizer is None:

@@ -2,7 +2,8 @@
 
 Example (a recipe YAML)::
 
-    quantizer: {name: torchao_8da4w, group_size: 32, weight_bits: 4, embedding_bits: null, learn_scales: false}
+    quantizer: {name: torchao_8da4w, group_size: 32, weight_bits: 4, embedding_bits: null, rounding: nearest,
+                learn_scales: false}
 
 Per-layer choices (a recipe's ``layers:``, ``recipes/layers.py``) are these settings per module: XNNPACK lowers
 ``8da4w-g<N>`` (int4 group-wise), ``8da4w-pc`` and ``8da8w-pc`` (int4 / int8 per channel, ``group_size: null``),
@@ -17,6 +18,7 @@ from qharness.errors import UserError
 from qharness.recipes.registration import SourceConfig, SourceQuantizer, register_quantizer
 
 CHOOSE_QPARAMS = ("affine", "hqq_scale_only")
+ROUNDING = ("nearest", "gptq")
 WEIGHT_BITS = (2, 3, 4, 8)  # linear weights; 2 and 3 are stored as int4 on XNNPACK
 
 
@@ -34,6 +36,9 @@ class Torchao8da4wSettings:
     embedding_bits: null (embeddings stay FP), 4 or 8.
     choose_qparams: ``affine`` (min-max scales, what QAT's fake quantization trains against) or ``hqq_scale_only``
         (HQQ-optimised scales, export_llm's default for 8da4w PTQ; PTQ-only recipes).
+    rounding: ``nearest`` (each weight to its nearest level) or ``gptq``: the linear weights are rounded by GPTQ on the
+        calibration blocks (``recipes/gptq.py``); PTQ deploys GPTQ's weights and scales, QAT starts from them (a
+        warm start; with ``learn_scales`` the trained scales start at GPTQ's). ``choose_qparams: affine`` only.
     learn_scales: QAT trains each linear weight group's scale (torchao's range learning, LSQ-style: a parameter,
         min-max at the start, no weight decay) and the ``.pte`` quantizes the linear weights with the trained scales
         (else min-max of the final weights). QAT only, with ``choose_qparams: affine``; quantized embeddings keep
@@ -44,6 +49,7 @@ class Torchao8da4wSettings:
     weight_bits: int = 4
     embedding_bits: int | None = None
     choose_qparams: str = "affine"
+    rounding: str = "nearest"
     learn_scales: bool = False
 
     def __post_init__(self):
@@ -72,6 +78,16 @@ class Torchao8da4wSettings:
             raise UserError(
                 f"torchao_8da4w quantizer: choose_qparams {self.choose_qparams!r} is unknown",
                 fix=f"use {' or '.join(CHOOSE_QPARAMS)}",
+            )
+        if self.rounding not in ROUNDING:
+            raise UserError(
+                f"torchao_8da4w quantizer: rounding {self.rounding!r} is unknown", fix=f"use {' or '.join(ROUNDING)}"
+            )
+        if self.rounding == "gptq" and self.choose_qparams != "affine":
+            raise UserError(
+                f"torchao_8da4w quantizer: rounding gptq sets its own scales, choose_qparams {self.choose_qparams!r} "
+                "computes others",
+                fix="leave choose_qparams at affine with rounding: gptq",
             )
         if self.learn_scales and self.choose_qparams != "affine":
             raise UserError(
@@ -108,6 +124,7 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             else (lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group == 0),
             "nn.Linear layers" if group is None else f"nn.Linear layers whose in_features group_size={group} divides",
             learn_scales=settings.learn_scales,
+            gptq=settings.rounding == "gptq",
             scheme=scheme_name(settings.weight_bits, group, dynamic_activations=True),
         )
     ]

@@ -7,6 +7,7 @@ Stages take plain inputs (``Trained``, ``HeldOut``: models, recipe, tensors, tok
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import logging
 import os
@@ -118,6 +119,18 @@ class HeldOut:
         return self.x.shape[1]
 
 
+def with_gptq(trained: Trained, calibration: torch.Tensor) -> Trained:
+    """PTQ with a ``rounding: gptq`` recipe: ``trained`` whose weights are GPTQ's rounding of the FP model on the
+    ``calibration`` blocks and whose ``weight_qparams`` are GPTQ's scales, so the ``.pte`` holds exactly GPTQ's weights
+    (the parity gate checks that every scale reached it). Anything else: ``trained`` as it is."""
+    if trained.mode != "ptq" or not trained.recipe.rounds_with_gptq:
+        return trained
+    from qharness.recipes.gptq import gptq_round, put_weights
+
+    weights, qparams = gptq_round(trained.fp_model, trained.recipe.make_quantizer(is_qat=False), calibration)
+    return dataclasses.replace(trained, load_trained=lambda model: put_weights(model, weights), weight_qparams=qparams)
+
+
 def deploy_graph(
     trained: Trained, calibration: torch.Tensor, max_seq_len: int, copy_fp: bool = True
 ) -> torch.fx.GraphModule:
@@ -179,6 +192,10 @@ def deploy_and_check(
         export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, eos_ids(fp_model, tokenizer)
     )
 
+    t = time.perf_counter()
+    trained = with_gptq(trained, data.calibration)
+    if trained.mode == "ptq" and trained.weight_qparams is not None:
+        timings["gptq_s"] = time.perf_counter() - t
     keep_fp = eval_cfg.enabled  # lm-eval scores the FP model after the .pte is written
     vx, vy = data.x, data.y
     metrics = {

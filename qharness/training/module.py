@@ -246,12 +246,24 @@ class QuantLM(L.LightningModule):
 
         return load_model_and_tokenizer(self.model_source(), self.hparams.trust_remote_code)
 
-    def build(self, batch_size: int, seq_len: int, device: torch.device | str = "cpu") -> None:
+    def build(
+        self, batch_size: int, seq_len: int, device: torch.device | str = "cpu", warm_start: torch.Tensor | None = None
+    ) -> None:
         """Load the FP model, export it on ``device`` and prepare it with the recipe (deterministic, so
-        checkpoints load)."""
+        checkpoints load). ``warm_start``: calibration blocks for a QAT recipe with ``rounding: gptq``, whose training
+        starts from GPTQ's weights (and scales, when it learns them); not given where a checkpoint's state follows."""
         if self.graph is not None:
             return
         model, _ = self.load_fp()
+        gptq_scales = None
+        if warm_start is not None and self.hparams.mode == "qat" and self.recipe.rounds_with_gptq:
+            from qharness.recipes.gptq import gptq_round, put_weights
+
+            # a tied lm_head stays tied (and min-max) in training: its one tensor is also the embedding
+            weights, gptq_scales = gptq_round(
+                model, self.recipe.make_quantizer(is_qat=False), warm_start, skip_tied=True
+            )
+            put_weights(model, weights)
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if context is not None and seq_len > context:
             raise UserError(
@@ -266,6 +278,10 @@ class QuantLM(L.LightningModule):
             layerwise=self.hparams.layerwise,
             lora=self.lora,
         )
+        if gptq_scales is not None and self.recipe.learns_scales:
+            from qharness.recipes.learned_scales import start_source_scales
+
+            start_source_scales(model, gptq_scales)
         if self.hparams.activation_checkpointing:
             from qharness.training.layerwise import set_checkpointing
 
@@ -285,7 +301,13 @@ class QuantLM(L.LightningModule):
                 self.recipe, self.hparams.layerwise, sharded_by=f"trainer.strategy {type(strategy).__name__}"
             )
         if self.graph is None:
-            self.build(dm.batch_size, dm.seq_len, device=device)
+            warm = None
+            if self.recipe.rounds_with_gptq and self.trainer.state.fn == "fit":
+                from qharness.config import CalibrationConfig
+                from qharness.training.calibration import calibration_blocks
+
+                warm = calibration_blocks(getattr(self.trainer, "calibration_config", CalibrationConfig()), dm)
+            self.build(dm.batch_size, dm.seq_len, device=device, warm_start=warm)
             if sharded:
                 shard(self.graph, self.device_mesh["data_parallel"])
         if self.distill is not None and self.trainer.state.fn == "fit":  # training only, not validate/test

@@ -1,0 +1,161 @@
+"""GPTQ rounding (Frantar et al., 2022) for the torchao source-level recipes (``quantizer: {rounding: gptq}``).
+
+Each selected linear's weight is rounded onto the recipe's own grid (its bits, its groups, symmetric scales as
+torchao's min-max computes them) one input column at a time, and each column's rounding error is spread over the
+columns not yet rounded through the inverse Hessian ``H = X^T X`` of that layer's inputs on the calibration blocks
+(the FP model's activations; torchao's ``GPTQConfig`` observes the same way). A group's scale is set when GPTQ reaches
+the group, from the weights as updated so far (the reference implementation's ``groupsize`` path).
+
+What comes out is what the flow already carries exactly: weights on the grid (``scale * q``) and their scales, both keyed by weight name like trained scales (``recipes/learned_scales.py``). PTQ deploys
+them (``SourceQuantizer.convert(model, qparams)`` quantizes each weight with its GPTQ scale, and
+``round(scale * q / scale) == q``; the parity gate checks every scale reached the program); QAT starts from them
+(warm start: the GPTQ-rounded weights, and the scales too when the recipe learns scales).
+
+Example::
+
+    quantizer = recipe.make_quantizer(is_qat=False)
+    weights, qparams = gptq_round(model, quantizer, calibration_blocks)   # GPTQ-rounded weights and their scales
+    put_weights(model, weights)
+    quantizer.convert(model, qparams)                                    # the deployed weights are GPTQ's
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from qharness.progress import stage
+
+DAMP = 0.01  # of the mean Hessian diagonal, added to it (the reference's percdamp)
+BLOCK = 128  # columns rounded together before the error reaches the rest (a multiple of every group size)
+
+
+def grid(config, in_features: int) -> tuple[int, int, int]:
+    """``(qmin, qmax, group)`` of a torchao ``Int8DynamicActivationIntxWeightConfig``: symmetric ``weight_dtype``
+    codes, ``group`` columns per scale (``in_features`` for one scale per output channel)."""
+    bits = {torch.int2: 2, torch.int3: 3, torch.int4: 4, torch.int8: 8}[config.weight_dtype]
+    group = getattr(config.weight_granularity, "group_size", None) or in_features
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1, group
+
+
+def symmetric_scale(w: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
+    """torchao's symmetric min-max scale of each row of ``w`` ``[out, n]``: ``max|w| / ((qmax - qmin) / 2)``."""
+    return (w.abs().amax(dim=1) / ((qmax - qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
+
+
+def gptq_layer(
+    weight: torch.Tensor, hessian: torch.Tensor, qmin: int, qmax: int, group: int, damp: float = DAMP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ of one weight ``[out, in]`` with its input Hessian ``[in, in]``: ``(codes [out, in] int8, scales
+    [out, in // group])`` with ``codes * scales`` (per group) the rounded weight."""
+    w = weight.detach().to(torch.float64).clone()
+    h = hessian.to(torch.float64).clone()
+    out_f, in_f = w.shape
+    if in_f % group:
+        raise ValueError(f"group {group} does not divide in_features {in_f}")
+    dead = torch.diag(h) == 0  # inputs that never fire: nothing to spread their error over
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h += damp * torch.diag(h).mean() * torch.eye(in_f, dtype=h.dtype)
+    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    codes = torch.zeros(out_f, in_f, dtype=torch.int8)
+    scales = torch.zeros(out_f, in_f // group, dtype=torch.float64)
+    block = math.lcm(BLOCK, group) if group < in_f else in_f
+    for i1 in range(0, in_f, block):
+        i2 = min(i1 + block, in_f)
+        w1, err1, hinv1 = w[:, i1:i2].clone(), torch.zeros_like(w[:, i1:i2]), hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            if col % group == 0:  # a new group: its scale from the weights as GPTQ has updated them
+                scales[:, col // group] = symmetric_scale(w1[:, i : i + group], qmin, qmax)
+            s = scales[:, col // group]
+            q = torch.clamp(torch.round(w1[:, i] / s), qmin, qmax)
+            codes[:, col] = q.to(torch.int8)
+            err = (w1[:, i] - q * s) / hinv1[i, i]
+            w1[:, i:] -= err.unsqueeze(1) @ hinv1[i, i:].unsqueeze(0)
+            err1[:, i] = err
+        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
+    return codes, scales.to(torch.float32)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``codes * scale`` per group: the weight a program with these codes and scales computes with (fp32)."""
+    group = codes.shape[1] // scales.shape[1]
+    return (codes.to(torch.float32) * scales.repeat_interleave(group, dim=1)).contiguous()
+
+
+def hessians(model: torch.nn.Module, layers: dict[str, torch.nn.Linear], blocks: torch.Tensor, batch_size: int = 8):
+    """``{name: X^T X / n}`` of each linear's inputs over ``blocks`` ``[n, seq_len]`` of tokens (the FP model)."""
+    sums = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in layers.items()}
+    count = [0]
+
+    def hook(name):
+        def record(module, args):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64).cpu()
+            sums[name] += x.T @ x
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(name)) for name, m in layers.items()]
+    try:
+        with torch.no_grad():
+            for i in range(0, len(blocks), batch_size):
+                x = blocks[i : i + batch_size]
+                model(input_ids=x.to(next(model.parameters()).device))
+                count[0] += x.numel()
+    finally:
+        for h in handles:
+            h.remove()
+    return {name: 2 * s / count[0] for name, s in sums.items()}
+
+
+def gptq_layers(model: torch.nn.Module, quantizer) -> dict[str, tuple[torch.nn.Linear, object]]:
+    """``{module name: (linear, torchao config)}`` of the linears a ``SourceQuantizer``'s GPTQ steps quantize."""
+    out = {}
+    for name, m in model.named_modules():
+        step = next((s for s in quantizer.configs if s.select(m, name)), None)
+        if step is not None and step.gptq and isinstance(m, torch.nn.Linear):
+            out[name] = (m, step.config)
+    return out
+
+
+def tied(model: torch.nn.Module) -> set[str]:
+    """Names of ``model``'s parameters that share their tensor with another name (e.g. a tied ``lm_head.weight``)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n for group in names.values() if len(group) > 1 for n in group}
+
+
+def gptq_round(
+    model: torch.nn.Module, quantizer, blocks: torch.Tensor, damp: float = DAMP, skip_tied: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """GPTQ of every GPTQ layer of ``model`` (an FP HF causal LM, left unchanged): ``(weights, qparams)``, the
+    rounded weights and their ``(scale, zero_point)``, both keyed by weight name (``put_weights`` puts the weights
+    into a model; ``SourceQuantizer.convert`` takes the qparams). The Hessians come from one pass of the FP model
+    over ``blocks``. ``skip_tied``: leave out weights shared with another module (QAT keeps a tied ``lm_head`` tied;
+    deployment unties it anyway when it quantizes it)."""
+    shared = tied(model) if skip_tied else set()
+    layers = {n: lc for n, lc in gptq_layers(model, quantizer).items() if f"{n}.weight" not in shared}
+    if not layers:
+        raise ValueError("the recipe rounds no layer with GPTQ")
+    with stage(f"GPTQ: Hessians of {len(layers)} layers' inputs on {len(blocks)} calibration blocks"):
+        hs = hessians(model, {name: m for name, (m, _) in layers.items()}, blocks)
+    weights, qparams = {}, {}
+    with stage(f"GPTQ: rounding {len(layers)} layers"):
+        for name, (m, config) in layers.items():
+            qmin, qmax, group = grid(config, m.in_features)
+            codes, scales = gptq_layer(m.weight, hs[name], qmin, qmax, group, damp)
+            weights[f"{name}.weight"] = dequantize(codes, scales).to(m.weight.dtype)
+            qparams[f"{name}.weight"] = (scales, torch.zeros_like(scales))
+    return weights, qparams
+
+
+def put_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Give ``model`` the ``weights`` (by name), each as a parameter of its own (a tied weight gets untied)."""
+    for name, w in weights.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        old = getattr(module, attr)
+        setattr(module, attr, torch.nn.Parameter(w.detach().clone().to(old.device), requires_grad=old.requires_grad))
