@@ -94,13 +94,13 @@ def test_qat_starts_from_gptq_weights_and_scales(tiny_llama, recipe):
     assert torch.equal(cold.graph.get_parameter(f"model.{name}"), fp.get_parameter(name))
 
 
-def test_ptq_by_gptq_through_the_cli_deploys_gptq_scales_exactly(tmp_path, tiny_llama, corpus):
-    """``qharness calibrate`` with a GPTQ recipe: the parity gate passes and checks every GPTQ scale is, bit for bit,
-    a scale of the program's weights; the time GPTQ took is in summary.json."""
+def test_ptq_by_rotation_and_gptq_through_the_cli_deploys_gptq_scales_exactly(tmp_path, tiny_llama, corpus):
+    """``qharness calibrate`` with ``xnnpack_8da3w_rot_gptq`` (a folded rotation, then GPTQ; 3-bit weights stored as
+    int4): the parity gate passes and checks every GPTQ scale is, bit for bit, a scale of the program's weights
+    (15: the rotation untied the head); the time GPTQ took is in summary.json."""
     run = tmp_path / "run"
-    cfg = write_config(
-        tmp_path / "c.yaml", tiny_llama, corpus, run, model={"recipe": "xnnpack_8da4w_gptq", "mode": "ptq"}
-    )
+    recipe = {"recipe": "xnnpack_8da3w_rot_gptq", "mode": "ptq"}
+    cfg = write_config(tmp_path / "c.yaml", tiny_llama, corpus, run, model=recipe)
     r = run_cli("calibrate", "--config", cfg)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "GPTQ: rounding 15 layers" in r.stdout + r.stderr and "parity PASSED" in r.stdout

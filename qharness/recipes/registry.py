@@ -46,6 +46,9 @@ class Recipe:
     runs_here: bool = True  # False: the .pte needs a device backend this machine lacks; no runtime parity here
     kv_cache: str = "fp32"  # the .pte's KV cache: fp32, or int8 (per token and head; fast path only)
     layers: tuple[LayerRule, ...] = ()  # per-layer settings (recipes/layers.py); first match wins, else ``settings``
+    rotation: str | None = (
+        None  # hadamard: a rotation of the residual stream folded into the FP weights (recipes/rotation.py)
+    )
 
     @property
     def quantized(self) -> bool:
@@ -97,7 +100,9 @@ _FIELDS = {
     "runs_here",
     "kv_cache",
     "layers",
+    "rotation",
 }
+ROTATIONS = ("hadamard",)  # a recipe's rotation (recipes/rotation.py)
 KV_CACHES = ("fp32", "int8")  # a recipe's kv_cache: the .pte's KV cache in float, or int8 per token and head
 
 
@@ -212,6 +217,12 @@ def load_recipe(name_or_path: str) -> Recipe:
     kv_cache = raw.get("kv_cache", "fp32")
     if kv_cache not in KV_CACHES:
         raise UserError(f"recipe {name!r}: kv_cache must be one of {', '.join(KV_CACHES)} (got {kv_cache!r})")
+    rotation = raw.get("rotation")
+    if rotation not in (None, *ROTATIONS):
+        raise UserError(
+            f"recipe {name!r}: rotation must be null or one of {', '.join(ROTATIONS)} (got {rotation!r})",
+            fix="rotation: hadamard (or leave it out)",
+        )
     kind = "fp" if quantizer is None else QUANTIZERS[quantizer].kind
     layers = parse_layers(raw.get("layers"), name, quantizer, kind, settings)
     return Recipe(
@@ -226,6 +237,7 @@ def load_recipe(name_or_path: str) -> Recipe:
         runs_here=runs_here,
         kv_cache=kv_cache,
         layers=layers,
+        rotation=rotation,
     )
 
 

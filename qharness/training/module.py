@@ -242,9 +242,17 @@ class QuantLM(L.LightningModule):
         return resolve_checkpoint(self.hparams.checkpoint)
 
     def load_fp(self):
+        """The FP model and tokenizer of ``model.checkpoint``; with a recipe's ``rotation``, its rotation folded into
+        the weights (``recipes/rotation.py``: the same function, so every FP figure and the teacher stay the FP
+        model's; every load rotates alike, so trained weights load into it)."""
         from qharness.sources.models import load_model_and_tokenizer
 
-        return load_model_and_tokenizer(self.model_source(), self.hparams.trust_remote_code)
+        model, tokenizer = load_model_and_tokenizer(self.model_source(), self.hparams.trust_remote_code)
+        if self.recipe.rotation is not None:
+            from qharness.recipes.rotation import rotate
+
+            rotate(model, self.recipe.rotation)
+        return model, tokenizer
 
     def build(
         self, batch_size: int, seq_len: int, device: torch.device | str = "cpu", warm_start: torch.Tensor | None = None
