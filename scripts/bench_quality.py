@@ -13,7 +13,8 @@ project), cached. Per seed, one ``qharness sweep`` runs, each run in its own pro
   e.g. ``xnnpack_int4w_lsq``); ``qat_lsq_kd`` (both); ``qat_lora`` (LoRA-QAT: ``model.lora``, adapters of rank 8,
   alpha 16 on the attention/MLP projections, the base frozen, at ``--lora_lr``); for recipes with a GPTQ twin
   (``xnnpack_8da4w_gptq``, ``xnnpack_8da3w_gptq``): ``ptq_gptq`` (PTQ by GPTQ rounding) and ``qat_gptq`` (plain QAT
-  from GPTQ's weights: the warm start). Not in the default variants.
+  from GPTQ's weights: the warm start); with a rotation twin (``*_rot``, ``*_rot_gptq``): ``ptq_rot`` (PTQ after a
+  folded Hadamard rotation) and ``ptq_rotgptq`` (rotation, then GPTQ). Not in the default variants.
 
 Every perplexity is the ``.pte``'s, through the ExecuTorch runtime, on the same held-out blocks (the last 10% of
 the corpus, never trained on). The recovered fraction of a variant is ``(ppl_ptq - ppl_variant) / (ppl_ptq -
@@ -51,7 +52,20 @@ LEARNED_SCALES = {
     "xnnpack_8da3w": "xnnpack_8da3w_lsq",
 }
 GPTQ = {"xnnpack_8da4w": "xnnpack_8da4w_gptq", "xnnpack_8da3w": "xnnpack_8da3w_gptq"}  # rounding: gptq twins
-VARIANTS = ["ptq", "qat", "qat_kd", "qat_lsq", "qat_lsq_kd", "qat_lora", "ptq_gptq", "qat_gptq"]
+ROTATED = {"xnnpack_8da4w": "xnnpack_8da4w_rot", "xnnpack_8da3w": "xnnpack_8da3w_rot"}  # rotation: hadamard twins
+ROTATED_GPTQ = {"xnnpack_8da3w": "xnnpack_8da3w_rot_gptq"}
+VARIANTS = [
+    "ptq",
+    "qat",
+    "qat_kd",
+    "qat_lsq",
+    "qat_lsq_kd",
+    "qat_lora",
+    "ptq_gptq",
+    "qat_gptq",
+    "ptq_rot",
+    "ptq_rotgptq",
+]
 DEFAULT_VARIANTS = VARIANTS[:6]
 PRETRAIN_STEPS = (
     1500  # tinyshakespeare's held-out loss is lowest here (3.92 at 1500 of 3000 steps; 3.98 at 3000: overfit)
@@ -86,6 +100,10 @@ def variant_runs(recipe: str, variants: list[str] = VARIANTS, lora_lr: float = 1
     if recipe in GPTQ:
         runs["ptq_gptq"] = {"recipe": GPTQ[recipe], "modes": ["ptq"], "name": f"{recipe}_gptq"}
         runs["qat_gptq"] = {"recipe": GPTQ[recipe], "modes": ["qat"], "name": f"{recipe}_gptq"}
+    if recipe in ROTATED:
+        runs["ptq_rot"] = {"recipe": ROTATED[recipe], "modes": ["ptq"], "name": f"{recipe}_rot"}
+    if recipe in ROTATED_GPTQ:
+        runs["ptq_rotgptq"] = {"recipe": ROTATED_GPTQ[recipe], "modes": ["ptq"], "name": f"{recipe}_rotgptq"}
     if lsq:
         runs["qat_lsq"] = {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq"}
         runs["qat_lsq_kd"] = {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq_kd", "config": kd}
