@@ -12,8 +12,8 @@ project), cached. Per seed, one ``qharness sweep`` runs, each run in its own pro
   distillation from the FP model: ``model.distill``, KL only); ``qat_lsq`` (the recipe's learned-scale twin,
   e.g. ``xnnpack_int4w_lsq``); ``qat_lsq_kd`` (both); ``qat_lora`` (LoRA-QAT: ``model.lora``, adapters of rank 8,
   alpha 16 on the attention/MLP projections, the base frozen, at ``--lora_lr``); for recipes with a GPTQ twin
-  (``xnnpack_8da4w_gptq``, ``xnnpack_8da3w_gptq``): ``ptq_gptq`` (PTQ by GPTQ rounding) and ``qat_gptq`` (plain QAT
-  from GPTQ's weights: the warm start); with a rotation twin (``*_rot``, ``*_rot_gptq``): ``ptq_rot`` (PTQ after a
+  (``xnnpack_8da4w_gptq``, ``xnnpack_8da3w_gptq``): ``ptq_gptq`` (PTQ by GPTQ rounding) and ``qat_gptq`` (QAT with
+  learned scales from GPTQ's weights and scales: the warm start; compare with ``qat_lsq``); with a rotation twin (``*_rot``, ``*_rot_gptq``): ``ptq_rot`` (PTQ after a
   folded Hadamard rotation) and ``ptq_rotgptq`` (rotation, then GPTQ). Not in the default variants.
 
 Every perplexity is the ``.pte``'s, through the ExecuTorch runtime, on the same held-out blocks (the last 10% of
@@ -51,7 +51,8 @@ LEARNED_SCALES = {
     "xnnpack_8da4w": "xnnpack_8da4w_lsq",
     "xnnpack_8da3w": "xnnpack_8da3w_lsq",
 }
-GPTQ = {"xnnpack_8da4w": "xnnpack_8da4w_gptq", "xnnpack_8da3w": "xnnpack_8da3w_gptq"}  # rounding: gptq twins
+GPTQ = {"xnnpack_8da4w": "xnnpack_8da4w_gptq", "xnnpack_8da3w": "xnnpack_8da3w_gptq"}  # rounding: gptq twins (PTQ)
+GPTQ_QAT = {"xnnpack_8da4w": "xnnpack_8da4w_lsq_gptq", "xnnpack_8da3w": "xnnpack_8da3w_lsq_gptq"}  # learned scales
 ROTATED = {"xnnpack_8da4w": "xnnpack_8da4w_rot", "xnnpack_8da3w": "xnnpack_8da3w_rot"}  # rotation: hadamard twins
 ROTATED_GPTQ = {"xnnpack_8da3w": "xnnpack_8da3w_rot_gptq"}
 VARIANTS = [
@@ -99,7 +100,7 @@ def variant_runs(recipe: str, variants: list[str] = VARIANTS, lora_lr: float = 1
     }
     if recipe in GPTQ:
         runs["ptq_gptq"] = {"recipe": GPTQ[recipe], "modes": ["ptq"], "name": f"{recipe}_gptq"}
-        runs["qat_gptq"] = {"recipe": GPTQ[recipe], "modes": ["qat"], "name": f"{recipe}_gptq"}
+        runs["qat_gptq"] = {"recipe": GPTQ_QAT[recipe], "modes": ["qat"], "name": f"{recipe}_gptq"}
     if recipe in ROTATED:
         runs["ptq_rot"] = {"recipe": ROTATED[recipe], "modes": ["ptq"], "name": f"{recipe}_rot"}
     if recipe in ROTATED_GPTQ:

@@ -9,7 +9,15 @@ from conftest import run_cli, write_config
 from test_learned_scales import FakeTrainer
 
 from qharness.errors import UserError
-from qharness.recipes.gptq import dequantize, gptq_layer, gptq_round, put_weights, symmetric_scale, tied
+from qharness.recipes.gptq import (
+    dequantize,
+    gptq_layer,
+    gptq_round,
+    put_weights,
+    symmetric_scale,
+    tied,
+    untie_layers,
+)
 from qharness.recipes.registry import load_recipe
 from qharness.training.module import QuantLM
 
@@ -68,30 +76,51 @@ def test_gptq_weights_and_scales_reach_the_converted_model_exactly(tiny_llama):
         assert torch.equal(deployed, w), name
 
 
-@pytest.mark.parametrize("recipe", ["xnnpack_8da4w_gptq", "xnnpack_8da3w_lsq_gptq"])
-def test_qat_starts_from_gptq_weights_and_scales(tiny_llama, recipe):
-    """QAT warm start: the fake-quantized linears hold GPTQ's weights (the tied lm_head stays tied, FP) and a
-    learned-scale recipe's trainable scales start at GPTQ's; a rebuild for a checkpoint's state (no warm start)
-    keeps the FP weights."""
+def test_qat_starts_from_gptq_weights_and_scales(tiny_llama):
+    """QAT warm start (``xnnpack_8da3w_lsq_gptq``): every fake-quantized linear holds GPTQ's weights and its trainable
+    scales start at GPTQ's; the tied lm_head trains as its own weight (the embedding stays FP), and the trained
+    weights load back into a fresh FP model untied. A rebuild for a checkpoint's state (no warm start) keeps the FP
+    weights, untied alike."""
     blocks = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(0))
-    m = QuantLM(checkpoint=str(tiny_llama), recipe=recipe, mode="qat")
+    m = QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da3w_lsq_gptq", mode="qat")
     fp, _ = m.load_fp()
-    weights, qparams = gptq_round(fp, m.recipe.make_quantizer(is_qat=False), blocks, skip_tied=True)
-    assert "lm_head.weight" in tied(fp) and "lm_head.weight" not in weights and len(weights) == 14
+    assert "lm_head.weight" in tied(fp)
+    quantizer = m.recipe.make_quantizer(is_qat=False)
+    assert untie_layers(fp, quantizer) == ["lm_head.weight"] and not tied(fp)
+    weights, qparams = gptq_round(fp, quantizer, blocks)
+    assert len(weights) == 15
     m.build(2, 16, warm_start=blocks)
     m.trainer = FakeTrainer()
     for name, w in weights.items():
         assert torch.equal(m.graph.get_parameter(f"model.{name}"), w), name
     learned = m.learned_qparams()
-    if m.recipe.learns_scales:
-        assert all(torch.equal(learned[name][0], qparams[name][0]) for name in weights)
-        assert not torch.equal(learned["lm_head.weight"][0], torch.zeros_like(learned["lm_head.weight"][0]))
-    else:
-        assert learned is None
-    cold = QuantLM(checkpoint=str(tiny_llama), recipe=recipe, mode="qat")
+    assert all(torch.equal(learned[name][0], qparams[name][0]) for name in weights)
+    embedding = m.graph.get_parameter("model.model.embed_tokens.weight")
+    assert torch.equal(embedding, fp.get_parameter("model.embed_tokens.weight"))
+    fresh, _ = m.load_fp()
+    m.load_into(fresh)
+    assert torch.equal(fresh.lm_head.weight, weights["lm_head.weight"]) and torch.equal(
+        fresh.model.embed_tokens.weight, embedding
+    )
+    cold = QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da3w_lsq_gptq", mode="qat")
     cold.build(2, 16)
     name = "model.layers.0.mlp.down_proj.weight"
     assert torch.equal(cold.graph.get_parameter(f"model.{name}"), fp.get_parameter(name))
+    assert cold.graph.get_parameter("model.lm_head.weight") is not cold.graph.get_parameter(
+        "model.model.embed_tokens.weight"
+    )
+
+
+def test_qat_by_gptq_needs_learned_scales(tmp_path):
+    """Plain QAT's min-max fake quantization would re-round GPTQ's weights onto another grid: refused up front."""
+    from qharness.training.model_args import check_model_args
+
+    with pytest.raises(UserError, match="does not support mode 'qat'"):
+        load_recipe("xnnpack_8da4w_gptq").check_mode("qat")
+    (tmp_path / "r.yaml").write_text("base: xnnpack_8da4w_gptq\nmodes: [qat, ptq]\n")
+    with pytest.raises(UserError, match="rounds by GPTQ .* without learned scales"):
+        check_model_args(str(tmp_path / "r.yaml"), "qat", lr=1e-4, warmup_steps=10)
+    assert check_model_args("xnnpack_8da3w_lsq_gptq", "qat", lr=1e-4, warmup_steps=10).rounds_with_gptq
 
 
 def test_ptq_by_rotation_and_gptq_through_the_cli_deploys_gptq_scales_exactly(tmp_path, tiny_llama, corpus):

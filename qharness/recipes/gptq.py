@@ -6,10 +6,13 @@ columns not yet rounded through the inverse Hessian ``H = X^T X`` of that layer'
 (the FP model's activations; torchao's ``GPTQConfig`` observes the same way). A group's scale is set when GPTQ reaches
 the group, from the weights as updated so far (the reference implementation's ``groupsize`` path).
 
-What comes out is what the flow already carries exactly: weights on the grid (``scale * q``) and their scales, both keyed by weight name like trained scales (``recipes/learned_scales.py``). PTQ deploys
-them (``SourceQuantizer.convert(model, qparams)`` quantizes each weight with its GPTQ scale, and
-``round(scale * q / scale) == q``; the parity gate checks every scale reached the program); QAT starts from them
-(warm start: the GPTQ-rounded weights, and the scales too when the recipe learns scales).
+What comes out is what the flow already carries exactly: weights on the grid (``scale * q``) and their scales,
+both keyed by weight name like trained scales (``recipes/learned_scales.py``). PTQ deploys them
+(``SourceQuantizer.convert(model, qparams)`` quantizes each weight with its GPTQ scale, and
+``round(scale * q / scale) == q``; the parity gate checks every scale reached the program). QAT starts from them
+(the warm start, for recipes that learn their scales: min-max fake quantization would re-round GPTQ's weights onto
+another grid): QAT begins from GPTQ's weights and scales, a tied ``lm_head`` untied first (``untie_layers``) so
+that it is rounded and trained like the other linears.
 
 Example::
 
@@ -128,16 +131,23 @@ def tied(model: torch.nn.Module) -> set[str]:
     return {n for group in names.values() if len(group) > 1 for n in group}
 
 
+def untie_layers(model: torch.nn.Module, quantizer) -> list[str]:
+    """Give each GPTQ layer whose weight is tied to another module (a tied ``lm_head``) a weight of its own, so GPTQ
+    can round it and QAT train it apart from the embedding; returns their weight names."""
+    shared = tied(model)
+    names = [f"{n}.weight" for n in gptq_layers(model, quantizer) if f"{n}.weight" in shared]
+    put_weights(model, {n: model.get_parameter(n) for n in names})
+    return names
+
+
 def gptq_round(
-    model: torch.nn.Module, quantizer, blocks: torch.Tensor, damp: float = DAMP, skip_tied: bool = False
+    model: torch.nn.Module, quantizer, blocks: torch.Tensor, damp: float = DAMP
 ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[torch.Tensor, torch.Tensor]]]:
     """GPTQ of every GPTQ layer of ``model`` (an FP HF causal LM, left unchanged): ``(weights, qparams)``, the
     rounded weights and their ``(scale, zero_point)``, both keyed by weight name (``put_weights`` puts the weights
     into a model; ``SourceQuantizer.convert`` takes the qparams). The Hessians come from one pass of the FP model
-    over ``blocks``. ``skip_tied``: leave out weights shared with another module (QAT keeps a tied ``lm_head`` tied;
-    deployment unties it anyway when it quantizes it)."""
-    shared = tied(model) if skip_tied else set()
-    layers = {n: lc for n, lc in gptq_layers(model, quantizer).items() if f"{n}.weight" not in shared}
+    over ``blocks``."""
+    layers = gptq_layers(model, quantizer)
     if not layers:
         raise ValueError("the recipe rounds no layer with GPTQ")
     with stage(f"GPTQ: Hessians of {len(layers)} layers' inputs on {len(blocks)} calibration blocks"):

@@ -37,8 +37,8 @@ class Torchao8da4wSettings:
     choose_qparams: ``affine`` (min-max scales, what QAT's fake quantization trains against) or ``hqq_scale_only``
         (HQQ-optimised scales, export_llm's default for 8da4w PTQ; PTQ-only recipes).
     rounding: ``nearest`` (each weight to its nearest level) or ``gptq``: the linear weights are rounded by GPTQ on the
-        calibration blocks (``recipes/gptq.py``); PTQ deploys GPTQ's weights and scales, QAT starts from them (a
-        warm start; with ``learn_scales`` the trained scales start at GPTQ's). ``choose_qparams: affine`` only.
+        calibration blocks (``recipes/gptq.py``); PTQ deploys GPTQ's weights and scales; QAT (with ``learn_scales``
+        only) starts from GPTQ's weights and scales. ``choose_qparams: affine`` only.
     learn_scales: QAT trains each linear weight group's scale (torchao's range learning, LSQ-style: a parameter,
         min-max at the start, no weight decay) and the ``.pte`` quantizes the linear weights with the trained scales
         (else min-max of the final weights). QAT only, with ``choose_qparams: affine``; quantized embeddings keep

@@ -81,6 +81,12 @@ def check_model_args(
             f"recipe {recipe!r} learns its weight scales (learn_scales: true), which needs training",
             fix="use mode qat, or a recipe without learn_scales for PTQ",
         )
+    if mode == "qat" and loaded.rounds_with_gptq and not loaded.learns_scales:
+        raise UserError(
+            f"recipe {recipe!r} rounds by GPTQ (rounding: gptq) without learned scales: QAT's min-max fake quantization "
+            "would re-round GPTQ's weights onto another grid",
+            fix="use mode ptq, or a recipe with learn_scales: true as well (e.g. xnnpack_8da3w_lsq_gptq)",
+        )
     return loaded
 
 

@@ -264,14 +264,14 @@ class QuantLM(L.LightningModule):
             return
         model, _ = self.load_fp()
         gptq_scales = None
-        if warm_start is not None and self.hparams.mode == "qat" and self.recipe.rounds_with_gptq:
-            from qharness.recipes.gptq import gptq_round, put_weights
+        if self.hparams.mode == "qat" and self.recipe.rounds_with_gptq:
+            from qharness.recipes.gptq import gptq_round, put_weights, untie_layers
 
-            # a tied lm_head stays tied (and min-max) in training: its one tensor is also the embedding
-            weights, gptq_scales = gptq_round(
-                model, self.recipe.make_quantizer(is_qat=False), warm_start, skip_tied=True
-            )
-            put_weights(model, weights)
+            quantizer = self.recipe.make_quantizer(is_qat=False)
+            untie_layers(model, quantizer)  # a tied lm_head trains as its own weight (deployment unties it anyway)
+            if warm_start is not None:
+                weights, gptq_scales = gptq_round(model, quantizer, warm_start)
+                put_weights(model, weights)
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if context is not None and seq_len > context:
             raise UserError(
@@ -409,7 +409,8 @@ class QuantLM(L.LightningModule):
         """Copy the trained weights into an HF model of the same architecture.
 
         Tied parameters (one tensor under several names, e.g. embeddings and lm_head) may appear
-        under any one of their names in the graph.
+        under any one of their names in the graph; where training untied them (their trained values differ), they are
+        untied in ``hf_model`` too.
         """
         weights = self.trained_weights()
         groups: dict[int, list[str]] = {}
@@ -419,9 +420,18 @@ class QuantLM(L.LightningModule):
         extra = set(weights) - {n for names in groups.values() for n in names}
         if missing or extra:
             raise RuntimeError(f"trained graph and model disagree: missing {missing[:5]}, extra {sorted(extra)[:5]}")
+        untied = {}
         with torch.no_grad():
             for names in groups.values():
-                hf_model.get_parameter(names[0]).copy_(weights[next(n for n in names if n in weights)])
+                given = [n for n in names if n in weights]
+                if any(not torch.equal(weights[n], weights[given[0]]) for n in given[1:]):
+                    untied.update({n: weights[n] for n in given})  # trained apart (e.g. lm_head with GPTQ's warm start)
+                    continue
+                hf_model.get_parameter(names[0]).copy_(weights[given[0]])
+        if untied:
+            from qharness.recipes.gptq import put_weights
+
+            put_weights(hf_model, untied)
 
     # --- modes ----------------------------------------------------------------------------------
     def fake_quant_on(self, step: int) -> bool:
