@@ -9,16 +9,9 @@ from conftest import run_cli, write_config
 from test_learned_scales import FakeTrainer
 
 from qharness.errors import UserError
-from qharness.recipes.gptq import (
-    dequantize,
-    gptq_layer,
-    gptq_round,
-    put_weights,
-    symmetric_scale,
-    tied,
-    untie_layers,
-)
+from qharness.recipes.gptq import dequantize, gptq_layer, gptq_round, symmetric_scale, untie_layers
 from qharness.recipes.registry import load_recipe
+from qharness.sources.models import put_weights, tied
 from qharness.training.module import QuantLM
 
 

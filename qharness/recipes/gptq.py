@@ -29,6 +29,7 @@ import math
 import torch
 
 from qharness.progress import stage
+from qharness.sources.models import put_weights, tied
 
 DAMP = 0.01  # of the mean Hessian diagonal, added to it (the reference's percdamp)
 BLOCK = 128  # columns rounded together before the error reaches the rest (a multiple of every group size)
@@ -123,14 +124,6 @@ def gptq_layers(model: torch.nn.Module, quantizer) -> dict[str, tuple[torch.nn.L
     return out
 
 
-def tied(model: torch.nn.Module) -> set[str]:
-    """Names of ``model``'s parameters that share their tensor with another name (e.g. a tied ``lm_head.weight``)."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {n for group in names.values() if len(group) > 1 for n in group}
-
-
 def untie_layers(model: torch.nn.Module, quantizer) -> list[str]:
     """Give each GPTQ layer whose weight is tied to another module (a tied ``lm_head``) a weight of its own, so GPTQ
     can round it and QAT train it apart from the embedding; returns their weight names."""
@@ -160,12 +153,3 @@ def gptq_round(
             weights[f"{name}.weight"] = dequantize(codes, scales).to(m.weight.dtype)
             qparams[f"{name}.weight"] = (scales, torch.zeros_like(scales))
     return weights, qparams
-
-
-def put_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Give ``model`` the ``weights`` (by name), each as a parameter of its own (a tied weight gets untied)."""
-    for name, w in weights.items():
-        module_name, _, attr = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        old = getattr(module, attr)
-        setattr(module, attr, torch.nn.Parameter(w.detach().clone().to(old.device), requires_grad=old.requires_grad))

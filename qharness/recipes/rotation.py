@@ -28,6 +28,7 @@ import torch
 
 from qharness.errors import UserError
 from qharness.recipes.registry import ROTATIONS
+from qharness.sources.models import put_weights, tied
 
 STREAM_READERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 MLP_READERS = ("mlp.gate_proj", "mlp.up_proj")
@@ -104,10 +105,7 @@ def rotate(model, rotation: str = "hadamard", seed: int = 0, check_tokens: int =
     device = next(model.parameters()).device
     before = model(input_ids=tokens.to(device)).logits.double()
     if head.weight is body.embed_tokens.weight:  # untie: the head folds the final norm, the embedding does not
-        head.weight = torch.nn.Parameter(head.weight.detach().clone(), requires_grad=head.weight.requires_grad)
-        model.config.tie_word_embeddings = False
-        if hasattr(model.config, "get_text_config"):
-            model.config.get_text_config().tie_word_embeddings = False
+        put_weights(model, {name: head.weight for name in tied(model) if name.endswith("lm_head.weight")})
     q = random_orthogonal(body.embed_tokens.weight.shape[1], seed).to(device)
     for layer in layers:
         attn_in = [layer.get_submodule(n) for n in STREAM_READERS]

@@ -125,7 +125,8 @@ def with_gptq(trained: Trained, calibration: torch.Tensor) -> Trained:
     (the parity gate checks that every scale reached it). Anything else: ``trained`` as it is."""
     if trained.mode != "ptq" or not trained.recipe.rounds_with_gptq:
         return trained
-    from qharness.recipes.gptq import gptq_round, put_weights
+    from qharness.recipes.gptq import gptq_round
+    from qharness.sources.models import put_weights
 
     weights, qparams = gptq_round(trained.fp_model, trained.recipe.make_quantizer(is_qat=False), calibration)
     return dataclasses.replace(trained, load_trained=lambda model: put_weights(model, weights), weight_qparams=qparams)

@@ -130,3 +130,28 @@ def check_loaded_weights(source: str, info: dict) -> None:
                 f"{len(keys)} tensors, e.g. {keys[0]})",
                 fix="make config.json describe the saved weights (e.g. num_hidden_layers), or re-save with save_pretrained",
             )
+
+
+# --- a loaded model's parameters ---------------------------------------------------------------
+def tied(model) -> set[str]:
+    """Names of ``model``'s parameters that share their tensor with another name (e.g. a tied ``lm_head.weight``)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {n for group in names.values() if len(group) > 1 for n in group}
+
+
+def put_weights(model, weights: dict) -> None:
+    """Give ``model`` the ``weights`` (by name), each as a parameter of its own: a tied weight gets untied (and the
+    config says so, so nothing ties it again)."""
+    import torch
+
+    shared = tied(model)
+    for name, w in weights.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        old = getattr(module, attr)
+        setattr(module, attr, torch.nn.Parameter(w.detach().clone().to(old.device), requires_grad=old.requires_grad))
+    if shared & set(weights):
+        for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+            config.tie_word_embeddings = False

@@ -265,7 +265,8 @@ class QuantLM(L.LightningModule):
         model, _ = self.load_fp()
         gptq_scales = None
         if self.hparams.mode == "qat" and self.recipe.rounds_with_gptq:
-            from qharness.recipes.gptq import gptq_round, put_weights, untie_layers
+            from qharness.recipes.gptq import gptq_round, untie_layers
+            from qharness.sources.models import put_weights
 
             quantizer = self.recipe.make_quantizer(is_qat=False)
             untie_layers(model, quantizer)  # a tied lm_head trains as its own weight (deployment unties it anyway)
@@ -429,7 +430,7 @@ class QuantLM(L.LightningModule):
                     continue
                 hf_model.get_parameter(names[0]).copy_(weights[given[0]])
         if untied:
-            from qharness.recipes.gptq import put_weights
+            from qharness.sources.models import put_weights
 
             put_weights(hf_model, untied)
 
