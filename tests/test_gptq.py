@@ -119,7 +119,7 @@ def test_qat_by_gptq_needs_learned_scales(tmp_path):
 def test_ptq_by_rotation_and_gptq_through_the_cli_deploys_gptq_scales_exactly(tmp_path, tiny_llama, corpus):
     """``qharness calibrate`` with ``xnnpack_8da3w_rot_gptq`` (a folded rotation, then GPTQ; 3-bit weights stored as
     int4): the parity gate passes and checks every GPTQ scale is, bit for bit, a scale of the program's weights
-    (15: the rotation untied the head); the time GPTQ took is in summary.json."""
+    (15: the rotation untied the head), on the fast path; the time GPTQ took is in summary.json."""
     run = tmp_path / "run"
     recipe = {"recipe": "xnnpack_8da3w_rot_gptq", "mode": "ptq"}
     cfg = write_config(tmp_path / "c.yaml", tiny_llama, corpus, run, model=recipe)
@@ -129,3 +129,4 @@ def test_ptq_by_rotation_and_gptq_through_the_cli_deploys_gptq_scales_exactly(tm
     summary = json.loads((run / "summary.json").read_text())
     assert summary["parity"]["learned_scales"] == {"weights": 15, "exact": 15}
     assert summary["timings"]["gptq_s"] > 0
+    assert summary["pte"]["export_path"] == "fast"  # the rotated model still takes the fast path
