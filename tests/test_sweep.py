@@ -80,7 +80,9 @@ class FakeRunner:
                     "decode_tokens": 4,
                     "reps": 2,
                     "pte": {"decode_tok_s": {"median": 1000 / MS[name]}},
-                },
+                }
+                if cfg.get("bench", {}).get("enabled", True)
+                else None,  # bench.enabled: false, as the demo sweep: no benchmark of its own
             },
         )
         return 0
@@ -159,7 +161,8 @@ def test_a_stale_summary_does_not_count_as_done(tmp_path):
 
 def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
     """After the runs: one round-robin session over every finished run's .pte (the failed run left out), its
-    bench_joint in each summary.json and all of them in bench_joint.json. The fresh processes are stood in for
+    bench_joint in each summary.json and all of them in bench_joint.json, at the sweep config's bench lengths even
+    though the runs benchmarked nothing themselves (bench.enabled: false). The fresh processes are stood in for
     (their numbers are made up), so the test checks order, shapes and arithmetic, not speed."""
     import qharness.runtime.bench
 
@@ -181,6 +184,9 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
 
     monkeypatch.setattr(qharness.runtime.bench, "measure_in_fresh_process", fake_measure)
     path = sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 3})
+    spec = yaml.safe_load(path.read_text())
+    spec["config"]["bench"] = {"enabled": False, "prompt_len": 8, "decode_tokens": 4, "reps": 2}
+    path.write_text(yaml.safe_dump(spec))
     result = run_sweep(path, runner=FakeRunner(fail={"xnnpack_int8_dynamic-qat"}, pte=pte))
     names = ["xnnpack_fp32-ptq", "xnnpack_int8_dynamic-ptq", "xnnpack_int4w_dynamic-ptq"]
     sweep = tmp_path / "sweep"
@@ -189,7 +195,7 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
     ] * 3  # round-robin, 3 processes each
     assert {(c["prompt_len"], c["decode_tokens"], c["reps"]) for c in calls} == {
         (8, 4, 10)
-    }  # the runs' lengths, >= 10 reps
+    }  # the sweep's lengths, >= 10 reps
     assert len({c["threads"] for c in calls}) == 1  # one thread count for the whole session
     joint = json.loads((sweep / "bench_joint.json").read_text())
     assert list(joint["programs"]) == names and joint["sequence"] == names * 3

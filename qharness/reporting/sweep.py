@@ -321,9 +321,12 @@ def resolve_shared_model(runs: list[SweepRun]) -> None:
 Runner = Callable[[list[str], Path], int]
 
 
-def bench_joint(sweep_dir: Path, records: list[dict], processes: int) -> dict | None:
-    """Time the ``.pte`` of every finished run jointly (round-robin fresh processes, ``processes`` each), with each
-    run's own bench lengths; add ``bench_joint`` to each run's summary.json and write ``<sweep_dir>/bench_joint.json``."""
+def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dict | None = None) -> dict | None:
+    """Time the ``.pte`` of every finished run that passed its parity gate jointly (round-robin fresh processes,
+    ``processes`` each), with the sweep's bench lengths (``bench``: the shared config's ``bench`` section; the runs'
+    own benchmark may be off, ``bench.enabled: false``); add ``bench_joint`` to each run's summary.json and write
+    ``<sweep_dir>/bench_joint.json``."""
+    from qharness.config import BenchConfig
     from qharness.run.summary import RunSummary
     from qharness.runtime.bench import bench_jointly, joint_entry
 
@@ -334,19 +337,19 @@ def bench_joint(sweep_dir: Path, records: list[dict], processes: int) -> dict | 
             continue
         summary = RunSummary.read(path)
         pte = Path(summary.pte.get("path", ""))
-        if (
-            summary.bench and pte.suffix == ".pte" and pte.is_file()
-        ):  # benchmarked runs only (runs here, passed the gate)
+        if summary.passed and pte.suffix == ".pte" and pte.is_file():  # ran here and passed the gate
             ptes[r["name"]], summaries[r["name"]] = pte, (path, summary)
     if not ptes or processes == 0:
         return None
-    b = next(iter(summaries.values()))[1].bench  # the same bench options in every run of a sweep (shared config)
+    defaults = BenchConfig()
+    b = {"prompt_len": defaults.prompt_len, "decode_tokens": defaults.decode_tokens, "reps": defaults.reps}
+    b.update({k: v for k, v in (bench or {}).items() if k in b})  # the same lengths in every run of a sweep
     print(f"[sweep] timing {len(ptes)} programs jointly: {processes} fresh processes each, round-robin", flush=True)
     joint = bench_jointly(
         list(ptes.values()),
-        b.get("prompt_len", 128),
-        b.get("decode_tokens", 64),
-        max(10, b.get("reps", 5)),
+        b["prompt_len"],
+        b["decode_tokens"],
+        max(10, b["reps"]),
         processes,
         names=list(ptes),
         log=lambda line: print(line, flush=True),
@@ -421,7 +424,9 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
     rep = spec["report"]
     result = {"runs": records, "report": None, "bench_joint": None}
     try:
-        result["bench_joint"] = bench_joint(sweep_dir, records, rep.get("bench_processes", 5))
+        result["bench_joint"] = bench_joint(
+            sweep_dir, records, rep.get("bench_processes", 5), _mapping(spec["config"].get("bench"), "config.bench")
+        )
     except (UserError, RuntimeError) as e:  # the runs and their own benchmarks stand; the report still follows
         print(f"[sweep] no joint benchmark: {e}", flush=True)
     if report:
