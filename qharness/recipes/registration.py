@@ -145,10 +145,10 @@ class SourceQuantizer:
 
     def convert(self, model, weight_qparams: dict | None = None) -> dict[str, str]:
         """Quantize the (trained, plain FP) model in place for deployment. With ``weight_qparams`` (``{weight name:
-        (scale, zero_point)}`` as trained, or as GPTQ chose them) the learned-scale and GPTQ steps take torchao's range-learning path: fake quantizers
-        holding the trained scales, then ``QATConfig(config, step="convert")`` quantizes each weight with its
-        quantizer's scale (min-max off); the other steps quantize with min-max as without. Returns the assignment
-        (``check``)."""
+        (scale, zero_point)}`` as trained, or as GPTQ chose them) the learned-scale and GPTQ steps take torchao's
+        range-learning path: fake quantizers holding the given scales, then ``QATConfig(config, step="convert")``
+        quantizes each weight with its quantizer's scale (min-max off); the other steps quantize with min-max as
+        without. Returns the assignment (``check``)."""
         from qharness.upstream import imports
         from qharness.upstream.fixes import xnnpack_subbyte
 

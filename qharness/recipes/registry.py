@@ -46,9 +46,8 @@ class Recipe:
     runs_here: bool = True  # False: the .pte needs a device backend this machine lacks; no runtime parity here
     kv_cache: str = "fp32"  # the .pte's KV cache: fp32, or int8 (per token and head; fast path only)
     layers: tuple[LayerRule, ...] = ()  # per-layer settings (recipes/layers.py); first match wins, else ``settings``
-    rotation: str | None = (
-        None  # hadamard: a rotation of the residual stream folded into the FP weights (recipes/rotation.py)
-    )
+    # hadamard: a rotation of the residual stream folded into the FP weights (recipes/rotation.py)
+    rotation: str | None = None
 
     @property
     def quantized(self) -> bool:

@@ -33,6 +33,9 @@ from qharness.sources.models import put_weights, tied
 STREAM_READERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 MLP_READERS = ("mlp.gate_proj", "mlp.up_proj")
 WRITERS = ("self_attn.o_proj", "mlp.down_proj")
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+NEEDED = {*LAYER_NORMS, *STREAM_READERS, *MLP_READERS, *WRITERS}  # a decoder layer's modules that the folding changes
+OFF_STREAM_NORMS = {"self_attn.q_norm", "self_attn.k_norm"}  # per-head norms after q/k_proj: not on the stream
 
 
 def random_orthogonal(n: int, seed: int) -> torch.Tensor:
@@ -55,14 +58,8 @@ def _layers(model):
         return None
     for layer in layers:
         names = {n for n, _ in layer.named_modules()}
-        needed = {"input_layernorm", "post_attention_layernorm", *STREAM_READERS, *MLP_READERS, *WRITERS}
         norms = {n for n, m in layer.named_modules() if "norm" in type(m).__name__.lower()}
-        if not needed <= names or not norms <= {
-            "input_layernorm",
-            "post_attention_layernorm",
-            "self_attn.q_norm",
-            "self_attn.k_norm",
-        }:
+        if not NEEDED <= names or not norms <= {*LAYER_NORMS, *OFF_STREAM_NORMS}:
             return None
     return body, layers
 
@@ -74,7 +71,7 @@ def _fold_norm(norm, linears) -> None:
     norm.weight.data.fill_(1.0)
 
 
-def _read(lin, q):  # the linear reads the rotated stream: W <- W Q
+def _read(lin, q):  # the module reads the rotated stream (a linear's input, the embedding's rows): W <- W Q
     lin.weight.data = (lin.weight.detach().to(torch.float64) @ q).to(lin.weight.dtype)
 
 
@@ -118,8 +115,7 @@ def rotate(model, rotation: str = "hadamard", seed: int = 0, check_tokens: int =
             _write(layer.get_submodule(name), q)
     _fold_norm(body.norm, [head])
     _read(head, q)
-    e = body.embed_tokens.weight
-    e.data = (e.detach().to(torch.float64) @ q).to(e.dtype)
+    _read(body.embed_tokens, q)  # its rows enter the stream rotated: E <- E Q
     after = model(input_ids=tokens.to(device)).logits.double()
     err = ((after - before).abs().max() / before.abs().max()).item()
     if not err < 1e-4:

@@ -133,12 +133,17 @@ def check_loaded_weights(source: str, info: dict) -> None:
 
 
 # --- a loaded model's parameters ---------------------------------------------------------------
-def tied(model) -> set[str]:
-    """Names of ``model``'s parameters that share their tensor with another name (e.g. a tied ``lm_head.weight``)."""
+def parameter_names(model) -> list[list[str]]:
+    """The names of each of ``model``'s parameter tensors: one list per tensor, several names where it is tied."""
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    return {n for group in names.values() if len(group) > 1 for n in group}
+    return list(names.values())
+
+
+def tied(model) -> set[str]:
+    """Names of ``model``'s parameters that share their tensor with another name (e.g. a tied ``lm_head.weight``)."""
+    return {n for group in parameter_names(model) if len(group) > 1 for n in group}
 
 
 def put_weights(model, weights: dict) -> None:

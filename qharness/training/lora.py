@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from qharness.errors import UserError
+from qharness.sources.models import tied
 from qharness.training.model_args import LORA_TARGETS, LoRA
 
 A, B = "lora_a", "lora_b"
@@ -78,13 +79,11 @@ def targets(model: torch.nn.Module, lora: LoRA) -> list[tuple[str, torch.nn.Line
             f"model.lora.targets {list(lora.targets)} match no linear layer of {type(model).__name__}",
             fix=f"set model.lora.targets to some of: {', '.join(names)}",
         )
-    owners: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        owners[id(p)] = owners.get(id(p), 0) + 1
-    tied = [n for n, m in found if owners.get(id(m.weight), 0) > 1]
-    if tied:
+    shared = tied(model)
+    tied_targets = [n for n, _ in found if f"{n}.weight" in shared]
+    if tied_targets:
         raise UserError(
-            f"model.lora.targets name {tied}, whose weight is tied to another parameter (merging an adapter would "
+            f"model.lora.targets name {tied_targets}, whose weight is tied to another parameter (merging an adapter would "
             "change both)",
             fix="leave it out of model.lora.targets",
         )

@@ -413,25 +413,23 @@ class QuantLM(L.LightningModule):
         under any one of their names in the graph; where training untied them (their trained values differ), they are
         untied in ``hf_model`` too.
         """
+        from qharness.sources.models import parameter_names, put_weights
+
         weights = self.trained_weights()
-        groups: dict[int, list[str]] = {}
-        for name, p in hf_model.named_parameters(remove_duplicate=False):
-            groups.setdefault(id(p), []).append(name)
-        missing = [names for names in groups.values() if not any(n in weights for n in names)]
-        extra = set(weights) - {n for names in groups.values() for n in names}
+        groups = parameter_names(hf_model)
+        missing = [names for names in groups if not any(n in weights for n in names)]
+        extra = set(weights) - {n for names in groups for n in names}
         if missing or extra:
             raise RuntimeError(f"trained graph and model disagree: missing {missing[:5]}, extra {sorted(extra)[:5]}")
         untied = {}
         with torch.no_grad():
-            for names in groups.values():
+            for names in groups:
                 given = [n for n in names if n in weights]
                 if any(not torch.equal(weights[n], weights[given[0]]) for n in given[1:]):
                     untied.update({n: weights[n] for n in given})  # trained apart (e.g. lm_head with GPTQ's warm start)
                     continue
                 hf_model.get_parameter(names[0]).copy_(weights[given[0]])
         if untied:
-            from qharness.sources.models import put_weights
-
             put_weights(hf_model, untied)
 
     # --- modes ----------------------------------------------------------------------------------
