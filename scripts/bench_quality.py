@@ -13,8 +13,9 @@ project), cached. Per seed, one ``qharness sweep`` runs, each run in its own pro
   e.g. ``xnnpack_int4w_lsq``); ``qat_lsq_kd`` (both); ``qat_lora`` (LoRA-QAT: ``model.lora``, adapters of rank 8,
   alpha 16 on the attention/MLP projections, the base frozen, at ``--lora_lr``); for recipes with a GPTQ twin
   (``xnnpack_8da4w_gptq``, ``xnnpack_8da3w_gptq``): ``ptq_gptq`` (PTQ by GPTQ rounding) and ``qat_gptq`` (QAT with
-  learned scales from GPTQ's weights and scales: the warm start; compare with ``qat_lsq``); with a rotation twin (``*_rot``, ``*_rot_gptq``): ``ptq_rot`` (PTQ after a
-  folded Hadamard rotation) and ``ptq_rotgptq`` (rotation, then GPTQ). Not in the default variants.
+  learned scales from GPTQ's weights and scales: the warm start; compare with ``qat_lsq``); with a rotation twin
+  (``*_rot``, ``*_rot_gptq``): ``ptq_rot`` (PTQ after a folded Hadamard rotation) and ``ptq_rotgptq`` (rotation,
+  then GPTQ). Not in the default variants.
 
 Every perplexity is the ``.pte``'s, through the ExecuTorch runtime, on the same held-out blocks (the last 10% of
 the corpus, never trained on). The recovered fraction of a variant is ``(ppl_ptq - ppl_variant) / (ppl_ptq -
