@@ -23,6 +23,7 @@ Usage::
     python scripts/bench_memory.py --procs 2 --repeats 2                       # CPU, 135M shape
     python scripts/bench_memory.py --device cuda --procs 1 --precision bf16-mixed  # one GPU
     python scripts/bench_memory.py --procs 1 --repeats 4 --modes ddp,ddp_lora --steps 6  # LoRA-QAT vs full QAT
+    python scripts/bench_memory.py --shape 1b --layers 2 --procs 1 --repeats 1 --modes ddp,fsdp_ac  # 1B width, 2 layers
 """
 
 from __future__ import annotations
@@ -116,7 +117,10 @@ def worker(args) -> None:
 
     def build(shape: str, batch: int, seq: int):
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**{"max_position_embeddings": 4096, **SHAPES[shape]})).to(device)
+        fields = {"max_position_embeddings": 4096, **SHAPES[shape]}
+        if shape == args.shape and args.layers:  # the shape's width and vocabulary, fewer decoder layers
+            fields["num_hidden_layers"] = args.layers
+        model = LlamaForCausalLM(LlamaConfig(**fields)).to(device)
         layerwise = strategy == "fsdp" or ac
         return model, prepare_for_training(
             model, load_recipe(args.recipe), batch, seq, is_qat=True, layerwise=layerwise, lora=lora
@@ -196,7 +200,18 @@ def run_mode(args, mode: str, out: Path) -> list[dict]:
         cmd = [sys.executable, __file__, "--worker", "--mode", mode, "--out", str(out)]
         cmd += [
             f"--{k}={getattr(args, k)}"
-            for k in ("shape", "recipe", "batch", "seq", "steps", "device", "precision", "lora_rank", "threads")
+            for k in (
+                "shape",
+                "layers",
+                "recipe",
+                "batch",
+                "seq",
+                "steps",
+                "device",
+                "precision",
+                "lora_rank",
+                "threads",
+            )
         ]
         procs.append(subprocess.Popen(cmd, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}))
     codes = [p.wait() for p in procs]
@@ -220,6 +235,13 @@ def spread(values: list[float]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", default="135m", choices=sorted(SHAPES))
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        help="decoder layers (0: the shape's own); fewer layers of a shape too large for this machine, to fit "
+        "memory = fixed + per-layer x layers",
+    )
     p.add_argument("--recipe", default="xnnpack_int8_dynamic")
     p.add_argument("--modes", default="ddp,fsdp,fsdp_ac", help=f"comma-separated among {', '.join(MODES)}")
     p.add_argument("--procs", type=int, default=2)
@@ -258,7 +280,7 @@ def main() -> None:
                 print(f"repeat {rep + 1}/{args.repeats} {mode}: done", flush=True)
     params = runs[modes[0]][0][0]["params"]
     print(
-        f"\n{args.shape} shape ({params / 1e6:.1f}M parameters), recipe {args.recipe}, {args.procs} process(es) on "
+        f"\n{args.shape} shape{f' with {args.layers} layers' if args.layers else ''} ({params / 1e6:.1f}M parameters), recipe {args.recipe}, {args.procs} process(es) on "
         f"{args.device}, {args.precision}, batch {args.batch} x seq {args.seq} per process, {args.steps} steps; "
         f"mean [min, max] over {args.repeats} fresh runs x {args.procs} processes"
     )

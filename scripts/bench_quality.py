@@ -9,13 +9,14 @@ project), cached. Per seed, one ``qharness sweep`` runs, each run in its own pro
 - ``fp32_finetune``: the FP model fine-tuned with the QAT runs' steps, data, seed and learning rate (the control:
   how much of a QAT gain is plain fine-tuning);
 - per recipe: ``ptq`` (``qharness calibrate``); ``qat`` (plain straight-through QAT); ``qat_kd`` (QAT with
-  distillation from the FP model: ``model.distill``, KL only); ``qat_lsq`` (the recipe's learned-scale twin,
-  e.g. ``xnnpack_int4w_lsq``); ``qat_lsq_kd`` (both); ``qat_lora`` (LoRA-QAT: ``model.lora``, adapters of rank 8,
-  alpha 16 on the attention/MLP projections, the base frozen, at ``--lora_lr``); for recipes with a GPTQ twin
-  (``xnnpack_8da4w_gptq``, ``xnnpack_8da3w_gptq``): ``ptq_gptq`` (PTQ by GPTQ rounding) and ``qat_gptq`` (QAT with
-  learned scales from GPTQ's weights and scales: the warm start; compare with ``qat_lsq``); with a rotation twin
-  (``*_rot``, ``*_rot_gptq``): ``ptq_rot`` (PTQ after a folded Hadamard rotation) and ``ptq_rotgptq`` (rotation,
-  then GPTQ). Not in the default variants.
+  distillation from the FP model: ``model.distill``, KL only); ``qat_lsq`` (the recipe's learned-scale twin, e.g.
+  ``xnnpack_int4w_lsq``); ``qat_lsq_kd`` (both); ``qat_lora`` (LoRA-QAT: ``model.lora``, adapters of rank 8, alpha 16
+  on the attention/MLP projections, the base frozen, at ``--lora_lr``). Not in the default variants: ``qat_kdft`` and
+  ``qat_lsq_kdft`` (distillation from the same seed's fine-tuned FP control, ``model.distill.teacher``, with the
+  data's labels kept); for recipes with a GPTQ twin (``xnnpack_8da4w_gptq``, ``xnnpack_8da3w_gptq``): ``ptq_gptq``
+  (PTQ by GPTQ rounding) and ``qat_gptq`` (QAT with learned scales from GPTQ's weights and scales: the warm start;
+  compare with ``qat_lsq``); with a rotation twin (``*_rot``, ``*_rot_gptq``): ``ptq_rot`` (PTQ after a folded
+  Hadamard rotation) and ``ptq_rotgptq`` (rotation, then GPTQ).
 
 Every perplexity is the ``.pte``'s, through the ExecuTorch runtime, on the same held-out blocks (the last 10% of
 the corpus, never trained on). The recovered fraction of a variant is ``(ppl_ptq - ppl_variant) / (ppl_ptq -
@@ -67,12 +68,16 @@ VARIANTS = [
     "qat_gptq",
     "ptq_rot",
     "ptq_rotgptq",
+    "qat_kdft",
+    "qat_lsq_kdft",
 ]
 DEFAULT_VARIANTS = VARIANTS[:6]
 PRETRAIN_STEPS = (
     1500  # tinyshakespeare's held-out loss is lowest here (3.92 at 1500 of 3000 steps; 3.98 at 3000: overfit)
 )
 DISTILL = {"kl_weight": 1.0, "temperature": 1.0, "hard_loss": False}
+# distillation from the same seed's fine-tuned FP control (its run directory), the data's labels kept
+DISTILL_FT = {"kl_weight": 1.0, "temperature": 1.0, "hard_loss": True, "teacher": "<sweep_dir>/fp32_finetune-qat"}
 LORA = {"rank": 8, "alpha": 16.0}
 
 
@@ -83,10 +88,15 @@ def benchmark_model(corpus: str, steps: int) -> Path:
     return embedded_dir(replace(EmbeddedSpec(), steps=steps), str(corpus))
 
 
-def variant_runs(recipe: str, variants: list[str] = VARIANTS, lora_lr: float = 1e-3) -> list[dict]:
+def variant_runs(
+    recipe: str, variants: list[str] = VARIANTS, lora_lr: float = 1e-3, sweep_dir: Path | None = None
+) -> list[dict]:
     """The sweep entries of one recipe's ``variants``; run directories ``<recipe>-ptq``, ``<recipe>-qat``,
-    ``<recipe>_kd-qat``, ``<recipe>_lsq-qat``, ``<recipe>_lsq_kd-qat``, ``<recipe>_lora-qat``."""
+    ``<recipe>_kd-qat``, ``<recipe>_lsq-qat``, ``<recipe>_lsq_kd-qat``, ``<recipe>_lora-qat``, ...; ``sweep_dir``:
+    where the fine-tuned FP control of the ``*_kdft`` variants runs (the sweep runs it first)."""
     kd = {"model": {"distill": DISTILL}}
+    teacher = str(Path(sweep_dir or ".") / "fp32_finetune-qat")
+    kdft = {"model": {"distill": {**DISTILL_FT, "teacher": teacher}}}
     lsq = LEARNED_SCALES.get(recipe)
     runs = {
         "ptq": {"recipe": recipe, "modes": ["ptq"], "name": recipe},
@@ -109,6 +119,8 @@ def variant_runs(recipe: str, variants: list[str] = VARIANTS, lora_lr: float = 1
     if lsq:
         runs["qat_lsq"] = {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq"}
         runs["qat_lsq_kd"] = {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq_kd", "config": kd}
+        runs["qat_lsq_kdft"] = {"recipe": lsq, "modes": ["qat"], "name": f"{recipe}_lsq_kdft", "config": kdft}
+    runs["qat_kdft"] = {"recipe": recipe, "modes": ["qat"], "name": f"{recipe}_kdft", "config": kdft}
     return [runs[v] for v in variants if v in runs]
 
 
@@ -125,7 +137,7 @@ def sweep_config(out: Path, seed: int, model_dir: Path, corpus: str, recipes: li
         "sweep_dir": str(out / f"seed{seed}"),
         "baseline": "xnnpack_fp32",
         "runs": [{"recipe": "xnnpack_fp32_finetune", "modes": ["qat"], "name": "fp32_finetune"}]
-        + [entry for r in recipes for entry in variant_runs(r, args.variants, args.lora_lr)],
+        + [entry for r in recipes for entry in variant_runs(r, args.variants, args.lora_lr, out / f"seed{seed}")],
         "config": {
             "seed_everything": seed,
             "model": {"checkpoint": str(model_dir), "lr": args.lr, "warmup_steps": max(1, args.qat_steps // 10)},
@@ -296,7 +308,7 @@ def main(argv=None) -> None:
         )
     a.variants = ["ptq", "qat"] + [v for v in a.variants if v not in ("ptq", "qat")]
     unknown = [r for r in a.recipes if r not in LEARNED_SCALES]
-    if unknown and {"qat_lsq", "qat_lsq_kd"} & set(a.variants):
+    if unknown and {"qat_lsq", "qat_lsq_kd", "qat_lsq_kdft"} & set(a.variants):
         sys.exit(f"error: --recipes {unknown}: no learned-scale twin known. fix: choose among {sorted(LEARNED_SCALES)}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -331,7 +343,8 @@ def main(argv=None) -> None:
         f"{info['spec']['batch_size']} x {info['spec']['seq_len']}; held-out loss by step: {curve or 'n/a'})"
     )
     print(
-        f"QAT: {a.qat_steps} steps, batch {a.batch_size} x 128, lr {a.lr:g}, seeds {a.seeds}; distillation {DISTILL}; "
+        f"QAT: {a.qat_steps} steps, batch {a.batch_size} x 128, lr {a.lr:g}, seeds {a.seeds}; distillation {DISTILL}, "
+        f"from the fine-tuned control {DISTILL_FT}; "
         f"LoRA {LORA} at lr {a.lora_lr:g}; "
         f"every ppl: the .pte through the ExecuTorch runtime on {a.eval_blocks} held-out blocks of 128 tokens; "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; pretraining/cache {t_pretrain:.0f} s, sweeps {t_sweeps:.0f} s"

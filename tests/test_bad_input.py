@@ -275,6 +275,10 @@ CASES = {
         lambda t: [*_cfg(t), "--model.distill.kl_weight", "-1"],
         "model.distill.kl_weight must be a positive number (got -1)",
     ),
+    "distillation teacher that is no model": (
+        lambda t: _cfg(t, model={"distill": {"teacher": str(t.tmp)}}),
+        "is neither a save_pretrained directory (config.json) nor a finished qharness run (checkpoints/last.ckpt)",
+    ),
     "distillation in PTQ": (
         lambda t: _cfg(t, model={"mode": "ptq", "recipe": "xnnpack_int8_static", "distill": {"temperature": 2.0}}),
         "model.distill needs model.mode: qat",

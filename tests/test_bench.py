@@ -172,3 +172,26 @@ def test_the_runtime_sets_executorch_and_torch_threads(tiny_pte, tmp_path):
         env={**os.environ, "QHARNESS_THREADS": "two"},
     )
     assert r.returncode != 0 and "QHARNESS_THREADS='two' is not a thread count" in r.stderr
+
+
+def test_profile_shows_where_two_programs_spend_their_time_through_the_cli(tiny_pte, tmp_path):
+    """``qharness profile``: ETDump events of a real .pte, summed by name, two programs side by side."""
+    from qharness.runtime.profile import event_name
+
+    assert event_name("Fully Connected (NC, F32) GEMM #12") == "Fully Connected (NC, F32) GEMM"
+    assert event_name("native_call_custom_sdpa.out") == "custom_sdpa.out"
+    other = tmp_path / "b" / "model.pte"
+    other.parent.mkdir()
+    shutil.copy(tiny_pte, other)
+    r = run_cli("profile", "--pte", tiny_pte, "--pte", other, "--prompt_len", "8", "--decode_tokens", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    prefill, decode = r.stdout.split("event (decode step)")
+    head = prefill[prefill.index("event (prefill)") :].splitlines()[0]
+    assert f"{tiny_pte.parent} calls" in head and f"{other.parent} calls" in head  # same file names: their folders
+    for table in (prefill, decode):
+        rows = {line.split("  ")[0]: line.split() for line in table.splitlines() if line.strip()}
+        assert "Method::execute" in rows and "DELEGATE_CALL" in rows
+        assert any(name.endswith("[xnnpack]") for name in rows)  # the delegate's own kernels
+        assert float(rows["Method::execute"][-1]) > 0
+    bad = run_cli("profile", "--pte", tiny_pte, "--decode_tokens", "0")
+    assert bad.returncode == 2 and "profile --decode_tokens must be >= 1 (got 0)" in bad.stderr

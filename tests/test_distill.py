@@ -42,7 +42,7 @@ def test_teacher_is_the_frozen_fp_model_outside_the_trained_state(tiny_llama):
     m = QuantLM(
         checkpoint=str(tiny_llama), recipe="xnnpack_int8_dynamic", distill={"temperature": 2.0, "hard_loss": False}
     )
-    assert m.hparams.distill == {"kl_weight": 1.0, "temperature": 2.0, "hard_loss": False}  # plain data in checkpoints
+    assert m.hparams.distill == {"kl_weight": 1.0, "temperature": 2.0, "hard_loss": False, "teacher": None}
     m.build(2, 16)
     m.to_train()
     x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -74,6 +74,58 @@ def test_teacher_is_the_frozen_fp_model_outside_the_trained_state(tiny_llama):
     assert parts["loss"].item() == pytest.approx(parts["ce"].item() + 0.5 * parts["kl"].item(), rel=1e-6)
 
 
+def test_teacher_from_an_fp_run_is_its_fine_tuned_model(tmp_path, tiny_llama, corpus):
+    """``model.distill.teacher``: the run directory of an FP ``qharness fit`` (through the CLI) gives its trained
+    weights, not the source's; a quantized run or a model with another vocabulary is refused."""
+    fp_run = tmp_path / "fp"
+    cfg = write_config(
+        tmp_path / "fp.yaml",
+        tiny_llama,
+        corpus,
+        fp_run,
+        model={"recipe": "xnnpack_fp32_finetune", "lr": 1e-2},
+        data={"seq_len": 16, "batch_size": 2},
+        trainer={"max_steps": 2, "val_check_interval": 2},
+        checkpoint={"every_n_train_steps": 2},
+    )
+    done = run_cli("fit", cfg, "--deploy.enabled", "false")
+    assert done.returncode == 0, done.stderr[-3000:]
+    student = QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da4w", distill={"teacher": str(fp_run)})
+    student.build(2, 16)
+    teacher = student.teacher().model
+    source = QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da4w").load_fp()[0]
+    trained = torch.load(fp_run / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    key = next(k for k in trained if k.endswith("q_proj.weight"))  # e.g. graph.model.model.layers.0...
+    name = key[key.index("layers.") :]
+    assert torch.equal(teacher.get_parameter(f"model.{name}"), trained[key])  # the run's trained weight
+    assert not torch.equal(teacher.get_parameter(f"model.{name}"), source.get_parameter(f"model.{name}"))
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert student.training_losses((x, torch.roll(x, -1, 1)))["kl"].item() > 0
+
+    quantized = tmp_path / "q"
+    (quantized / "checkpoints").mkdir(parents=True)
+    ckpt = torch.load(fp_run / "checkpoints" / "last.ckpt", weights_only=True)
+    ckpt["hyper_parameters"]["recipe"] = "xnnpack_8da4w"
+    torch.save(ckpt, quantized / "checkpoints" / "last.ckpt")
+    with pytest.raises(UserError, match="was trained with the quantized recipe 'xnnpack_8da4w'"):
+        QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da4w", distill={"teacher": str(quantized)}).teacher("cpu")
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(tmp_path, tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    other.resize_token_embeddings(other.config.vocab_size + 8)
+    other.save_pretrained(tmp_path / "other")
+    for f in tiny_llama.glob("*token*"):  # the same tokenizer files; only the model's vocabulary differs
+        (tmp_path / "other" / f.name).write_bytes(f.read_bytes())
+    m = QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_int8_dynamic", distill={"teacher": str(tmp_path / "other")})
+    m.build(2, 16)
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(UserError, match="gives logits of shape .* fix: distill from a model with the student's vocab"):
+        m.training_losses((x, x))
+
+
 @pytest.mark.slow  # ~90 s: a CLI fit, resume and deploy; the loss, teacher and settings tests above run by default
 def test_fit_with_distillation_resumes_and_passes_parity(tmp_path, tiny_llama, corpus):
     """3 distilled QAT steps, then resumed to 6 from last.ckpt (teacher rebuilt from the source), deployed."""
@@ -102,7 +154,7 @@ def test_fit_with_distillation_resumes_and_passes_parity(tmp_path, tiny_llama, c
     assert torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6
     summary = json.loads((run / "summary.json").read_text())
     assert summary["parity"]["passed"] and (run / "model.pte").is_file()
-    assert summary["distill"] == {"kl_weight": 1.0, "temperature": 2.0, "hard_loss": True}
+    assert summary["distill"] == {"kl_weight": 1.0, "temperature": 2.0, "hard_loss": True, "teacher": None}
     rows = [r for f in sorted(run.glob("lightning_logs/version_*/metrics.csv")) for r in csv.DictReader(open(f))]
     kl = [float(r["train/kl"]) for r in rows if r.get("train/kl")]
     ce = [float(r["train/ce"]) for r in rows if r.get("train/ce")]

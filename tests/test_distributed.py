@@ -162,7 +162,7 @@ def test_memory_benchmark_script_measures_each_mode_on_every_process(tmp_path):
         "--repeats",
         "1",
     ]
-    cmd += ["--modes", "ddp,fsdp_ac", "--steps", "2", "--seq", "16", "--json", str(out)]
+    cmd += ["--modes", "ddp,fsdp_ac", "--steps", "2", "--seq", "16", "--layers", "1", "--json", str(out)]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
@@ -171,6 +171,9 @@ def test_memory_benchmark_script_measures_each_mode_on_every_process(tmp_path):
         assert [x["rank"] for x in ranks] == [0, 1] and all(x["mode"] == mode and x["world"] == 2 for x in ranks), mode
         assert all(x["steady"] > 0 and x["params"] > 0 for x in ranks)
     assert "fsdp_ac " in r.stdout and "steady B/param" in r.stdout
+    assert "tiny shape with 1 layers (0.0M parameters)" in r.stdout  # --layers: the shape's width, fewer layers
+    layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64  # q, o; k, v (2 KV heads of 16); MLP; 2 norms
+    assert {x["params"] for ranks in runs.values() for x in ranks[0]} == {512 * 64 + layer + 64}  # tied embedding
 
 
 @pytest.mark.slow

@@ -163,6 +163,39 @@ def bench(
         print(f"bench results added to {summary_path}")
 
 
+def profile(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 16, reps: int = 3, top: int = 25) -> None:
+    """Where each .pte's time goes, operator by operator: one prefill and decode steps under ExecuTorch's event tracer
+    (ETDump), summed by event name, every --pte side by side (prefill, then per decode step). XNNPACK kernels are
+    marked [xnnpack]; the rest run outside the delegate. Traced times run slower than bench's: compare programs with
+    each other here, and time them with bench.
+
+    Args:
+        pte: a .pte file (repeat --pte to compare programs).
+        prompt_len: tokens prefilled in one call.
+        decode_tokens: tokens decoded one at a time after the prefill (the decode table is per step: the median).
+        reps: prefill + decode sequences profiled (medians over them), after a warm-up.
+        top: rows per table, the costliest first.
+    """
+    from qharness.runtime.bench import pte_vocab
+    from qharness.runtime.profile import format_profiles, profile_pte
+
+    for name, value in (("decode_tokens", decode_tokens), ("reps", reps), ("top", top)):
+        if value < 1:
+            raise UserError(f"profile --{name} must be >= 1 (got {value})", fix=f"e.g. --{name} 16")
+    for path in pte:
+        if not Path(path).is_file():
+            raise UserError(f".pte file {path} does not exist")
+    names = [Path(path).name for path in pte]
+    labels = names if len(set(names)) == len(names) else [str(Path(path).parent) for path in pte]  # a/model.pte, b/...
+    profiles = {}
+    for label, path in zip(labels, pte):
+        vocab = pte_vocab(path, prompt_len, decode_tokens, 1)
+        profiles[label] = profile_pte(path, vocab, prompt_len, decode_tokens, reps)
+    print(format_profiles(profiles, "prefill", top))
+    print()
+    print(format_profiles(profiles, "decode", top))
+
+
 def report(
     runs_dir: str,
     *,

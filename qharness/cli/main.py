@@ -11,6 +11,7 @@
     qharness generate --pte runs/x/model.pte --prompt "To be" [--temperature 0]
     qharness bench --pte runs/x/model.pte          # latency/memory/size vs the eager FP model
     qharness bench --pte a/model.pte --pte b/model.pte [--processes 5]   # joint: round-robin fresh processes
+    qharness profile --pte a/model.pte [--pte b/model.pte]   # where the time goes, operator by operator (ETDump)
     qharness report runs/ [--max_latency_ms 2]      # accuracy vs latency table + Pareto plot of every run
     qharness sweep configs/sweep_xnnpack.yaml       # FP baseline + recipes x modes, then the report
 
@@ -37,13 +38,14 @@ SUBCOMMANDS = {
     "recipes": "list the backend recipes",
     "generate": "stream text from a .pte (--pte PATH --prompt TEXT), with tokens/s",
     "bench": "load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model",
+    "profile": "where a .pte's prefill and decode time goes, operator by operator (ExecuTorch ETDump), side by side",
     "report": "accuracy vs latency of every run under a directory: table, Pareto plot, best under a budget",
     "sweep": "run the FP baseline and recipes x modes (PTQ, QAT) from one sweep config, then the report",
 }
 
 # Run-config subcommands go through LightningCLI (cli/lightning.py); the plain ones are the functions of cli/commands.py.
 LIGHTNING = ("fit", "calibrate", "validate", "test", "export", "evaluate", "sensitivity", "autotune")
-PLAIN = ("recipes", "generate", "bench", "report", "sweep")
+PLAIN = ("recipes", "generate", "bench", "profile", "report", "sweep")
 
 # The option that places a plain subcommand's output (run configs: trainer.default_root_dir)
 OUTPUT_FIELD = {"sweep": "sweep_dir", "report": "--out", "bench": "--out"}

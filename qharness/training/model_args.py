@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 from qharness.errors import UserError
 from qharness.recipes.registry import Recipe, load_recipe
@@ -141,23 +142,28 @@ def check_precision(precision, recipe, mode: str) -> None:
 class Distill:
     """Knowledge distillation (QAT only): the fake-quantized student also learns the FP model's logits.
 
-    Hinton et al.'s form. The teacher is the model of ``model.checkpoint`` as loaded, frozen, on the student's
-    device; it is rebuilt from that source on every rank and on resume, never saved in checkpoints.
+    Hinton et al.'s form. The teacher is the model of ``model.checkpoint`` as loaded (or ``teacher``), frozen, on the
+    student's device; it is rebuilt from that source on every rank and on resume, never saved in checkpoints.
     Validation loss stays plain cross-entropy.
 
     Loss per token: ``ce(student, labels) (if hard_loss) + kl_weight * T^2 * KL(softmax(teacher/T) || softmax(student/T))``.
 
-    Example (YAML): ``model: {distill: {kl_weight: 1.0, temperature: 2.0, hard_loss: false}}``.
+    Example (YAML): ``model: {distill: {kl_weight: 1.0, temperature: 2.0, hard_loss: false}}``; from an FP model
+    fine-tuned on the same data first: ``model: {distill: {teacher: runs/fp32_finetune-qat}}``.
 
     Args:
         kl_weight: Weight of the KL term (> 0).
         temperature: Softmax temperature T of both distributions (> 0); the KL is scaled by T^2.
         hard_loss: Keep the cross-entropy against the data's next tokens beside the KL term.
+        teacher: The model to learn from, if not the student's own starting model: a ``model.checkpoint`` value (a
+            ``save_pretrained`` directory, hub id, torchtune builder) with the same vocabulary, or the run directory
+            of a ``qharness fit`` with an FP recipe (e.g. ``xnnpack_fp32_finetune``: its ``checkpoints/last.ckpt``).
     """
 
     kl_weight: float = 1.0
     temperature: float = 1.0
     hard_loss: bool = True
+    teacher: str | None = None
 
     def __post_init__(self):
         for name in ("kl_weight", "temperature"):
@@ -169,6 +175,33 @@ class Distill:
                 )
         if not isinstance(self.hard_loss, bool):
             raise UserError(f"model.distill.hard_loss must be true or false (got {self.hard_loss!r})")
+        if self.teacher is not None:
+            check_teacher(self.teacher)
+
+
+def check_teacher(teacher) -> None:
+    """``model.distill.teacher``: a run directory with ``checkpoints/last.ckpt`` or a ``model.checkpoint`` value
+    (a local directory is checked here, torch-free)."""
+    from qharness.sources.models import check_local_checkpoint
+
+    if not isinstance(teacher, str) or not teacher.strip():
+        raise UserError(
+            f"model.distill.teacher must be a model directory or a qharness run directory (got {teacher!r})",
+            fix="leave it unset to distill from model.checkpoint",
+        )
+    path = Path(teacher).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        if not (path / "checkpoints" / "last.ckpt").is_file():
+            raise UserError(
+                f"model.distill.teacher {path} is neither a save_pretrained directory (config.json) nor a finished "
+                "qharness run (checkpoints/last.ckpt)",
+                fix="point it at a model directory, or at the run directory of a qharness fit with an FP recipe",
+            )
+        return
+    try:
+        check_local_checkpoint(teacher)
+    except UserError as e:
+        raise UserError(e.what.replace("model.checkpoint", "model.distill.teacher", 1), fix=e.fix) from None
 
 
 # HF names of the attention and MLP projections (Llama, Mistral, Qwen2/3, Gemma, OLMo2, ...): LoRA's default targets.

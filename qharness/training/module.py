@@ -34,6 +34,70 @@ class LogitsOnly(torch.nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
+def load_teacher(source: str, trust_remote_code: bool = False):
+    """The FP model of ``model.distill.teacher``: a ``model.checkpoint`` value, or the run directory of a ``qharness
+    fit`` with an FP recipe, whose trained weights (``checkpoints/last.ckpt``, read ``weights_only``) are loaded
+    into its source model. Example::
+
+        teacher = load_teacher("runs/fp32_finetune-qat")   # the fine-tuned FP model, an HF causal LM
+    """
+    from pathlib import Path
+
+    from qharness.sources.models import load_model_and_tokenizer, resolve_checkpoint
+
+    path = Path(source).expanduser()
+    ckpt_path = path / "checkpoints" / "last.ckpt"
+    if (path / "config.json").is_file() or not ckpt_path.is_file():
+        return load_model_and_tokenizer(resolve_checkpoint(source), trust_remote_code)[0]
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
+    if "state_dict" not in ckpt or "recipe" not in saved:
+        raise UserError(f"model.distill.teacher {ckpt_path} is not a qharness training checkpoint")
+    from qharness.recipes.registry import load_recipe
+    from qharness.training.layerwise import hf_name
+
+    recipe = load_recipe(saved["recipe"])
+    if recipe.quantized or recipe.rotation is not None or saved.get("lora") is not None:
+        raise UserError(
+            f"model.distill.teacher {path} was trained with the quantized recipe {recipe.name!r}"
+            if recipe.quantized
+            else f"model.distill.teacher {path} was trained with a rotation or LoRA (recipe {recipe.name!r})",
+            fix="use the run of a plain FP recipe (e.g. xnnpack_fp32_finetune) or a model directory",
+        )
+    prefix = "graph.model."  # the trained graph's parameters under the HF model's names, as trained_weights() maps them
+    weights = {
+        hf_name(k[len("graph.") :])[len("model.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)
+    }
+    model, _ = load_model_and_tokenizer(resolve_checkpoint(saved["checkpoint"]), trust_remote_code)
+    load_weights_into(weights, model)
+    return model
+
+
+def load_weights_into(weights: dict[str, torch.Tensor], hf_model) -> None:
+    """Copy ``weights`` (keyed by the HF model's parameter names) into ``hf_model``: every parameter must be given.
+
+    Tied parameters (one tensor under several names, e.g. embeddings and lm_head) may appear under any one of their
+    names; where training untied them (their values differ), they are untied in ``hf_model`` too.
+    """
+    from qharness.sources.models import parameter_names, put_weights
+
+    groups = parameter_names(hf_model)
+    missing = [names for names in groups if not any(n in weights for n in names)]
+    extra = set(weights) - {n for names in groups for n in names}
+    if missing or extra:
+        raise RuntimeError(f"trained graph and model disagree: missing {missing[:5]}, extra {sorted(extra)[:5]}")
+    untied = {}
+    with torch.no_grad():
+        for names in groups:
+            given = [n for n in names if n in weights]
+            if any(not torch.equal(weights[n], weights[given[0]]) for n in given[1:]):
+                untied.update({n: weights[n] for n in given})  # trained apart (e.g. lm_head with GPTQ's warm start)
+                continue
+            hf_model.get_parameter(names[0]).copy_(weights[given[0]])
+    if untied:
+        put_weights(hf_model, untied)
+
+
 def export_for_training(model, batch_size: int, seq_len: int) -> torch.fx.GraphModule:
     """Pre-dispatch ATen graph (autograd-safe) of the logits-only model, static ``[batch_size, seq_len]``,
     on the model's device (the graph bakes devices in: export where it will train)."""
@@ -323,10 +387,14 @@ class QuantLM(L.LightningModule):
             self.teacher(device)
 
     def teacher(self, device: torch.device | str | None = None) -> torch.nn.Module:
-        """The frozen FP teacher (``distill``): the model of ``model.checkpoint`` as loaded, eval mode, no gradients,
-        on ``device`` (default: the student's). Built on first use from the source, on each rank; never saved."""
+        """The frozen FP teacher (``distill``): ``distill.teacher`` or else the model of ``model.checkpoint`` as
+        loaded, eval mode, no gradients, on ``device`` (default: the student's). Built on first use from its source, on
+        each rank; never saved."""
         if not self._teacher:
-            model, _ = self.load_fp()
+            if self.distill.teacher is None:
+                model, _ = self.load_fp()
+            else:
+                model = load_teacher(self.distill.teacher, self.hparams.trust_remote_code)
             device = device or next(self.graph.parameters()).device
             self._teacher.append(LogitsOnly(model).to(device).eval().requires_grad_(False))
         return self._teacher[0]
@@ -407,30 +475,9 @@ class QuantLM(L.LightningModule):
         return {k[len("model.") :]: v for k, v in out.items()}
 
     def load_into(self, hf_model) -> None:
-        """Copy the trained weights into an HF model of the same architecture.
-
-        Tied parameters (one tensor under several names, e.g. embeddings and lm_head) may appear
-        under any one of their names in the graph; where training untied them (their trained values differ), they are
-        untied in ``hf_model`` too.
-        """
-        from qharness.sources.models import parameter_names, put_weights
-
-        weights = self.trained_weights()
-        groups = parameter_names(hf_model)
-        missing = [names for names in groups if not any(n in weights for n in names)]
-        extra = set(weights) - {n for names in groups for n in names}
-        if missing or extra:
-            raise RuntimeError(f"trained graph and model disagree: missing {missing[:5]}, extra {sorted(extra)[:5]}")
-        untied = {}
-        with torch.no_grad():
-            for names in groups:
-                given = [n for n in names if n in weights]
-                if any(not torch.equal(weights[n], weights[given[0]]) for n in given[1:]):
-                    untied.update({n: weights[n] for n in given})  # trained apart (e.g. lm_head with GPTQ's warm start)
-                    continue
-                hf_model.get_parameter(names[0]).copy_(weights[given[0]])
-        if untied:
-            put_weights(hf_model, untied)
+        """Copy the trained weights into an HF model of the same architecture (``load_weights_into``: tied weights
+        trained apart are untied there too)."""
+        load_weights_into(self.trained_weights(), hf_model)
 
     # --- modes ----------------------------------------------------------------------------------
     def fake_quant_on(self, step: int) -> bool:
@@ -506,6 +553,12 @@ class QuantLM(L.LightningModule):
         logits = self.graph(x)
         with torch.no_grad():
             target = self.teacher()(x)
+        if target.shape != logits.shape:
+            raise UserError(
+                f"model.distill.teacher {d.teacher} gives logits of shape {tuple(target.shape)}, the student "
+                f"{tuple(logits.shape)}",
+                fix="distill from a model with the student's vocabulary (tokenizer)",
+            )
         ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         kl = distill_loss(logits, target, d.temperature)
         loss = d.kl_weight * kl + (ce if d.hard_loss else 0.0)

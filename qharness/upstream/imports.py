@@ -119,6 +119,30 @@ def hf_static_cache_exportable(model, batch_size: int, max_cache_len: int):
     return TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch_size, max_cache_len=max_cache_len).model
 
 
+def executorch_profiled_program(path: str):
+    """A ``.pte`` loaded with ExecuTorch's event tracer on: ``forward((tokens, start))`` then
+    ``write_etdump_result_to_file(path)``. Private pybindings in 1.5.1 (``_load_for_executorch(enable_etdump=True)``;
+    ``executorch.runtime`` has no ETDump switch)."""
+    import executorch.kernels.quantized  # noqa: F401  registers quantized_decomposed ops
+    from executorch.extension.pybindings import portable_lib
+
+    from qharness.upstream.fixes.custom_sdpa import llm_custom_ops
+
+    llm_custom_ops()
+    return portable_lib._load_for_executorch(str(path), enable_etdump=True, debug_buffer_size=0)
+
+
+def etdump_inspector(etdump_path: str):
+    """ExecuTorch's devtools ``Inspector`` over an ETDump file (no ETRecord: event names, not source nodes)."""
+    import warnings
+
+    from executorch.devtools import Inspector
+
+    with warnings.catch_warnings():  # no debug buffer was asked for: it warns that none was found
+        warnings.filterwarnings("ignore", message="Output Buffer not found")
+        return Inspector(etdump_path=str(etdump_path))
+
+
 def executorch_threadpool():
     """ExecuTorch's CPU threadpool (XNNPACK runs on it) as ``get_thread_count()`` / ``reset(n)``: private pybindings
     functions in 1.5.1 (``_threadpool_get_thread_count``, ``_unsafe_reset_threadpool``)."""

@@ -1,0 +1,106 @@
+"""Where a ``.pte``'s time goes, operator by operator, from ExecuTorch's ETDump (its event tracer).
+
+A prefill of ``prompt_len`` random tokens, then ``decode_tokens`` single-token steps, ``reps`` times, in this process
+with the tracer on; every event is summed by name (medians over the reps and steps). XNNPACK's own events (``Fully Connected (NC, QD8, F32, QC4W) GEMM``, ...)
+are the delegate's kernels, inside its ``DELEGATE_CALL``; ``native_call_<op>`` are the operators that run outside
+a delegate (portable, quantized or custom kernels: ``llama::custom_sdpa``, ``update_cache``). Example::
+
+    p = profile_pte("runs/x/model.pte", vocab_size=2048)
+    p["decode"]["DELEGATE_CALL"]   # {"calls": per decode step, "ms": per decode step}
+    print(format_profiles({"ours": p, "theirs": profile_pte("theirs.pte", vocab_size=2048)}, "decode"))
+
+The tracer costs time of its own, so compare profiles with each other, not with ``qharness bench``'s timings.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from qharness.upstream import imports
+
+WRAPPERS = ("OPERATOR_CALL",)  # each wraps one native_call_<op> event: counted once, under the op's name
+_INSTANCE = re.compile(r" #\d+$")  # XNNPACK numbers each operator instance: "Add (ND) #3"
+
+
+def event_name(name: str) -> str:
+    """The name events are summed under: XNNPACK's instance number dropped, ``native_call_`` prefix dropped.
+
+    Example::
+
+        event_name("Fully Connected (NC, F32) GEMM #12")   # "Fully Connected (NC, F32) GEMM"
+        event_name("native_call_custom_sdpa.out")          # "custom_sdpa.out"
+    """
+    name = _INSTANCE.sub("", name)
+    return name[len("native_call_") :] if name.startswith("native_call_") else name
+
+
+def profile_pte(
+    path: str | Path, vocab_size: int, prompt_len: int = 128, decode_tokens: int = 16, reps: int = 3, seed: int = 0
+) -> dict:
+    """``{"prefill": {name: {"calls", "ms"}}, "decode": {name: {"calls", "ms"}}, "delegated": [names]}`` of one
+    ``.pte`` whose forward is ``(tokens, start) -> logits``: ``reps`` times a prefill and ``decode_tokens`` steps
+    (after a warm-up of one of each); ``calls`` per prefill or decode step, ``ms`` the median over the reps
+    (prefill) or over every decode step."""
+    from qharness.runtime.pte import runtime_threads
+
+    runtime_threads()  # the same threadpool size as qharness bench's processes
+    program = imports.executorch_profiled_program(str(path))
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab_size, (1, prompt_len), generator=g)
+    tokens = torch.randint(0, vocab_size, (max(1, decode_tokens), 1), generator=g)
+    for steps in [1] + [decode_tokens] * reps:  # a warm-up (first calls allocate), then the profiled calls
+        program.forward((prompt, torch.tensor([0], dtype=torch.long)))
+        for i in range(steps):
+            program.forward((tokens[i : i + 1], torch.tensor([prompt_len + i], dtype=torch.long)))
+    skip, per_rep = 2, 1 + decode_tokens  # the warm-up's two calls are not counted
+    runs = skip + reps * per_rep
+    totals: dict[str, list[float]] = {}  # per name: ms summed over its instances, one entry per call
+    calls: dict[str, int] = {}
+    delegated: set[str] = set()
+    with tempfile.TemporaryDirectory() as d:
+        etdump = Path(d) / "profile.etdp"
+        program.write_etdump_result_to_file(str(etdump))
+        for block in imports.etdump_inspector(str(etdump)).event_blocks:
+            for event in block.events:
+                if event.name in WRAPPERS or event.perf_data is None or len(event.perf_data.raw) != runs:
+                    continue  # a wrapper, or an event of loading or another method, not of these calls
+                name = event_name(event.name)
+                if event.is_delegated_op:
+                    delegated.add(name)
+                raw = list(event.perf_data.raw)[skip:]
+                old = totals.setdefault(name, [0.0] * len(raw))
+                totals[name] = [a + b for a, b in zip(old, raw)]
+                calls[name] = calls.get(name, 0) + 1
+    prefill, decode = {}, {}
+    for name, ms in totals.items():
+        prefill[name] = {"calls": calls[name], "ms": statistics.median(ms[r * per_rep] for r in range(reps))}
+        steps = [ms[r * per_rep + k] for r in range(reps) for k in range(1, per_rep)]
+        decode[name] = {"calls": calls[name], "ms": statistics.median(steps) if steps else 0.0}
+    return {"prefill": prefill, "decode": decode, "delegated": sorted(delegated), "prompt_len": prompt_len}
+
+
+def format_profiles(profiles: dict[str, dict], phase: str = "decode", top: int = 25) -> str:
+    """Side by side: per event name, calls and ms of each profile in ``phase`` (``prefill`` or ``decode``), the
+    largest first; delegate kernels marked ``[xnnpack]``, the rest run outside the delegate."""
+    names = sorted(
+        {n for p in profiles.values() for n in p[phase]},
+        key=lambda n: -max(p[phase].get(n, {"ms": 0.0})["ms"] for p in profiles.values()),
+    )
+    head = ["event (" + phase + (" step" if phase == "decode" else "") + ")"]
+    for label in profiles:
+        head += [f"{label} calls", f"{label} ms"]
+    rows = [head]
+    for n in names[:top]:
+        tag = " [xnnpack]" if any(n in p["delegated"] for p in profiles.values()) else ""
+        row = [n + tag]
+        for p in profiles.values():
+            e = p[phase].get(n)
+            row += [str(e["calls"]), f"{e['ms']:.3f}"] if e else ["-", "-"]
+        rows.append(row)
+    width = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows)
