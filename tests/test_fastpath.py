@@ -188,6 +188,27 @@ def test_a_failing_fast_export_falls_back_with_the_reason(monkeypatch):
     )
 
 
+def test_a_source_quantized_model_is_checked_for_the_fast_path_on_its_fp_weights(monkeypatch):
+    """torchao recipes quantize the model before export; the support check (the fast path's logits against the
+    model's own, to float tolerance) must see the FP weights, where one int8 activation rounded the other way cannot
+    move the logits (it did by 0.13 on a 30-layer 135M model, which then fell back to the slow export)."""
+    from qharness.deploy.lower import quantize_for_deploy
+    from qharness.recipes.registry import load_recipe
+
+    seen, check = [], fastpath.unsupported_reason
+
+    def recording(model, max_seq_len):
+        seen.append({type(m.weight.data) for m in model.modules() if isinstance(m, torch.nn.Linear)})
+        return check(model, max_seq_len)
+
+    monkeypatch.setattr(fastpath, "unsupported_reason", recording)
+    model = _tiny("LlamaForCausalLM")
+    graph = quantize_for_deploy(model, load_recipe("xnnpack_8da4w"), 32, lambda g: None)
+    assert seen == [{torch.Tensor}]  # checked once, on plain float weights
+    assert {type(m.weight.data) for m in model.modules() if isinstance(m, torch.nn.Linear)} != {torch.Tensor}
+    assert graph.meta["qharness_export_path"] == "fast"
+
+
 def test_the_model_is_left_as_it_was():
     """The attention implementation and rotary modules are swapped only while the fast path runs."""
     model = _tiny("gemma2", sliding_window=8)
