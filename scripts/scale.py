@@ -141,7 +141,7 @@ def run_stages(
         import torch
         import transformers  # noqa: F401
 
-        from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
+        from qharness.deploy.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
         from qharness.recipes.registry import load_recipe
         from qharness.run.pipeline import eos_ids
         from qharness.sources.models import load_model_and_tokenizer
@@ -172,6 +172,7 @@ def run_stages(
         "fp32_bytes": fp32_bytes,
         "pte_path": str(pte_path),
         "pte_bytes": len(pte),
+        "export_path": export_path(deployed),  # fast (custom_sdpa / update_cache) or generic (HF static cache)
         "params": fp32_bytes // 4,
     }
 
@@ -263,7 +264,7 @@ def main() -> None:
         )
     export_lower = sum(r["wall_s"] for r in rows if r["stage"] in ("export + PTQ calibrate + convert", "lower to .pte"))
     peak = max(r["peak_rss_mb"] for r in rows)
-    print(f".pte: {result['pte_path']} ({result['pte_bytes'] / 1e6:.1f} MB)")
+    print(f".pte: {result['pte_path']} ({result['pte_bytes'] / 1e6:.1f} MB), export path: {result['export_path']}")
     if "bench" in result:
         p = result["bench"]["pte"]
         print(
