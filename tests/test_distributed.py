@@ -171,7 +171,7 @@ def test_memory_benchmark_script_measures_each_mode_on_every_process(tmp_path):
         assert [x["rank"] for x in ranks] == [0, 1] and all(x["mode"] == mode and x["world"] == 2 for x in ranks), mode
         assert all(x["steady"] > 0 and x["params"] > 0 for x in ranks)
     assert "fsdp_ac " in r.stdout and "steady B/param" in r.stdout
-    assert "tiny shape with 1 layers (0.0M parameters)" in r.stdout  # --layers: the shape's width, fewer layers
+    assert "tiny shape with 1 layers (0.1M parameters)" in r.stdout  # --layers: the shape's width, fewer layers
     layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64  # q, o; k, v (2 KV heads of 16); MLP; 2 norms
     assert {x["params"] for ranks in runs.values() for x in ranks[0]} == {512 * 64 + layer + 64}  # tied embedding
 
