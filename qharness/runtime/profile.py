@@ -1,15 +1,17 @@
 """Where a ``.pte``'s time goes, operator by operator, from ExecuTorch's ETDump (its event tracer).
 
 A prefill of ``prompt_len`` random tokens, then ``decode_tokens`` single-token steps, ``reps`` times, in this process
-with the tracer on; every event is summed by name (medians over the reps and steps). XNNPACK's own events (``Fully Connected (NC, QD8, F32, QC4W) GEMM``, ...)
-are the delegate's kernels, inside its ``DELEGATE_CALL``; ``native_call_<op>`` are the operators that run outside
-a delegate (portable, quantized or custom kernels: ``llama::custom_sdpa``, ``update_cache``). Example::
+with the tracer on; every event is summed by name (medians over the reps and steps). XNNPACK's own events (``Fully
+Connected (NC, QDU8, F32, QB4W) GEMM``, ...) are the delegate's kernels, inside its ``DELEGATE_CALL``;
+``native_call_<op>`` are the operators that run outside a delegate (portable, quantized or custom kernels:
+``llama::custom_sdpa``, ``update_cache``). Example::
 
     p = profile_pte("runs/x/model.pte", vocab_size=2048)
     p["decode"]["DELEGATE_CALL"]   # {"calls": per decode step, "ms": per decode step}
     print(format_profiles({"ours": p, "theirs": profile_pte("theirs.pte", vocab_size=2048)}, "decode"))
 
-The tracer costs time of its own, so compare profiles with each other, not with ``qharness bench``'s timings.
+The tracer costs time of its own, and one kernel's traced time moved up to 2x between fresh processes here: compare
+programs' structure (kernels, calls) with it, and time them with ``qharness bench``.
 """
 
 from __future__ import annotations
