@@ -113,14 +113,14 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
     quantizer = recipe.make_quantizer(is_qat=False)
     if weight_qparams is not None and recipe.kind not in ("pt2e", "source"):
         raise ValueError(f"learned weight scales need a quantized recipe ({recipe.name} is {recipe.kind})")
-    layers, reason = None, _CHECK
-    if recipe.kind == "source":
-        from qharness.deploy import fastpath
+    from qharness.deploy import fastpath
 
-        # The support check compares the fast path's logits with the model's own, so it runs on the FP weights: after
-        # quantize_, one int8 activation rounded the other way moves the logits past its float tolerance (0.13 on a
-        # 30-layer 135M model), and a model the fast path takes would fall back to the slow export.
-        reason = fastpath.unsupported_reason(model, max_seq_len)
+    # The support check compares the fast path's logits with the model's own, so it runs on the FP weights, before any
+    # quantization: after torchao's quantize_, one int8 activation rounded the other way moves the logits past its
+    # float tolerance (0.13 on a 30-layer 135M model), and a model the fast path takes would fall back to the slow export.
+    reason = fastpath.unsupported_reason(model, max_seq_len)
+    layers = None
+    if recipe.kind == "source":
         layers = quantizer.convert(model, weight_qparams)
         log.info("quantized layers: %s", layer_counts(layers))
     ep, reason = export_deploy(model, max_seq_len, recipe.kv_cache, reason)

@@ -83,7 +83,7 @@ def profile_pte(
         prefill[name] = {"calls": calls[name], "ms": statistics.median(ms[r * per_rep] for r in range(reps))}
         steps = [ms[r * per_rep + k] for r in range(reps) for k in range(1, per_rep)]
         decode[name] = {"calls": calls[name], "ms": statistics.median(steps) if steps else 0.0}
-    return {"prefill": prefill, "decode": decode, "delegated": sorted(delegated), "prompt_len": prompt_len}
+    return {"prefill": prefill, "decode": decode, "delegated": sorted(delegated)}
 
 
 def format_profiles(profiles: dict[str, dict], phase: str = "decode", top: int = 25) -> str:

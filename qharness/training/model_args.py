@@ -191,7 +191,7 @@ def check_teacher(teacher) -> None:
         )
     path = Path(teacher).expanduser()
     if path.is_dir() and not (path / "config.json").is_file():
-        if not (path / "checkpoints" / "last.ckpt").is_file():
+        if teacher_run_checkpoint(teacher) is None:
             raise UserError(
                 f"model.distill.teacher {path} is neither a save_pretrained directory (config.json) nor a finished "
                 "qharness run (checkpoints/last.ckpt)",
@@ -202,6 +202,14 @@ def check_teacher(teacher) -> None:
         check_local_checkpoint(teacher)
     except UserError as e:
         raise UserError(e.what.replace("model.checkpoint", "model.distill.teacher", 1), fix=e.fix) from None
+
+
+def teacher_run_checkpoint(teacher: str) -> Path | None:
+    """The ``checkpoints/last.ckpt`` of a ``model.distill.teacher`` that names a qharness run directory; None for a
+    model source (a ``save_pretrained`` directory, which has ``config.json``, a hub id, a torchtune builder)."""
+    path = Path(teacher).expanduser()
+    ckpt = path / "checkpoints" / "last.ckpt"
+    return ckpt if ckpt.is_file() and not (path / "config.json").is_file() else None
 
 
 # HF names of the attention and MLP projections (Llama, Mistral, Qwen2/3, Gemma, OLMo2, ...): LoRA's default targets.

@@ -41,36 +41,41 @@ def load_teacher(source: str, trust_remote_code: bool = False):
 
         teacher = load_teacher("runs/fp32_finetune-qat")   # the fine-tuned FP model, an HF causal LM
     """
-    from pathlib import Path
-
     from qharness.sources.models import load_model_and_tokenizer, resolve_checkpoint
+    from qharness.training.model_args import teacher_run_checkpoint
 
-    path = Path(source).expanduser()
-    ckpt_path = path / "checkpoints" / "last.ckpt"
-    if (path / "config.json").is_file() or not ckpt_path.is_file():
+    ckpt_path = teacher_run_checkpoint(source)
+    if ckpt_path is None:
         return load_model_and_tokenizer(resolve_checkpoint(source), trust_remote_code)[0]
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
     saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
     if "state_dict" not in ckpt or "recipe" not in saved:
         raise UserError(f"model.distill.teacher {ckpt_path} is not a qharness training checkpoint")
     from qharness.recipes.registry import load_recipe
-    from qharness.training.layerwise import hf_name
 
     recipe = load_recipe(saved["recipe"])
     if recipe.quantized or recipe.rotation is not None or saved.get("lora") is not None:
         raise UserError(
-            f"model.distill.teacher {path} was trained with the quantized recipe {recipe.name!r}"
+            f"model.distill.teacher {source} was trained with the quantized recipe {recipe.name!r}"
             if recipe.quantized
-            else f"model.distill.teacher {path} was trained with a rotation or LoRA (recipe {recipe.name!r})",
+            else f"model.distill.teacher {source} was trained with a rotation or LoRA (recipe {recipe.name!r})",
             fix="use the run of a plain FP recipe (e.g. xnnpack_fp32_finetune) or a model directory",
         )
-    prefix = "graph.model."  # the trained graph's parameters under the HF model's names, as trained_weights() maps them
-    weights = {
-        hf_name(k[len("graph.") :])[len("model.") :]: v for k, v in ckpt["state_dict"].items() if k.startswith(prefix)
-    }
+    graph = ((k[len("graph.") :], v) for k, v in ckpt["state_dict"].items() if k.startswith("graph."))
     model, _ = load_model_and_tokenizer(resolve_checkpoint(saved["checkpoint"]), trust_remote_code)
-    load_weights_into(weights, model)
+    load_weights_into(hf_weights(graph), model)
     return model
+
+
+def hf_weights(named_parameters, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """A trained graph's ``model.*`` parameters (``(name, tensor)`` pairs, names as in the graph, ``skip`` left
+    out) keyed by the HF model's parameter names, e.g. ``model.model.layers.0.mlp.up_proj.weight`` ->
+    ``model.layers.0.mlp.up_proj.weight`` (layer-wise graphs' names mapped back with ``layerwise.hf_name``)."""
+    from qharness.training.layerwise import hf_name
+
+    return {
+        hf_name(k)[len("model.") :]: v.detach() for k, v in named_parameters if k.startswith("model.") and k not in skip
+    }
 
 
 def load_weights_into(weights: dict[str, torch.Tensor], hf_model) -> None:
@@ -429,14 +434,9 @@ class QuantLM(L.LightningModule):
         """The trained FP weights keyed by the HF model's parameter names (tied weights under each name); learned
         quantization scales are not weights (``learned_qparams``)."""
         from qharness.recipes.learned_scales import quantization_parameter_names
-        from qharness.training.layerwise import hf_name
 
         scales = quantization_parameter_names(self.graph)
-        weights = {
-            hf_name(k)[len("model.") :]: v.detach()
-            for k, v in self.graph.named_parameters(remove_duplicate=False)
-            if k.startswith("model.") and k not in scales
-        }
+        weights = hf_weights(self.graph.named_parameters(remove_duplicate=False), skip=scales)
         if self.lora is not None:
             # LoRA: each adapted weight merged, W + s * B @ A, as the training forward computes it
             from qharness.training.lora import merge
