@@ -1,0 +1,51 @@
+"""scripts/bench_quality.py's bookkeeping (BENCHMARKS.md 3): the sweep entries of the distillation settings, the
+recovered fraction, and the choice of a setting on the selection blocks. The sweeps themselves are the benchmark."""
+
+import importlib.util
+
+import pytest
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "scripts" / "bench_quality.py")
+bq = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bq)
+
+
+def test_each_distillation_setting_is_a_run_of_the_learned_scale_twin_taught_by_the_seeds_control(tmp_path):
+    runs = bq.variant_runs("xnnpack_8da4w", ["qat_lsq_kdft", "qat_lsq_kdft_kl", "qat_lsq_kdft_t2"], sweep_dir=tmp_path)
+    assert [r["name"] for r in runs] == [
+        "xnnpack_8da4w_lsq_kdft",
+        "xnnpack_8da4w_lsq_kdft_kl",
+        "xnnpack_8da4w_lsq_kdft_t2",
+    ]
+    assert {r["recipe"] for r in runs} == {"xnnpack_8da4w_lsq"}
+    distill = [r["config"]["model"]["distill"] for r in runs]
+    assert {d["teacher"] for d in distill} == {str(tmp_path / "fp32_finetune-qat")}
+    assert [(d["hard_loss"], d["temperature"]) for d in distill] == [(True, 1.0), (False, 1.0), (True, 2.0)]
+    # the run directory bench_quality reads back is the one the sweep writes (<name>-<mode>)
+    assert bq.run_dir(tmp_path, "xnnpack_8da4w", "qat_lsq_kdft_kl") == tmp_path / "xnnpack_8da4w_lsq_kdft_kl-qat"
+
+
+def test_the_selected_variant_recovers_most_against_the_control_over_seeds():
+    variants = ["ptq", "qat", "qat_lsq_kdft", "qat_lsq_kdft_kl"]
+    per_seed = {  # ppl: PTQ 50, control 46 (4 to recover)
+        1: {
+            "fp": 47.0,
+            "control": 46.0,
+            "r": {"ptq": 50.0, "qat": 47.0, "qat_lsq_kdft": 46.5, "qat_lsq_kdft_kl": 48.0},
+        },
+        2: {
+            "fp": 47.0,
+            "control": 46.0,
+            "r": {"ptq": 50.0, "qat": 47.2, "qat_lsq_kdft": 46.3, "qat_lsq_kdft_kl": 45.0},
+        },
+    }
+    rows = bq.summarize(per_seed, ["r"], variants)
+    by = {r["variant"]: r for r in rows}
+    assert by["qat"]["recovered_vs_control"][0] == pytest.approx((0.75 + 0.7) / 2)
+    assert by["qat_lsq_kdft"]["recovered_vs_control"][0] == pytest.approx((0.875 + 0.925) / 2)
+    assert bq.selected(rows, "r") == "qat_lsq_kdft"  # the mean decides: _kl's one great seed does not
+    assert bq.selected([r for r in rows if r["variant"] == "ptq"], "r") is None
+    # the targets are judged for the variant chosen beforehand, else for the table's best (marked as such)
+    assert bq.verdicts(rows, ["r"], "qat")[0].startswith("r: variant chosen beforehand qat recovers 72.5%")
+    assert "best variant (chosen on this table) qat_lsq_kdft recovers 90.0%" in bq.verdicts(rows, ["r"])[0]
