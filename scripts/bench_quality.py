@@ -223,11 +223,12 @@ class SelectionBlocks:
         cached = json.loads(cache.read_text()) if cache.is_file() else {}
         if self.key not in cached:
             from qharness.checks.parity import score_deployed
+            from qharness.io import write_bytes_atomic
             from qharness.runtime.pte import PteModel
 
             pte = PteModel(json.loads(summary.read_text())["pte"]["path"])
             cached[self.key] = score_deployed(pte, *self.blocks())["ppl"]
-            cache.write_text(json.dumps(cached))
+            write_bytes_atomic(cache, json.dumps(cached).encode())
         return cached[self.key]
 
 
