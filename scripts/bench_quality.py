@@ -34,8 +34,8 @@ the table's best variant, a choice made on the blocks that judge it, which flatt
     python scripts/bench_quality.py                                   # 2 recipes x 5 variants x 3 seeds
     python scripts/bench_quality.py --recipes xnnpack_8da4w --seeds 1 2 3 --qat_steps 200
     python scripts/bench_quality.py --recipes xnnpack_int4w_dynamic --variants ptq qat qat_lora   # LoRA-QAT only
-    python scripts/bench_quality.py --recipes xnnpack_8da4w --variants qat_lsq_kdft qat_lsq_kdft_kl --seeds 0 \
-        --select_blocks 128 --out runs/bq_select                       # choose a distillation setting on seed 0
+    python scripts/bench_quality.py --recipes xnnpack_8da4w --variants ptq qat qat_lsq_kdft qat_lsq_kdft_t2 \
+        qat_lsq_kdft_kl qat_lsq_kdft_w4 --seeds 0 --select_blocks 192   # choose on seed 0 (BENCHMARKS.md 3g)
 """
 
 from __future__ import annotations
