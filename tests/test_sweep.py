@@ -2,8 +2,11 @@
 summaries); one real tiny sweep is marked slow."""
 
 import json
+import os
 import shutil
 import sys
+import threading
+import time
 
 import pytest
 import yaml
@@ -12,7 +15,7 @@ from test_bench import make_tiny_pte
 
 from qharness.errors import UserError
 from qharness.io import write_json_atomic
-from qharness.reporting.sweep import is_done, load_sweep, plan, run_logged, run_sweep
+from qharness.reporting.sweep import depends_on, is_done, load_sweep, plan, run_logged, run_sweep
 
 PPL = {
     "xnnpack_fp32-ptq": 98.0,
@@ -240,6 +243,12 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
             {"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "report": {"bench_processes": -1}},
             "bench_processes must be a whole number",
         ),
+        ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "jobs": 0}, "jobs must be a whole number >= 1"),
+        ({"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "jobs": "2"}, "jobs must be a whole number >= 1"),
+        (
+            {"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "jobs": 2, "report": {"bench_processes": 0}},
+            "2 runs at a time with report.bench_processes: 0",
+        ),
         (
             {
                 "runs": [
@@ -326,3 +335,111 @@ def test_named_variants_of_one_recipe_get_their_own_run_dirs(tmp_path):
     ]
     assert runs[3].run_dir == tmp_path / "sweep" / "int8_distill-qat" and runs[3].recipe == "xnnpack_int8_dynamic"
     assert runs[3].config["model"]["distill"] == {"kl_weight": 1.0} and "distill" not in runs[2].config["model"]
+
+
+class SlowRunner(FakeRunner):
+    """FakeRunner that takes 0.3 s per run and records when each started and ended (runs may overlap)."""
+
+    def __init__(self):
+        super().__init__()
+        self.spans, self.lock, self.running, self.most = {}, threading.Lock(), 0, 0
+
+    def __call__(self, cmd, log_path):
+        name = log_path.parent.name
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        start = time.perf_counter()
+        time.sleep(0.3)
+        code = super().__call__(cmd, log_path)
+        with self.lock:
+            self.running -= 1
+            self.spans[name] = (start, time.perf_counter())
+        return code
+
+
+def test_jobs_run_runs_side_by_side_and_a_run_waits_for_the_run_it_names(tmp_path):
+    """jobs: 2 keeps two runs going at once; a run whose config names another run's directory (here its teacher)
+    starts only after that run ended; the records keep the plan's order and a rerun skips them all as before."""
+    teacher = str(tmp_path / "sweep" / "xnnpack_int8_dynamic-qat")
+    path = sweep_yaml(tmp_path, jobs=2)
+    spec = yaml.safe_load(path.read_text())
+    spec["runs"].append(
+        {
+            "recipe": "xnnpack_int8_dynamic",
+            "name": "int8_kd",
+            "modes": ["qat"],
+            "config": {"model": {"distill": {"teacher": teacher}}},
+        }
+    )
+    path.write_text(yaml.safe_dump(spec))
+    runs = plan(load_sweep(path))
+    assert [r.name for r in runs if depends_on(runs[-1], r)] == ["xnnpack_int8_dynamic-qat"]
+    runner = SlowRunner()
+    result = run_sweep(path, runner=runner, report=False)
+    assert [r["name"] for r in result["runs"]] == [r.name for r in runs]
+    assert all(r["state"] == "done" for r in result["runs"]) and runner.most == 2
+    assert runner.spans["int8_kd-qat"][0] >= runner.spans["xnnpack_int8_dynamic-qat"][1]
+    assert [r["name"] for r in json.loads((tmp_path / "sweep" / "sweep.json").read_text())["runs"]] == [
+        r.name for r in runs
+    ]
+    again = SlowRunner()
+    assert [r["state"] for r in run_sweep(path, runner=again, report=False, jobs=3)["runs"]] == ["skipped"] * 5
+    assert again.calls == []
+
+
+def test_depends_on_finds_a_path_inside_an_earlier_run_dir_only(tmp_path):
+    spec = {
+        "sweep_dir": str(tmp_path / "sweep"),
+        "runs": [
+            {"recipe": "xnnpack_8da4w", "modes": ["ptq"]},
+            {"recipe": "xnnpack_8da4w", "name": "a", "modes": ["ptq"], "config": {"data": {"source": "text.txt"}}},
+        ],
+    }
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    base, first, second = plan(load_sweep(tmp_path / "s.yaml"))
+    assert not any(depends_on(r, e) for r in (first, second) for e in (base, first) if r is not e)
+    second.config["model"]["distill"] = {"teacher": os.path.relpath(first.run_dir)}  # relative paths count too
+    assert depends_on(second, first) and not depends_on(second, base)
+    second.config["model"]["distill"] = {"teacher": str(first.run_dir) + "_other"}  # a sibling is not inside
+    assert not depends_on(second, first)
+
+
+def test_run_logged_without_echo_logs_only_and_sets_the_threads(tmp_path, capfdbinary, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("QHARNESS_THREADS", "3")  # a setting of the user's wins
+    code = run_logged(
+        [
+            sys.executable,
+            "-c",
+            "import os; print('threads', os.environ['OMP_NUM_THREADS'], os.environ['QHARNESS_THREADS'])",
+        ],
+        tmp_path / "x.log",
+        echo=False,
+        threads=1,
+    )
+    assert code == 0 and "threads 1 3" in (tmp_path / "x.log").read_text()
+    assert b"threads" not in capfdbinary.readouterr().out
+
+
+def test_the_sweep_cli_runs_two_real_runs_at_a_time(tmp_path, tiny_llama, corpus):
+    """``qharness sweep --jobs 2`` on the tiny Llama, as a user runs it: both runs finish, their output is in their
+    sweep.log (not on the console), the joint benchmark and the report follow."""
+    base = yaml.safe_load(write_config(tmp_path / "base.yaml", tiny_llama, corpus, tmp_path / "unused").read_text())
+    del base["trainer"]["default_root_dir"]
+    base["bench"] = {"enabled": False, "prompt_len": 8, "decode_tokens": 4, "reps": 2}
+    spec = {
+        "sweep_dir": str(tmp_path / "sweep"),
+        "runs": [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"]}],
+        "config": base,
+        "report": {"wandb": False, "bench_processes": 1},
+    }
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    r = run_cli("sweep", tmp_path / "s.yaml", "--jobs", "2")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "[sweep] 2 runs at a time" in r.stdout and "parity PASSED" not in r.stdout
+    for name in ("xnnpack_fp32-ptq", "xnnpack_int8_dynamic-ptq"):
+        assert "parity PASSED" in (tmp_path / "sweep" / name / "sweep.log").read_text()
+    assert "timing 2 programs jointly" in r.stdout and "Pareto plot:" in r.stdout
+    bad = run_cli("sweep", tmp_path / "s.yaml", "--jobs", "0")
+    assert bad.returncode == 2 and "--jobs must be a whole number >= 1" in bad.stderr and "Traceback" not in bad.stderr

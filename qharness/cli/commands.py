@@ -232,7 +232,7 @@ def report(
         print(f"wandb run: {result['wandb_dir']}")
 
 
-def sweep(config: str, *, force: bool = False, dry_run: bool = False) -> None:
+def sweep(config: str, *, force: bool = False, dry_run: bool = False, jobs: int | None = None) -> None:
     """Run the FP baseline and recipes x modes (PTQ, QAT) of a sweep config, each in its own run dir (finished runs are
     skipped), time every .pte jointly, then write the report.
 
@@ -240,6 +240,8 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False) -> None:
         config: sweep YAML, e.g. configs/sweep_xnnpack.yaml.
         force: rerun runs that already finished.
         dry_run: print the runs and whether each would be skipped; run nothing.
+        jobs: runs at a time, each with its share of the cores (default: the config's jobs, else 1); their output then
+            goes to each run's sweep.log.
     """
     from qharness.progress import format_seconds
     from qharness.reporting.sweep import is_done, load_sweep, plan, run_sweep
@@ -251,7 +253,7 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False) -> None:
                 f"{run.name:<32} qharness {run.subcommand} {run.config_path}  {'(finished: skipped)' if done else ''}"
             )
         return
-    result = run_sweep(config, force=force)
+    result = run_sweep(config, force=force, jobs=jobs)
     rep = result["report"]
     print()
     if rep is not None:

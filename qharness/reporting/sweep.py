@@ -17,6 +17,14 @@ program, default 5, round-robin; 0 skips it): each run's summary.json gets ``ben
 ``<sweep_dir>/bench_joint.json`` holds them all, so the programs are compared under the same conditions. The
 sweep ends with ``qharness report <sweep_dir>`` (``report`` section: metric and budgets).
 
+``jobs: N`` (or ``--jobs N``) runs up to N runs at a time, each with its share of the cores (``OMP_NUM_THREADS``,
+``QHARNESS_THREADS``: cores // N, unless set), in plan order; a run whose config names an earlier run's directory
+(an ``autotuned.yaml`` recipe, a ``model.distill.teacher``) waits for it. Their output then goes to their
+``sweep.log`` only. Much of a run is single-threaded (imports, export, lowering, the parity gate), so two runs at a
+time finish a sweep sooner on a few cores. The joint benchmark still runs alone, after every run; a run's own
+``qharness bench`` would time under the others' load, so ``jobs`` > 1 needs the joint benchmark
+(``report.bench_processes`` >= 1), whose numbers the report uses.
+
 Example config::
 
     sweep_dir: runs/sweep_xnnpack
@@ -43,9 +51,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import yaml
@@ -56,7 +66,7 @@ from qharness.io import hold_run_lock, write_bytes_atomic, write_json_atomic
 from qharness.progress import format_seconds
 from qharness.upstream import process
 
-TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report"}
+TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report", "jobs"}
 RUN_KEYS = {"recipe", "modes", "mode", "config", "name", "autotune"}
 AUTOTUNE_KEYS = {"max_size_mb", "candidates", "unit", "sensitivity"}  # qharness autotune's options
 AUTOTUNED = "autotuned"  # the recipe name of an autotune run (its recipe file autotuned.yaml)
@@ -137,6 +147,7 @@ def load_sweep(path: str | Path) -> dict:
             f"sweep config {path}: report.bench_processes must be a whole number >= 0 (got {processes!r})",
             fix="set report.bench_processes: 5 (0 skips the joint benchmark)",
         )
+    check_jobs(spec.setdefault("jobs", 1), processes, f"sweep config {path}: jobs")
     for i, run in enumerate(spec["runs"]):
         run = _mapping(run, f"sweep config: runs[{i}]")
         unknown = set(run) - RUN_KEYS
@@ -150,6 +161,35 @@ def load_sweep(path: str | Path) -> dict:
             _check_autotune(run["autotune"], f"sweep config {path}: runs[{i}].autotune")
             run.setdefault("recipe", "xnnpack_8da4w")
     return spec
+
+
+def check_jobs(jobs, bench_processes: int, where: str) -> None:
+    """``jobs`` (runs at a time) must be a whole number >= 1, and above 1 only with the joint benchmark."""
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise UserError(f"{where} must be a whole number >= 1 (got {jobs!r})", fix="e.g. jobs: 2 (runs at a time)")
+    if jobs > 1 and bench_processes == 0:
+        raise UserError(
+            f"{where}: {jobs} runs at a time with report.bench_processes: 0 would leave only the runs' own benchmarks, "
+            "each timed while other runs ran",
+            fix="set report.bench_processes >= 1 (the joint benchmark runs alone, after the runs), or 1 run at a time",
+        )
+
+
+def depends_on(run: SweepRun, earlier: SweepRun) -> bool:
+    """Whether ``run``'s config names a path inside ``earlier``'s run directory (a recipe file it wrote, a teacher it
+    trained), so that ``run`` must wait for it when runs go in parallel. A run does not depend on itself."""
+    where = earlier.run_dir.resolve()
+    if where == run.run_dir.resolve():
+        return False
+
+    def names(value) -> bool:
+        if isinstance(value, dict):
+            return any(names(v) for v in value.values())
+        if isinstance(value, list | tuple):
+            return any(names(v) for v in value)
+        return isinstance(value, str) and bool(value) and Path(value).resolve().is_relative_to(where)
+
+    return names(run.config) or names(run.recipe)
 
 
 def _check_autotune(value, where: str) -> None:
@@ -247,23 +287,37 @@ def resumable(run: SweepRun) -> bool:
     )
 
 
-def child_env() -> dict:
-    """The environment of a run's process: it imports this same qharness (not an installed copy)."""
+def child_env(threads: int | None = None) -> dict:
+    """The environment of a run's process: it imports this same qharness (not an installed copy). ``threads``: its
+    torch and ExecuTorch thread counts (``OMP_NUM_THREADS``, ``QHARNESS_THREADS``) where the environment sets none."""
     paths = [
         str(Path(__file__).resolve().parents[2]),
         *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
     ]
     # a run that fills the disk tells the user to move the sweep_dir (the runs' root dirs are made from it)
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1", QHARNESS_OUTPUT_FIELD="sweep_dir")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1", QHARNESS_OUTPUT_FIELD="sweep_dir")
+    if threads is not None:
+        for name in ("OMP_NUM_THREADS", "QHARNESS_THREADS"):
+            env.setdefault(name, str(threads))
+    return env
 
 
-def run_logged(cmd: list[str], log_path: Path) -> int:
-    """Run ``cmd``, its output both on this console and in ``log_path``; return its exit code. On a terminal the
-    child gets a pseudo-terminal of the same size, so Lightning's progress bars stay live."""
+def run_logged(cmd: list[str], log_path: Path, echo: bool = True, threads: int | None = None) -> int:
+    """Run ``cmd``, its output in ``log_path`` and (``echo``) on this console; return its exit code. On a terminal the
+    child gets a pseudo-terminal of the same size, so Lightning's progress bars stay live. ``threads``: ``child_env``'s."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out = sys.stdout.buffer
     with open(log_path, "wb") as log:
-        if sys.stdout.isatty() and os.name == "posix":
+        if not echo:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=child_env(threads),
+                preexec_fn=process.die_with_parent(),
+            )
+        elif sys.stdout.isatty() and os.name == "posix":
             import fcntl
             import pty
             import termios
@@ -278,7 +332,7 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
                 stdin=subprocess.DEVNULL,
                 stdout=slave,
                 stderr=slave,
-                env=child_env(),
+                env=child_env(threads),
                 close_fds=True,
                 preexec_fn=process.die_with_parent(),
             )
@@ -300,7 +354,7 @@ def run_logged(cmd: list[str], log_path: Path) -> int:
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                env=child_env(),
+                env=child_env(threads),
                 preexec_fn=process.die_with_parent(),
             )
             for chunk in iter(lambda: proc.stdout.read1(65536), b""):
@@ -319,6 +373,35 @@ def resolve_shared_model(runs: list[SweepRun]) -> None:
 
 
 Runner = Callable[[list[str], Path], int]
+
+
+def in_parallel(runs: list[SweepRun], pending: list[int], jobs: int, execute: Callable[[int], None]) -> None:
+    """``execute(i)`` for each index in ``pending``, up to ``jobs`` at a time in threads, in plan order, each only after
+    the pending runs it ``depends_on`` have finished (failed or not, as in a sequential sweep). An exception in one
+    is raised here once it ends; the others' processes then die with this one (``process.die_with_parent``)."""
+    import queue
+
+    after = {i: {j for j in pending if j < i and depends_on(runs[i], runs[j])} for i in pending}
+    ended: queue.Queue = queue.Queue()
+
+    def work(i: int) -> None:
+        try:
+            execute(i)
+            ended.put((i, None))
+        except BaseException as e:  # handed to the main thread
+            ended.put((i, e))
+
+    waiting, running, finished = list(pending), set(), set()
+    while waiting or running:
+        for i in [i for i in waiting if after[i] <= finished][: jobs - len(running)]:
+            waiting.remove(i)
+            running.add(i)
+            threading.Thread(target=work, args=(i,), name=f"sweep-{runs[i].name}", daemon=True).start()
+        i, error = ended.get()
+        if error is not None:
+            raise error
+        running.discard(i)
+        finished.add(i)
 
 
 def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dict | None = None) -> dict | None:
@@ -360,13 +443,22 @@ def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dic
     return joint
 
 
-def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run_logged, report: bool = True) -> dict:
-    """Run every run of the sweep not yet done (all with ``force``), record each, then write the report.
+def run_sweep(
+    config_path: str | Path,
+    force: bool = False,
+    runner: Runner = run_logged,
+    report: bool = True,
+    jobs: int | None = None,
+) -> dict:
+    """Run every run of the sweep not yet done (all with ``force``), record each, then write the report. ``jobs``:
+    runs at a time (default: the config's ``jobs``, else 1).
 
     Returns ``{"runs": [record, ...], "report": write_report's result or None, "wall_s": ...}``.
     """
     t0 = time.perf_counter()
     spec = load_sweep(config_path)
+    if jobs is not None:
+        check_jobs(jobs, spec["report"].get("bench_processes", 5), "--jobs")
     runs = plan(spec)
     sweep_dir = Path(spec["sweep_dir"])
     hold_run_lock(sweep_dir)  # one sweep per directory (its runs lock their own run directories)
@@ -379,15 +471,23 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
     )
     if todo:
         resolve_shared_model(todo)
-    records = []
-    for i, run in enumerate(runs, 1):
+    jobs = min(spec["jobs"] if jobs is None else jobs, max(1, len(todo)))
+    if jobs > 1:
+        threads = max(1, (os.cpu_count() or 1) // jobs)
+        print(
+            f"[sweep] {jobs} runs at a time, {threads} thread(s) each; each run's output goes to its sweep.log",
+            flush=True,
+        )
+        if runner is run_logged:
+            runner = partial(run_logged, echo=False, threads=threads)
+    records: list[dict | None] = [None] * len(runs)
+    say = threading.Lock()  # one console line at a time from parallel runs
+
+    def execute(i: int) -> None:
+        run = runs[i]
         record = {"name": run.name, "recipe": run.recipe, "mode": run.mode, "run_dir": str(run.run_dir)}
         cmd = [sys.executable, "-m", "qharness", run.subcommand, "--config", str(run.config_path)]
         record["command"] = f"qharness {run.subcommand} {run.config_path}"
-        if run.name not in todo_names:
-            records.append({**record, "state": "skipped", "reason": "finished earlier with the same config"})
-            print(f"[sweep {i}/{len(runs)}] {run.name}: finished earlier with the same config, skipped", flush=True)
-            continue
         resume = not force and resumable(run)
         if resume:
             cmd += ["--ckpt_path", "last"]
@@ -404,10 +504,11 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
             run.run_dir / STATUS, {"config_sha256": run.digest(), "returncode": None, "command": record["command"]}
         )
         how = "resuming from its last checkpoint: " if resume else ""
-        print(
-            f"[sweep {i}/{len(runs)}] {run.name}: {how}{record['command']} (log: {run.run_dir / 'sweep.log'})",
-            flush=True,
-        )
+        with say:
+            print(
+                f"[sweep {i + 1}/{len(runs)}] {run.name}: {how}{record['command']} (log: {run.run_dir / 'sweep.log'})",
+                flush=True,
+            )
         t = time.perf_counter()
         code = runner(cmd, run.run_dir / "sweep.log")
         wall = time.perf_counter() - t
@@ -416,9 +517,31 @@ def run_sweep(config_path: str | Path, force: bool = False, runner: Runner = run
             {"config_sha256": run.digest(), "returncode": code, "wall_s": wall, "command": record["command"]},
         )
         state = "done" if code == 0 else "failed"
-        records.append({**record, "state": state, "returncode": code, "wall_s": wall})
+        records[i] = {**record, "state": state, "returncode": code, "wall_s": wall}
         outcome = "done" if code == 0 else f"FAILED (exit {code}), see {run.run_dir / 'sweep.log'}"
-        print(f"[sweep {i}/{len(runs)}] {run.name}: {outcome} in {format_seconds(wall)}", flush=True)
+        with say:
+            print(f"[sweep {i + 1}/{len(runs)}] {run.name}: {outcome} in {format_seconds(wall)}", flush=True)
+
+    pending = []
+    for i, run in enumerate(runs):
+        if run.name in todo_names:
+            pending.append(i)
+            continue
+        records[i] = {
+            "name": run.name,
+            "recipe": run.recipe,
+            "mode": run.mode,
+            "run_dir": str(run.run_dir),
+            "command": f"qharness {run.subcommand} {run.config_path}",
+            "state": "skipped",
+            "reason": "finished earlier with the same config",
+        }
+        print(f"[sweep {i + 1}/{len(runs)}] {run.name}: finished earlier with the same config, skipped", flush=True)
+    if jobs == 1:
+        for i in pending:
+            execute(i)
+    else:
+        in_parallel(runs, pending, jobs, execute)
     failed = [r for r in records if r["state"] == "failed"]
     write_json_atomic(sweep_dir / "sweep.json", {"config": str(config_path), "runs": records})
     rep = spec["report"]
