@@ -321,11 +321,7 @@ def verdicts(rows: list[dict], recipes: list[str], chosen: str | None = None) ->
     blocks), else for the best variant of this table (chosen on the blocks it is judged on: optimistic)."""
     out = []
     for r in recipes:
-        cands = [
-            x
-            for x in rows
-            if x["recipe"] == r and x["variant"] not in ("ptq",) and x["recovered_vs_control"][0] is not None
-        ]
+        cands = qat_rows(rows, r)
         if chosen is not None:
             cands = [x for x in cands if x["variant"] == chosen]
         if not cands:
@@ -351,13 +347,18 @@ def verdicts(rows: list[dict], recipes: list[str], chosen: str | None = None) ->
     return out
 
 
-def selected(rows: list[dict], recipe: str) -> str | None:
-    """The QAT variant of ``recipe`` with the highest mean recovered fraction (against the control) in ``rows``."""
-    cands = [
+def qat_rows(rows: list[dict], recipe: str) -> list[dict]:
+    """The rows of ``recipe``'s QAT variants (``qat*``: not PTQ, GPTQ or rotation) that have a recovered fraction."""
+    return [
         x
         for x in rows
         if x["recipe"] == recipe and x["variant"].startswith("qat") and x["recovered_vs_control"][0] is not None
     ]
+
+
+def selected(rows: list[dict], recipe: str) -> str | None:
+    """The QAT variant of ``recipe`` with the highest mean recovered fraction (against the control) in ``rows``."""
+    cands = qat_rows(rows, recipe)
     return max(cands, key=lambda x: x["recovered_vs_control"][0])["variant"] if cands else None
 
 

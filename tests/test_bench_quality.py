@@ -49,3 +49,8 @@ def test_the_selected_variant_recovers_most_against_the_control_over_seeds():
     # the targets are judged for the variant chosen beforehand, else for the table's best (marked as such)
     assert bq.verdicts(rows, ["r"], "qat")[0].startswith("r: variant chosen beforehand qat recovers 72.5%")
     assert "best variant (chosen on this table) qat_lsq_kdft recovers 90.0%" in bq.verdicts(rows, ["r"])[0]
+    # PTQ variants (GPTQ rounding, rotations) may recover more, but the targets are about QAT variants
+    gptq = {**by["qat_lsq_kdft"], "variant": "ptq_gptq", "recovered_vs_control": (0.99, 0.0, 2)}
+    assert bq.selected([*rows, gptq], "r") == "qat_lsq_kdft"
+    assert "best variant (chosen on this table) qat_lsq_kdft recovers" in bq.verdicts([*rows, gptq], ["r"])[0]
+    assert bq.verdicts([*rows, gptq], ["r"], "ptq_gptq") == ["r: no finished QAT variant ptq_gptq"]
