@@ -35,13 +35,18 @@ def _direct_loglikelihood(model, ids: list[int], n_cont: int) -> float:
 
 
 def _adapters(model, tok, max_length=64):
-    from qharness.evaluation.lm_eval_adapter import BatchedForward, QHarnessLM, hf_backend
+    from qharness.deploy.fastpath import FastDecoder
+    from qharness.evaluation.lm_eval_adapter import BatchedForward, CachedStep, QHarnessLM, hf_backend
     from qharness.training.module import export_for_training
 
     graph = export_for_training(model, 3, max_length)  # a fixed [3, T] graph, like the fake-quant one
+    decoder = FastDecoder(model, max_length + 1)  # what the .pte runs: a KV cache, last-token logits only
     return {
         "hf": QHarnessLM(hf_backend(model, max_length, batch_size=2), tok),
         "fixed_shape_graph": QHarnessLM(BatchedForward(graph, max_length, 3, shape=(3, max_length)), tok),
+        "kv_cache_last_token": QHarnessLM(
+            CachedStep(lambda tokens, start: decoder(tokens, torch.tensor([start])), max_length), tok
+        ),
     }
 
 

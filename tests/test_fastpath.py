@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from qharness.checks.parity import block_logits
+from qharness.checks.parity import block_logits, tail_logits
 from qharness.deploy import fastpath
 
 
@@ -29,6 +29,17 @@ def _check_equal_to_hf(model, max_seq_len=48, atol=2e-5):
         for i in range(30, 40):
             torch.testing.assert_close(decoder(x[:, i : i + 1], torch.tensor([i]))[0, -1], ref[i], atol=atol, rtol=0)
         torch.testing.assert_close(block_logits(_step(decoder), x[0, :24]), ref[:24], atol=atol, rtol=0)
+        # a continuation's logits alone: one prefill of the context, then its tokens (a longer block ran before)
+        calls = []
+
+        def counted(tokens, start):
+            calls.append(tokens.shape[1])
+            return _step(decoder)(tokens, start)
+
+        for k in (1, 3, 23):
+            calls.clear()
+            torch.testing.assert_close(tail_logits(counted, x[0, :24], k), ref[24 - k : 24], atol=atol, rtol=0)
+            assert calls[0] == 25 - k and len(calls) == k  # a prefill, then k - 1 single tokens
 
 
 def test_fast_decoder_equals_the_hf_llama(tiny_llama):

@@ -100,6 +100,27 @@ def block_logits(step: StepFn, block: torch.Tensor) -> torch.Tensor:
     return torch.stack([*rows, step(block[None], 0)[0, -1]])
 
 
+def tail_logits(step: StepFn, block: torch.Tensor, k: int) -> torch.Tensor:
+    """``logits[k, vocab]`` of the last ``k`` positions of ``block[n]`` (``block_logits(step, block)[-k:]``): one prefill
+    of the first ``n - k + 1`` tokens, then the rest one token at a time (a model that returns every position's
+    logits takes the rest in one call). What scoring a continuation needs: its ``k`` tokens, not the context's.
+
+    Example: ``tail_logits(pte, torch.tensor(context + continuation[:-1]), len(continuation))``
+    """
+    n = block.numel()
+    if k >= n:
+        return block_logits(step, block)
+    k = max(k, 1)
+    split = n - k + 1
+    head = step(block[None, :split], 0)[0]
+    if k == 1:
+        return head[-1:]
+    if head.shape[0] == split:  # every position's logits (split > 1 here): the rest in one call
+        return torch.cat([head[-1:], step(block[None, split:], split)[0]])
+    rows = [step(block[i : i + 1][None], i)[0, -1] for i in range(split, n)]
+    return torch.cat([head[-1:], torch.stack(rows)])
+
+
 def _maybe_bar(iterable, desc: str | None, total: int, unit: str):
     return iterable if desc is None else bar(iterable, desc, total=total, unit=unit)
 

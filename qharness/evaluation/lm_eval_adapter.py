@@ -56,7 +56,8 @@ class BatchedForward:
             raise ValueError(f"max_length {max_length} exceeds the graph's sequence length {shape[1]}")
         self.forward, self.max_length, self.batch_size, self.shape = forward, max_length, batch_size, shape
 
-    def logits(self, seqs: list[list[int]]) -> list[torch.Tensor]:
+    def logits(self, seqs: list[list[int]], last: list[int] | None = None) -> list[torch.Tensor]:
+        """Every position's logits of each sequence (``last``: how many final positions are needed; all are given)."""
         out = []
         for i in range(0, len(seqs), self.batch_size):
             group = seqs[i : i + self.batch_size]
@@ -91,12 +92,16 @@ class CachedStep:
     def __init__(self, step: Callable[[torch.Tensor, int], torch.Tensor], max_length: int):
         self.step, self.max_length, self.batch_size = step, max_length, 1
 
-    def logits(self, seqs: list[list[int]]) -> list[torch.Tensor]:
-        """Every position's logits (a model returning last-token logits only is fed one token at a time)."""
-        from qharness.checks.parity import block_logits
+    def logits(self, seqs: list[list[int]], last: list[int] | None = None) -> list[torch.Tensor]:
+        """Every position's logits, or (``last``) those of each sequence's last ``last[i]`` positions only: a context is
+        prefilled in one call, so a model returning last-token logits only (the fast path) steps token by token
+        through the continuation alone (``checks.parity.tail_logits``), not through the whole sequence."""
+        from qharness.checks.parity import block_logits, tail_logits
 
         with torch.no_grad():
-            return [block_logits(self.step, torch.tensor(s, dtype=torch.long)).float() for s in seqs]
+            if last is None:
+                return [block_logits(self.step, torch.tensor(s, dtype=torch.long)).float() for s in seqs]
+            return [tail_logits(self.step, torch.tensor(s, dtype=torch.long), k).float() for s, k in zip(seqs, last)]
 
     def generate(self, contexts: list[list[int]], max_new: int, choose: Choose, stop: Stop) -> list[list[int]]:
         results = []
@@ -194,7 +199,8 @@ class QHarnessLM(LM):
         bs = self.backend.batch_size
         for start in tqdm(range(0, len(order), bs), disable=disable_tqdm, desc="loglikelihood", leave=False):
             idx = order[start : start + bs]
-            for i, logits in zip(idx, self.backend.logits([inputs[i] for i in idx])):
+            scored = self.backend.logits([inputs[i] for i in idx], last=[max(1, len(conts[i])) for i in idx])
+            for i, logits in zip(idx, scored):
                 cont = torch.tensor(conts[i], dtype=torch.long)
                 if cont.numel() == 0:
                     continue
