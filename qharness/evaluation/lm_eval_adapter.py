@@ -199,7 +199,7 @@ class QHarnessLM(LM):
         bs = self.backend.batch_size
         for start in tqdm(range(0, len(order), bs), disable=disable_tqdm, desc="loglikelihood", leave=False):
             idx = order[start : start + bs]
-            scored = self.backend.logits([inputs[i] for i in idx], last=[max(1, len(conts[i])) for i in idx])
+            scored = self.backend.logits([inputs[i] for i in idx], last=[len(conts[i]) for i in idx])
             for i, logits in zip(idx, scored):
                 cont = torch.tensor(conts[i], dtype=torch.long)
                 if cont.numel() == 0:

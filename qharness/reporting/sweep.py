@@ -308,16 +308,7 @@ def run_logged(cmd: list[str], log_path: Path, echo: bool = True, threads: int |
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out = sys.stdout.buffer
     with open(log_path, "wb") as log:
-        if not echo:
-            proc = subprocess.Popen(
-                cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=child_env(threads),
-                preexec_fn=process.die_with_parent(),
-            )
-        elif sys.stdout.isatty() and os.name == "posix":
+        if echo and sys.stdout.isatty() and os.name == "posix":
             import fcntl
             import pty
             import termios
@@ -348,16 +339,16 @@ def run_logged(cmd: list[str], log_path: Path, echo: bool = True, threads: int |
                 out.flush()
                 log.write(chunk)
             os.close(master)
-        else:
+        else:  # without echo the child writes into the log itself
             proc = subprocess.Popen(
                 cmd,
                 stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
+                stdout=subprocess.PIPE if echo else log,
                 stderr=subprocess.STDOUT,
                 env=child_env(threads),
                 preexec_fn=process.die_with_parent(),
             )
-            for chunk in iter(lambda: proc.stdout.read1(65536), b""):
+            for chunk in iter(lambda: proc.stdout.read1(65536), b"") if echo else ():
                 out.write(chunk)
                 out.flush()
                 log.write(chunk)
@@ -483,11 +474,19 @@ def run_sweep(
     records: list[dict | None] = [None] * len(runs)
     say = threading.Lock()  # one console line at a time from parallel runs
 
+    def base_record(run: SweepRun) -> dict:
+        return {
+            "name": run.name,
+            "recipe": run.recipe,
+            "mode": run.mode,
+            "run_dir": str(run.run_dir),
+            "command": f"qharness {run.subcommand} {run.config_path}",
+        }
+
     def execute(i: int) -> None:
         run = runs[i]
-        record = {"name": run.name, "recipe": run.recipe, "mode": run.mode, "run_dir": str(run.run_dir)}
+        record = base_record(run)
         cmd = [sys.executable, "-m", "qharness", run.subcommand, "--config", str(run.config_path)]
-        record["command"] = f"qharness {run.subcommand} {run.config_path}"
         resume = not force and resumable(run)
         if resume:
             cmd += ["--ckpt_path", "last"]
@@ -527,15 +526,7 @@ def run_sweep(
         if run.name in todo_names:
             pending.append(i)
             continue
-        records[i] = {
-            "name": run.name,
-            "recipe": run.recipe,
-            "mode": run.mode,
-            "run_dir": str(run.run_dir),
-            "command": f"qharness {run.subcommand} {run.config_path}",
-            "state": "skipped",
-            "reason": "finished earlier with the same config",
-        }
+        records[i] = {**base_record(run), "state": "skipped", "reason": "finished earlier with the same config"}
         print(f"[sweep {i + 1}/{len(runs)}] {run.name}: finished earlier with the same config, skipped", flush=True)
     if jobs == 1:
         for i in pending:
