@@ -161,3 +161,25 @@ def test_3bit_weights_as_int4_are_the_same_weights_and_run_on_xnnpack(group):
     want = model(x)  # int8 per-token activations here and in XNNPACK, rounded a little differently
     assert ((got - want).norm() / want.norm()).item() < 0.01
     assert xnnpack_subbyte.store_as_int4(model) == {}  # nothing left below 4 bits
+
+
+def test_upstream_ruamel_still_makes_its_c_parser_an_extra():
+    """pyproject.toml depends on ruamel.yaml.clib because ruamel.yaml 0.19 lists it only under an extra; once it is a
+    default requirement again, drop ours."""
+    from importlib.metadata import requires
+
+    clib = [r for r in requires("ruamel.yaml") or [] if r.startswith("ruamel.yaml.clib;")]
+    assert clib and all("extra ==" in r for r in clib), requires("ruamel.yaml")
+
+
+def test_executorch_parses_its_edge_dialect_yaml_with_the_c_parser():
+    """ExecuTorch loads edge.yaml with ``YAML(typ="safe")`` at import (every run and benchmark process); with
+    ruamel.yaml.clib installed that is the C parser, not the pure-Python one (~1.3 s more per process here)."""
+    import inspect
+
+    import ruamel.yaml.main
+    from executorch.exir.dialects.edge import _ops
+    from ruamel.yaml import YAML
+
+    assert 'YAML(typ="safe")' in inspect.getsource(_ops._load_edge_dialect_info)
+    assert ruamel.yaml.main.CParser is not None and YAML(typ="safe").Parser is ruamel.yaml.main.CParser
