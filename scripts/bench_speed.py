@@ -10,7 +10,8 @@ floor. All are then timed with ``qharness.runtime.bench.interleaved`` (prefill `
 decode ``--decode_tokens`` one by one; ``--processes`` fresh processes per program, round-robin, one thread
 count); each speed ratio is taken per round (process k of A against process k of B) and given as median
 (min-max) over the rounds. Decode is also given as a fraction of the memory-bandwidth bound (measured copy
-bandwidth / ``.pte`` bytes: every token reads every weight once).
+bandwidth / the weight bytes a decode step reads: the ``.pte`` less its embedding tables, one row of which a token
+reads).
 
 Part 2, on the benchmark model (``--train_model``, default ``benchmark``: the embedded architecture pretrained
 on tinyshakespeare, as in bench_quality.py; ``embedded`` when that text is absent): one training step

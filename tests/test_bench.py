@@ -195,3 +195,54 @@ def test_profile_shows_where_two_programs_spend_their_time_through_the_cli(tiny_
         assert float(rows["Method::execute"][-1]) > 0
     bad = run_cli("profile", "--pte", tiny_pte, "--decode_tokens", "0")
     assert bad.returncode == 2 and "profile --decode_tokens must be >= 1 (got 0)" in bad.stderr
+
+
+def test_the_bandwidth_bound_counts_the_weights_a_decode_step_reads(tiny_pte, tmp_path):
+    """A decoded token reads one row of the embedding table, not the table: the .pte's weight bytes are its size less
+    its embedding tables (here FP32, vocab 128 x 32), the eager model's its parameters less an untied input embedding
+    (a tied one is also the lm_head, read whole)."""
+    import torch
+
+    from qharness.runtime.bench import measure_in_fresh_process
+    from qharness.runtime.pte import embedding_bytes
+    from qharness.sources.embedded import EmbeddedSpec, new_llama
+
+    assert embedding_bytes(tiny_pte) == 128 * 32 * 4
+    args = {"vocab_size": 128, "prompt_len": 4, "decode_tokens": 2, "reps": 1, "threads": 1}
+    m = measure_in_fresh_process(kind="pte", path=str(tiny_pte), **args)
+    assert (m["size_bytes"], m["weight_bytes"]) == (tiny_pte.stat().st_size, tiny_pte.stat().st_size - 128 * 32 * 4)
+
+    spec = EmbeddedSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    for tied in (True, False):
+        model = new_llama(spec, 128)
+        if not tied:
+            model.config.tie_word_embeddings = False
+            model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+        model.save_pretrained(tmp_path / str(tied))
+        params = sum(p.numel() for p in model.parameters())
+        m = measure_in_fresh_process(kind="eager", path=str(tmp_path / str(tied)), **args)
+        assert m["weight_bytes"] == 4 * (params if tied else params - 128 * 32), tied
+
+
+def test_embedding_bytes_of_a_4bit_table_are_its_packed_rows_and_scales(tmp_path):
+    """8da4w with 4-bit embeddings: the table is looked up by a quantized-embedding kernel outside the delegates; its
+    packed 4-bit rows and per-group scales are what embedding_bytes counts."""
+    import torch
+
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.recipes.registry import load_recipe
+    from qharness.runtime.pte import embedding_bytes, operators
+    from qharness.sources.embedded import EmbeddedSpec, new_llama
+
+    torch.manual_seed(0)
+    recipe_path = tmp_path / "emb4.yaml"
+    recipe_path.write_text(
+        "base: xnnpack_8da4w\ndescription: 8da4w + 4-bit embeddings\nquantizer:\n  embedding_bits: 4\n"
+    )
+    recipe = load_recipe(str(recipe_path))
+    spec = EmbeddedSpec(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    graph = quantize_for_deploy(new_llama(spec, 128).eval(), recipe, 32, lambda g: None)
+    pte = tmp_path / "model.pte"
+    pte.write_bytes(lower_to_pte(graph, recipe, 32, runner_metadata(32, 128, 0, [0], True)))
+    assert any("embedding" in op for op in operators(pte)["operators"])
+    assert 128 * 64 // 2 <= embedding_bytes(pte) < 128 * 64  # the packed table (+ its scales), not FP32's 4 bytes

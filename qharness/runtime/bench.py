@@ -11,8 +11,9 @@ method"), so comparisons of programs use ``interleaved``: ``processes`` fresh pr
 round-robin order (A B C A B C ...), reported per program as the median over processes of the per-process
 median and the spread (min, max, max/min) of those process medians (``spread``). Ratios of two programs are
 taken per round (process k of A against process k of B: ``pair_ratios``) and judged with ``verdict``. A measured memory-copy bandwidth gives the bound decode would hit if every
-token read all weights from memory once: ``bandwidth_fraction = decode tok/s * weight bytes / bandwidth``
-(above 1: the weights sit in CPU caches).
+token read its weights from memory once: ``bandwidth_fraction = decode tok/s * weight bytes / bandwidth``, where the
+weight bytes are what a decode step reads (the ``.pte`` less its embedding tables, of which a token reads one row;
+the eager model's parameters less an untied input embedding); above 1: the weights sit in CPU caches.
 
 Example::
 
@@ -163,10 +164,19 @@ def measure(
                 decode_cpu.append(
                     decode_tokens / max(cpu_s, 1e-9)
                 )  # tokens per CPU-second: blind to waiting for a core
+    # weight_bytes: what one decode step reads of the weights: all but the embedding tables (one row each), the lm_head
+    # whole (also when it shares the embedding's weight)
     if kind == "pte":
-        weight_bytes = size_bytes = Path(path).stat().st_size
+        from qharness.runtime.pte import embedding_bytes
+
+        size_bytes = Path(path).stat().st_size
+        weight_bytes = size_bytes - embedding_bytes(path)
     else:
-        weight_bytes = sum(p.numel() * p.element_size() for p in step.model.parameters())
+        model = step.model
+        embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if embedding is not head:
+            weight_bytes -= embedding.numel() * embedding.element_size()
         size_bytes = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     return {
         "load_s": _spread(loads),

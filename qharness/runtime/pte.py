@@ -16,6 +16,7 @@ ExecuTorch pool of 1 next to 2 torch threads made every prefill call take ~1 s (
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
@@ -124,13 +125,47 @@ OP_LIBRARIES = {
 BACKEND_LIBRARIES = {"XnnpackBackend": "xnnpack_backend", "VulkanBackend": "vulkan_backend"}
 
 
+def _plan(path: str | Path, method: str):
+    plans = {p.name: p for p in imports.pte_program(path).execution_plan}
+    if method not in plans:
+        raise UserError(f"{path} has no method {method!r} (it has {', '.join(sorted(plans))})")
+    return plans[method]
+
+
+def embedding_bytes(path: str | Path, method: str = "forward") -> int:
+    """Bytes of the constant tables (weights, scales, zero points) that ``path``'s method looks rows up in, outside
+    its delegates: its embedding tables. A decoded token reads one row of each, not the table, so the weights a
+    decode step reads from memory are the ``.pte``'s size less these."""
+    from executorch.exir.schema import Tensor
+
+    plan = _plan(path, method)
+    values = plan.values
+    tables = set()
+    for chain in plan.chains:
+        for ins in chain.instructions:
+            call = ins.instr_args
+            if not hasattr(call, "op_index") or "embedding" not in plan.operators[call.op_index].name:
+                continue
+            for i in call.args:
+                t = values[i].val
+                if isinstance(t, Tensor) and t.allocation_info is None and t.data_buffer_idx > 0:  # a constant
+                    tables.add(i)
+    return sum(_tensor_bytes(values[i].val) for i in tables)
+
+
+def _tensor_bytes(t) -> int:
+    from executorch.exir.scalar_type import ScalarType
+
+    size = {ScalarType.BYTE: 1, ScalarType.CHAR: 1, ScalarType.BOOL: 1, ScalarType.SHORT: 2, ScalarType.UINT16: 2}
+    size |= {ScalarType.INT: 4, ScalarType.UINT32: 4, ScalarType.LONG: 8, ScalarType.UINT64: 8}
+    size |= {ScalarType.HALF: 2, ScalarType.BFLOAT16: 2, ScalarType.FLOAT: 4, ScalarType.DOUBLE: 8}
+    return math.prod(t.sizes) * size[ScalarType(t.scalar_type)]
+
+
 def operators(path: str | Path, method: str = "forward") -> dict:
     """``{"operators": [...], "delegates": [...]}`` of a program's method: the kernels it calls outside its
     delegates (``"llama::update_cache.out"``) and its delegates' backend ids (``"XnnpackBackend"``)."""
-    plans = {p.name: p for p in imports.deserialize_pte(Path(path).read_bytes()).program.execution_plan}
-    if method not in plans:
-        raise UserError(f"{path} has no method {method!r} (it has {', '.join(sorted(plans))})")
-    plan = plans[method]
+    plan = _plan(path, method)
     return {
         "operators": sorted({f"{op.name}.{op.overload}" if op.overload else op.name for op in plan.operators}),
         "delegates": sorted({d.id for d in plan.delegates}),

@@ -155,8 +155,15 @@ def executorch_threadpool():
     )
 
 
-def deserialize_pte(data: bytes):
-    """A ``.pte``'s flatbuffer program (private ``executorch.exir._serialize`` in 1.5.1; importing it takes seconds)."""
-    from executorch.exir._serialize._program import deserialize_pte_binary
+def pte_program(path):
+    """A ``.pte``'s program table (ExecuTorch's ``schema.Program``: execution plans, their values and operators),
+    read from its flatbuffer alone: the constant and delegate segments after it stay on disk. Private
+    ``executorch.exir._serialize`` in 1.5.1 (importing it takes seconds)."""
+    from executorch.exir._serialize._flatbuffer_program import _flatbuffer_to_program
+    from executorch.exir._serialize._program import _ExtendedHeader, _get_extended_header
 
-    return deserialize_pte_binary(data)
+    with open(path, "rb") as f:
+        head = f.read(_ExtendedHeader.NUM_HEAD_BYTES)
+        eh = _get_extended_header(head)  # absent: no segments, the whole file is the flatbuffer
+        f.seek(0)
+        return _flatbuffer_to_program(f.read(eh.program_size) if eh else f.read())
