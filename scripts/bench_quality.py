@@ -224,9 +224,10 @@ class SelectionBlocks:
         if self.key not in cached:
             from qharness.checks.parity import score_deployed
             from qharness.io import write_bytes_atomic
+            from qharness.run.summary import RunSummary
             from qharness.runtime.pte import PteModel
 
-            pte = PteModel(json.loads(summary.read_text())["pte"]["path"])
+            pte = PteModel(RunSummary.read(summary).pte_file(run))
             cached[self.key] = score_deployed(pte, *self.blocks())["ppl"]
             write_bytes_atomic(cache, json.dumps(cached).encode())
         return cached[self.key]

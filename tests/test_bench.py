@@ -246,3 +246,29 @@ def test_embedding_bytes_of_a_4bit_table_are_its_packed_rows_and_scales(tmp_path
     pte.write_bytes(lower_to_pte(graph, recipe, 32, runner_metadata(32, 128, 0, [0], True)))
     assert any("embedding" in op for op in operators(pte)["operators"])
     assert 128 * 64 // 2 <= embedding_bytes(pte) < 128 * 64  # the packed table (+ its scales), not FP32's 4 bytes
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_table_that_an_undelegated_lm_head_also_reads_is_not_subtracted(tmp_path, tied):
+    """Without a delegate a tied lm_head's matmul reads the embedding's own constant whole: it stays in the bytes a
+    decode step reads. Untied, the lookup table alone is subtracted."""
+    import torch
+
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.recipes.registry import load_recipe
+    from qharness.runtime.pte import embedding_bytes, operators
+    from qharness.sources.embedded import EmbeddedSpec, new_llama
+
+    torch.manual_seed(0)
+    (tmp_path / "portable.yaml").write_text("base: xnnpack_fp32\ndescription: no delegate\npartitioners: []\n")
+    recipe = load_recipe(str(tmp_path / "portable.yaml"))
+    spec = EmbeddedSpec(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    model = new_llama(spec, 128).eval()
+    if not tied:
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    graph = quantize_for_deploy(model, recipe, 32, lambda g: None)
+    pte = tmp_path / "model.pte"
+    pte.write_bytes(lower_to_pte(graph, recipe, 32, runner_metadata(32, 128, 0, [0], True)))
+    assert operators(pte)["delegates"] == []
+    assert embedding_bytes(pte) == (0 if tied else 128 * 32 * 4)

@@ -35,6 +35,18 @@ def test_round_trip_and_kind(tmp_path):
     assert _summary(quantized=False, recipe="xnnpack_fp32").kind == "fp"
 
 
+def test_the_pte_is_found_in_the_run_directory_wherever_the_run_was_started(tmp_path, monkeypatch):
+    """summary.json records pte.path as the run was given it (relative to where it started); a reader in another
+    directory, or of a moved run, finds the file in the run directory."""
+    run = tmp_path / "elsewhere" / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "model.pte").write_bytes(b"pte")
+    s = _summary(pte={"path": "runs/x/model.pte", "size_bytes": 3})
+    monkeypatch.chdir(tmp_path)
+    assert not (tmp_path / s.pte["path"]).exists() and s.pte_file(run).read_bytes() == b"pte"
+    assert _summary(pte={}).pte_file(run) == run
+
+
 def test_update_merges_and_appends_evaluations(tmp_path):
     path = tmp_path / "summary.json"
     _summary(eval={"tasks": {"qharness_ppl": {}}}).write(path)

@@ -410,7 +410,7 @@ def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dic
         if r["state"] == "failed" or not path.is_file():
             continue
         summary = RunSummary.read(path)
-        pte = Path(summary.pte.get("path", ""))
+        pte = summary.pte_file(r["run_dir"])
         if summary.passed and pte.suffix == ".pte" and pte.is_file():  # ran here and passed the gate
             ptes[r["name"]], summaries[r["name"]] = pte, (path, summary)
     if not ptes or processes == 0:

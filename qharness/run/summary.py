@@ -90,6 +90,11 @@ class RunSummary:
         """The parity verdict: True, False, or None (not run here)."""
         return self.parity.get("passed")
 
+    def pte_file(self, run_dir: str | Path) -> Path:
+        """The run's ``.pte`` in ``run_dir``: ``pte.path`` is recorded as the run was given it (relative to the
+        directory it was started from), the file is in the run directory wherever that now is."""
+        return Path(run_dir) / Path(self.pte.get("path", "")).name
+
     def to_dict(self) -> dict:
         return to_jsonable(dataclasses.asdict(self))
 

@@ -135,22 +135,22 @@ def _plan(path: str | Path, method: str):
 def embedding_bytes(path: str | Path, method: str = "forward") -> int:
     """Bytes of the constant tables (weights, scales, zero points) that ``path``'s method looks rows up in, outside
     its delegates: its embedding tables. A decoded token reads one row of each, not the table, so the weights a
-    decode step reads from memory are the ``.pte``'s size less these."""
+    decode step reads from memory are the ``.pte``'s size less these. A table that another kernel also reads whole
+    (a tied ``lm_head`` left undelegated) is not counted."""
     from executorch.exir.schema import Tensor
 
     plan = _plan(path, method)
     values = plan.values
-    tables = set()
+    tables, elsewhere = set(), set()  # elsewhere: constants another kernel also reads, e.g. a tied lm_head's matmul
     for chain in plan.chains:
         for ins in chain.instructions:
             call = ins.instr_args
-            if not hasattr(call, "op_index") or "embedding" not in plan.operators[call.op_index].name:
-                continue
-            for i in call.args:
+            lookup = hasattr(call, "op_index") and "embedding" in plan.operators[call.op_index].name
+            for i in getattr(call, "args", ()):
                 t = values[i].val
                 if isinstance(t, Tensor) and t.allocation_info is None and t.data_buffer_idx > 0:  # a constant
-                    tables.add(i)
-    return sum(_tensor_bytes(values[i].val) for i in tables)
+                    (tables if lookup else elsewhere).add(i)
+    return sum(_tensor_bytes(values[i].val) for i in tables - elsewhere)
 
 
 def _tensor_bytes(t) -> int:
