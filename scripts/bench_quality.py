@@ -344,8 +344,26 @@ def verdicts(rows: list[dict], recipes: list[str], chosen: str | None = None) ->
                 else "n/a (< 2 seeds)"
             )
             + f" ({'beats plain QAT beyond the noise' if beats else 'not beyond the noise'})"
+            + headroom(qat_rows(rows, r))
         )
     return out
+
+
+def headroom(cands: list[dict]) -> str:
+    """What plain QAT leaves to gain (100% less its recovered fraction) against the noise of the best other variant's
+    gain interval: when the interval's half-width exceeds that room, no variant can beat plain QAT beyond the noise
+    on this table, however good it is."""
+    plain = [x for x in cands if x["variant"] == "qat"]
+    others = [x for x in cands if x["variant"] != "qat" and x["gain_over_qat_ci"]]
+    if not plain or not others:
+        return ""
+    room = max(0.0, 1 - plain[0]["recovered_vs_control"][0])
+    best = max(others, key=lambda x: x["recovered_vs_control"][0])
+    half = (best["gain_over_qat_ci"][1] - best["gain_over_qat_ci"][0]) / 2
+    return (
+        f"; plain QAT leaves {room:.1%} of PTQ's loss to gain, {best['variant']}'s gain interval is ±{half:.1%} wide"
+        + (": too wide for any gain to show beyond the noise here" if half > room else "")
+    )
 
 
 def qat_rows(rows: list[dict], recipe: str) -> list[dict]:

@@ -48,6 +48,20 @@ def test_the_selected_variant_recovers_most_against_the_control_over_seeds():
     assert bq.selected([r for r in rows if r["variant"] == "ptq"], "r") is None
     # the targets are judged for the variant chosen beforehand, else for the table's best (marked as such)
     assert bq.verdicts(rows, ["r"], "qat")[0].startswith("r: variant chosen beforehand qat recovers 72.5%")
+    # what plain QAT leaves (27.5%) against the best other variant's gain interval (two seeds: +/-63.5%, too wide)
+    assert bq.verdicts(rows, ["r"], "qat")[0].endswith(
+        "plain QAT leaves 27.5% of PTQ's loss to gain, qat_lsq_kdft's gain interval is ±63.5% wide: too wide for any "
+        "gain to show beyond the noise here"
+    )
+    narrow = {**by["qat_lsq_kdft"], "gain_over_qat_ci": (0.10, 0.20)}
+    assert bq.headroom([by["qat"], narrow]).endswith(
+        "leaves 27.5% of PTQ's loss to gain, qat_lsq_kdft's gain interval is ±5.0% wide"
+    )
+    nearly_all = {**by["qat"], "recovered_vs_control": (0.97, 0.01, 2)}
+    assert bq.headroom([nearly_all, narrow]).endswith(
+        "leaves 3.0% of PTQ's loss to gain, qat_lsq_kdft's gain interval is ±5.0% wide: too wide for any gain to show beyond the noise here"
+    )
+    assert bq.headroom([by["qat"]]) == "" and bq.headroom([narrow]) == ""
     assert "best variant (chosen on this table) qat_lsq_kdft recovers 90.0%" in bq.verdicts(rows, ["r"])[0]
     # PTQ variants (GPTQ rounding, rotations) may recover more, but the targets are about QAT variants
     gptq = {**by["qat_lsq_kdft"], "variant": "ptq_gptq", "recovered_vs_control": (0.99, 0.0, 2)}
