@@ -173,7 +173,8 @@ def measure(
         weight_bytes = size_bytes - embedding_bytes(path)
     else:
         model = step.model
-        embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+        embedding = model.get_input_embeddings().weight
+        head = getattr(model.get_output_embeddings(), "weight", None)  # None: no separate output layer
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if embedding is not head:
             weight_bytes -= embedding.numel() * embedding.element_size()
