@@ -16,7 +16,6 @@ ExecuTorch pool of 1 next to 2 torch threads made every prefill call take ~1 s (
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
@@ -138,6 +137,7 @@ def embedding_bytes(path: str | Path, method: str = "forward") -> int:
     decode step reads from memory are the ``.pte``'s size less these. A table that another kernel also reads whole
     (a tied ``lm_head`` left undelegated) is not counted."""
     from executorch.exir.schema import Tensor
+    from executorch.exir.tensor import get_scalar_type, num_bytes_from_shape_and_dtype
 
     plan = _plan(path, method)
     values = plan.values
@@ -150,16 +150,8 @@ def embedding_bytes(path: str | Path, method: str = "forward") -> int:
                 t = values[i].val
                 if isinstance(t, Tensor) and t.allocation_info is None and t.data_buffer_idx > 0:  # a constant
                     (tables if lookup else elsewhere).add(i)
-    return sum(_tensor_bytes(values[i].val) for i in tables - elsewhere)
-
-
-def _tensor_bytes(t) -> int:
-    from executorch.exir.scalar_type import ScalarType
-
-    size = {ScalarType.BYTE: 1, ScalarType.CHAR: 1, ScalarType.BOOL: 1, ScalarType.SHORT: 2, ScalarType.UINT16: 2}
-    size |= {ScalarType.INT: 4, ScalarType.UINT32: 4, ScalarType.LONG: 8, ScalarType.UINT64: 8}
-    size |= {ScalarType.HALF: 2, ScalarType.BFLOAT16: 2, ScalarType.FLOAT: 4, ScalarType.DOUBLE: 8}
-    return math.prod(t.sizes) * size[ScalarType(t.scalar_type)]
+    tensors = [values[i].val for i in tables - elsewhere]
+    return sum(num_bytes_from_shape_and_dtype(t.sizes, get_scalar_type(t.scalar_type)) for t in tensors)
 
 
 def operators(path: str | Path, method: str = "forward") -> dict:
