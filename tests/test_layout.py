@@ -115,6 +115,37 @@ def test_packages_import_only_earlier_stages():
     assert not late, "\n".join(sorted(late))
 
 
+def upstream_imports(path: Path, top: str) -> list[str]:
+    """``path``'s imports of the package ``top`` (``"executorch"``), as ``"line: module"``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        out += [f"{node.lineno}: {n}" for n in names if n == top or n.startswith(top + ".")]
+    return out
+
+
+def test_upstream_imports_finds_both_forms(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text(
+        "import executorch.exir\ndef g():\n    from executorch.exir.schema import Tensor\nimport executorchx\n"
+    )
+    assert upstream_imports(f, "executorch") == ["1: executorch.exir", "3: executorch.exir.schema"]
+
+
+def test_executorch_is_imported_only_in_the_upstream_package():
+    """ExecuTorch moves private modules between releases: every import of it lives in ``qharness/upstream``
+    (imports.py names one function per symbol), so a new release is one file to edit."""
+    stray = [
+        f"{path.relative_to(PACKAGE.parent)}:{hit}"
+        for name, path in modules().items()
+        if not name.startswith("qharness.upstream")
+        for hit in upstream_imports(path, "executorch")
+    ]
+    assert not stray, "import it through qharness/upstream/imports.py:\n" + "\n".join(stray)
+
+
 def test_ruff_lint_and_format_are_clean():
     """The linter and formatter configured in pyproject.toml ([tool.ruff]) pass on the whole tree."""
     import subprocess

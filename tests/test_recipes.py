@@ -139,6 +139,16 @@ def test_every_recipe_has_a_kind():
     assert set(kinds.values()) <= {"fp", "pt2e", "source"}
 
 
+@pytest.mark.parametrize("name", known_recipes())
+def test_every_recipe_builds_its_quantizer_and_partitioners(name):
+    """Each built-in recipe's quantizer (for each of its modes) and partitioners construct against the installed
+    upstreams, e.g. Vulkan's, which no end-to-end test lowers."""
+    recipe = load_recipe(name)
+    for mode in recipe.modes:
+        assert (recipe.make_quantizer(is_qat=mode == "qat") is None) == (not recipe.quantized)
+    assert len(recipe.make_partitioners()) == len(recipe.partitioners)
+
+
 def test_a_source_recipe_that_selects_no_layer_is_refused():
     """8da4w with a group size dividing no layer would ship an unquantized program labelled quantized."""
     import torch

@@ -26,11 +26,10 @@ class VulkanSettings:
 
 @register_quantizer("vulkan", VulkanSettings, kind="pt2e")
 def vulkan_quantizer(settings: VulkanSettings, is_qat: bool):
-    from executorch.backends.vulkan.quantizer.vulkan_quantizer import get_symmetric_quantization_config
-
+    from qharness.upstream import imports
     from qharness.upstream.fixes import vulkan
 
-    config = get_symmetric_quantization_config(is_dynamic=False, weight_bits=settings.weight_bits)
+    config = imports.vulkan_symmetric_config(is_dynamic=False, weight_bits=settings.weight_bits)
     return vulkan.vulkan_quantizer_cls()().set_global(config)
 
 

@@ -136,9 +136,6 @@ def embedding_bytes(path: str | Path, method: str = "forward") -> int:
     its delegates: its embedding tables. A decoded token reads one row of each, not the table, so the weights a
     decode step reads from memory are the ``.pte``'s size less these. A table that another kernel also reads whole
     (a tied ``lm_head`` left undelegated) is not counted."""
-    from executorch.exir.schema import Tensor
-    from executorch.exir.tensor import get_scalar_type, num_bytes_from_shape_and_dtype
-
     plan = _plan(path, method)
     values = plan.values
     tables, elsewhere = set(), set()  # elsewhere: constants another kernel also reads, e.g. a tied lm_head's matmul
@@ -147,11 +144,9 @@ def embedding_bytes(path: str | Path, method: str = "forward") -> int:
             call = ins.instr_args
             lookup = hasattr(call, "op_index") and "embedding" in plan.operators[call.op_index].name
             for i in getattr(call, "args", ()):
-                t = values[i].val
-                if isinstance(t, Tensor) and t.allocation_info is None and t.data_buffer_idx > 0:  # a constant
+                if imports.pte_constant_bytes(values[i].val) is not None:
                     (tables if lookup else elsewhere).add(i)
-    tensors = [values[i].val for i in tables - elsewhere]
-    return sum(num_bytes_from_shape_and_dtype(t.sizes, get_scalar_type(t.scalar_type)) for t in tensors)
+    return sum(imports.pte_constant_bytes(values[i].val) for i in tables - elsewhere)
 
 
 def operators(path: str | Path, method: str = "forward") -> dict:

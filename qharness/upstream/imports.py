@@ -64,6 +64,12 @@ def xnnpack_symmetric_config(**kwargs):
     return get_symmetric_quantization_config(**kwargs)
 
 
+def vulkan_symmetric_config(**kwargs):
+    from executorch.backends.vulkan.quantizer.vulkan_quantizer import get_symmetric_quantization_config
+
+    return get_symmetric_quantization_config(**kwargs)
+
+
 def xnnpack_partitioner(dynamic_quant: bool):
     """An XNNPACK partitioner. Dynamically quantized graphs need the dynamic-quant partitioner placed
     before the plain one, or lowering fails with "Invalid partition, found dependency cycles"."""
@@ -167,3 +173,15 @@ def pte_program(path):
         eh = _get_extended_header(head)  # absent: no segments, the whole file is the flatbuffer
         f.seek(0)
         return _flatbuffer_to_program(f.read(eh.program_size) if eh else f.read())
+
+
+def pte_constant_bytes(tensor) -> int | None:
+    """Bytes of a ``schema.Tensor`` of :func:`pte_program`'s values if it is a constant stored in the program
+    (weights, scales, zero points), else None (a tensor the program allocates, or another value).
+    ``executorch.exir.schema`` / ``executorch.exir.tensor`` in 1.5.1."""
+    from executorch.exir.schema import Tensor
+    from executorch.exir.tensor import get_scalar_type, num_bytes_from_shape_and_dtype
+
+    if not isinstance(tensor, Tensor) or tensor.allocation_info is not None or tensor.data_buffer_idx <= 0:
+        return None
+    return num_bytes_from_shape_and_dtype(tensor.sizes, get_scalar_type(tensor.scalar_type))
