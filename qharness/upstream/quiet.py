@@ -48,6 +48,13 @@ WARNINGS = (
         "the mutated buffers of qharness's deploy graphs are the KV caches: the .pte keeps their shape, not their "
         "(zero) contents, and every cache position is written before it is read",
     ),
+    (
+        UserWarning,
+        r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable",
+        r"lightning\.pytorch\.loops\.training_epoch_loop$",
+        "Lightning knows only loaders with a state_dict (Lightning-AI/pytorch-lightning#18780); qharness's batch sampler (data/datamodule.py) continues a "
+        "resumed run at its next batch, and the run ends where an uninterrupted one ends (tests/test_e2e.py)",
+    ),
 )
 
 # (logger name, message regex, why it is harmless): records of that logger whose message matches are dropped.
