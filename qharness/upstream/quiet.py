@@ -52,8 +52,9 @@ WARNINGS = (
         UserWarning,
         r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable",
         r"lightning\.pytorch\.loops\.training_epoch_loop$",
-        "Lightning knows only loaders with a state_dict (Lightning-AI/pytorch-lightning#18780); qharness's batch sampler (data/datamodule.py) continues a "
-        "resumed run at its next batch, and the run ends where an uninterrupted one ends (tests/test_e2e.py)",
+        "Lightning knows only loaders with a state_dict (Lightning-AI/pytorch-lightning#18780); qharness's batch "
+        "sampler (data/datamodule.py) continues a resumed run at its next batch, and the run ends where an "
+        "uninterrupted one ends (tests/test_e2e.py)",
     ),
 )
 
