@@ -131,6 +131,8 @@ def main(argv=None) -> None:
     recipe_files(out)
     sizes = predicted_sizes(model_dir, a.max_seq_len)
     budget = a.budget or round((sizes["8da4w-g32"] + sizes["8da8w-pc"]) / 2 / 1e4) / 100
+    from qharness.upstream.process import die_with_parent
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     sweep_dir = out / "sweep"
     tuned_dir = sweep_dir / f"autotune_{budget:g}mb-ptq"
@@ -146,7 +148,7 @@ def main(argv=None) -> None:
         ]
         cmd += ["--force"] if a.force and rerun is None else []
         print("$ " + " ".join(cmd), flush=True)
-        subprocess.run(cmd, env=env, check=False)
+        subprocess.run(cmd, env=env, check=False, preexec_fn=die_with_parent())  # killed, it leaves no sweep on
     wall = time.perf_counter() - t0
 
     from qharness.checks.stats import paired_ratio

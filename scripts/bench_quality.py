@@ -433,6 +433,8 @@ def main(argv=None) -> None:
     model_dir = benchmark_model(str(corpus.resolve()), a.pretrain_steps)
     info = json.loads((model_dir / "qharness_pretrain.json").read_text())
     t_pretrain = time.perf_counter() - t0
+    from qharness.upstream.process import die_with_parent
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     per_seed, t1 = {}, time.perf_counter()
     for seed in a.seeds:
@@ -445,7 +447,7 @@ def main(argv=None) -> None:
         ]
         cmd += ["--force"] if a.force else []
         print("$ " + " ".join(cmd), flush=True)
-        subprocess.run(cmd, env=env, check=False)
+        subprocess.run(cmd, env=env, check=False, preexec_fn=die_with_parent())  # killed, it leaves no sweep on
         per_seed[seed] = seed_rows(out / f"seed{seed}", a.recipes, a.variants)
     t_sweeps = time.perf_counter() - t1
 
