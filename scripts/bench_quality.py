@@ -412,6 +412,9 @@ def main(argv=None) -> None:
     )
     p.add_argument("--force", action="store_true", help="redo every run (the pretrained model stays cached)")
     a = p.parse_args(argv)
+    from qharness.upstream import quiet
+
+    quiet.install()  # the known-harmless upstream lines hidden, as in the CLI (QHARNESS_VERBOSE=1 shows them)
     corpus = Path(a.corpus).expanduser()
     if not corpus.exists():
         sys.exit(
