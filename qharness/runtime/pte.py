@@ -138,15 +138,17 @@ def embedding_bytes(path: str | Path, method: str = "forward") -> int:
     (a tied ``lm_head`` left undelegated) is not counted."""
     plan = _plan(path, method)
     values = plan.values
+    nbytes = {}  # value index -> bytes, for each constant a kernel reads
     tables, elsewhere = set(), set()  # elsewhere: constants another kernel also reads, e.g. a tied lm_head's matmul
     for chain in plan.chains:
         for ins in chain.instructions:
             call = ins.instr_args
             lookup = hasattr(call, "op_index") and "embedding" in plan.operators[call.op_index].name
             for i in getattr(call, "args", ()):
-                if imports.pte_constant_bytes(values[i].val) is not None:
+                if (n := imports.pte_constant_bytes(values[i].val)) is not None:
+                    nbytes[i] = n
                     (tables if lookup else elsewhere).add(i)
-    return sum(imports.pte_constant_bytes(values[i].val) for i in tables - elsewhere)
+    return sum(nbytes[i] for i in tables - elsewhere)
 
 
 def operators(path: str | Path, method: str = "forward") -> dict:
