@@ -1,0 +1,135 @@
+"""Mixture-of-experts blocks rewritten into a form that exports, lowers and quantizes: every expert's projections
+as plain ``nn.Linear`` modules and routing through core-ATen ops with static shapes.
+
+transformers (5.x) keeps a sparse-MoE block's experts as batched 3-D parameters (``gate_up_proj`` ``[E, 2I, H]``,
+``down_proj`` ``[E, H, I]``) behind ``@use_experts_implementation``, whose default ``grouped_mm`` forward counts
+tokens per expert with ``torch.histc`` (not core ATen: ``to_edge`` refuses it) and whose weights no linear-based
+quantizer (PT2E, torchao ``quantize_``) sees, so an MoE would deploy with its experts (most of its bytes) in float.
+``rewrite_moe`` (called by ``models.load_model_and_tokenizer``, so training, checkpoints, deployment and evaluation
+all see the same modules and parameter names) swaps each such experts module for ``LinearExperts``: a
+``ModuleList`` of ``ExpertMLP`` (``gate_proj``/``up_proj``/``down_proj``, one ``nn.Linear`` each, so quantizers give
+every expert and projection its own scales), with the same call ``experts(hidden[T, H], top_k_index[T, k],
+top_k_weights[T, k])``. The block's router (each family's own top-k, softmax, normalisation, shared expert) is kept
+as is: it is already core ATen (``linear``, ``softmax``, ``topk``).
+
+**Compute cost.** ``LinearExperts`` scatters the top-k routing weights into a dense ``[T, E]`` matrix and runs
+*every* expert on *every* token, weighting each output by its column (zero for experts a token was not routed
+to). That is ``E / k`` times the expert FLOPs of sparse dispatch (e.g. 4x for 8 experts, top-2) and, at decode, it
+reads every expert's weights for each token, so a ``.pte`` decodes at about the speed of a dense model with all
+the experts' parameters, not with the active ones (``scripts/bench_moe.py`` measures it). In exchange the program
+has static shapes and only linears that XNNPACK delegates. Cheaper exportable forms exist but were not taken here:
+(a) ``torch.cond`` per expert on "any token routed here" (exportable; ExecuTorch runs ``cond``, but whether the
+XNNPACK partitioner delegates the quantized linears inside its branches is untested); (b) gathering the k chosen
+experts' weights (``index_select`` on the stacked weights) and a batched matmul, k experts of work per token, but
+a gathered weight is no ``linear`` against a parameter, so PT2E/XNNPACK would not quantize or delegate it without
+a custom MoE kernel.
+
+Experts left alone (no quantized form given; they still fail lowering as before): other gates than the default
+``act(gate) * up`` (gpt-oss), interleaved gate/up layouts, a post-expert norm, and per-expert ``ModuleList``
+blocks of older transformers or remote code (none in transformers 5.24's own families), whose routing lives in
+the block's forward.
+
+Example::
+
+    model = AutoModelForCausalLM.from_pretrained("mixtral-dir")
+    rewrite_moe(model)   # model.model.layers[0].mlp.experts[3].down_proj is an nn.Linear
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ExpertMLP(nn.Module):
+    """One expert: ``down(act(gate(x)) * up(x))``, or ``down(act(up(x)))`` for non-gated experts."""
+
+    def __init__(self, hidden: int, intermediate: int, act_fn, gated: bool = True, bias: bool = False):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=bias) if gated else None
+        self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.act_fn = act_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is None:
+            return self.down_proj(self.act_fn(self.up_proj(x)))
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LinearExperts(nn.ModuleList):
+    """The experts of an MoE block as ``ExpertMLP`` modules, applied densely: every expert to every token, weighted
+    by the token's routing weight for it (0 where it was not chosen). Same call and result as transformers'
+    experts modules: ``(hidden[T, H], top_k_index[T, k], top_k_weights[T, k]) -> [T, H]``."""
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        dense = torch.zeros(
+            hidden_states.shape[0], len(self), dtype=top_k_weights.dtype, device=hidden_states.device
+        ).scatter(1, top_k_index, top_k_weights)  # [T, E]
+        out = torch.zeros_like(hidden_states)
+        for e, expert in enumerate(self):  # ascending expert order, as transformers accumulates
+            out = out + (expert(hidden_states) * dense[:, e : e + 1]).to(out.dtype)
+        return out
+
+
+def _default_gate(experts: nn.Module) -> bool:
+    from transformers.integrations.moe import _default_apply_gate
+
+    return getattr(type(experts), "_apply_gate", _default_apply_gate) is _default_apply_gate
+
+
+def convertible(experts: nn.Module) -> bool:
+    """Whether ``experts`` is a transformers batched-experts module (``@use_experts_implementation``) whose math
+    ``LinearExperts`` reproduces."""
+    if not hasattr(experts, "is_transposed") or not hasattr(experts, "act_fn"):
+        return False
+    gated = getattr(experts, "has_gate", False)
+    first = getattr(experts, "gate_up_proj" if gated else "up_proj", None)
+    down = getattr(experts, "down_proj", None)
+    return (
+        isinstance(first, torch.Tensor)
+        and isinstance(down, torch.Tensor)
+        and first.dim() == 3
+        and down.dim() == 3
+        and not getattr(experts, "has_post_expert_norm", False)
+        and (not gated or (getattr(experts, "is_concatenated", True) and _default_gate(experts)))
+    )
+
+
+def linear_experts(experts: nn.Module) -> LinearExperts:
+    """``experts`` (a ``convertible`` batched-experts module) as a ``LinearExperts`` holding copies of its weights."""
+    gated, bias = bool(experts.has_gate), bool(getattr(experts, "has_bias", False))
+
+    def as_linear(w: torch.Tensor) -> torch.Tensor:  # [out, in], as nn.Linear stores it
+        return (w.t() if experts.is_transposed else w).detach().clone().contiguous()
+
+    first = experts.gate_up_proj if gated else experts.up_proj
+    first_bias = getattr(experts, "gate_up_proj_bias" if gated else "up_proj_bias", None)
+    hidden, width = (first.shape[1], first.shape[2]) if experts.is_transposed else (first.shape[2], first.shape[1])
+    inter = width // 2 if gated else width
+    modules = []
+    for e in range(first.shape[0]):
+        mlp = ExpertMLP(hidden, inter, experts.act_fn, gated=gated, bias=bias).to(first.device, first.dtype)
+        w, b = as_linear(first[e]), first_bias[e].detach().clone() if bias else None
+        projections = [(mlp.gate_proj, w[:inter], b[:inter] if bias else None)] if gated else []
+        projections.append((mlp.up_proj, w[inter:] if gated else w, (b[inter:] if gated else b) if bias else None))
+        projections.append((mlp.down_proj, as_linear(experts.down_proj[e]), experts.down_proj_bias[e] if bias else None))
+        for linear, weight, b_ in projections:
+            linear.weight = nn.Parameter(weight.contiguous(), requires_grad=first.requires_grad)
+            if b_ is not None:
+                linear.bias = nn.Parameter(b_.detach().clone(), requires_grad=first.requires_grad)
+        modules.append(mlp)
+    return LinearExperts(modules)
+
+
+def rewrite_moe(model: nn.Module) -> int:
+    """Swap every ``convertible`` experts module in ``model`` for its ``LinearExperts``; the number swapped."""
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if not isinstance(child, LinearExperts) and convertible(child)
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, linear_experts(child))
+    return len(swaps)
