@@ -71,6 +71,31 @@ def test_rewrite_reproduces_each_family(model_type):
     assert rewrite_moe(model) == 0  # idempotent
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_restored_model_saves_a_checkpoint_transformers_loads(tmp_path, model_type):
+    """``restore_moe`` puts (trained) per-expert weights back into transformers' modules: ``save_pretrained`` then
+    writes a checkpoint that transformers loads with no missing or extra tensor and the same logits (a rewritten
+    model saved as it is would load with every expert missing)."""
+    from transformers import AutoModelForCausalLM
+
+    from qharness.sources.moe import restore_moe, rewrite_moe
+
+    model = tiny_moe(model_type)
+    rewrite_moe(model)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # "training" after the rewrite
+        ids = torch.randint(0, 96, (2, 9))
+        trained = model(ids).logits
+        assert restore_moe(model) == 2
+        assert (model(ids).logits - trained).abs().max() < 1e-5
+    model.save_pretrained(tmp_path)
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert (loaded.eval()(ids).logits - trained).abs().max() < 1e-5
+
+
 def test_rewritten_block_trains_and_exports_to_core_aten():
     """The rewritten block passes gradients to the router (through the routing weights) and exports to core ATen
     with static shapes: no ``histc`` or data-dependent op (``nonzero``, ``index_add``) for ``to_edge`` to refuse."""

@@ -33,6 +33,7 @@ Example::
 
     model = AutoModelForCausalLM.from_pretrained("mixtral-dir")
     rewrite_moe(model)   # model.model.layers[0].mlp.experts[3].down_proj is an nn.Linear
+    restore_moe(model)   # back to transformers' modules (trained weights kept), e.g. before save_pretrained
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def convertible(experts: nn.Module) -> bool:
 
 
 def linear_experts(experts: nn.Module) -> LinearExperts:
-    """``experts`` (a ``convertible`` batched-experts module) as a ``LinearExperts`` holding copies of its weights."""
+    """``experts`` (a ``convertible`` batched-experts module) as a ``LinearExperts`` holding copies of its weights;
+    ``experts`` itself, its weights moved to the ``meta`` device, is kept as the template ``batched_experts`` fills."""
     gated, bias = bool(experts.has_gate), bool(getattr(experts, "has_bias", False))
 
     def as_linear(w: torch.Tensor) -> torch.Tensor:  # [out, in], as nn.Linear stores it
@@ -113,13 +115,42 @@ def linear_experts(experts: nn.Module) -> LinearExperts:
         w, b = as_linear(first[e]), first_bias[e].detach().clone() if bias else None
         projections = [(mlp.gate_proj, w[:inter], b[:inter] if bias else None)] if gated else []
         projections.append((mlp.up_proj, w[inter:] if gated else w, (b[inter:] if gated else b) if bias else None))
-        projections.append((mlp.down_proj, as_linear(experts.down_proj[e]), experts.down_proj_bias[e] if bias else None))
+        down_bias = experts.down_proj_bias[e] if bias else None
+        projections.append((mlp.down_proj, as_linear(experts.down_proj[e]), down_bias))
         for linear, weight, b_ in projections:
             linear.weight = nn.Parameter(weight.contiguous(), requires_grad=first.requires_grad)
             if b_ is not None:
                 linear.bias = nn.Parameter(b_.detach().clone(), requires_grad=first.requires_grad)
         modules.append(mlp)
-    return LinearExperts(modules)
+    out = LinearExperts(modules)
+    for name, p in list(experts.named_parameters(recurse=False)):
+        setattr(experts, name, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
+    out.batched = [experts]  # in a list: no submodule, so neither in state_dict nor in any export
+    return out
+
+
+def batched_experts(experts: LinearExperts) -> nn.Module:
+    """The inverse of ``linear_experts``: transformers' batched-experts module holding ``experts``' current weights."""
+    import copy
+
+    original = copy.deepcopy(experts.batched[0])
+    gated = original.has_gate
+
+    def stack(tensors: list[torch.Tensor], weight: bool) -> nn.Parameter:
+        t = torch.stack([w.t() if weight and original.is_transposed else w for w in tensors]).detach().clone()
+        return nn.Parameter(t.contiguous(), requires_grad=tensors[0].requires_grad)
+
+    def first(e: ExpertMLP, attr: str) -> torch.Tensor:
+        parts = [getattr(e.gate_proj, attr), getattr(e.up_proj, attr)] if gated else [getattr(e.up_proj, attr)]
+        return torch.cat(parts)
+
+    name = "gate_up_proj" if gated else "up_proj"
+    setattr(original, name, stack([first(e, "weight") for e in experts], weight=True))
+    original.down_proj = stack([e.down_proj.weight for e in experts], weight=True)
+    if getattr(original, "has_bias", False):
+        setattr(original, name + "_bias", stack([first(e, "bias") for e in experts], weight=False))
+        original.down_proj_bias = stack([e.down_proj.bias for e in experts], weight=False)
+    return original
 
 
 def rewrite_moe(model: nn.Module) -> int:
@@ -132,4 +163,18 @@ def rewrite_moe(model: nn.Module) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, linear_experts(child))
+    return len(swaps)
+
+
+def restore_moe(model: nn.Module) -> int:
+    """The inverse of ``rewrite_moe``: every ``LinearExperts`` back to transformers' batched-experts module (with
+    the current weights), so ``save_pretrained`` writes a checkpoint transformers loads; the number restored."""
+    swaps = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, LinearExperts)
+    ]
+    for parent, name, child in swaps:
+        setattr(parent, name, batched_experts(child))
     return len(swaps)
