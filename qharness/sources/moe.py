@@ -24,6 +24,10 @@ experts' weights (``index_select`` on the stacked weights) and a batched matmul,
 a gathered weight is no ``linear`` against a parameter, so PT2E/XNNPACK would not quantize or delegate it without
 a custom MoE kernel.
 
+Side effects of the dense form: GPTQ (``rounding: gptq``) sees every token in every expert's Hessian, not only the
+tokens routed to it; the router's ``F.linear`` is quantized by PT2E recipes (it is an ``aten.linear``) but not by
+torchao's source-level ones (it is no ``nn.Linear``).
+
 Experts left alone (no quantized form given; they still fail lowering as before): other gates than the default
 ``act(gate) * up`` (gpt-oss), interleaved gate/up layouts, a post-expert norm, and per-expert ``ModuleList``
 blocks of older transformers or remote code (none in transformers 5.24's own families), whose routing lives in
