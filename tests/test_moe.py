@@ -140,6 +140,25 @@ def test_loader_rewrites_an_hf_checkpoint(tiny_mixtral):
         assert (model(ids).logits - reference(ids).logits).abs().max() < 1e-5
 
 
+def test_trained_graph_weights_load_into_a_fresh_model(tiny_mixtral):
+    """What a checkpoint holds (the prepared training graph's parameters) maps by name onto a freshly loaded model,
+    expert by expert, as ``qharness export`` and deployment load it (``hf_weights`` -> ``load_weights_into``)."""
+    from qharness.recipes.registry import load_recipe
+    from qharness.sources.models import load_model_and_tokenizer
+    from qharness.training.module import hf_weights, load_weights_into, prepare_for_training
+
+    model, _ = load_model_and_tokenizer(str(tiny_mixtral))
+    graph = prepare_for_training(model, load_recipe("xnnpack_int8_dynamic"), 1, 8, is_qat=True)
+    with torch.no_grad():
+        for p in graph.parameters():
+            p.add_(0.01)  # "trained"
+    weights = hf_weights(graph.named_parameters())
+    fresh, _ = load_model_and_tokenizer(str(tiny_mixtral))
+    load_weights_into(weights, fresh)
+    down = fresh.get_parameter("model.layers.0.mlp.experts.3.down_proj.weight")
+    assert torch.equal(down, weights["model.layers.0.mlp.experts.3.down_proj.weight"])
+
+
 def expert_linears(graph: torch.fx.GraphModule) -> dict[str, str]:
     """``{module: op producing its weight}`` for the graph's ``aten.linear`` calls made by an expert's projection
     (found by the module stack each node keeps): a dequantize op where the weight is quantized, else a parameter."""
