@@ -253,3 +253,27 @@ def test_mixtral_runs_end_to_end(tmp_path, tiny_mixtral, corpus, command, recipe
         again = run_cli("export", "--config", cfg)
         assert again.returncode == 0, again.stderr[-3000:]
         assert json.loads((tmp_path / "run" / "summary.json").read_text())["parity"]["passed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "olmoe", "granitemoe"])
+def test_other_families_calibrate_end_to_end(tmp_path, corpus, model_type):
+    """The other MoE families of transformers 5.24 (shared expert: qwen2_moe; softmax over the top-k logits:
+    granitemoe) deploy through ``qharness calibrate``: parity passes and the ``.pte`` generates."""
+    model = make_tiny_hf(
+        tmp_path / "model", model_type, corpus.read_text()[:200_000], num_experts_per_tok=TOP_K, **FAMILIES[model_type]
+    )
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        model,
+        corpus,
+        tmp_path / "run",
+        model={"mode": "ptq"},
+        data={"seq_len": 16},
+        deploy={"max_seq_len": 32},
+        parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
+        calibration={"blocks": 2},
+    )
+    result = run_cli("calibrate", "--config", cfg)
+    assert result.returncode == 0, result.stderr[-3000:]
+    check_run(tmp_path / "run")
