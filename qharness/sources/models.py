@@ -155,6 +155,7 @@ def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
             fix="use weights saved with this config.json (save_pretrained), complete and undamaged",
         ) from e
     check_loaded_weights(source, info)
+    check_finite_weights(model, f"model.checkpoint {source}")
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > model.config.get_text_config().vocab_size:
@@ -177,6 +178,23 @@ def check_loaded_weights(source: str, info: dict) -> None:
                 f"model.checkpoint {source}: its weights do not match its config.json (the checkpoint {what} "
                 f"{len(keys)} tensors, e.g. {keys[0]})",
                 fix="make config.json describe the saved weights (e.g. num_hidden_layers), or re-save with save_pretrained",
+            )
+
+
+def check_finite_weights(model, where: str) -> None:
+    """Refuse a model with a NaN/inf value in any floating-point weight, or a NaN in a buffer (masks may hold -inf),
+    ``where`` naming its source: nothing trained, calibrated or exported from it could be right, and NaN compares
+    as no number does."""
+    import torch
+
+    tensors = [(n, t, torch.isfinite) for n, t in model.named_parameters()]
+    tensors += [(n, t, lambda x: ~torch.isnan(x)) for n, t in model.named_buffers()]
+    for name, t, ok in tensors:
+        if t.is_floating_point() and not bool(ok(t).all()):
+            bad = (~ok(t)).sum().item()
+            raise UserError(
+                f"{where}: {name} holds {bad} NaN/inf value(s) of {t.numel()}",
+                fix="use weights that are all finite (a checkpoint saved before training diverged, or the original)",
             )
 
 
