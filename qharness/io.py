@@ -361,6 +361,109 @@ def read_yaml(path: str | os.PathLike, what: str):
         raise UserError(f"{what} file {path} is not UTF-8 text", fix=f"save the {what} as UTF-8 YAML") from e
 
 
+LOCK_WAIT_S = 1800.0  # how long a run waits for another process's cache lock at most (QHARNESS_LOCK_WAIT_S)
+LOCK_STOPPED_S = 10.0  # how long it waits for a holder that is stopped (SIGSTOP, Ctrl-Z) (QHARNESS_LOCK_STOPPED_S)
+LOCK_NOTICE_S = 60.0  # how often it says it is still waiting
+
+
+def _seconds(env: str, default: float) -> float:
+    try:
+        value = float(os.environ.get(env, default))
+    except ValueError:
+        return default
+    return value if math.isfinite(value) and value >= 0 else default
+
+
+def _holder(fd: int) -> tuple[int | None, str]:
+    """The pid and the task a lock file names (``"<pid> <what>"``, as ``hold_lock`` writes it)."""
+    text = os.pread(fd, 512, 0).decode(errors="replace").strip()
+    pid, _, what = text.partition(" ")
+    return (int(pid) if pid.isdigit() else None), what or "a qharness process"
+
+
+def process_state(pid: int) -> str | None:
+    """A process's state letter from ``/proc/<pid>/stat`` (``R`` running, ``S`` sleeping, ``T`` stopped, ``t``
+    stopped by a tracer, ...); None when it is not running here (or not on Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :][:1] or None
+
+
+def _log(message: str) -> None:
+    import sys
+
+    print(f"[qharness] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def hold_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` for the block, for a task that another process may be doing at the same
+    time (building a shared cache); the file says who holds it (``"<pid> <what>"``). The kernel frees it when the
+    holder exits, however it exits.
+
+    When another process holds it, this one says at once whom it waits for (pid, task, lock file) and then:
+    takes the lock when the holder is done; gives up with one ``UserError`` line, naming the pid and how to free the
+    lock, when the holder has been stopped (SIGSTOP, Ctrl-Z: it would never finish) for ``QHARNESS_LOCK_STOPPED_S``
+    seconds (default 10), or when it has waited ``QHARNESS_LOCK_WAIT_S`` seconds in all (default 1800); it says that
+    it is still waiting every minute.
+
+    Example::
+
+        with hold_lock(cache / "tokens" / f"{key}.lock", f"tokenizing data.source {source}"):
+            build()   # another run on the same data waits for this one, and says so
+    """
+    import fcntl
+
+    from qharness.errors import UserError
+
+    path = Path(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        start = stopped_since = None
+        notice = 0.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            now = time.monotonic()
+            pid, task = _holder(fd)
+            who = f"pid {pid if pid is not None else '?'} ({task})"
+            if start is None:
+                start = now
+                _log(f"waiting for {who}, which holds {path}")
+            state = process_state(pid) if pid is not None else None
+            if state in ("T", "t"):
+                stopped_since = stopped_since or now
+                if now - stopped_since >= _seconds("QHARNESS_LOCK_STOPPED_S", LOCK_STOPPED_S):
+                    raise UserError(
+                        f"{path} is held by {who}, which is stopped (SIGSTOP or Ctrl-Z) and cannot finish",
+                        fix=f"resume it (kill -CONT {pid}) or end it (kill {pid}): the lock is freed when it exits",
+                    )
+            else:
+                stopped_since = None
+            if now - start >= _seconds("QHARNESS_LOCK_WAIT_S", LOCK_WAIT_S):
+                raise UserError(
+                    f"gave up after waiting {now - start:.0f} s for {who}, which holds {path}",
+                    fix=f"let it finish, or end it (kill {pid if pid is not None else '<pid>'}); "
+                    "QHARNESS_LOCK_WAIT_S sets how long a run waits",
+                )
+            if now - start >= notice + LOCK_NOTICE_S:
+                notice = now - start
+                _log(f"still waiting for {who} after {notice:.0f} s")
+            time.sleep(0.2)
+        if start is not None:
+            _log(f"{path} is free after {time.monotonic() - start:.1f} s: going on")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
 def hold_run_lock(run_dir: str | os.PathLike) -> None:
     """Make this process the one writer of ``run_dir`` until ``release_run_locks()`` (the CLI calls it when the
     command ends) or the process exits: an exclusive ``flock`` on ``<run_dir>/.qharness.lock``. The kernel drops the
@@ -389,6 +492,12 @@ def hold_run_lock(run_dir: str | os.PathLike) -> None:
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
+        if holder.isdigit() and process_state(int(holder)) in ("T", "t"):  # it would hold the directory forever
+            raise UserError(
+                f"{run_dir} is in use by another qharness process (pid {holder}), which is stopped (SIGSTOP or Ctrl-Z)",
+                fix=f"resume it (kill -CONT {holder}) or end it (kill {holder}), or use another "
+                "trainer.default_root_dir / sweep_dir",
+            ) from None
         raise UserError(
             f"{run_dir} is in use by another qharness process (pid {holder})",
             fix="wait for it to finish, or use another trainer.default_root_dir / sweep_dir",
