@@ -127,6 +127,28 @@ def test_nan_weights_in_the_model_directory_are_refused_at_load(tmp_path, tiny_l
     assert not list((tmp_path / "run").glob("*.pte"))
 
 
+def test_activations_that_overflow_in_a_training_step_stop_it_with_one_line(tiny_llama):
+    """Weights of +-1e10 (what a step of model.lr 1e10 leaves): finite, but the forward overflows to NaN and torchao's
+    observer asserted (`min nan should be less than max nan`) before the loss could be checked."""
+    from qharness.training.module import QuantLM
+
+    module = QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_int8_dynamic", mode="qat", lr=1e-3, warmup_steps=2)
+    module.build(2, 16)
+    module.to_train()
+    with torch.no_grad():
+        for name, p in module.graph.named_parameters():
+            if name.endswith("weight"):
+                p.copy_(torch.randn_like(p).sign() * 1e10)
+    x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(FloatingPointError) as e:
+        module.training_step((x, x.roll(-1, 1)), 0)
+    assert str(e.value).startswith("training diverged at step 0: the activations became NaN/inf during training")
+    assert str(e.value).endswith(
+        ". fix: lower model.lr (or check the data) and resume from the last checkpoint or start again"
+    )
+
+
+@pytest.mark.slow  # the CLI of the test above (about 50 s)
 def test_divergence_stops_training_at_that_step_with_one_line(tmp_path, tiny_llama, corpus):
     """model.lr 1e10: the weights stay finite after the first step, but the next forward overflows, and torchao's
     observer asserted (`min nan should be less than max nan`) in a traceback."""

@@ -569,7 +569,7 @@ class QuantLM(L.LightningModule):
         except AssertionError as e:
             if "nan" not in str(e) and "inf" not in str(e):
                 raise
-            stage = "training" if self.training and self.trainer.state.fn == "fit" else "validation"
+            stage = "training" if self.training else "validation"
             raise FloatingPointError(
                 f"training diverged at step {self.global_step}: the activations became NaN/inf during {stage} "
                 f"(a quantization observer saw {str(e).strip()}); stopping, the last checkpoint is kept. "
