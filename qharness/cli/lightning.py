@@ -38,7 +38,7 @@ from qharness.errors import UserError
 from qharness.io import hold_run_lock, torch_save_atomic
 from qharness.progress import lightning_progress_bar
 from qharness.training import sharding  # noqa: F401  (registers --trainer.strategy fsdp_layers)
-from qharness.training.module import QuantLM
+from qharness.training.module import QuantLM, check_finite_state
 
 log = logging.getLogger("qharness")
 
@@ -84,21 +84,6 @@ def read_checkpoint(ckpt_path: str, model_cfg) -> dict:
         )
     check_finite_state(ckpt["state_dict"], f"checkpoint {ckpt_path}")
     return ckpt
-
-
-def check_finite_state(state: dict, where: str) -> None:
-    """Refuse a state dict with a NaN anywhere, or an inf outside an observer's running min/max (which start at
-    +-inf): a diverged run's weights would train, export or resume into NaN (``where`` names the file)."""
-    for name, t in state.items():
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            continue
-        ok = ~torch.isnan(t) if name.endswith(("min_val", "max_val")) else torch.isfinite(t)
-        if not bool(ok.all()):
-            raise UserError(
-                f"{where} holds NaN/inf values in {name} ({(~ok).sum().item()} of {t.numel()}): it was saved after "
-                "training diverged",
-                fix="use an earlier checkpoint (or train again with a lower model.lr)",
-            )
 
 
 # the data settings that decide a resumed run's batches (``ResumableShuffle``): they must be the checkpoint's

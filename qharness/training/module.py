@@ -51,6 +51,7 @@ def load_teacher(source: str, trust_remote_code: bool = False):
     saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
     if "state_dict" not in ckpt or "recipe" not in saved:
         raise UserError(f"model.distill.teacher {ckpt_path} is not a qharness training checkpoint")
+    check_finite_state(ckpt["state_dict"], f"model.distill.teacher {ckpt_path}")
     from qharness.recipes.registry import load_recipe
 
     recipe = load_recipe(saved["recipe"])
@@ -65,6 +66,21 @@ def load_teacher(source: str, trust_remote_code: bool = False):
     model, _ = load_model_and_tokenizer(resolve_checkpoint(saved["checkpoint"]), trust_remote_code)
     load_weights_into(hf_weights(graph), model)
     return model
+
+
+def check_finite_state(state: dict, where: str) -> None:
+    """Refuse a state dict with a NaN anywhere, or an inf outside an observer's running min/max (which start at
+    +-inf): a diverged run's weights would train, export or resume into NaN (``where`` names the file)."""
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
+        ok = ~torch.isnan(t) if name.endswith(("min_val", "max_val")) else torch.isfinite(t)
+        if not bool(ok.all()):
+            raise UserError(
+                f"{where} holds NaN/inf values in {name} ({(~ok).sum().item()} of {t.numel()}): it was saved after "
+                "training diverged",
+                fix="use an earlier checkpoint (or train again with a lower model.lr)",
+            )
 
 
 def hf_weights(named_parameters, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
