@@ -188,7 +188,7 @@ def profile(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 16, r
     from qharness.runtime.bench import pte_vocab
     from qharness.runtime.profile import format_profiles, profile_pte
 
-    for name, value in (("decode_tokens", decode_tokens), ("reps", reps), ("top", top)):
+    for name, value in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("reps", reps), ("top", top)):
         if value < 1:
             raise UserError(f"profile --{name} must be >= 1 (got {value})", fix=f"e.g. --{name} 16")
     for path in pte:

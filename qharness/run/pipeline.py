@@ -451,7 +451,8 @@ def format_table(summary: dict) -> str:
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
     size = f".pte: {summary['pte']['path']} ({summary['pte']['size_bytes'] / 1e6:.2f} MB); parity "
     if "skipped" in p:
-        lines.append(size + f"{'SKIPPED' if p['passed'] is None else 'FAILED'}: {p['skipped']}")
+        verdict = f"SKIPPED: {p['skipped']}" if p["passed"] is None else "FAILED: " + "; ".join(p.get("reasons", []))
+        lines.append(size + verdict)
     else:
         lines.append(
             size + f"{'PASSED' if p['passed'] else 'FAILED'}: max|Δlogit|={_num(p['max_abs_diff'], '.4g')}, "
