@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
@@ -295,9 +296,50 @@ def write_text_atomic(path: Path, text: str) -> Path:
 _LOCKS: dict[str, int] = {}
 
 
+@functools.cache
+def _unique_key_loader():
+    """PyYAML's ``SafeLoader`` that refuses a mapping with the same key twice (plain PyYAML keeps the last one,
+    silently): a ``yaml.constructor.ConstructorError`` naming the key and both lines."""
+    import yaml
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                seen = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue  # `<<: *base`: merged keys may be overridden, as YAML means them to be
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        first = seen.setdefault(key, key_node)
+                    except TypeError:  # an unhashable key: SafeLoader's own error follows
+                        continue
+                    if first is not key_node:
+                        raise yaml.constructor.ConstructorError(
+                            None,
+                            None,
+                            f"duplicate key {key!r} (lines {first.start_mark.line + 1} and {key_node.start_mark.line + 1})",
+                            key_node.start_mark,
+                        )
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
+def load_yaml(text: str):
+    """``yaml.safe_load(text)``, except that a key given twice in one mapping is an error (``yaml.YAMLError``) instead
+    of the last one silently winning. Every YAML qharness reads (run configs, recipes, sweep files) goes through it.
+
+    Example: ``load_yaml("lr: 1\nlr: 2")`` raises ``ConstructorError: duplicate key 'lr' (lines 1 and 2)``
+    """
+    import yaml
+
+    return yaml.load(text, Loader=_unique_key_loader())
+
+
 def read_yaml(path: str | os.PathLike, what: str):
-    """The parsed YAML of ``path``; a syntax error (with its line and column) or non-UTF-8 text is a one-line
-    ``UserError`` naming ``what`` ("config", "recipe") and the file.
+    """The parsed YAML of ``path`` (``load_yaml``); a syntax error (with its line and column), a key given twice or
+    non-UTF-8 text is a one-line ``UserError`` naming ``what`` ("config", "recipe", "sweep config") and the file.
 
     Example: ``read_yaml(Path("configs/qat_xnnpack.yaml"), "config")`` -> ``{"model": {...}, ...}``
     """
@@ -306,13 +348,123 @@ def read_yaml(path: str | os.PathLike, what: str):
     from qharness.errors import UserError
 
     try:
-        return yaml.safe_load(Path(path).read_text())
+        return load_yaml(Path(path).read_text())
     except yaml.YAMLError as e:
+        if str(getattr(e, "problem", "")).startswith("duplicate key"):
+            raise UserError(
+                f"{what} file {path} has the {e.problem}", fix="keep one of them (YAML would silently use the last)"
+            ) from e
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise UserError(f"{what} file {path} is not valid YAML{at}", fix="fix the YAML syntax") from e
     except UnicodeDecodeError as e:
         raise UserError(f"{what} file {path} is not UTF-8 text", fix=f"save the {what} as UTF-8 YAML") from e
+
+
+# A run waits for another process's cache lock as long as the holder runs: building a 1 GB text's token cache took
+# 24 minutes (BENCHMARKS.md 8), and DDP ranks wait for rank 0's build. QHARNESS_LOCK_WAIT_S bounds the wait when set.
+LOCK_STOPPED_S = 10.0  # how long it waits for a holder that is stopped (SIGSTOP, Ctrl-Z) (QHARNESS_LOCK_STOPPED_S)
+LOCK_NOTICE_S = 60.0  # how often it says it is still waiting
+
+
+def _seconds(env: str, default: float | None) -> float | None:
+    """A number of seconds >= 0 from the environment variable ``env``; ``default`` when unset or not such a number."""
+    try:
+        value = float(os.environ.get(env, ""))
+    except ValueError:
+        return default
+    return value if math.isfinite(value) and value >= 0 else default
+
+
+def _holder(fd: int) -> tuple[int | None, str]:
+    """The pid and the task a lock file names (``"<pid> <what>"``, as ``hold_lock`` writes it)."""
+    text = os.pread(fd, 512, 0).decode(errors="replace").strip()
+    pid, _, what = text.partition(" ")
+    return (int(pid) if pid.isdigit() else None), what or "a qharness process"
+
+
+def process_state(pid: int) -> str | None:
+    """A process's state letter from ``/proc/<pid>/stat`` (``R`` running, ``S`` sleeping, ``T`` stopped, ``t``
+    stopped by a tracer, ...); None when it is not running here (or not on Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rfind(")") + 2 :][:1] or None
+
+
+def _log(message: str) -> None:
+    import sys
+
+    print(f"[qharness] {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def hold_lock(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` for the block, for a task that another process may be doing at the same
+    time (building a shared cache); the file says who holds it (``"<pid> <what>"``). The kernel frees it when the
+    holder exits, however it exits.
+
+    When another process holds it, this one says at once whom it waits for (pid, task, lock file) and then waits as
+    long as the holder runs, saying so every minute, and takes the lock when the holder is done. It gives up with one
+    ``UserError`` line, naming the pid and how to free the lock, when the holder has been stopped (SIGSTOP, Ctrl-Z:
+    it would never finish) for ``QHARNESS_LOCK_STOPPED_S`` seconds (default 10), or, when ``QHARNESS_LOCK_WAIT_S`` is
+    set, when it has waited that long in all.
+
+    Example::
+
+        with hold_lock(cache / "tokens" / f"{key}.lock", f"tokenizing data.source {source}"):
+            build()   # another run on the same data waits for this one, and says so
+    """
+    import fcntl
+
+    from qharness.errors import UserError
+
+    path = Path(path)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        start = stopped_since = None
+        notice = 0.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                pass
+            now = time.monotonic()
+            pid, task = _holder(fd)
+            who = f"pid {pid if pid is not None else '?'} ({task})"
+            if start is None:
+                start = now
+                _log(f"waiting for {who}, which holds {path}")
+            state = process_state(pid) if pid is not None else None
+            if state in ("T", "t"):
+                stopped_since = stopped_since or now
+                if now - stopped_since >= _seconds("QHARNESS_LOCK_STOPPED_S", LOCK_STOPPED_S):
+                    raise UserError(
+                        f"{path} is held by {who}, which is stopped (SIGSTOP or Ctrl-Z) and cannot finish",
+                        fix=f"resume it (kill -CONT {pid}) or end it (kill {pid}): the lock is freed when it exits",
+                    )
+            else:
+                stopped_since = None
+            bound = _seconds("QHARNESS_LOCK_WAIT_S", None)
+            if bound is not None and now - start >= bound:
+                raise UserError(
+                    f"gave up after waiting {now - start:.0f} s for {who}, which holds {path}",
+                    fix=f"let it finish, or end it (kill {pid if pid is not None else '<pid>'}); "
+                    "QHARNESS_LOCK_WAIT_S sets how long a run waits",
+                )
+            if now - start >= notice + LOCK_NOTICE_S:
+                notice = now - start
+                _log(f"still waiting for {who} after {notice:.0f} s")
+            time.sleep(0.2)
+        if start is not None:
+            _log(f"{path} is free after {time.monotonic() - start:.1f} s: going on")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {what}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
 
 
 def hold_run_lock(run_dir: str | os.PathLike) -> None:
@@ -343,6 +495,12 @@ def hold_run_lock(run_dir: str | os.PathLike) -> None:
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
+        if holder.isdigit() and process_state(int(holder)) in ("T", "t"):  # it would hold the directory forever
+            raise UserError(
+                f"{run_dir} is in use by another qharness process (pid {holder}), which is stopped (SIGSTOP or Ctrl-Z)",
+                fix=f"resume it (kill -CONT {holder}) or end it (kill {holder}), or use another "
+                "trainer.default_root_dir / sweep_dir",
+            ) from None
         raise UserError(
             f"{run_dir} is in use by another qharness process (pid {holder})",
             fix="wait for it to finish, or use another trainer.default_root_dir / sweep_dir",

@@ -149,6 +149,18 @@ def test_bench_cli_refuses_bad_counts(tiny_pte):
     assert r.returncode == 2 and "--threads must be >= 1" in r.stderr
 
 
+@pytest.mark.parametrize(
+    "option, value", [("reps", "0"), ("reps", "-3"), ("prompt_len", "0"), ("decode_tokens", "-1"), ("processes", "0")]
+)
+def test_bench_refuses_a_count_below_one_before_loading_anything(tmp_path, option, value):
+    """``--reps 0`` ran the default 5 reps; every count is checked before the .pte (here: none) is even looked at."""
+    r = run_cli("bench", "--pte", tmp_path / "none.pte", f"--{option}", value)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip() == f"error: bench --{option} must be >= 1 (got {value}). fix: pass --{option} " + (
+        "5" if option in ("reps", "processes") else "128" if option == "prompt_len" else "64"
+    )
+
+
 def test_the_runtime_sets_executorch_and_torch_threads(tiny_pte, tmp_path):
     """QHARNESS_THREADS sizes ExecuTorch's threadpool and caps torch's threads in a process that loads a .pte."""
     code = (

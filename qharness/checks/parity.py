@@ -214,9 +214,12 @@ class _Agreement:
     def __init__(self, tie_margin: float):
         self.tie_margin = tie_margin
         self.max_diff, self.agree, self.total, self.ties, self.agree_decided = 0.0, 0, 0, 0, 0
+        self.non_finite = 0
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
-        self.max_diff = max(self.max_diff, (a - b).abs().max().item())
+        diff = (a - b).abs().max().item()
+        self.max_diff = diff if not diff <= self.max_diff else self.max_diff  # NaN sticks (max() would drop it)
+        self.non_finite += (~torch.isfinite(a).all(-1) | ~torch.isfinite(b).all(-1)).sum().item()
         same = a.argmax(-1) == b.argmax(-1)
         top2 = b.float().topk(2, dim=-1).values
         tie = top2[:, 0] - top2[:, 1] <= self.tie_margin
@@ -234,6 +237,7 @@ class _Agreement:
             "tie_margin": self.tie_margin,
             "near_ties": self.ties,
             "argmax_agreement_decided": self.agree_decided / decided if decided else None,
+            "non_finite_positions": self.non_finite,
         }
 
 
@@ -277,21 +281,26 @@ def learned_scales_carried(graph: torch.fx.GraphModule, qparams: dict[str, tuple
 
 
 def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
-    """The reasons the ``.pte`` fails the gate (empty: it passes). Argmax agreement is judged on the positions
+    """The reasons the ``.pte`` fails the gate (empty: it passes); a NaN figure or a non-finite logit fails it. Argmax agreement is judged on the positions
     that are not near ties (``compare_decoding``); with none, perplexity and ``max_abs_diff`` judge alone.
     ``prefix``: ``fake_quant_`` judges with ``cfg.fake_quant_max_ppl_rel_diff`` / ``fake_quant_min_argmax_agreement``
     (the ``.pte`` against the trained fake-quant model; no ``max_abs_diff``)."""
     reasons = []
     max_ppl, min_agree = getattr(cfg, prefix + "max_ppl_rel_diff"), getattr(cfg, prefix + "min_argmax_agreement")
     max_abs = None if prefix else cfg.max_abs_diff
-    if figures["ppl_rel_diff"] > max_ppl:
+    # every comparison is written so that NaN fails it: NaN compares False with everything, NaN with NaN too
+    if figures.get("non_finite_positions"):
+        reasons.append(
+            f"logits are NaN/inf at {figures['non_finite_positions']} of {figures['positions']} compared positions"
+        )
+    if not figures["ppl_rel_diff"] <= max_ppl:
         reasons.append(
             f"perplexity differs by {figures['ppl_rel_diff']:.2%} > parity.{prefix}max_ppl_rel_diff={max_ppl:.2%}"
         )
     decided = figures.get(
         "argmax_agreement_decided", figures["argmax_agreement"]
     )  # no near ties counted: every position
-    if decided is not None and decided < min_agree:
+    if decided is not None and not decided >= min_agree:
         over = ""
         if "near_ties" in figures:
             over = (
@@ -299,6 +308,6 @@ def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
                 f"top-1/top-2 logit gap exceeds parity.tie_margin={figures['tie_margin']}"
             )
         reasons.append(f"argmax agreement {decided:.3f} < parity.{prefix}min_argmax_agreement={min_agree}{over}")
-    if max_abs is not None and figures["max_abs_diff"] > max_abs:
+    if max_abs is not None and not figures["max_abs_diff"] <= max_abs:
         reasons.append(f"max abs logit diff {figures['max_abs_diff']:.4g} > parity.max_abs_diff={max_abs}")
     return reasons

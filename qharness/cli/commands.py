@@ -86,6 +86,18 @@ def generate(
         )
 
 
+def check_bench_counts(**counts: int | None) -> None:
+    """``bench``'s counts, before anything loads: each given one must be a whole number >= 1 (a ``UserError`` naming
+    the option; ``--reps 0`` is not "the default")."""
+    examples = {"prompt_len": 128, "decode_tokens": 64, "reps": 5, "processes": 5, "threads": 1}
+    for name, value in counts.items():
+        if value is not None and value < 1:
+            fix = f"pass --{name} {examples.get(name, 1)}" + (
+                ", or leave it out (free cores)" if name == "threads" else ""
+            )
+            raise UserError(f"bench --{name} must be >= 1 (got {value})", fix=fix)
+
+
 def bench(
     *,
     pte: list[str],
@@ -112,12 +124,9 @@ def bench(
     from qharness.io import write_json_atomic
     from qharness.run.summary import RunSummary
 
-    if threads is not None and threads < 1:
-        raise UserError(
-            f"bench --threads must be >= 1 (got {threads})", fix="pass --threads 1, or leave it out (free cores)"
-        )
-    if processes is not None and processes < 1:
-        raise UserError(f"bench --processes must be >= 1 (got {processes})", fix="pass --processes 5")
+    check_bench_counts(
+        prompt_len=prompt_len, decode_tokens=decode_tokens, reps=reps, processes=processes, threads=threads
+    )
     if len(pte) > 1 or processes is not None:
         from qharness.runtime.bench import bench_jointly, format_joint, joint_entry
 
@@ -125,7 +134,7 @@ def bench(
             if not Path(path).is_file():
                 raise UserError(f".pte file {path} does not exist")
         joint = bench_jointly(
-            pte, prompt_len, decode_tokens, reps or 10, 5 if processes is None else processes, threads
+            pte, prompt_len, decode_tokens, 10 if reps is None else reps, 5 if processes is None else processes, threads
         )
         print(format_joint(joint))
         if out:
@@ -156,7 +165,7 @@ def bench(
                 f"eager FP comparison skipped: the model of {summary_path} ({summary.model!r}) is not a local directory",
                 file=sys.stderr,
             )
-    result = run_bench(pte[0], model_dir, prompt_len, decode_tokens, reps or 5, threads)
+    result = run_bench(pte[0], model_dir, prompt_len, decode_tokens, 5 if reps is None else reps, threads)
     print(format_bench(result))
     if summary is not None:
         RunSummary.update(summary_path, bench=result)
@@ -179,7 +188,7 @@ def profile(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 16, r
     from qharness.runtime.bench import pte_vocab
     from qharness.runtime.profile import format_profiles, profile_pte
 
-    for name, value in (("decode_tokens", decode_tokens), ("reps", reps), ("top", top)):
+    for name, value in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("reps", reps), ("top", top)):
         if value < 1:
             raise UserError(f"profile --{name} must be >= 1 (got {value})", fix=f"e.g. --{name} 16")
     for path in pte:

@@ -38,7 +38,7 @@ from qharness.errors import UserError
 from qharness.io import hold_run_lock, torch_save_atomic
 from qharness.progress import lightning_progress_bar
 from qharness.training import sharding  # noqa: F401  (registers --trainer.strategy fsdp_layers)
-from qharness.training.module import QuantLM
+from qharness.training.module import QuantLM, check_finite_state
 
 log = logging.getLogger("qharness")
 
@@ -82,7 +82,34 @@ def read_checkpoint(ckpt_path: str, model_cfg) -> dict:
             f"{_lora(model_cfg.get('lora'))!r}",
             fix="use the model.lora the checkpoint was trained with",
         )
+    check_finite_state(ckpt["state_dict"], f"checkpoint {ckpt_path}")
     return ckpt
+
+
+# the data settings that decide a resumed run's batches (``ResumableShuffle``): they must be the checkpoint's
+RESUME_DATA = ("seq_len", "batch_size")
+
+
+def check_resume_data(ckpt: dict, ckpt_path: str, data_cfg) -> None:
+    """Resuming training (``fit --ckpt_path``) from ``ckpt``: ``data.seq_len``/``data.batch_size`` must be the ones it
+    was trained with (Lightning stores them as ``datamodule_hyper_parameters``), else one line before training; a
+    checkpoint without them is resumed with a warning that they cannot be checked."""
+    saved = ckpt.get("datamodule_hyper_parameters")
+    if not isinstance(saved, dict) or not all(k in saved for k in RESUME_DATA):
+        log.warning(
+            "checkpoint %s does not record its data layout (data.%s): resuming without checking it",
+            ckpt_path,
+            ", data.".join(RESUME_DATA),
+        )
+        return
+    for key in RESUME_DATA:
+        if saved[key] != data_cfg[key]:
+            raise UserError(
+                f"checkpoint {ckpt_path} was trained with data.{key}={saved[key]!r}, this config has {data_cfg[key]!r}"
+                " (a resumed run must see the batches it was trained on)",
+                fix=f"resume with data.{key}: {saved[key]!r}, or start a new run (another trainer.default_root_dir, "
+                "no --ckpt_path)",
+            )
 
 
 def _lora(value) -> dict | None:
@@ -100,10 +127,8 @@ def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None
     """Rebuild the prepared graph and load trained weights/observer state (``weights_only=True``)."""
     ckpt = read_checkpoint(ckpt_path, module.hparams)
     module.build(dm.batch_size, dm.seq_len)
-    try:
-        module.load_state_dict(ckpt["state_dict"])
-    except RuntimeError as e:
-        raise UserError(f"checkpoint {ckpt_path} does not fit this model: {str(e).splitlines()[0]}") from e
+    module.load_trained_state(ckpt["state_dict"], f"checkpoint {ckpt_path}")
+    module.steps_trained = ckpt.get("global_step")
 
 
 def preflight(cfg, subcommand: str | None = None) -> None:
@@ -125,6 +150,8 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         par.decode_steps,
     )
     check_trainer(cfg.trainer.as_dict())  # the pre-check's checks, on the parsed section
+    if subcommand == "fit" or (subcommand == "autotune" and cfg.model.mode == "qat"):
+        check_trains(cfg.trainer)
     check_run_dir(cfg.trainer.default_root_dir)
     if cfg.deploy.enabled and cfg.bench.enabled:
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
@@ -176,6 +203,19 @@ def preflight(cfg, subcommand: str | None = None) -> None:
 
         # an architecture that cannot be exported with a static KV cache fails here, before any training
         check_architecture(resolve_checkpoint(cfg.model.checkpoint), cfg.model.trust_remote_code)
+
+
+def check_trains(trainer) -> None:
+    """A training run whose trainer settings alone train no step (``limit_train_batches: 0``, ``max_epochs: 0``): one
+    line before anything loads, instead of a run reported and shipped as trained."""
+    limit, epochs = trainer.get("limit_train_batches"), trainer.get("max_epochs")
+    for field, value in (("limit_train_batches", limit), ("max_epochs", epochs)):
+        if value is not None and not isinstance(value, bool) and value == 0:
+            raise UserError(
+                f"trainer.{field}={value} trains no step: the run would be reported and shipped as trained",
+                fix=f"leave trainer.{field} out or make it positive; for a .pte without training use qharness "
+                "calibrate with model.mode: ptq",
+            )
 
 
 def init_args(module: QuantLM) -> dict:
@@ -232,6 +272,13 @@ class QTrainer(Trainer):
         from qharness.run.pipeline import deploy_and_check
 
         run_dir = Path(self.default_root_dir)
+        if model.hparams.mode == "qat" and model.steps_trained == 0:
+            raise UserError(
+                "the QAT run trained 0 steps (e.g. trainer.limit_train_batches gave no batches): its .pte would be "
+                "labelled QAT without any quantization-aware training; nothing was exported",
+                fix="train at least one step (trainer.max_steps, trainer.limit_train_batches), or use qharness calibrate "
+                "with model.mode: ptq",
+            )
         try:
             summary = deploy_and_check(
                 trained(model),
@@ -432,6 +479,7 @@ class QTrainer(Trainer):
             tuned = QuantLM(**{**init_args(model), "recipe": str(recipe_path)})
             if tuned.hparams.mode == "qat":
                 self.fit(tuned, datamodule)
+                tuned.steps_trained = self.global_step
                 self.save_checkpoint(Path(checkpoint_dir(run_dir)) / "last.ckpt", weights_only=False)
                 tuned.gather()
             summary = self.deploy(tuned, datamodule)
@@ -594,6 +642,7 @@ class QHarnessCLI(LightningCLI):
     def after_fit(self) -> None:
         if self.trainer.interrupted:
             return
+        self.model.steps_trained = self.trainer.global_step  # 0: nothing trained, and deploy says so
         final = Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"
         self.trainer.save_checkpoint(
             final, weights_only=False
@@ -632,7 +681,9 @@ class QHarnessCLI(LightningCLI):
         if sub and self.config[sub].get("ckpt_path"):
             cfg = self.config[sub]
             cfg.ckpt_path = resolve_ckpt(cfg.ckpt_path, cfg.trainer.default_root_dir)
-            read_checkpoint(cfg.ckpt_path, cfg.model)
+            ckpt = read_checkpoint(cfg.ckpt_path, cfg.model)
+            if sub == "fit":  # resuming training: the same batches as before
+                check_resume_data(ckpt, cfg.ckpt_path, cfg.data)
 
     def _default_weights_only(self) -> None:
         """Checkpoints load with ``weights_only=True`` unless the user says otherwise."""

@@ -36,7 +36,7 @@ from qharness.config import (
 )
 from qharness.data.args import check_data_args
 from qharness.errors import UserError
-from qharness.io import read_yaml
+from qharness.io import load_yaml, read_yaml
 from qharness.sources.models import EMBEDDED, check_local_checkpoint
 from qharness.sources.torchtune import PREFIX as TORCHTUNE
 from qharness.training.model_args import Distill, LoRA, check_model_args, check_precision
@@ -216,7 +216,7 @@ def read_config(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
         try:
-            inline = yaml.safe_load(path)  # jsonargparse also takes the config itself as the argument
+            inline = load_yaml(path)  # jsonargparse also takes the config itself as the argument
         except yaml.YAMLError:
             inline = None
         if isinstance(inline, dict):

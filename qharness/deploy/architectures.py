@@ -38,6 +38,11 @@ def load_config(source: str, trust_remote_code: bool = False):
         ) from e
     except ValueError as e:  # unknown model_type (newer transformers, or remote code without trust_remote_code)
         raise UserError(f"unsupported model {source!r}: {str(e).splitlines()[0]}", fix=FIX) from e
+    except ZeroDivisionError as e:  # a config's own checks divide by a size (e.g. num_attention_heads: 0)
+        raise UserError(
+            f"the config of model {source!r} has a size of 0 (e.g. num_attention_heads)",
+            fix="give every size in config.json (num_attention_heads, num_key_value_heads, ...) a whole number >= 1",
+        ) from e
 
 
 def probe_config(config):

@@ -62,7 +62,7 @@ import yaml
 
 from qharness.config import deep_merge
 from qharness.errors import UserError
-from qharness.io import hold_run_lock, write_bytes_atomic, write_json_atomic
+from qharness.io import hold_run_lock, read_yaml, write_bytes_atomic, write_json_atomic
 from qharness.progress import format_seconds
 from qharness.upstream import process
 
@@ -118,11 +118,7 @@ def load_sweep(path: str | Path) -> dict:
         raise UserError(
             f"sweep config {path} does not exist", fix="pass a sweep YAML such as configs/sweep_xnnpack.yaml"
         )
-    try:
-        spec = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise UserError(f"sweep config {path} is not valid YAML: {str(e).splitlines()[0]}") from e
-    spec = _mapping(spec, f"sweep config {path}")
+    spec = _mapping(read_yaml(path, "sweep config"), f"sweep config {path}")
     unknown = set(spec) - TOP_KEYS
     if unknown:
         raise UserError(

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -204,10 +205,21 @@ def deploy_and_check(
             lambda x: fp_model(input_ids=x).logits, vx, vy, data.batch_size, desc="scoring the FP model"
         )
     }
+    if not math.isfinite(metrics["fp"]["loss"]):
+        raise UserError(
+            f"the FP model {trained.checkpoint} gives a {metrics['fp']['loss']} validation loss (stage: scoring the FP "
+            "model); nothing was exported",
+            fix="use a model whose weights are finite and small enough not to overflow (check model.checkpoint)",
+        )
     if trained.fake_quant is not None:  # QAT: the trained fake-quant graph
         metrics["fake_quant"] = score_batched(
             trained.fake_quant, vx, vy, data.batch_size, desc="scoring the fake-quant model"
         )
+        if not math.isfinite(metrics["fake_quant"]["loss"]):
+            raise FloatingPointError(
+                f"the trained fake-quant model gives a {metrics['fake_quant']['loss']} validation loss (stage: scoring "
+                "the fake-quant model); nothing was exported. fix: lower model.lr or check the data, and train again"
+            )
     t = time.perf_counter()
     with stage(f"static-KV-cache export + quantization ({recipe.name})"):
         # no copy of the FP model unless lm-eval scores it later and the trained weights or torchao would change it in place
@@ -246,10 +258,11 @@ def deploy_and_check(
         vy,
         desc="scoring the converted model",
     )
-    reasons = []
+    reasons = non_finite_scores(metrics, "converted")  # NaN passes no gate, run here or not
     if recipe.runs_here:
         pte = PteModel(pending)
         metrics["pte"] = score_deployed(pte, vx, vy, desc="scoring the .pte")
+        reasons += non_finite_scores(metrics, "pte")
         prompts = vx[: parity_cfg.prompts, : parity_cfg.prompt_len]
         figures = compare_decoding(
             pte,
@@ -260,7 +273,7 @@ def deploy_and_check(
             tie_margin=parity_cfg.tie_margin,
         )
         figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
-        reasons = gate(figures, parity_cfg)
+        reasons += gate(figures, parity_cfg)
         if trained.fake_quant is not None:
             figures["fake_quant"] = against_fake_quant(trained, pte, data, metrics, parity_cfg)
             if figures["fake_quant"]["gated"]:
@@ -276,8 +289,9 @@ def deploy_and_check(
         del pte
     else:
         figures = {
-            "passed": None,
+            "passed": False if reasons else None,
             "skipped": f"the {recipe.backend} backend cannot run on this machine (recipe runs_here: false)",
+            "reasons": reasons,
         }
         log.warning("parity gate skipped: %s", figures["skipped"])
     timings["parity_s"] = time.perf_counter() - t
@@ -336,6 +350,13 @@ def deploy_and_check(
         )
         summary.write(run_dir / "summary.json")
     return summary.to_dict()
+
+
+def non_finite_scores(metrics: dict, key: str) -> list[str]:
+    """The gate's reason when model ``key``'s validation loss is NaN/inf (empty otherwise)."""
+    names = {"converted": "the converted model", "pte": "the .pte"}
+    loss = metrics[key]["loss"]
+    return [] if math.isfinite(loss) else [f"{names[key]}'s validation loss is {loss} (stage: scoring {names[key]})"]
 
 
 def against_fake_quant(trained: Trained, pte, data: HeldOut, metrics: dict, cfg: ParityConfig) -> dict:
@@ -415,11 +436,11 @@ def format_table(summary: dict) -> str:
             rows.append(
                 (
                     label,
-                    f"{m[key]['loss']:.4f}",
-                    f"{m[key]['ppl']:.3f}",
-                    f"[{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "-",
-                    f"{vs['ppl_ratio'] - 1:+.2%} [{vs['ci'][0] - 1:+.2%}, {vs['ci'][1] - 1:+.2%}]"
-                    if vs and vs.get("ci")
+                    _num(m[key]["loss"], ".4f"),
+                    _num(m[key]["ppl"], ".3f"),
+                    f"[{_num(ci[0], '.3f')}, {_num(ci[1], '.3f')}]" if ci else "-",
+                    f"{_num(vs['ppl_ratio'], '+.2%', -1)} [{_num(vs['ci'][0], '+.2%', -1)}, {_num(vs['ci'][1], '+.2%', -1)}]"
+                    if vs and vs.get("ci") and vs.get("ppl_ratio") is not None
                     else "-",
                 )
             )
@@ -429,22 +450,28 @@ def format_table(summary: dict) -> str:
     ]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
     size = f".pte: {summary['pte']['path']} ({summary['pte']['size_bytes'] / 1e6:.2f} MB); parity "
-    if p["passed"] is None:
-        lines.append(size + f"SKIPPED: {p['skipped']}")
+    if "skipped" in p:
+        verdict = f"SKIPPED: {p['skipped']}" if p["passed"] is None else "FAILED: " + "; ".join(p.get("reasons", []))
+        lines.append(size + verdict)
     else:
         lines.append(
-            size + f"{'PASSED' if p['passed'] else 'FAILED'}: max|Δlogit|={p['max_abs_diff']:.4g}, "
-            f"argmax agreement={_decided(p)}, ppl diff={p['ppl_rel_diff']:.2%}"
+            size + f"{'PASSED' if p['passed'] else 'FAILED'}: max|Δlogit|={_num(p['max_abs_diff'], '.4g')}, "
+            f"argmax agreement={_decided(p)}, ppl diff={_num(p['ppl_rel_diff'], '.2%')}"
         )
         fq = p.get("fake_quant")
         if fq:
             verdict = ("PASSED" if fq["passed"] else "FAILED") if fq["gated"] else "reported"
             lines.append(
-                f".pte vs trained fake-quant {verdict}: argmax agreement={_decided(fq)}, ppl diff={fq['ppl_rel_diff']:.2%}"
+                f".pte vs trained fake-quant {verdict}: argmax agreement={_decided(fq)}, ppl diff={_num(fq['ppl_rel_diff'], '.2%')}"
             )
     if summary.get("layers"):
         lines.append("layers: " + ", ".join(f"{n} x {scheme}" for scheme, n in summary["layers"]["counts"].items()))
     return "\n".join(lines)
+
+
+def _num(value, fmt: str, add: float = 0) -> str:
+    """``value + add`` formatted; a NaN/inf (None once written to JSON) as ``nan``."""
+    return "nan" if value is None or not math.isfinite(value) else format(value + add, fmt)
 
 
 def _decided(parity: dict) -> str:

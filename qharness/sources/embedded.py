@@ -16,7 +16,7 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qharness.io import remove_stale_temps, temp_dir_for
+from qharness.io import hold_lock, remove_stale_temps, temp_dir_for
 from qharness.sources.cache import cache_dir
 from qharness.sources.text import EMBEDDED, embedded_corpus, load_texts, tokenize_stream
 from qharness.sources.tokenizer import train_bpe_tokenizer
@@ -141,9 +141,14 @@ def embedded_dir(spec: EmbeddedSpec = EmbeddedSpec(), source: str = EMBEDDED) ->
     name = "embedded" if source == EMBEDDED else Path(source).stem
     out = cache_dir() / f"{name}-llama-{h.hexdigest()[:12]}"
     if not (out / "config.json").is_file():
-        log.info(
-            "pretraining the %s model once (cached in %s)", "embedded default" if source == EMBEDDED else source, out
-        )
         out.parent.mkdir(parents=True, exist_ok=True)
-        pretrain_embedded(spec, out, texts)
+        # another run pretraining the same model: wait for it (saying whom for) rather than pretrain it twice
+        with hold_lock(out.with_name(out.name + ".lock"), f"pretraining the model cached in {out}"):
+            if not (out / "config.json").is_file():
+                log.info(
+                    "pretraining the %s model once (cached in %s)",
+                    "embedded default" if source == EMBEDDED else source,
+                    out,
+                )
+                pretrain_embedded(spec, out, texts)
     return out

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from qharness.errors import UserError
@@ -55,12 +56,59 @@ def check_local_checkpoint(checkpoint: str) -> str | None:
             raise UserError(
                 f"model.checkpoint {path} has no weights (*.safetensors)", fix="save the model with save_pretrained"
             )
+        check_config_sizes(path / "config.json")
         for weights in sorted(path.glob("*.safetensors")):
             check_safetensors(weights)
         return str(path)
     if checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1:
         raise UserError(f"model.checkpoint {checkpoint} does not exist", fix="give an existing directory or a hub id")
     return None
+
+
+# config.json fields that count things (GPT-2 style names too): each must be a whole number >= 1 where it is set
+SIZE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "n_embd",
+    "n_layer",
+    "n_head",
+    "n_positions",
+)
+
+
+def check_config_sizes(path: Path) -> None:
+    """``config.json``'s sizes (``SIZE_FIELDS``, at the top and in a ``text_config``) read without torch: a number that
+    is not a whole number >= 1 (zero attention heads divide by zero deep in transformers) is a ``UserError`` naming the
+    field, before anything loads. Unreadable JSON is one too."""
+    try:
+        config = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise UserError(
+            f"model.checkpoint {path} is not valid JSON ({e})", fix="save the model with save_pretrained"
+        ) from e
+    if not isinstance(config, dict):
+        raise UserError(f"model.checkpoint {path} must hold a JSON object", fix="save the model with save_pretrained")
+    sections = [("", config)] + [
+        (f"{k}.", v) for k, v in config.items() if k.endswith("_config") and isinstance(v, dict)
+    ]
+    for prefix, section in sections:
+        for field in SIZE_FIELDS:
+            value = section.get(field)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue  # a per-layer list or the like: transformers judges it
+            if not (math.isfinite(value) and value >= 1 and value == int(value)):
+                raise UserError(
+                    f"model.checkpoint {path}: {prefix}{field} must be a whole number >= 1 (got {value!r})",
+                    fix=f"set {prefix}{field} in config.json to the model's real size (as save_pretrained wrote it)",
+                )
 
 
 def check_safetensors(path: Path) -> None:
@@ -108,6 +156,7 @@ def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
             fix="use weights saved with this config.json (save_pretrained), complete and undamaged",
         ) from e
     check_loaded_weights(source, info)
+    check_finite_weights(model, f"model.checkpoint {source}")
     from qharness.sources.moe import rewrite_moe
 
     rewrite_moe(model)  # MoE experts as nn.Linear modules with exportable routing (sources/moe.py), for every stage
@@ -133,6 +182,23 @@ def check_loaded_weights(source: str, info: dict) -> None:
                 f"model.checkpoint {source}: its weights do not match its config.json (the checkpoint {what} "
                 f"{len(keys)} tensors, e.g. {keys[0]})",
                 fix="make config.json describe the saved weights (e.g. num_hidden_layers), or re-save with save_pretrained",
+            )
+
+
+def check_finite_weights(model, where: str) -> None:
+    """Refuse a model with a NaN/inf value in any floating-point weight, or a NaN in a buffer (masks may hold -inf),
+    ``where`` naming its source: nothing trained, calibrated or exported from it could be right, and NaN compares
+    as no number does."""
+    import torch
+
+    tensors = [(n, t, torch.isfinite) for n, t in model.named_parameters()]
+    tensors += [(n, t, lambda x: ~torch.isnan(x)) for n, t in model.named_buffers()]
+    for name, t, ok in tensors:
+        if t.is_floating_point() and not bool(ok(t).all()):
+            bad = (~ok(t)).sum().item()
+            raise UserError(
+                f"{where}: {name} holds {bad} NaN/inf value(s) of {t.numel()}",
+                fix="use weights that are all finite (a checkpoint saved before training diverged, or the original)",
             )
 
 

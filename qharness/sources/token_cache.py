@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from qharness.errors import UserError
-from qharness.io import _umask
+from qharness.io import _umask, hold_lock
 from qharness.sources.cache import cache_dir
 from qharness.sources.text import CHUNK_BYTES, EMBEDDED, iter_documents, local_files
 
@@ -154,23 +154,18 @@ def token_stream(
     chunk_bytes: int = CHUNK_BYTES,
 ) -> torch.Tensor:
     """The source's 1-D token stream (``torch.long``, memory-mapped from the token cache; built on first use)."""
-    import fcntl
-
     root = cache_dir() / "tokens"
     root.mkdir(parents=True, exist_ok=True)
     key = cache_key(source, text_field, split, tokenizer, piece_chars)
     path = root / f"{key}.i64"
     if path.is_file():
         return _open(path)
-    fd = os.open(root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # another rank or run building the same cache: wait for it
+    # another rank or run building the same cache: wait for it (saying whom for; a stopped one is given up on)
+    with hold_lock(root / f"{key}.lock", f"tokenizing data.source {source} into the token cache"):
         if not path.is_file():
             for stale in root.glob(f".{key}.i64.*.tmp"):  # a killed build's (we hold the lock)
                 stale.unlink(missing_ok=True)
             _build(path, source, text_field, split, tokenizer, piece_chars, chunk_bytes)
-    finally:
-        os.close(fd)
     return _open(path)
 
 

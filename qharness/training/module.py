@@ -51,6 +51,7 @@ def load_teacher(source: str, trust_remote_code: bool = False):
     saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
     if "state_dict" not in ckpt or "recipe" not in saved:
         raise UserError(f"model.distill.teacher {ckpt_path} is not a qharness training checkpoint")
+    check_finite_state(ckpt["state_dict"], f"model.distill.teacher {ckpt_path}")
     from qharness.recipes.registry import load_recipe
 
     recipe = load_recipe(saved["recipe"])
@@ -65,6 +66,21 @@ def load_teacher(source: str, trust_remote_code: bool = False):
     model, _ = load_model_and_tokenizer(resolve_checkpoint(saved["checkpoint"]), trust_remote_code)
     load_weights_into(hf_weights(graph), model)
     return model
+
+
+def check_finite_state(state: dict, where: str) -> None:
+    """Refuse a state dict with a NaN anywhere, or an inf outside an observer's running min/max (which start at
+    +-inf): a diverged run's weights would train, export or resume into NaN (``where`` names the file)."""
+    for name, t in state.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
+        ok = ~torch.isnan(t) if name.endswith(("min_val", "max_val")) else torch.isfinite(t)
+        if not bool(ok.all()):
+            raise UserError(
+                f"{where} holds NaN/inf values in {name} ({(~ok).sum().item()} of {t.numel()}): it was saved after "
+                "training diverged",
+                fix="use an earlier checkpoint (or train again with a lower model.lr)",
+            )
 
 
 def hf_weights(named_parameters, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
@@ -303,6 +319,7 @@ class QuantLM(L.LightningModule):
         # the distillation teacher, in a list so that it is no submodule: not in state_dict, checkpoints or the optimizer
         self._teacher: list[torch.nn.Module] = []
         self._val_losses: list[float] = []
+        self.steps_trained: int | None = None  # optimizer steps behind the weights (set by fit and checkpoint loads)
 
     # --- building -------------------------------------------------------------------------------
     def model_source(self) -> str:
@@ -366,6 +383,27 @@ class QuantLM(L.LightningModule):
             set_checkpointing(graph, True)
         self.graph = graph
         self._shape = (batch_size, seq_len)
+
+    def load_trained_state(self, state: dict, where: str) -> None:
+        """``load_state_dict(state)``, a state of other names or shapes (another model, recipe or data layout) being
+        one ``UserError`` line naming ``where`` (the checkpoint) and the first difference."""
+        try:
+            self.load_state_dict(state)
+        except RuntimeError as e:
+            first = next((line.strip() for line in str(e).splitlines()[1:] if line.strip()), str(e).splitlines()[0])
+            raise UserError(
+                f"{where} does not fit this model: {first}",
+                fix="use the config (model, recipe, data) the checkpoint was trained with",
+            ) from e
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Resuming ``fit`` from a checkpoint: a state that does not fit the graph is one line (Lightning's own load
+        would end in a traceback); the steps it was trained for are known."""
+        from qharness.training.sharding import is_sharded
+
+        if self.graph is not None and not is_sharded(self.graph):  # sharded graphs: the strategy loads its way
+            self.load_trained_state(checkpoint["state_dict"], f"checkpoint {self.trainer.ckpt_path}")
+        self.steps_trained = checkpoint.get("global_step")
 
     def configure_model(self) -> None:
         dm = self.trainer.datamodule
@@ -537,7 +575,22 @@ class QuantLM(L.LightningModule):
     def loss(self, batch) -> torch.Tensor:
         """Cross-entropy of the graph's next-token predictions (validation and test; training without distill)."""
         x, y = batch
-        return F.cross_entropy(self.graph(x).flatten(0, 1), y.flatten())
+        return F.cross_entropy(self.forward_checked(x).flatten(0, 1), y.flatten())
+
+    def forward_checked(self, x: torch.Tensor) -> torch.Tensor:
+        """``graph(x)``; activations that overflowed to NaN/inf stop the run with one line naming the step: torchao's
+        observers assert on them (``min nan should be less than max nan``) before any loss could be checked."""
+        try:
+            return self.graph(x)
+        except AssertionError as e:
+            if "nan" not in str(e) and "inf" not in str(e):
+                raise
+            stage = "training" if self.training else "validation"
+            raise FloatingPointError(
+                f"training diverged at step {self.global_step}: the activations became NaN/inf during {stage} "
+                f"(a quantization observer saw {str(e).strip()}); stopping, the last checkpoint is kept. "
+                "fix: lower model.lr (or check the data) and resume from the last checkpoint or start again"
+            ) from e
 
     def training_losses(self, batch) -> dict[str, torch.Tensor]:
         """``{"loss": ...}``; with ``distill`` also its parts ``ce`` (data labels) and ``kl`` (the teacher).
@@ -550,7 +603,7 @@ class QuantLM(L.LightningModule):
         if d is None:
             return {"loss": self.loss(batch)}
         x, y = batch
-        logits = self.graph(x)
+        logits = self.forward_checked(x)
         with torch.no_grad():
             target = self.teacher()(x)
         if target.shape != logits.shape:
@@ -569,8 +622,9 @@ class QuantLM(L.LightningModule):
         loss = parts["loss"]
         if not torch.isfinite(loss):
             raise FloatingPointError(
-                f"training loss became {loss.item()} at step {self.global_step}; stopping "
-                "(the last checkpoint is kept: lower model.lr or check the data)"
+                f"training diverged at step {self.global_step}: the training loss became {loss.item()}; stopping, "
+                "the last checkpoint is kept. fix: lower model.lr (or check the data) and resume from the last "
+                "checkpoint or start again"
             )
         self.log("train/loss", loss, prog_bar=True)
         for name in ("ce", "kl"):
@@ -584,12 +638,17 @@ class QuantLM(L.LightningModule):
         bad = next((n for n, p in self.graph.named_parameters() if not torch.isfinite(p).all()), None)
         if bad is not None:
             raise FloatingPointError(
-                f"training diverged at step {self.global_step}: {bad} became NaN/inf; stopping "
-                "(the last checkpoint is kept: lower model.lr or check the data)"
+                f"training diverged at step {self.global_step}: {bad} became NaN/inf; stopping, the last checkpoint "
+                "is kept. fix: lower model.lr (or check the data) and resume from the last checkpoint or start again"
             )
 
     def validation_step(self, batch, batch_idx):
         loss = self.loss(batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(
+                f"the validation loss became {loss.item()} at step {self.global_step} (batch {batch_idx}); stopping, "
+                "the last checkpoint is kept. fix: lower model.lr (or check the data), or use an earlier checkpoint"
+            )
         self._val_losses.append(loss.item())
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
