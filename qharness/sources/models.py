@@ -84,7 +84,8 @@ def check_safetensors(path: Path) -> None:
 
 
 def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
-    """Load an FP32 causal LM (eval mode) and its tokenizer from a directory or hub id."""
+    """Load an FP32 causal LM (eval mode, its projections plain ``nn.Linear``: ``normalize.py``) and its tokenizer
+    from a directory or hub id."""
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -107,6 +108,9 @@ def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
             fix="use weights saved with this config.json (save_pretrained), complete and undamaged",
         ) from e
     check_loaded_weights(source, info)
+    from qharness.sources.normalize import normalize_linears
+
+    normalize_linears(model)  # GPT-2's Conv1D, Falcon's FalconLinear, ...: plain nn.Linear, what quantizers see
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > model.config.get_text_config().vocab_size:
