@@ -143,24 +143,29 @@ def check_deploy(config, recipe, max_seq_len: int, what: str, trust_remote_code:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from qharness.progress import stage
     from qharness.sources.normalize import normalize_linears
 
     probe = small_vocab(probe_config(config))
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(probe, trust_remote_code=trust_remote_code).eval()
-    normalize_linears(model)
     # a recipe's layers: rules name the full model's layers; they are checked on the model itself before training
     probe_recipe = dataclasses.replace(recipe, layers=()) if recipe.layers else recipe
-    from qharness.progress import stage
-
+    arch = (getattr(config, "architectures", None) or [config.model_type])[0]  # the class, once it is built
     try:
-        with stage(f"checking that {type(model).__name__} deploys with {recipe.name} (a one-layer copy, once)"):
-            _deploy(model, probe_recipe, max_seq_len)
+        with torch.random.fork_rng(devices=[]):  # the run's random state stays as it was seeded
+            torch.manual_seed(0)
+            try:
+                model = AutoModelForCausalLM.from_config(probe, trust_remote_code=trust_remote_code).eval()
+            except Exception as e:
+                raise ProbeFailed("building") from e
+            arch = type(model).__name__
+            normalize_linears(model)
+            with stage(f"checking that {arch} deploys with {recipe.name} (a one-layer copy, once)"):
+                _deploy(model, probe_recipe, max_seq_len)
     except ProbeFailed as failed:
         e = failed.__cause__
         first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise UserError(
-            f"{what}: {type(model).__name__} cannot be deployed with recipe {recipe.name!r}: {failed.stage} of a "
+            f"{what}: {arch} cannot be deployed with recipe {recipe.name!r}: {failed.stage} of a "
             f"one-layer copy fails ({type(e).__name__}: {first})",
             fix="use another recipe (qharness recipes) or a model family that deploys with it (Llama, Qwen2/3, "
             "Mistral, ...); found now, before training, instead of after it",
