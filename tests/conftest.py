@@ -84,6 +84,7 @@ def make_tiny_hf(
         head_dim=16,
     )
     dims.update({k: overrides.pop(k) for k in list(overrides) if k in dims})  # overrides of the dimensions too
+    dims = {k: v for k, v in dims.items() if v is not None}  # None: a dimension the family derives (Falcon's head_dim)
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     config = AutoConfig.for_model(
         model_type, vocab_size=len(tok), max_position_embeddings=256, **dims, **ids, **overrides

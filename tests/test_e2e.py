@@ -19,6 +19,9 @@ def test_fit_writes_a_pte_that_passes_parity(fitted):
     assert set(m) == {"fp", "fake_quant", "converted", "pte"}
     assert abs(m["pte"]["ppl"] - m["converted"]["ppl"]) / m["converted"]["ppl"] < 0.02
     assert summary["parity"]["argmax_agreement"] >= 0.9
+    cov = summary["coverage"]  # the Llama control: every projection (7 per layer and lm_head) quantized
+    assert cov["weights"] == cov["quantized"] == 15 and cov["fraction"] == 1.0 and cov["float"] == {}
+    assert "quantized: 100.0% of linear weight bytes (15 of 15 weights)" in r.stdout
     assert (run / "model.pte").stat().st_size == summary["pte"]["size_bytes"] > 10_000
     assert (run / "tokenizer" / "tokenizer.json").is_file()
     assert (run / "checkpoints" / "last.ckpt").is_file()
@@ -258,8 +261,12 @@ def test_killed_run_resumes_to_the_uninterrupted_result(sig_name, tmp_path, tiny
 def test_a_crash_while_lowering_keeps_the_checkpoint_and_export_finishes(tmp_path, tiny_llama, corpus, monkeypatch):
     import qharness.deploy.lower
     from qharness.cli.main import main
+    from qharness.deploy.architectures import check_architecture
+    from qharness.recipes.registry import load_recipe
 
     cfg = write_config(tmp_path / "c.yaml", tiny_llama, corpus, tmp_path / "c", bench={"enabled": False})
+    # the deploy probe before training passed (it is remembered): the crash comes at the run's own lowering
+    check_architecture(str(tiny_llama), recipe=load_recipe("xnnpack_int8_dynamic"), max_seq_len=64)
 
     def broken(*args, **kwargs):
         raise RuntimeError("forced failure while lowering")

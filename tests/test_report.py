@@ -47,6 +47,8 @@ def summary(name, recipe, mode, quantized, ppl, ms, mb, passed, acc):
             "reasons": [],
         },
         "pte": {"path": f"runs/s/{name}/model.pte", "size_bytes": int(mb * 1e6), "max_seq_len": 256},
+        # of the linear weight bytes (deploy/coverage.py); int4-ptq's recipe keeps one layer float
+        "coverage": {"fraction": 0.0 if not quantized else 0.969 if name == "int4-ptq" else 1.0},
         "eval": {
             "tasks": {
                 "toy": {
@@ -144,6 +146,11 @@ def test_table_csv_and_png_are_written(runs_dir):
     assert set(body) == set(RUNS)  # the unreadable summary is skipped
     assert {n for n, r in body.items() if r["Pareto"] == "*"} == set(FRONT)
     assert body["broken"]["parity"] == "FAILED" and body["int8-ptq"]["parity"] == "passed"
+    assert (body["fp"]["quantized"], body["int8-ptq"]["quantized"], body["int4-ptq"]["quantized"]) == (
+        "0.0%",
+        "100.0%",
+        "96.9%",
+    )
     # latency [min, max] of the own benchmark's repetitions (+-2% tok/s); lm-eval metrics +- their stderr
     assert body["8da4w-qat"][".pte ppl"] == "99.000" and body["8da4w-qat"]["decode ms/tok"] == "0.900 [0.882, 0.918]"
     assert body["8da4w-qat"]["toy/acc"] == "0.450 ± 0.010" and body["int8-ptq"]["vs FP"] == "+0.10%"

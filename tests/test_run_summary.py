@@ -65,6 +65,9 @@ def test_version_1_summaries_are_read_and_newer_ones_refused(tmp_path):
     old["recipe"] = "xnnpack_fp32"
     write_json_atomic(tmp_path / "v1.json", old)
     assert RunSummary.read(tmp_path / "v1.json").kind == "fp"  # asked the recipe, not the name
+    v3 = {k: v for k, v in _summary().to_dict().items() if k != "coverage"} | {"schema_version": 3}
+    write_json_atomic(tmp_path / "v3.json", v3)  # written before coverage was measured
+    assert RunSummary.read(tmp_path / "v3.json").coverage is None
     write_json_atomic(tmp_path / "v9.json", {**_summary().to_dict(), "schema_version": SCHEMA_VERSION + 1})
     with pytest.raises(UserError, match="newer than this qharness reads"):
         RunSummary.read(tmp_path / "v9.json")

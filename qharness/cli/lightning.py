@@ -197,12 +197,24 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         "autotune",
     ):  # they write into the run directory
         hold_run_lock(cfg.trainer.default_root_dir)
-    if cfg.model.checkpoint != "embedded":
-        from qharness.deploy.architectures import check_architecture
-        from qharness.sources.models import resolve_checkpoint
+    from qharness.deploy.architectures import check_architecture
+    from qharness.recipes.registry import load_recipe
+    from qharness.sources.embedded import embedded_config
+    from qharness.sources.models import EMBEDDED, resolve_checkpoint
 
-        # an architecture that cannot be exported with a static KV cache fails here, before any training
-        check_architecture(resolve_checkpoint(cfg.model.checkpoint), cfg.model.trust_remote_code)
+    # a model that cannot be exported, quantized by the recipe (every projection) and lowered fails here, before any
+    # training or calibration (a one-layer copy deployed as the run will deploy it; cached per model and recipe)
+    embedded = cfg.model.checkpoint == EMBEDDED  # its config is known before it is pretrained
+    deploys = subcommand == "export" or (subcommand in ("fit", "calibrate", None) and deploy.enabled)
+    recipe = load_recipe(cfg.model.recipe) if deploys else None
+    if not embedded or recipe is not None:  # the embedded Llama itself always exports
+        check_architecture(
+            EMBEDDED if embedded else resolve_checkpoint(cfg.model.checkpoint),
+            cfg.model.trust_remote_code,
+            recipe=recipe,
+            max_seq_len=deploy.max_seq_len,
+            config=embedded_config() if embedded else None,
+        )
 
 
 def check_trains(trainer) -> None:

@@ -4,14 +4,18 @@ qharness needs a decoder-only causal LM that ``torch.export`` traces in two form
 training graph (``module.export_for_training``, exported when ``fit`` starts) and transformers'
 static-KV-cache export (``lower.export_static_cache``, run after training). Nothing in qharness is
 written per architecture; ``check_architecture`` reads ``config.json``, rules out what cannot work
-(encoder-decoders, no causal-LM class, recurrent state instead of a KV cache) and traces the
-static-cache export of a weightless (``meta``) copy with one layer of each layer type, so a model that
-would fail after hours of training fails at once with a named reason. A success is remembered under ``$QHARNESS_CACHE/architectures`` (keyed by the config and the
-torch/transformers versions). Per-architecture code, if one ever needs it, belongs in this module.
+(encoder-decoders, no causal-LM class, recurrent state instead of a KV cache) and, given the run's recipe,
+deploys a copy with one layer of each layer type, random weights and a small vocabulary exactly as deployment will
+after training (``check_deploy``: export, quantization, the coverage check, lowering), so a model that would fail
+after hours of training (an op the backend lacks, a quantizer error, a projection the recipe would leave float)
+fails at once with a named reason. Without a recipe it traces the static-cache export of a weightless (``meta``)
+copy. A success is remembered under ``$QHARNESS_CACHE/architectures`` (keyed by the config, the recipe, the cache
+length and the torch/transformers versions). Per-architecture code, if one ever needs it, belongs in this module.
 
 Example::
 
-    check_architecture("/path/to/qwen2-save_pretrained-dir")   # UserError (exit 2) naming what is missing
+    check_architecture("/path/to/qwen2-save_pretrained-dir", recipe=load_recipe("xnnpack_8da4w"), max_seq_len=128)
+    # UserError (exit 2) naming what is missing or what fails
 """
 
 from __future__ import annotations
@@ -65,11 +69,18 @@ def probe_config(config):
     return config
 
 
-def _cache_key(config) -> str:
+PROBE_VOCAB = (
+    256  # the probe's vocabulary: embeddings and the output head at this size cost nothing to quantize and lower
+)
+
+
+def _cache_key(config, recipe=None, max_seq_len: int | None = None) -> str:
     import torch
     import transformers
 
     text = config.to_json_string(use_diff=False) + transformers.__version__ + torch.__version__ + "v1"
+    if recipe is not None:  # the deploy probe: per recipe and cache length
+        text += f"deploy v2 {recipe!r} {max_seq_len}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -81,18 +92,109 @@ def _trace(model) -> None:
     export_static_cache(model, max_seq_len=8)
 
 
-def check_architecture(source: str, trust_remote_code: bool = False) -> None:
-    """Raise ``UserError`` unless the model at ``source`` (directory or hub id) can be trained and deployed."""
+def small_vocab(config, size: int = PROBE_VOCAB):
+    """``config`` (a probe's copy, changed in place) with at most ``size`` tokens; a padding id beyond them is
+    dropped. The projections keep their widths: only the embedding table and the output head shrink."""
+    text = config.get_text_config()
+    vocab = getattr(text, "vocab_size", None)
+    if isinstance(vocab, int) and vocab > size:
+        text.vocab_size = size
+        pad = getattr(text, "pad_token_id", None)
+        if isinstance(pad, int) and pad >= size:
+            text.pad_token_id = None
+    return config
+
+
+def _deploy(model, recipe, max_seq_len: int) -> None:
+    """What deployment does after training, on the probe: export with the static KV cache, quantize with the recipe
+    (random calibration tokens), the coverage check (``coverage.py``), lowering to a ``.pte`` (discarded). A failure
+    other than a ``UserError`` comes out as ``ProbeFailed`` naming the stage."""
+    import torch
+
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy
+
+    vocab = model.config.get_text_config().vocab_size
+    tokens = torch.randint(0, vocab, (1, min(8, max_seq_len - 1)), generator=torch.Generator().manual_seed(0))
+
+    def calibrate(graph):
+        with torch.no_grad():
+            graph(tokens, torch.tensor([0]))
+
+    stage = "export + quantization"
+    try:
+        graph = quantize_for_deploy(model, recipe, max_seq_len, calibrate)
+        stage = "lowering"
+        lower_to_pte(graph, recipe, max_seq_len)
+    except UserError:
+        raise
+    except Exception as e:
+        raise ProbeFailed(stage) from e
+
+
+class ProbeFailed(Exception):
+    """A stage of the deploy probe failed: ``stage`` names it, ``__cause__`` is the failure."""
+
+    def __init__(self, stage: str):
+        super().__init__(stage)
+        self.stage = stage
+
+
+def check_deploy(config, recipe, max_seq_len: int, what: str, trust_remote_code: bool = False) -> None:
+    """Deploy a one-layer copy of the model (``probe_config``, random weights, a small vocabulary) with ``recipe``
+    as deployment will after training: a ``UserError`` naming the stage and the reason when anything fails (an op
+    the backend lacks, a quantizer error, a projection the recipe would leave float)."""
+    import dataclasses
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qharness.progress import stage
+    from qharness.sources.normalize import normalize_model
+
+    probe = small_vocab(probe_config(config))
+    # a recipe's layers: rules name the full model's layers; they are checked on the model itself before training
+    probe_recipe = dataclasses.replace(recipe, layers=()) if recipe.layers else recipe
+    arch = (getattr(config, "architectures", None) or [config.model_type])[0]  # the class, once it is built
+    try:
+        with torch.random.fork_rng(devices=[]):  # the run's random state stays as it was seeded
+            torch.manual_seed(0)
+            try:
+                model = AutoModelForCausalLM.from_config(probe, trust_remote_code=trust_remote_code).eval()
+            except Exception as e:
+                raise ProbeFailed("building") from e
+            arch = type(model).__name__
+            normalize_model(model)
+            with stage(f"checking that {arch} deploys with {recipe.name} (a one-layer copy, once)"):
+                _deploy(model, probe_recipe, max_seq_len)
+    except ProbeFailed as failed:
+        e = failed.__cause__
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise UserError(
+            f"{what}: {arch} cannot be deployed with recipe {recipe.name!r}: {failed.stage} of a "
+            f"one-layer copy fails ({type(e).__name__}: {first})",
+            fix="use another recipe (qharness recipes) or a model family that deploys with it (Llama, Qwen2/3, "
+            "Mistral, ...); found now, before training, instead of after it",
+        ) from e
+
+
+def check_architecture(
+    source: str, trust_remote_code: bool = False, recipe=None, max_seq_len: int = 64, config=None
+) -> None:
+    """Raise ``UserError`` unless the model at ``source`` (directory or hub id) can be trained and deployed; with
+    ``recipe``, deployed with that recipe and a ``max_seq_len``-position cache (``check_deploy``). ``config``: the
+    model's config when it is known without ``source`` (the embedded model before it is pretrained)."""
+    import time
+
     import torch
     from transformers import AutoModelForCausalLM
 
     from qharness.sources.cache import cache_dir
 
-    config = load_config(source, trust_remote_code)
+    config = load_config(source, trust_remote_code) if config is None else config
     what = f"unsupported model {source!r} (model_type {config.model_type!r})"
     if getattr(config, "is_encoder_decoder", False):
         raise UserError(f"{what}: it is an encoder-decoder; qharness needs a decoder-only causal LM", fix=FIX)
-    marker = cache_dir() / "architectures" / _cache_key(config)
+    marker = cache_dir() / "architectures" / _cache_key(config, recipe, max_seq_len)
     if marker.is_file():
         return
     probe = probe_config(config)
@@ -107,6 +209,20 @@ def check_architecture(source: str, trust_remote_code: bool = False) -> None:
             "transformers' static-KV-cache export (what the .pte runs) needs attention layers with a KV cache",
             fix=FIX,
         )
+    t = time.perf_counter()
+    if recipe is not None:
+        check_deploy(config, recipe, max_seq_len, what, trust_remote_code)
+    else:
+        _check_trace(model, probe, source, what, trust_remote_code)
+    log.info("architecture check of %s: %.1f s", source, time.perf_counter() - t)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(f"{source}\n{type(model).__name__}\n{'' if recipe is None else recipe.name}\n")
+
+
+def _check_trace(model, probe, source: str, what: str, trust_remote_code: bool) -> None:
+    """The static-cache export of the weightless copy (of one with random weights when that fails)."""
+    from transformers import AutoModelForCausalLM
+
     try:
         try:
             _trace(model)
@@ -120,5 +236,3 @@ def check_architecture(source: str, trust_remote_code: bool = False) -> None:
             f"{what}: {type(model).__name__} cannot be exported with torch.export ({type(e).__name__}: {first})",
             fix=FIX,
         ) from e
-    marker.parent.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"{source}\n{type(model).__name__}\n")

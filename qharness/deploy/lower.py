@@ -95,9 +95,15 @@ def quantize_for_deploy(
     ``weight_qparams`` (trained scales keyed by ``model``'s parameter names, ``recipes/learned_scales.py``) every
     weight is quantized with its trained scale instead of min-max of its values. Source-level recipes: torchao
     ``quantize_`` on the model (in place; ``weight_qparams`` through torchao's range-learning convert,
-    ``SourceQuantizer.convert``), then the cache export.
+    ``SourceQuantizer.convert``), then the cache export. Then the graph's coverage is measured (``coverage.py``,
+    ``graph_coverage``): a projection the recipe meant to quantize and left float is a ``UserError``.
     """
-    graph, reason, layers = _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams)
+    from qharness.deploy import coverage
+
+    linears = coverage.inventory(model)  # before torchao's quantize_ replaces the weights
+    graph, reason, layers, quantizer = _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams)
+    graph.meta["qharness_coverage"] = measured = coverage.measure(graph, linears, recipe, quantizer, layers)
+    coverage.check(measured, recipe.name, type(model).__name__)  # no float projection the recipe meant to quantize
     graph.meta["qharness_layers"] = layers
     graph.meta["qharness_export_path"] = "generic" if reason else "fast"
     graph.meta["qharness_fallback_reason"] = reason
@@ -126,7 +132,7 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
     ep, reason = export_deploy(model, max_seq_len, recipe.kv_cache, reason)
     graph = ep.module()
     if recipe.kind != "pt2e":
-        return graph, reason, layers
+        return graph, reason, layers, quantizer
     pt2e = imports.pt2e()
     prepared = pt2e.prepare_pt2e(graph, quantizer)
     if weight_qparams is not None:
@@ -134,13 +140,19 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
 
         use_learned_qparams(prepared, model, weight_qparams)
     calibrate(prepared)
-    return pt2e.convert_pt2e(prepared), reason, layers
+    return pt2e.convert_pt2e(prepared), reason, layers, quantizer
 
 
 def quantized_layers(graph: torch.fx.GraphModule) -> dict[str, str] | None:
     """``{module name: scheme}`` that ``quantize_for_deploy`` applied (source-level recipes; ``fp``: kept in
     floating point by the recipe's ``layers``); None for graph-level (PT2E) and FP recipes."""
     return graph.meta.get("qharness_layers")
+
+
+def graph_coverage(graph: torch.fx.GraphModule) -> dict | None:
+    """How much of the model ``quantize_for_deploy`` quantized (``coverage.measure``: linear weights and bytes,
+    per recipe rule, the float ones with why); None for a graph it did not make."""
+    return graph.meta.get("qharness_coverage")
 
 
 def layer_counts(layers: dict[str, str] | None) -> dict[str, int] | None:

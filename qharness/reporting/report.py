@@ -381,7 +381,12 @@ INTERVALS_NOTE = (
 
 def table_columns(rows: list[dict], column: str) -> list[tuple[str, str, str]]:
     """(key, header, format) of the Markdown table: the metric first, then latency, size and parity."""
-    cols = [("run", "run", ""), ("recipe", "recipe", ""), ("mode", "mode", "")]
+    cols = [
+        ("run", "run", ""),
+        ("recipe", "recipe", ""),
+        ("mode", "mode", ""),
+        ("quantized_fraction", "quantized", "frac"),
+    ]
     if column != "ppl_pte":
         cols.append((column, eval_header(rows, column), ""))
     cols += [

@@ -40,6 +40,8 @@ def summary_row(summary: dict, run: str | None = None) -> dict:
         "recipe": summary.get("recipe"),
         "backend": summary.get("backend"),
         "mode": summary["mode"] if summary["quantized"] else "fp",  # RunSummary.kind
+        # of the linear weight bytes, as deployed (deploy/coverage.py); None: a summary from before it was measured
+        "quantized_fraction": (summary.get("coverage") or {}).get("fraction"),
         "ppl_fp": ppl["fp"],
         "ppl_fake_quant": ppl["fake_quant"],
         "ppl_converted": ppl["converted"],

@@ -30,6 +30,7 @@ from qharness.checks.parity import (
 )
 from qharness.checks.stats import with_intervals
 from qharness.config import BenchConfig, EvalConfig, ExportConfig, ParityConfig
+from qharness.deploy.coverage import format_coverage
 from qharness.deploy.fastpath import all_logits_twin
 from qharness.errors import ParityError, UserError
 from qharness.io import atomic_dir, write_bytes_atomic
@@ -174,6 +175,7 @@ def deploy_and_check(
     from qharness.deploy.lower import (
         export_path,
         fallback_reason,
+        graph_coverage,
         kv_cache_dtype,
         layer_counts,
         lower_to_pte,
@@ -327,6 +329,7 @@ def deploy_and_check(
             "sha256": hashlib.sha256(pte_bytes).hexdigest(),
         },
         layers=None if layers is None else {"schemes": layers, "counts": layer_counts(layers), "rules": rules},
+        coverage=graph_coverage(deployed),
         timings=timings,
     )
     summary.evaluations = earlier_evaluations(run_dir / "summary.json")
@@ -464,6 +467,9 @@ def format_table(summary: dict) -> str:
             lines.append(
                 f".pte vs trained fake-quant {verdict}: argmax agreement={_decided(fq)}, ppl diff={_num(fq['ppl_rel_diff'], '.2%')}"
             )
+    coverage = format_coverage(summary.get("coverage"))
+    if coverage:
+        lines.append(coverage)
     if summary.get("layers"):
         lines.append("layers: " + ", ".join(f"{n} x {scheme}" for scheme, n in summary["layers"]["counts"].items()))
     return "\n".join(lines)

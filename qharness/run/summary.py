@@ -20,7 +20,8 @@ from typing import Any
 from qharness.errors import UserError
 from qharness.io import to_jsonable, write_json_atomic
 
-SCHEMA_VERSION = 3  # 1: the unversioned summaries written before this type existed; 2: before ``layers`` (both read)
+SCHEMA_VERSION = 4  # 1: the unversioned summaries written before this type existed; 2: before ``layers``; 3: before
+# ``coverage`` (all read)
 MODES = ("qat", "ptq")
 
 
@@ -46,6 +47,11 @@ class RunSummary:
         layers: Source-level recipes: the per-layer quantization the ``.pte`` got: ``schemes`` ``{module name: scheme}``
             (``8da4w-g32``, ``8da8w-pc``, ``fp``, ...), ``counts`` per scheme and the recipe's ``rules`` as written
             (``recipes/layers.py``); None for graph-level (PT2E) and FP recipes.
+        coverage: How much of the model the ``.pte`` quantized (``deploy/coverage.py``): ``weights``/``bytes`` (the
+            model's linear weights, float bytes), ``quantized``/``quantized_bytes``, ``fraction`` (of the bytes; 0 for
+            an FP recipe), the same per recipe rule (``rules``: ``recipe`` or ``layers[i] (match ...)``), each float
+            weight with ``why`` (``fp recipe``, ``recipe rule``, ``recipe settings: ...``) and ``unused`` linear modules
+            the program never reads; None in summaries written before it was measured.
         timings: Seconds per stage.
         bench: The run's own benchmark (``qharness bench`` format).
         bench_joint: The sweep's interleaved benchmark of all candidates (fresh processes, round-robin).
@@ -69,6 +75,7 @@ class RunSummary:
     parity: dict[str, Any] = field(default_factory=dict)
     pte: dict[str, Any] = field(default_factory=dict)
     layers: dict[str, Any] | None = None
+    coverage: dict[str, Any] | None = None
     timings: dict[str, float] = field(default_factory=dict)
     bench: dict[str, Any] | None = None
     bench_joint: dict[str, Any] | None = None

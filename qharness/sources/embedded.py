@@ -44,10 +44,18 @@ class EmbeddedSpec:
 
 
 def new_llama(spec: EmbeddedSpec, vocab_size: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=vocab_size,
+    return LlamaForCausalLM(embedded_config(spec, vocab_size))
+
+
+def embedded_config(spec: EmbeddedSpec = EmbeddedSpec(), vocab_size: int | None = None):
+    """The embedded model's ``LlamaConfig`` (``vocab_size``: the trained tokenizer's size; default the spec's), known
+    without pretraining (the architecture check deploys a copy of it before anything is trained)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=spec.vocab_size if vocab_size is None else vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -59,7 +67,6 @@ def new_llama(spec: EmbeddedSpec, vocab_size: int):
         eos_token_id=0,
         pad_token_id=0,
     )
-    return LlamaForCausalLM(config)
 
 
 def pretrain_embedded(spec: EmbeddedSpec, out_dir: Path, texts: list[str] | None = None) -> dict:

@@ -132,8 +132,8 @@ def check_safetensors(path: Path) -> None:
 
 
 def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
-    """Load an FP32 causal LM (eval mode) and its tokenizer from a directory or hub id (MoE experts rewritten as
-    ``nn.Linear`` modules: ``sources/moe.py``)."""
+    """Load an FP32 causal LM (eval mode, its projections and MoE experts plain ``nn.Linear`` modules:
+    ``normalize.py``, ``moe.py``) and its tokenizer from a directory or hub id."""
     import torch
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -157,9 +157,9 @@ def load_model_and_tokenizer(source: str, trust_remote_code: bool = False):
         ) from e
     check_loaded_weights(source, info)
     check_finite_weights(model, f"model.checkpoint {source}")
-    from qharness.sources.moe import rewrite_moe
+    from qharness.sources.normalize import normalize_model
 
-    rewrite_moe(model)  # MoE experts as nn.Linear modules with exportable routing (sources/moe.py), for every stage
+    normalize_model(model)  # Conv1D, FalconLinear, batched MoE experts -> nn.Linear: what quantizers see, every stage
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > model.config.get_text_config().vocab_size:

@@ -1,0 +1,283 @@
+"""How much of a model its deployed program quantized: every linear weight, quantized or float, and why.
+
+``inventory(model)`` lists the model's linear projections (``nn.Linear`` modules, plain once ``sources/normalize.py``
+ran, and ``Conv1D``-style ones it could not swap) with their weights' bytes, before anything is quantized.
+``measure(graph, inventory, recipe, quantizer, assignment)`` reads the converted deploy graph: every matmul-like op
+(``aten.linear``, ``addmm``, ``matmul``, ``mm``, ``bmm``, ...) whose operand is a weight reads it either dequantized
+(quantized) or as the float parameter itself (float). A float weight says why:
+
+- ``fp recipe``: the recipe quantizes nothing (fraction 0, no failure);
+- ``recipe rule``: a ``layers:`` rule of the recipe keeps it in floating point (``recipes/layers.py``);
+- ``recipe settings: ...``: the quantizer's settings do not take it (e.g. a group size that does not divide its
+  input size; a warning);
+- anything else is a failure: the op that computes it, where the quantizer did not see a linear layer it takes.
+
+``check`` raises ``UserError`` naming the failures, so a recipe never ships as quantized with float projections it
+meant to quantize. The record is ``summary.json``'s ``coverage`` (fraction of linear weight bytes quantized).
+
+Example::
+
+    layers = inventory(model)                         # before quantization
+    cov = measure(converted, layers, recipe, quantizer, assignment)
+    check(cov, recipe.name, "GPT2LMHeadModel")        # UserError: ... transformer.h.0.attn.c_attn (aten.addmm) ...
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from qharness.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# aten ops that multiply an operand by a weight matrix
+MATMULS = frozenset(
+    {"linear", "addmm", "matmul", "mm", "bmm", "baddbmm", "addbmm", "einsum", "_grouped_mm", "addmv", "mv"}
+)
+# ops a weight passes through on its way to a matmul without being computed on (layout, views, dtype, slices)
+THROUGH = frozenset(
+    {
+        "t",
+        "numpy_T",
+        "transpose",
+        "permute",
+        "view",
+        "reshape",
+        "_unsafe_view",
+        "expand",
+        "clone",
+        "contiguous",
+        "unsqueeze",
+        "squeeze",
+        "alias",
+        "detach",
+        "_to_copy",
+        "to",
+        "type_as",
+        "slice",
+        "select",
+        "index_select",
+        "unbind",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "flatten",
+        "unflatten",
+        "lift_fresh_copy",
+        "access_subclass_inner_tensor",  # torchao's quantized weight: its int data, scale and zero point
+    }
+)
+FP_RECIPE, RULE = "fp recipe: the recipe quantizes nothing", "recipe rule"
+DEFAULT_RULE = "recipe"  # the rule of every weight no ``layers:`` rule takes
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """A model's linear weights before quantization: ``linears`` ``{module name: weight bytes}`` (``plain``: those
+    that are plain ``nn.Linear``), and every float parameter of 2 or more dimensions ``{name: bytes}`` (for weights
+    computed outside linear modules, e.g. experts held as one 3-D tensor)."""
+
+    linears: dict[str, int]
+    plain: frozenset[str]
+    params: dict[str, int]
+
+
+def inventory(model: torch.nn.Module) -> Inventory:
+    from qharness.sources.normalize import is_projection
+
+    linears, plain = {}, set()
+    for name, m in model.named_modules():
+        if is_projection(m):
+            linears[name] = m.weight.numel() * m.weight.element_size()
+            if type(m) is torch.nn.Linear:
+                plain.add(name)
+    params = {
+        n: p.numel() * p.element_size()
+        for n, p in model.named_parameters(remove_duplicate=False)
+        if p.is_floating_point() and p.dim() >= 2
+    }
+    return Inventory(linears, frozenset(plain), params)
+
+
+def _op(node: torch.fx.Node) -> str:
+    """``aten.addmm.default`` -> ``addmm``; ``operator.getitem`` -> ``getitem``; '' for other nodes."""
+    if node.op != "call_function":
+        return ""
+    if node.target is operator.getitem:
+        return "getitem"
+    return getattr(node.target, "_opname", "") or getattr(node.target, "__name__", "")
+
+
+def _origin(node, params: set[str]) -> tuple[str, str | None]:
+    """What a matmul operand is: ``("float", parameter name)``, ``("quantized", the stored constant's name)`` (a
+    weight read through a dequantize op), or ``("activation", None)``."""
+    while isinstance(node, torch.fx.Node):
+        if node.op == "get_attr":
+            return ("float", node.target) if node.target in params else ("activation", None)
+        op = _op(node)
+        if op.startswith("dequantize"):
+            stored = _stored(node.args[0]) if node.args else None
+            return ("quantized", stored) if stored is not None else ("activation", None)
+        if op not in THROUGH and op != "getitem":
+            return ("activation", None)
+        node = node.args[0] if node.args else None
+    return ("activation", None)
+
+
+def _stored(node) -> str | None:
+    """The constant ``node`` reads through layout ops only (a quantized weight's integer data), or None (computed
+    at run time: an activation quantized on the fly)."""
+    while isinstance(node, torch.fx.Node):
+        if node.op == "get_attr":
+            return node.target
+        if _op(node) not in THROUGH and _op(node) != "getitem":
+            return None
+        node = node.args[0] if node.args else None
+    return None
+
+
+def _match(path: str, names) -> str | None:
+    """The longest of ``names`` that ``path`` (a graph's module path or parameter target, under the export's wrapper
+    modules) ends with, or None."""
+    parts = path.split(".")
+    return next((".".join(parts[k:]) for k in range(len(parts)) if ".".join(parts[k:]) in names), None)
+
+
+def _module_of(node: torch.fx.Node, names) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _ in reversed(list(stack.values())):
+        found = _match(path, names)
+        if found is not None:
+            return found
+    return None
+
+
+def weight_uses(graph: torch.fx.GraphModule, layers: Inventory) -> dict[str, tuple[str, str]]:
+    """``{weight name: (status, op)}`` for every weight a matmul-like op of ``graph`` reads: status ``quantized`` or
+    ``float`` (float wins when a weight is read both ways), ``op`` the op reading it (``linear``, ``addmm``, ...).
+    Names are the model's: a linear module's name, or a parameter's for weights outside linear modules."""
+    params = dict(graph.named_parameters(remove_duplicate=False))
+    params = {n for n, p in params.items() if p.is_floating_point() and p.dim() >= 2}
+    uses: dict[str, tuple[str, str]] = {}
+    for node in graph.graph.nodes:
+        op = _op(node)
+        if op not in MATMULS:
+            continue
+        for arg in node.all_input_nodes:
+            status, target = _origin(arg, params)
+            if status == "activation":
+                continue
+            name = _module_of(node, layers.linears)
+            if name is None and target is not None:
+                param = _match(target, layers.params)
+                module = param.removesuffix(".weight") if param else None
+                name = module if module in layers.linears else param
+            if name is None:
+                continue
+            if uses.get(name, ("",))[0] != "float":
+                uses[name] = (status, op)
+    return uses
+
+
+def rule_of(quantizer, name: str) -> str:
+    """The recipe rule a module falls under: ``recipe`` or ``layers[i] (match 'pattern')`` (``recipes/layers.py``)."""
+    owner = getattr(quantizer, "owner", None)
+    if owner is None:
+        return DEFAULT_RULE
+    i = owner(name)
+    return DEFAULT_RULE if i < 0 else f"layers[{i}] (match {quantizer.rules[i][0]!r})"
+
+
+def _why(name: str, op: str, recipe, quantizer, assignment: dict | None, layers: Inventory) -> tuple[str, bool]:
+    """Why a weight stayed float, and whether that is a failure."""
+    from qharness.recipes.layers import FP
+
+    if recipe.kind == "fp":
+        return FP_RECIPE, False
+    if assignment is not None:
+        scheme = assignment.get(name)
+        if scheme == FP:
+            return RULE, False
+        if scheme is None and name in layers.plain:
+            what = "; ".join(dict.fromkeys(step.what for step in quantizer.configs))
+            return f"recipe settings: not among {what}", False
+    return f"computed by aten.{op}, which the recipe's quantizer did not quantize", True
+
+
+def measure(graph: torch.fx.GraphModule, layers: Inventory, recipe, quantizer, assignment: dict | None) -> dict:
+    """The coverage record of a converted deploy graph (``summary.json``'s ``coverage``): totals and the byte
+    ``fraction`` quantized, the same per recipe rule (``rules``), each float weight with why (``float``) and the
+    linear modules the program never reads (``unused``, counted nowhere)."""
+    uses = weight_uses(graph, layers)
+    sizes = {**{n: layers.params[n] for n in uses if n not in layers.linears and n in layers.params}, **layers.linears}
+    rules: dict[str, dict] = {}
+    floats, unused = {}, []
+    for name, size in sizes.items():
+        if name not in uses:
+            unused.append(name)
+            continue
+        status, op = uses[name]
+        rule = rule_of(quantizer, name)
+        entry = rules.setdefault(rule, {"rule": rule, "weights": 0, "bytes": 0, "quantized": 0, "quantized_bytes": 0})
+        entry["weights"] += 1
+        entry["bytes"] += size
+        if status == "quantized":
+            entry["quantized"] += 1
+            entry["quantized_bytes"] += size
+        else:
+            why, failure = _why(name, op, recipe, quantizer, assignment, layers)
+            floats[name] = {"rule": rule, "why": why, "failure": failure, "op": op, "bytes": size}
+    total = {k: sum(r[k] for r in rules.values()) for k in ("weights", "bytes", "quantized", "quantized_bytes")}
+    return {
+        **total,
+        "fraction": total["quantized_bytes"] / total["bytes"] if total["bytes"] else 0.0,
+        "rules": sorted(rules.values(), key=lambda r: (r["rule"] != DEFAULT_RULE, r["rule"])),
+        "float": floats,
+        "unused": sorted(unused),
+    }
+
+
+def failures(coverage: dict) -> dict[str, str]:
+    """``{weight name: why}`` of the float weights the recipe meant to quantize."""
+    return {n: f["why"] for n, f in coverage["float"].items() if f["failure"]}
+
+
+def check(coverage: dict, recipe: str, arch: str) -> None:
+    """``UserError`` naming the projections ``recipe`` meant to quantize and left float; a warning for those its
+    settings do not take."""
+    settings = {n: f["why"] for n, f in coverage["float"].items() if f["why"].startswith("recipe settings")}
+    if settings:
+        why = next(iter(settings.values()))
+        log.warning("recipe %s keeps %d linear layers float (%s): %s", recipe, len(settings), why, ", ".join(settings))
+    failed = failures(coverage)
+    if not failed:
+        return
+    shown = ", ".join(f"{n} (aten.{coverage['float'][n]['op']})" for n in list(failed)[:4])
+    more = f", ... ({len(failed)} in all)" if len(failed) > 4 else ""
+    raise UserError(
+        f"recipe {recipe!r} would leave {len(failed)} of {coverage['weights']} linear projections of {arch} in floating "
+        f"point, computed outside an nn.Linear the quantizer takes: {shown}{more}",
+        fix="use a model whose projections are nn.Linear layers (qharness swaps transformers' Conv1D and nn.Linear "
+        "subclasses that compute a plain linear), or the FP recipe xnnpack_fp32",
+    )
+
+
+def format_coverage(coverage: dict | None) -> str | None:
+    """One line for the run's table: ``quantized: 96.9% of linear weight bytes (13 of 14 weights; float: lm_head
+    (recipe rule))``; None without a record (summaries written before coverage was measured)."""
+    if not coverage:
+        return None
+    line = (
+        f"quantized: {coverage['fraction']:.1%} of linear weight bytes "
+        f"({coverage['quantized']} of {coverage['weights']} weights"
+    )
+    floats = coverage["float"]
+    if floats:
+        whys = list(dict.fromkeys(f["why"] for f in floats.values()))
+        names = ", ".join(list(floats)[:3]) + (f", ... ({len(floats)} in all)" if len(floats) > 3 else "")
+        line += f"; float: {names} ({'; '.join(whys)})"
+    return line + ")"
