@@ -25,8 +25,9 @@ a gathered weight is no ``linear`` against a parameter, so PT2E/XNNPACK would no
 a custom MoE kernel.
 
 Side effects of the dense form: GPTQ (``rounding: gptq``) sees every token in every expert's Hessian, not only the
-tokens routed to it; the router's ``F.linear`` is quantized by PT2E recipes (it is an ``aten.linear``) but not by
-torchao's source-level ones (it is no ``nn.Linear``).
+tokens routed to it. The router (``F.linear`` on a bare ``[E, H]`` parameter) reads its weight from an ``nn.Linear``
+child after the rewrite (``linear_router``), so every recipe quantizes it like any projection (PT2E recipes saw its
+``aten.linear`` already; torchao's source-level ones take only ``nn.Linear`` modules) and the coverage check counts it.
 
 Experts left alone (no quantized form given; they still fail lowering as before): other gates than the default
 ``act(gate) * up`` (gpt-oss), interleaved gate/up layouts, a post-expert norm, and per-expert ``ModuleList``
@@ -157,8 +158,38 @@ def batched_experts(experts: LinearExperts) -> nn.Module:
     return original
 
 
+def _router_weight(self) -> torch.Tensor:
+    return self.proj.weight
+
+
+def linear_router(router: nn.Module) -> bool:
+    """Make a router that computes ``F.linear(hidden, self.weight)`` on a bare ``[E, H]`` parameter (every
+    transformers 5 ``*TopKRouter``) read that weight from an ``nn.Linear`` child ``proj``, in place, so that torchao's
+    source-level recipes quantize it as PT2E recipes do (they see an ``aten.linear`` either way); its own routing code
+    is kept. False when ``router`` has no such parameter."""
+    w = router._parameters.get("weight") if isinstance(router, nn.Module) else None
+    if isinstance(router, nn.Linear) or w is None or w.dim() != 2 or "proj" in router._modules:
+        return False
+    cls = type(router)
+    proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+    proj.weight = w
+    del router._parameters["weight"]
+    router.__class__ = type(f"Linear{cls.__name__}", (cls,), {"weight": property(_router_weight), "_base": cls})
+    router.proj = proj
+    return True
+
+
+def _plain_router(router: nn.Module) -> None:
+    """The inverse of ``linear_router``."""
+    weight = router.proj.weight
+    del router._modules["proj"]
+    router.__class__ = router._base
+    router.weight = weight
+
+
 def rewrite_moe(model: nn.Module) -> int:
-    """Swap every ``convertible`` experts module in ``model`` for its ``LinearExperts``; the number swapped."""
+    """Swap every ``convertible`` experts module in ``model`` for its ``LinearExperts`` (and its block's router for
+    a ``linear_router``); the number swapped."""
     swaps = [
         (parent, name, child)
         for parent in model.modules()
@@ -167,6 +198,7 @@ def rewrite_moe(model: nn.Module) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, linear_experts(child))
+        linear_router(getattr(parent, "gate", None))
     return len(swaps)
 
 
@@ -181,4 +213,6 @@ def restore_moe(model: nn.Module) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, batched_experts(child))
+        if hasattr(getattr(parent, "gate", None), "_base"):
+            _plain_router(parent.gate)
     return len(swaps)
