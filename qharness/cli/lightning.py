@@ -21,9 +21,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from qharness.cli.precheck import check_run_dir, check_steps_and_lengths, check_trainer
+from qharness.cli.args import usage_error
+from qharness.cli.precheck import check_across_sections, check_checkpoint, check_run_dir, check_trainer
 from qharness.config import (
     BenchConfig,
     CalibrationConfig,
@@ -106,6 +107,35 @@ def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None
         raise UserError(f"checkpoint {ckpt_path} does not fit this model: {str(e).splitlines()[0]}") from e
 
 
+def check_strategy_and_accelerator(strategy, accelerator) -> None:
+    """``trainer.strategy`` and ``trainer.accelerator`` named in Lightning's registries (what it checks only when
+    the Trainer is built), and the accelerator present on this machine."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategies = StrategyRegistry.available_strategies()
+    if isinstance(strategy, str) and strategy.lower() != "auto" and strategy.lower() not in strategies:
+        raise UserError(
+            f"trainer.strategy {strategy!r} is not a Lightning strategy",
+            fix="use auto, ddp, fsdp_layers or another name of Lightning's StrategyRegistry "
+            f"({', '.join(sorted(strategies)[:6])}, ...)",
+        )
+    if not isinstance(accelerator, str) or accelerator == "auto":
+        return
+    known = AcceleratorRegistry.available_accelerators()
+    if accelerator not in ("gpu", *known):
+        raise UserError(
+            f"trainer.accelerator {accelerator!r} is not a Lightning accelerator",
+            fix=f"use auto, gpu or one of {', '.join(known)}",
+        )
+    kinds = [k for k in ("cuda", "mps") if k in known] if accelerator == "gpu" else [accelerator]
+    if not any(AcceleratorRegistry[k]["accelerator"].is_available() for k in kinds):
+        raise UserError(
+            f"trainer.accelerator {accelerator} was asked for, but this machine has no such device",
+            fix="use trainer.accelerator: cpu, or auto (the best device present)",
+        )
+
+
 def preflight(cfg, subcommand: str | None = None) -> None:
     """Bad input found from the config alone: one clear error (exit 2) instead of a failure hours later."""
     if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
@@ -113,10 +143,7 @@ def preflight(cfg, subcommand: str | None = None) -> None:
             f"data.seq_len must be at least 2 and data.batch_size positive (got {cfg.data.seq_len}, {cfg.data.batch_size})"
         )
     seq_len, deploy, par = cfg.data.seq_len, cfg.deploy, cfg.parity
-    check_steps_and_lengths(  # each section checked its own fields when it was built (qharness/config.py)
-        cfg.trainer.max_steps,
-        cfg.trainer.max_epochs,
-        cfg.checkpoint.every_n_train_steps,
+    check_across_sections(  # each section checked its own fields when it was built (qharness/config.py)
         seq_len,
         cfg.data.batch_size,
         deploy.max_seq_len,
@@ -124,7 +151,9 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         par.prompt_len,
         par.decode_steps,
     )
-    check_trainer(cfg.trainer.as_dict())  # the pre-check's checks, on the parsed section
+    check_trainer(cfg.trainer.as_dict())  # the pre-check's checks, on the parsed sections
+    check_checkpoint({k: v for k, v in cfg.checkpoint.as_dict().items() if k != "dirpath"})  # dirpath: linked
+    check_strategy_and_accelerator(cfg.trainer.get("strategy"), cfg.trainer.get("accelerator"))
     check_run_dir(cfg.trainer.default_root_dir)
     if cfg.deploy.enabled and cfg.bench.enabled:
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
@@ -483,6 +512,18 @@ class QTrainer(Trainer):
         return self.deploy(model, datamodule)
 
 
+class QArgumentParser(LightningArgumentParser):
+    """Lightning's parser, refusing in one line with a fix (``cli.args.usage_error``) instead of a usage dump."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        from jsonargparse._common import debug_mode_active
+
+        if not self.exit_on_error or debug_mode_active():  # a refusal jsonargparse catches itself (or debugs)
+            return super().error(message, ex)
+        prog = getattr(getattr(ex, "subcommand_parser", None), "prog", None) or self.prog
+        raise usage_error(message, prog.replace("[options]", "")) from ex
+
+
 class QHarnessCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -576,7 +617,13 @@ class QHarnessCLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if "plugins" not in kwargs and not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]  # a kill or a full disk never truncates last.ckpt
-        return super().instantiate_trainer(**kwargs)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ValueError) as e:  # a trainer value the checks before did not foresee
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(
+                f"Lightning refused the trainer config: {first}", fix="correct that trainer field (qharness fit --help)"
+            ) from e
 
     def _attach_configs(self) -> None:
         cfg = self.config_init[self.subcommand]
@@ -647,6 +694,7 @@ def run_lightning_cli(argv: list[str]) -> None:
         QuantLM,
         TextDataModule,
         trainer_class=QTrainer,
+        parser_class=QArgumentParser,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"default_env": False},
         auto_configure_optimizers=False,
