@@ -1,6 +1,7 @@
 """Fast validation (qharness/cli/precheck.py): a bad run config fails with one error line before torch loads,
 and every config the full CLI accepts passes it."""
 
+import os
 import re
 import subprocess
 import sys
@@ -224,3 +225,32 @@ def test_strategy_and_accelerator_named_before_the_model_loads(monkeypatch):
             check_strategy_and_accelerator("auto", accelerator)
     for strategy in ("auto", "ddp", "fsdp_layers", "DDP"):
         check_strategy_and_accelerator(strategy, "cpu")
+
+
+def test_cache_that_cannot_be_written_fails_before_torch(tmp_path):
+    """QHARNESS_CACHE at a file (was a FileExistsError traceback) or at a read-only place (was found only after
+    pretraining the embedded model): one line before torch loads."""
+    (tmp_path / "afile").write_text("x")
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "qharness", "fit", str(_good(tmp_path))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "QHARNESS_CACHE": str(tmp_path / "afile" / "cache")},
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert errors == [
+        f"error: QHARNESS_CACHE={tmp_path}/afile/cache: {tmp_path}/afile is not a directory. "
+        "fix: point QHARNESS_CACHE at a writable directory (default ~/.cache/qharness)"
+    ], errors
+    assert not re.search(r"\|\s+torch(\.|$)", result.stderr, re.M)
+
+
+def test_unwritable_cache_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("QHARNESS_CACHE", "/proc/qharness_cache")
+    with pytest.raises(UserError, match=r"QHARNESS_CACHE=/proc/qharness_cache: /proc is not writable"):
+        precheck(["calibrate", "--config", str(_good(tmp_path))])
+    monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "new" / "cache"))  # to be created: fine
+    precheck(["calibrate", "--config", str(_good(tmp_path))])

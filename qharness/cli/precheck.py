@@ -293,20 +293,41 @@ def check_run_dir(root) -> None:
             "trainer.default_root_dir is empty (the run would write into the current directory)",
             fix="e.g. trainer.default_root_dir: runs/my_run",
         )
-    path = Path(str(root)).expanduser()
+    check_writable_dir(Path(str(root)).expanduser(), f"trainer.default_root_dir {root}", "choose a writable directory")
+
+
+def check_writable_dir(path: Path, what: str, fix: str) -> None:
+    """``path`` can be created as a directory and written: its nearest existing parent is a directory where a
+    temporary file can be made (``os.access`` says yes to root on a read-only place such as /proc). ``what`` names
+    the setting in the error."""
     for parent in (path, *path.parents):
         if parent.exists():
             if not parent.is_dir():
-                raise UserError(f"trainer.default_root_dir {root}: {parent} is a file", fix="point it at a directory")
+                raise UserError(f"{what}: {parent} is not a directory", fix=fix)
             try:
                 with tempfile.TemporaryFile(dir=parent):
                     pass
             except OSError as e:
-                raise UserError(
-                    f"trainer.default_root_dir {root}: {parent} is not writable ({e.strerror})",
-                    fix="choose a writable directory",
-                ) from e
+                raise UserError(f"{what}: {parent} is not writable ({e.strerror})", fix=fix) from e
             return
+
+
+def check_cache_dir() -> None:
+    """qharness's cache (``$QHARNESS_CACHE``: the embedded model, token caches) can be written, checked before any
+    work: otherwise the first write fails after minutes (pretraining the embedded model) or as a traceback."""
+    import os
+
+    from qharness.sources.cache import cache_dir
+
+    given = os.environ.get("QHARNESS_CACHE")
+    what = f"QHARNESS_CACHE={given}" if given is not None else f"the cache directory {cache_dir()}"
+    if given is not None and not given.strip():
+        raise UserError(
+            "QHARNESS_CACHE is set but empty", fix="point QHARNESS_CACHE at a writable directory, or unset it"
+        )
+    check_writable_dir(
+        cache_dir().expanduser(), what, fix="point QHARNESS_CACHE at a writable directory (default ~/.cache/qharness)"
+    )
 
 
 def _literal(node):
@@ -630,6 +651,7 @@ def precheck(argv: list[str]) -> None:
                     budget = _value(a.partition("=")[2])
             check_budget(budget if _number(budget) is None else _number(budget))
         check_config(cfg, unclear)
+        check_cache_dir()
     except UserError:
         raise
     except Exception:  # noqa: BLE001  whatever this quick look cannot handle, LightningCLI's full check decides
