@@ -345,6 +345,25 @@ CASES = {
         lambda t: ["bench", "--pte", str(t.tmp / "none.pte"), "--repz", "3"],
         "error: qharness bench: unrecognized arguments: --repz 3. fix: ",
     ),
+    "eval.source without usable lines": (
+        lambda t: _cfg(
+            t,
+            eval={"enabled": True, "tasks": ["qharness_gen"], "source": str(_write(t, "ev.txt", "tiny\n" * 500))},
+        ),
+        "the evaluation text (eval.source ",
+    ),
+    "validation text without usable lines, before training": (
+        lambda t: _cfg(
+            t,
+            data={"source": str(_write(t, "short.txt", "ab cd ef\n" * 30000))},
+            eval={"enabled": True, "tasks": ["qharness_gen"]},
+        ),
+        "the evaluation text (the run's validation text, from data.source, ",
+    ),
+    "calibration.source: a bare relative path that does not exist": (
+        lambda t: [*_cfg(t, calibration={"source": "calib_qharness_missing.txt"})],
+        "calibration.source calib_qharness_missing.txt does not exist (relative to ",
+    ),
     "unwritable run dir": (
         lambda t: _cfg(t, trainer={"default_root_dir": "/proc/qharness_run"}),
         "trainer.default_root_dir /proc/qharness_run: /proc is not writable",
@@ -422,3 +441,4 @@ def test_bad_input(name, tmp_path, tiny_llama, corpus, capsys):
     assert "Traceback" not in err and "usage:" not in err, err[-2000:]
     assert len([line for line in err.splitlines() if line.startswith("error: ")]) == 1, err[-2000:]
     assert not (tmp_path / "run" / "model.pte").exists()
+    assert not (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()  # refused before any training

@@ -183,9 +183,10 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.training.model_args import check_precision
 
         check_precision(cfg.trainer.precision, load_recipe(cfg.model.recipe), cfg.model.mode)
-    source = cfg.calibration.source
-    if source is not None and source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
-        raise UserError(f"calibration.source {source} does not exist")
+    if cfg.calibration.source is not None:  # a missing path, a FIFO, empty files: now, not after training
+        from qharness.sources.text import local_files
+
+        local_files(cfg.calibration.source, "calibration.source")
     if cfg.eval.enabled or subcommand == "evaluate":
         from qharness.evaluation.harness import check_eval_config
 
@@ -633,8 +634,19 @@ class QHarnessCLI(LightningCLI):
         self.trainer.bench_config = cfg["bench"]
         self.trainer.eval_config = cfg["eval"]
 
+    def _check_eval_text(self) -> None:
+        """The run's own validation text gives the offline eval tasks their documents: checked once the data is
+        read, before training or calibration (``eval.source`` was read in ``preflight``)."""
+        cfg = self.trainer.eval_config
+        if cfg.enabled and cfg.source is None:
+            from qharness.evaluation.harness import check_eval_text
+
+            self.datamodule.setup("fit")
+            check_eval_text(cfg, self.datamodule)
+
     def before_fit(self) -> None:
         self._attach_configs()
+        self._check_eval_text()
         self.trainer.callbacks.append(SaveOnSigterm(Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"))
         self._default_weights_only()
 
@@ -652,7 +664,9 @@ class QHarnessCLI(LightningCLI):
     def before_export(self) -> None:
         self._attach_configs()
 
-    before_calibrate = before_export
+    def before_calibrate(self) -> None:
+        self._attach_configs()
+        self._check_eval_text()
 
     def before_evaluate(self) -> None:
         self._attach_configs()
@@ -661,6 +675,7 @@ class QHarnessCLI(LightningCLI):
 
     def before_autotune(self) -> None:
         self._attach_configs()
+        self._check_eval_text()
         if self.model.hparams.mode == "qat":  # it trains: as fit does
             self.trainer.callbacks.append(
                 SaveOnSigterm(Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt")
