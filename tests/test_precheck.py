@@ -242,7 +242,7 @@ def test_cache_that_cannot_be_written_fails_before_torch(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode == 2, result.stderr[-2000:]
     assert errors == [
-        f"error: QHARNESS_CACHE={tmp_path}/afile/cache: {tmp_path}/afile is not a directory. "
+        f"error: QHARNESS_CACHE={tmp_path}/afile/cache: {tmp_path}/afile is a file. "
         "fix: point QHARNESS_CACHE at a writable directory (default ~/.cache/qharness)"
     ], errors
     assert not re.search(r"\|\s+torch(\.|$)", result.stderr, re.M)

@@ -303,7 +303,7 @@ def check_writable_dir(path: Path, what: str, fix: str) -> None:
     for parent in (path, *path.parents):
         if parent.exists():
             if not parent.is_dir():
-                raise UserError(f"{what}: {parent} is not a directory", fix=fix)
+                raise UserError(f"{what}: {parent} is {'a file' if parent.is_file() else 'not a directory'}", fix=fix)
             try:
                 with tempfile.TemporaryFile(dir=parent):
                     pass
