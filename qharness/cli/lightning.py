@@ -205,7 +205,26 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.sources.models import resolve_checkpoint
 
         # an architecture that cannot be exported with a static KV cache fails here, before any training
-        check_architecture(resolve_checkpoint(cfg.model.checkpoint), cfg.model.trust_remote_code)
+        model_dir = resolve_checkpoint(cfg.model.checkpoint)
+        check_architecture(model_dir, cfg.model.trust_remote_code)
+        if cfg.deploy.enabled:  # the .pte's KV cache within the model's context: now, not after training
+            from qharness.run.pipeline import check_export_config
+
+            check_export_config(cfg.deploy, seq_len, _context(model_dir))
+
+
+def _context(model_dir: str) -> int | None:
+    """``max_position_embeddings`` from a local model's config.json (its text config's for a multimodal model);
+    None for a hub id or when it is not there."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config") or config if isinstance(config, dict) else {}
+    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def init_args(module: QuantLM) -> dict:
