@@ -325,7 +325,7 @@ KNOWN_TOP |= {"num_fewshot", "models"}
 
 @FAST
 @given(
-    section=st.sampled_from([s for s in SECTIONS if s not in ("trainer", "checkpoint")]),
+    section=st.sampled_from(SECTIONS),
     key=st.one_of(identifiers, texts.filter(bool)),
     value=st.one_of(st.integers(), texts, st.none()),
 )
@@ -343,8 +343,10 @@ def _known(section):
     from dataclasses import fields
 
     from qharness.cli.precheck import SECTIONS as TYPED
-    from qharness.cli.precheck import init_defaults
+    from qharness.cli.precheck import init_defaults, lightning_annotations
 
+    if section in ("trainer", "checkpoint"):
+        return set(lightning_annotations(section))
     if section in TYPED:
         return {f.name for f in fields(TYPED[section])}
     relpath, cls = {"model": ("training/module.py", "QuantLM"), "data": ("data/datamodule.py", "TextDataModule")}[
