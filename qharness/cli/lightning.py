@@ -118,7 +118,7 @@ def check_strategy_and_accelerator(strategy, accelerator) -> None:
         raise UserError(
             f"trainer.strategy {strategy!r} is not a Lightning strategy",
             fix="use auto, ddp, fsdp_layers or another name of Lightning's StrategyRegistry "
-            f"({', '.join(sorted(strategies)[:6])}, ...)",
+            f"({', '.join(sorted(n for n in strategies if 'unused' not in n)[:8])}, ...)",
         )
     if not isinstance(accelerator, str) or accelerator == "auto":
         return
