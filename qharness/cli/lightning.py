@@ -222,8 +222,10 @@ def _context(model_dir: str) -> int | None:
         config = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    config = config.get("text_config") or config if isinstance(config, dict) else {}
-    value = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = text.get("max_position_embeddings")
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -536,9 +538,7 @@ class QArgumentParser(LightningArgumentParser):
     """Lightning's parser, refusing in one line with a fix (``cli.args.usage_error``) instead of a usage dump."""
 
     def error(self, message: str, ex: Exception | None = None):
-        from jsonargparse._common import debug_mode_active
-
-        if not self.exit_on_error or debug_mode_active():  # a refusal jsonargparse catches itself (or debugs)
+        if not self.exit_on_error:  # a refusal jsonargparse catches itself (an inner parser, a union member)
             return super().error(message, ex)
         prog = getattr(getattr(ex, "subcommand_parser", None), "prog", None) or self.prog
         raise usage_error(message, prog.replace("[options]", "")) from ex

@@ -3,7 +3,9 @@
 ``qharness fit|validate|test|calibrate|export|evaluate|sensitivity|autotune`` read their ``--config`` files and dotted overrides
 (``--model.lr -1``, ``--model.lr=-1``) here and check what needs no torch: the YAML itself, the top-level
 sections, the fields and values of ``model`` (``check_model_args``: lr, warmup, recipe and mode), ``data``
-(``check_data_args``: sizes, the source path) and the typed sections of ``qharness.config``. What it cannot
+(``check_data_args``: sizes, the source path), the typed sections of ``qharness.config``, and ``trainer`` and
+``checkpoint`` against Lightning's own ``Trainer``/``ModelCheckpoint`` signatures (``lightning_annotations``) with the
+values Lightning refuses only when it builds them (``check_trainer``, ``check_checkpoint``); then the cache directory. What it cannot
 interpret passes: LightningCLI checks the whole config afterwards, so this never rejects a config it accepts.
 
 Example::
