@@ -321,6 +321,49 @@ CASES = {
         lambda t: _cfg(t, trainer={"val_check_interval": 100000}),
         "trainer.val_check_interval=100000 exceeds the",
     ),
+    "option without its value": (
+        lambda t: [*_cfg(t), "--model.lr"],
+        "error: qharness fit: argument --model.lr: expected one argument. fix: give --model.lr a value",
+    ),
+    "unknown strategy": (
+        lambda t: [*_cfg(t), "--trainer.strategy", "ddp_foo"],
+        "trainer.strategy 'ddp_foo' is not a Lightning strategy. fix: use auto, ddp, fsdp_layers",
+    ),
+    "a trainer value only Lightning knows": (
+        lambda t: [*_cfg(t), "--trainer.profiler", "nosuch"],
+        "error: Lightning refused the trainer config: When passing string value for the `profiler` parameter",
+    ),
+    "negative overfit_batches": (
+        lambda t: [*_cfg(t), "--trainer.overfit_batches", "-1"],
+        "trainer.overfit_batches must be a fraction in [0, 1]",
+    ),
+    "generate: a required option missing": (
+        lambda t: ["generate", "--pte", str(t.tmp / "none.pte")],
+        "error: qharness generate: the following arguments are required: --prompt. fix: `qharness generate --help`",
+    ),
+    "bench: an unknown option": (
+        lambda t: ["bench", "--pte", str(t.tmp / "none.pte"), "--repz", "3"],
+        "error: qharness bench: unrecognized arguments: --repz 3. fix: ",
+    ),
+    "eval.source without usable lines": (
+        lambda t: _cfg(
+            t,
+            eval={"enabled": True, "tasks": ["qharness_gen"], "source": str(_write(t, "ev.txt", "tiny\n" * 500))},
+        ),
+        "the evaluation text (eval.source ",
+    ),
+    "validation text without usable lines, before training": (
+        lambda t: _cfg(
+            t,
+            data={"source": str(_write(t, "short.txt", "ab cd ef\n" * 30000))},
+            eval={"enabled": True, "tasks": ["qharness_gen"]},
+        ),
+        "the evaluation text (the run's validation text, from data.source, ",
+    ),
+    "calibration.source: a bare relative path that does not exist": (
+        lambda t: [*_cfg(t, calibration={"source": "calib_qharness_missing.txt"})],
+        "calibration.source calib_qharness_missing.txt does not exist (relative to ",
+    ),
     "unwritable run dir": (
         lambda t: _cfg(t, trainer={"default_root_dir": "/proc/qharness_run"}),
         "trainer.default_root_dir /proc/qharness_run: /proc is not writable",
@@ -395,5 +438,7 @@ def test_bad_input(name, tmp_path, tiny_llama, corpus, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2, err[-2000:]
     assert expected in err, err[-2000:]
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "usage:" not in err, err[-2000:]
+    assert len([line for line in err.splitlines() if line.startswith("error: ")]) == 1, err[-2000:]
     assert not (tmp_path / "run" / "model.pte").exists()
+    assert not (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()  # refused before any training

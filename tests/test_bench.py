@@ -284,3 +284,68 @@ def test_a_table_that_an_undelegated_lm_head_also_reads_is_not_subtracted(tmp_pa
     pte.write_bytes(lower_to_pte(graph, recipe, 32, runner_metadata(32, 128, 0, [0], True)))
     assert operators(pte)["delegates"] == []
     assert embedding_bytes(pte) == (0 if tied else 128 * 32 * 4)
+
+
+def _one_error_line(r) -> str:
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and len(errors) == 1 and " fix: " in errors[0], r.stderr[-2000:]
+    return errors[0]
+
+
+def _foreign_pte(path):
+    """A program another tool made: a Linear layer's forward(x: float[1, 4]), no runner methods."""
+    import torch
+
+    from qharness.upstream import imports
+
+    ep = torch.export.export(torch.nn.Linear(4, 4).eval(), (torch.randn(1, 4),))
+    path.write_bytes(imports.to_edge_transform_and_lower(ep, partitioner=[]).to_executorch().buffer)
+    return path
+
+
+def test_a_program_from_another_tool_is_named_when_it_loads(tmp_path):
+    """evaluate/bench/generate --pte of a foreign program: one line naming what it lacks when it loads (was the
+    runtime's 'set_inputs() failed 0x12' at the first call)."""
+    from qharness.errors import UserError
+    from qharness.runtime.pte import PteModel, _check_inputs
+
+    foreign = _foreign_pte(tmp_path / "foreign.pte")
+    with pytest.raises(UserError, match=r"foreign.pte lacks the method\(s\) get_max_context_len that qharness runs"):
+        PteModel(foreign)
+    from qharness.upstream import imports
+
+    method = imports.executorch_runtime().load_program(foreign).load_method("forward")
+    with pytest.raises(UserError, match=r"its forward takes 1 input\(s\); qharness feeds tokens \[1, n\] int64"):
+        _check_inputs(foreign, "forward", method.metadata)
+    line = _one_error_line(run_cli("bench", "--pte", foreign))
+    assert "lacks the method(s) get_max_context_len" in line
+
+
+def test_a_malformed_tokenizer_is_one_line(tiny_pte, tmp_path):
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nope"')
+    line = _one_error_line(run_cli("generate", "--pte", tiny_pte, "--prompt", "hi", "--tokenizer", tmp_path / "tok"))
+    assert "tokenizer.json is not a tokenizer.json that tokenizers can read" in line
+
+
+@pytest.mark.parametrize("kind", ["remote code", "pickle"])
+def test_bench_refuses_an_eager_model_it_would_have_to_run_or_unpickle(tiny_pte, tmp_path, kind):
+    model = tmp_path / "model"
+    model.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    if kind == "remote code":
+        config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+        (model / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")  # a valid, empty header
+    else:
+        (model / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    (model / "config.json").write_text(json.dumps(config))
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(tiny_pte, run / "model.pte")
+    summary = {"run_dir": str(run), "model": str(model), "recipe": "xnnpack_fp32", "backend": "xnnpack"}
+    summary |= {"mode": "ptq", "quantized": False, "seq_len": 16, "eval_blocks": 4}
+    (run / "summary.json").write_text(json.dumps(summary))
+    line = _one_error_line(run_cli("bench", "--pte", run / "model.pte", "--reps", "1"))
+    expected = "auto_map: remote code" if kind == "remote code" else "its weights are not safetensors"
+    assert f"the model of {run / 'summary.json'}, but " in line and expected in line, line

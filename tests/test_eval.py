@@ -336,3 +336,31 @@ def test_eval_table_shows_standard_errors_of_filtered_metrics():
     ]  # no stderr rows; no chance level given: "-"
     assert "0.4000 ± 0.2000" in lines[2] and "0.2000 ± 0.1000" in lines[2]
     assert lines[3].split() == ["acc", "-", "0.5000", "0.2500"]  # lm-eval gave no stderr ("N/A"): the value alone
+
+
+def test_documents_stored_one_per_line_give_every_offline_task_documents(corpus, tmp_path):
+    """Parquet/JSONL rows are often one long line each: wrapped into lines, they give the three offline tasks their
+    documents (they failed the run after a passing deploy with 'too small'); short lines stay as they are."""
+    from qharness.evaluation.tasks import build_documents, write_offline_tasks
+
+    prose = " ".join(corpus.read_text()[:80_000].split())  # the same words, no line ends
+    rows = [prose[i : i + 3000] for i in range(0, len(prose), 3000)]
+    docs = build_documents(rows, seed=1)
+    assert all(docs[name] for name in ("qharness_ppl", "qharness_mc", "qharness_gen")), {
+        k: len(v) for k, v in docs.items()
+    }
+    assert all(len(c) <= 120 for d in docs["qharness_mc"] for c in d["choices"])
+    write_offline_tasks(rows, tmp_path / "tasks")
+    text = corpus.read_text()[-20_000:]
+    assert build_documents([text], seed=3) == build_documents([text], seed=3)  # deterministic as before
+
+
+def test_evaluation_text_without_usable_lines_names_the_task_and_what_it_needs(tmp_path):
+    from qharness.errors import UserError
+    from qharness.evaluation.tasks import write_offline_tasks
+
+    words = ["short line\n" * 400]
+    with pytest.raises(UserError, match=r"gives qharness_mc no documents: it needs lines of 16-120 characters"):
+        write_offline_tasks(words, tmp_path / "tasks", tasks=["qharness_mc"], where="eval.source x.txt")
+    write_offline_tasks(words, tmp_path / "tasks", tasks=["qharness_ppl"])  # the task asked for has documents
+    assert not (tmp_path / "tasks" / "qharness_mc.yaml").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -228,6 +229,95 @@ def test_a_bad_field_value_is_named(bad, as_override, drop):
 
 
 identifiers = st.from_regex(r"[a-z_][a-z0-9_]{0,12}", fullmatch=True)
+
+
+# ---- Lightning's trainer and checkpoint fields: their types come from Lightning's signatures (as the pre-check
+# reads them); the ranges are those Lightning refuses only when it builds the Trainer.
+CHECKABLE = re.compile(r"int|float|bool|None|Literal\[.*\]")
+
+
+def _lightning_typed() -> dict[str, list[str]]:
+    """``{group.field: type parts}`` of the Lightning fields whose every type part the pre-check can check."""
+    from qharness.cli.precheck import lightning_annotations
+
+    out = {}
+    for group in ("trainer", "checkpoint"):
+        for name, annotation in lightning_annotations(group).items():
+            parts = [p.strip() for p in annotation.split("|")]
+            if annotation and all(CHECKABLE.fullmatch(p) for p in parts):
+                out[f"{group}.{name}"] = parts
+    return out
+
+
+LIGHTNING_TYPED = _lightning_typed()
+LIGHTNING_RANGES = {
+    "trainer.num_nodes": st.integers(max_value=0),
+    "trainer.accumulate_grad_batches": st.integers(max_value=0),
+    "trainer.reload_dataloaders_every_n_epochs": st.integers(max_value=-1),
+    "trainer.max_epochs": st.one_of(st.just(0), st.integers(max_value=-2)),
+    "trainer.max_steps": st.one_of(st.just(0), st.integers(max_value=-2)),
+    "trainer.devices": st.one_of(st.just(0), st.just([]), st.integers(max_value=-2)),
+    "trainer.max_time": st.one_of(
+        texts.filter(lambda s: not re.fullmatch(r"\s*\d+:\d+:\d+:\d+\s*", s)),
+        st.dictionaries(
+            identifiers.filter(lambda k: k not in ("days", "hours", "minutes", "seconds")),
+            st.integers(0, 9),
+            min_size=1,
+            max_size=2,
+        ),
+    ),
+    "trainer.overfit_batches": st.one_of(
+        st.floats(max_value=-1e-9, allow_nan=False, allow_infinity=False), st.floats(1.01, 1e6).filter(lambda x: x % 1)
+    ),
+    "checkpoint.save_top_k": st.integers(max_value=-2),
+    "checkpoint.every_n_train_steps": st.integers(max_value=-1),
+    "checkpoint.dirpath": texts.filter(lambda s: s.strip()),
+}
+
+
+@st.composite
+def bad_lightning_field(draw):
+    """A field of Lightning's Trainer or ModelCheckpoint and a value of none of its types, or out of its range."""
+    if draw(st.booleans()):
+        field = draw(st.sampled_from(sorted(LIGHTNING_RANGES)))
+        return field, draw(LIGHTNING_RANGES[field])
+    field = draw(st.sampled_from(sorted(LIGHTNING_TYPED)))
+    parts = LIGHTNING_TYPED[field]
+    literals = [p for p in parts if p.startswith("Literal[")]
+    wrong = [
+        not_numbers.filter(lambda s: s.strip().lower() not in {"true", "false", "yes", "no", "on", "off", "link"}),
+        st.dictionaries(identifiers, st.integers(), min_size=1, max_size=2),
+        st.lists(st.integers(), min_size=1, max_size=2),
+    ]
+    if "float" not in parts:
+        wrong.append(st.floats(allow_nan=False, allow_infinity=False).filter(lambda x: not x.is_integer()))
+    if parts == ["bool"] or parts == ["bool", "None"] or (literals and "int" not in parts):
+        wrong.append(st.integers().filter(lambda n: n not in (0, 1)))
+    return field, draw(st.one_of(wrong))
+
+
+@more(80)
+@given(bad=bad_lightning_field(), as_override=st.booleans())
+def test_a_bad_lightning_field_is_named(bad, as_override):
+    """Trainer and checkpoint fields (Lightning's): a value of none of the field's types, or one Lightning refuses
+    only once the Trainer is built (after the model loads), ends in one line naming the field before torch loads."""
+    field, value = bad
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        cfg = _base(tmp)
+        extra = [f"--{field}", _override_text(value)] if as_override else []
+        if not as_override:
+            _set(cfg, field, value)
+        _one_line(_precheck_error(tmp, cfg, extra), field)
+
+
+def test_the_lightning_family_covers_typed_fields():
+    """The generated family reaches Lightning's typed fields (ints, bools, optional ints) of both groups."""
+    for field in ("trainer.num_nodes", "trainer.max_epochs", "trainer.inference_mode", "checkpoint.save_top_k"):
+        assert field in LIGHTNING_TYPED, sorted(LIGHTNING_TYPED)
+    assert len(LIGHTNING_TYPED) >= 20
+
+
 SECTIONS = ["model", "data", "trainer", "checkpoint", "deploy", "parity", "calibration", "bench", "eval", "wandb"]
 KNOWN_TOP = set(SECTIONS) | {"seed_everything", "ckpt_path", "weights_only", "verbose", "pte", "tasks", "limit"}
 KNOWN_TOP |= {"num_fewshot", "models"}
@@ -235,7 +325,7 @@ KNOWN_TOP |= {"num_fewshot", "models"}
 
 @FAST
 @given(
-    section=st.sampled_from([s for s in SECTIONS if s not in ("trainer", "checkpoint")]),
+    section=st.sampled_from(SECTIONS),
     key=st.one_of(identifiers, texts.filter(bool)),
     value=st.one_of(st.integers(), texts, st.none()),
 )
@@ -253,8 +343,10 @@ def _known(section):
     from dataclasses import fields
 
     from qharness.cli.precheck import SECTIONS as TYPED
-    from qharness.cli.precheck import init_defaults
+    from qharness.cli.precheck import init_defaults, lightning_annotations
 
+    if section in ("trainer", "checkpoint"):
+        return set(lightning_annotations(section))
     if section in TYPED:
         return {f.name for f in fields(TYPED[section])}
     relpath, cls = {"model": ("training/module.py", "QuantLM"), "data": ("data/datamodule.py", "TextDataModule")}[

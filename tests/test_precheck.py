@@ -1,6 +1,7 @@
 """Fast validation (qharness/cli/precheck.py): a bad run config fails with one error line before torch loads,
 and every config the full CLI accepts passes it."""
 
+import os
 import re
 import subprocess
 import sys
@@ -75,6 +76,15 @@ CASES = {
         ["--model.checkpoint", "{tmp}/no_model"],
         "model.checkpoint {tmp}/no_model does not exist",
     ),
+    # one per family of Lightning's late refusals (the rest in-process: test_lightning_fields_refused_early)
+    "trainer field Lightning refuses late": (lambda t: _good(t), ["--trainer.devices", "0"], "trainer.devices must be"),
+    "checkpoint field Lightning refuses late": (
+        lambda t: _good(t),
+        ["--checkpoint.save_top_k", "-5"],
+        "checkpoint.save_top_k must be >= -1",
+    ),
+    "empty config file": (lambda t: _text(t, "# nothing yet\n"), [], "c.yaml is empty"),
+    "-- before the options end": (lambda t: _good(t), ["--", "x.yaml"], "`--` in the command line"),
     "model directory without config.json": (
         lambda t: _good(t),
         ["--model.checkpoint", "{tmp}"],
@@ -146,3 +156,101 @@ def test_overrides_and_what_it_cannot_read(tmp_path):
     later = Path(tmp_path / "later.yaml")
     later.write_text("model: {lr: 0.001}\n")
     precheck(["fit", "--config", str(_good(tmp_path, model={"lr": -1})), "--config", str(later)])
+
+
+# Trainer and checkpoint values Lightning takes and refuses only when it builds the Trainer (a traceback after
+# the model loads): (overrides, expected in the error)
+LIGHTNING_LATE = {
+    "devices 0": (["--trainer.devices", "0"], "trainer.devices must be auto, a number of devices >= 1"),
+    "devices []": (["--trainer.devices", "[]"], "trainer.devices must be"),
+    "negative max_epochs": (["--trainer.max_epochs", "-3"], "trainer.max_epochs must be positive, or -1"),
+    "num_nodes 0": (["--trainer.num_nodes", "0"], "trainer.num_nodes must be >= 1 (got 0)"),
+    "max_time forever": (["--trainer.max_time", "forever"], "trainer.max_time must be DD:HH:MM:SS"),
+    "max_time unknown unit": (["--trainer.max_time", "{fortnights: 1}"], "trainer.max_time must be"),
+    "save_top_k -5": (["--checkpoint.save_top_k", "-5"], "checkpoint.save_top_k must be >= -1 (got -5"),
+    "dirpath": (["--checkpoint.dirpath", "/tmp/x"], "checkpoint.dirpath is set by qharness"),
+    "unknown trainer field": (["--trainer.max_stepz", "5"], "unknown config field(s) trainer.max_stepz"),
+    "unknown checkpoint field": (["--checkpoint.top_k", "5"], "unknown config field(s) checkpoint.top_k"),
+    "bool field": (["--trainer.inference_mode", "maybe"], "trainer.inference_mode must be true or false"),
+    "int field": (["--trainer.num_nodes", "two"], "trainer.num_nodes must be an integer"),
+}
+
+
+@pytest.mark.parametrize("name", list(LIGHTNING_LATE))
+def test_lightning_fields_refused_early(name, tmp_path):
+    extra, expected = LIGHTNING_LATE[name]
+    with pytest.raises(UserError, match=re.escape(expected)) as e:
+        precheck(["fit", "--config", str(_good(tmp_path)), *extra])
+    assert "fix: " in str(e.value)
+
+
+def test_lightning_fields_read_from_lightning():
+    """The trainer and checkpoint fields (names and types) come from Lightning's own signatures."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from qharness.cli.precheck import lightning_annotations
+
+    for group, cls in (("trainer", Trainer), ("checkpoint", ModelCheckpoint)):
+        assert list(lightning_annotations(group)) == list(inspect.signature(cls).parameters), group
+    assert lightning_annotations("trainer")["max_epochs"] == "int | None"
+
+
+def test_good_lightning_values_pass(tmp_path):
+    for extra in (
+        ["--trainer.devices", "2", "--trainer.num_nodes", "1", "--trainer.max_epochs", "-1"],
+        ["--trainer.max_time", "00:12:00:00", "--checkpoint.save_top_k", "-1"],
+        ["--trainer.max_time", "{hours: 2, minutes: 30}", "--trainer.devices", "auto"],
+        ["--trainer.devices", "[0, 1]", "--trainer.deterministic", "warn"],
+    ):
+        precheck(["fit", "--config", str(_good(tmp_path)), *extra])
+
+
+def test_strategy_and_accelerator_named_before_the_model_loads(monkeypatch):
+    """What needs Lightning's registries or the machine: checked in preflight, before any model or data loads."""
+    from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+
+    from qharness.cli.lightning import check_strategy_and_accelerator
+
+    with pytest.raises(UserError, match="trainer.strategy 'foo' is not a Lightning strategy. fix: use auto, ddp"):
+        check_strategy_and_accelerator("foo", "auto")
+    with pytest.raises(UserError, match="trainer.accelerator 'tpuu' is not a Lightning accelerator"):
+        check_strategy_and_accelerator("auto", "tpuu")
+    monkeypatch.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: False))
+    monkeypatch.setattr(MPSAccelerator, "is_available", staticmethod(lambda: False))
+    for accelerator in ("gpu", "cuda"):
+        with pytest.raises(UserError, match=f"trainer.accelerator {accelerator} was asked for, but this machine"):
+            check_strategy_and_accelerator("auto", accelerator)
+    for strategy in ("auto", "ddp", "fsdp_layers", "DDP"):
+        check_strategy_and_accelerator(strategy, "cpu")
+
+
+def test_cache_that_cannot_be_written_fails_before_torch(tmp_path):
+    """QHARNESS_CACHE at a file (was a FileExistsError traceback) or at a read-only place (was found only after
+    pretraining the embedded model): one line before torch loads."""
+    (tmp_path / "afile").write_text("x")
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "qharness", "fit", str(_good(tmp_path))],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "QHARNESS_CACHE": str(tmp_path / "afile" / "cache")},
+    )
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert errors == [
+        f"error: QHARNESS_CACHE={tmp_path}/afile/cache: {tmp_path}/afile is a file. "
+        "fix: point QHARNESS_CACHE at a writable directory (default ~/.cache/qharness)"
+    ], errors
+    assert not re.search(r"\|\s+torch(\.|$)", result.stderr, re.M)
+
+
+def test_unwritable_cache_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("QHARNESS_CACHE", "/proc/qharness_cache")
+    with pytest.raises(UserError, match=r"QHARNESS_CACHE=/proc/qharness_cache: /proc is not writable"):
+        precheck(["calibrate", "--config", str(_good(tmp_path))])
+    monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "new" / "cache"))  # to be created: fine
+    precheck(["calibrate", "--config", str(_good(tmp_path))])

@@ -56,3 +56,53 @@ def test_a_bad_file_in_a_folder_is_named(tmp_path):
     (tmp_path / "z_latin1.txt").write_bytes("naïve".encode("latin-1"))
     with pytest.raises(UserError, match=r"z_latin1.txt is not UTF-8"):
         load_texts(str(tmp_path))
+
+
+def test_empty_and_special_files_in_a_folder_are_skipped_with_a_note(tmp_path, capsys):
+    """One empty file no longer rejects a whole folder; a FIFO is not read (it would block) nor called empty."""
+    import os
+
+    (tmp_path / "a.txt").write_text("the text")
+    (tmp_path / "b.txt").write_text("")
+    os.mkfifo(tmp_path / "pipe.txt")
+    assert load_texts(str(tmp_path)) == ["the text"]
+    err = capsys.readouterr().err
+    assert f"note: skipping {tmp_path / 'b.txt'}: empty" in err
+    assert f"note: skipping {tmp_path / 'pipe.txt'}: not a regular file" in err
+    (tmp_path / "a.txt").write_text("")
+    with pytest.raises(UserError, match=r"holds no non-empty \.txt/\.json/\.jsonl/\.parquet/\.csv files"):
+        load_texts(str(tmp_path))
+
+
+def test_a_fifo_is_not_called_empty(tmp_path):
+    import os
+
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(UserError, match=r"data.source .*pipe.txt is not a regular file \(a FIFO"):
+        load_texts(str(tmp_path / "pipe.txt"))
+
+
+def test_valid_tables_without_rows_say_so(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "none.parquet")
+    (tmp_path / "header.csv").write_text("text,n\n")
+    for name in ("none.parquet", "header.csv"):
+        with pytest.raises(UserError, match=rf"{name} holds no text \(no rows"):
+            load_texts(str(tmp_path / name))
+    (tmp_path / "rows.csv").write_text("text,n\nrow one,1\n")
+    assert load_texts(str(tmp_path)) == ["row one"]  # the empty tables beside it are skipped
+
+
+def test_errors_name_the_field_the_source_came_from(tmp_path, monkeypatch):
+    """A bare relative path (``calib.txt``) that does not exist is a missing file, not a hub dataset id, and the
+    message names the setting it came from, not data.source."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match=r"^calibration.source calib.txt does not exist \(relative to "):
+        load_texts("calib.txt", field="calibration.source")
+    (tmp_path / "calib.txt").write_text("calibration text")
+    assert load_texts("calib.txt", field="calibration.source") == ["calibration text"]  # an existing one is a file
+    (tmp_path / "bad.jsonl").write_text('{"body": "x"}\n')
+    with pytest.raises(UserError, match=r"^eval.text_field 'text' is not a column of bad.jsonl"):
+        load_texts("bad.jsonl", field="eval.source")

@@ -25,6 +25,33 @@ import types
 import typing
 from collections.abc import Callable
 
+from qharness.errors import UserError
+
+MAX_MESSAGE = 300  # characters of a parser's message kept in the one error line
+
+
+def usage_error(message: str, prog: str) -> UserError:
+    """A command-line parser's refusal (argparse, jsonargparse) as one ``UserError`` line with a fix, instead of a
+    usage dump; ``prog`` is the command (``qharness fit``)."""
+    text = " ".join(message.split())
+    text = text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + " ..."
+    command = " ".join(["qharness", *prog.split()[1:]]) if prog.split() else "qharness"
+    missing = re.search(r"argument (\S+?)(?:/\S+)?: expected (?:one|at least one) argument", text)
+    if missing:
+        fix = f"give {missing.group(1)} a value (`{command} --help` lists each option's values)"
+    elif "unrecognized arguments" in text.lower():
+        fix = f"the config goes first, as a path (`{command} CONFIG.yaml`), then --section.field value pairs; `{command} --help` lists them"
+    else:
+        fix = f"`{command} --help` lists every option with its type"
+    return UserError(f"{command}: {text}", fix=fix)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, refusing in one line (``usage_error``) instead of a usage dump."""
+
+    def error(self, message: str):
+        raise usage_error(message, self.prog)
+
 
 def _doc_args(fn: Callable) -> tuple[str, dict[str, str]]:
     """The docstring's first paragraph and its ``Args:`` entries (``name: text``, continuation lines indented)."""
@@ -55,7 +82,7 @@ def _base(t):
 
 def parser_for(fn: Callable, prog: str) -> argparse.ArgumentParser:
     head, helps = _doc_args(fn)
-    p = argparse.ArgumentParser(prog=prog, description=head)
+    p = _Parser(prog=prog, description=head)
     hints = typing.get_type_hints(fn)
     for name, param in inspect.signature(fn).parameters.items():
         t, help_ = _base(hints.get(name, str)), helps.get(name)

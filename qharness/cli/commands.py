@@ -160,6 +160,7 @@ def bench(
             from qharness.sources.models import resolve_checkpoint
 
             model_dir = resolve_checkpoint(summary.model)
+            _check_eager_model(model_dir, summary_path)
         else:
             print(
                 f"eager FP comparison skipped: the model of {summary_path} ({summary.model!r}) is not a local directory",
@@ -170,6 +171,29 @@ def bench(
     if summary is not None:
         RunSummary.update(summary_path, bench=result)
         print(f"bench results added to {summary_path}")
+
+
+def _check_eager_model(model_dir: str, summary_path: Path) -> None:
+    """The eager model a summary.json names loads with transformers' own classes from safetensors: model code of its
+    own (``auto_map``) or pickled weights are refused here, in one line, not in the benchmark's child process."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    problem = None
+    if isinstance(config, dict) and "auto_map" in config:
+        problem = "its config.json maps it to model code of its own (auto_map: remote code)"
+    elif not any(Path(model_dir).glob("*.safetensors")):
+        problem = "its weights are not safetensors (pickle files such as pytorch_model.bin)"
+    if problem:
+        raise UserError(
+            f"bench's eager FP comparison would load {model_dir}, the model of {summary_path}, but {problem}; "
+            "qharness runs no model code and unpickles no weights for it",
+            fix="bench the .pte alone (move summary.json out of its directory), or save the model as safetensors "
+            "with a transformers class (save_pretrained)",
+        )
 
 
 def profile(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 16, reps: int = 3, top: int = 25) -> None:

@@ -21,9 +21,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
-from qharness.cli.precheck import check_run_dir, check_steps_and_lengths, check_trainer
+from qharness.cli.args import usage_error
+from qharness.cli.precheck import check_across_sections, check_checkpoint, check_run_dir, check_trainer
 from qharness.config import (
     BenchConfig,
     CalibrationConfig,
@@ -131,6 +132,35 @@ def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None
     module.steps_trained = ckpt.get("global_step")
 
 
+def check_strategy_and_accelerator(strategy, accelerator) -> None:
+    """``trainer.strategy`` and ``trainer.accelerator`` named in Lightning's registries (what it checks only when
+    the Trainer is built), and the accelerator present on this machine."""
+    from lightning.pytorch.accelerators import AcceleratorRegistry
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    strategies = StrategyRegistry.available_strategies()
+    if isinstance(strategy, str) and strategy.lower() != "auto" and strategy.lower() not in strategies:
+        raise UserError(
+            f"trainer.strategy {strategy!r} is not a Lightning strategy",
+            fix="use auto, ddp, fsdp_layers or another name of Lightning's StrategyRegistry "
+            f"({', '.join(sorted(n for n in strategies if 'unused' not in n)[:8])}, ...)",
+        )
+    if not isinstance(accelerator, str) or accelerator == "auto":
+        return
+    known = AcceleratorRegistry.available_accelerators()
+    if accelerator not in ("gpu", *known):
+        raise UserError(
+            f"trainer.accelerator {accelerator!r} is not a Lightning accelerator",
+            fix=f"use auto, gpu or one of {', '.join(known)}",
+        )
+    kinds = [k for k in ("cuda", "mps") if k in known] if accelerator == "gpu" else [accelerator]
+    if not any(AcceleratorRegistry[k]["accelerator"].is_available() for k in kinds):
+        raise UserError(
+            f"trainer.accelerator {accelerator} was asked for, but this machine has no such device",
+            fix="use trainer.accelerator: cpu, or auto (the best device present)",
+        )
+
+
 def preflight(cfg, subcommand: str | None = None) -> None:
     """Bad input found from the config alone: one clear error (exit 2) instead of a failure hours later."""
     if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
@@ -138,10 +168,7 @@ def preflight(cfg, subcommand: str | None = None) -> None:
             f"data.seq_len must be at least 2 and data.batch_size positive (got {cfg.data.seq_len}, {cfg.data.batch_size})"
         )
     seq_len, deploy, par = cfg.data.seq_len, cfg.deploy, cfg.parity
-    check_steps_and_lengths(  # each section checked its own fields when it was built (qharness/config.py)
-        cfg.trainer.max_steps,
-        cfg.trainer.max_epochs,
-        cfg.checkpoint.every_n_train_steps,
+    check_across_sections(  # each section checked its own fields when it was built (qharness/config.py)
         seq_len,
         cfg.data.batch_size,
         deploy.max_seq_len,
@@ -149,7 +176,9 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         par.prompt_len,
         par.decode_steps,
     )
-    check_trainer(cfg.trainer.as_dict())  # the pre-check's checks, on the parsed section
+    check_trainer(cfg.trainer.as_dict())  # the pre-check's checks, on the parsed sections
+    check_checkpoint({k: v for k, v in cfg.checkpoint.as_dict().items() if k != "dirpath"})  # dirpath: linked
+    check_strategy_and_accelerator(cfg.trainer.get("strategy"), cfg.trainer.get("accelerator"))
     if subcommand == "fit" or (subcommand == "autotune" and cfg.model.mode == "qat"):
         check_trains(cfg.trainer)
     check_run_dir(cfg.trainer.default_root_dir)
@@ -181,9 +210,10 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.training.model_args import check_precision
 
         check_precision(cfg.trainer.precision, load_recipe(cfg.model.recipe), cfg.model.mode)
-    source = cfg.calibration.source
-    if source is not None and source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
-        raise UserError(f"calibration.source {source} does not exist")
+    if cfg.calibration.source is not None:  # a missing path, a FIFO, empty files: now, not after training
+        from qharness.sources.text import local_files
+
+        local_files(cfg.calibration.source, "calibration.source")
     if cfg.eval.enabled or subcommand == "evaluate":
         from qharness.evaluation.harness import check_eval_config
 
@@ -207,6 +237,10 @@ def preflight(cfg, subcommand: str | None = None) -> None:
     embedded = cfg.model.checkpoint == EMBEDDED  # its config is known before it is pretrained
     deploys = subcommand == "export" or (subcommand in ("fit", "calibrate", None) and deploy.enabled)
     recipe = load_recipe(cfg.model.recipe) if deploys else None
+    if not embedded and cfg.deploy.enabled:  # the .pte's KV cache within the model's context: now, not after training
+        from qharness.run.pipeline import check_export_config
+
+        check_export_config(cfg.deploy, seq_len, _context(resolve_checkpoint(cfg.model.checkpoint)))
     if not embedded or recipe is not None:  # the embedded Llama itself always exports
         check_architecture(
             EMBEDDED if embedded else resolve_checkpoint(cfg.model.checkpoint),
@@ -218,16 +252,32 @@ def preflight(cfg, subcommand: str | None = None) -> None:
 
 
 def check_trains(trainer) -> None:
-    """A training run whose trainer settings alone train no step (``limit_train_batches: 0``, ``max_epochs: 0``): one
-    line before anything loads, instead of a run reported and shipped as trained."""
-    limit, epochs = trainer.get("limit_train_batches"), trainer.get("max_epochs")
-    for field, value in (("limit_train_batches", limit), ("max_epochs", epochs)):
-        if value is not None and not isinstance(value, bool) and value == 0:
-            raise UserError(
-                f"trainer.{field}={value} trains no step: the run would be reported and shipped as trained",
-                fix=f"leave trainer.{field} out or make it positive; for a .pte without training use qharness "
-                "calibrate with model.mode: ptq",
-            )
+    """A training run whose trainer settings alone train no step (``limit_train_batches: 0``; ``max_epochs: 0`` is
+    the pre-check's, ``precheck.check_trainer``): one line before anything loads, instead of a run reported and
+    shipped as trained."""
+    value = trainer.get("limit_train_batches")
+    if value is not None and not isinstance(value, bool) and value == 0:
+        raise UserError(
+            f"trainer.limit_train_batches={value} trains no step: the run would be reported and shipped as trained",
+            fix="leave trainer.limit_train_batches out or make it positive; for a .pte without training use qharness "
+            "calibrate with model.mode: ptq",
+        )
+
+
+def _context(model_dir: str) -> int | None:
+    """``max_position_embeddings`` from a local model's config.json (its text config's for a multimodal model);
+    None for a hub id or when it is not there."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    value = text.get("max_position_embeddings")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def init_args(module: QuantLM) -> dict:
@@ -543,6 +593,16 @@ class QTrainer(Trainer):
         return self.deploy(model, datamodule)
 
 
+class QArgumentParser(LightningArgumentParser):
+    """Lightning's parser, refusing in one line with a fix (``cli.args.usage_error``) instead of a usage dump."""
+
+    def error(self, message: str, ex: Exception | None = None):
+        if not self.exit_on_error:  # a refusal jsonargparse catches itself (an inner parser, a union member)
+            return super().error(message, ex)
+        prog = getattr(getattr(ex, "subcommand_parser", None), "prog", None) or self.prog
+        raise usage_error(message, prog.replace("[options]", "")) from ex
+
+
 class QHarnessCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
@@ -636,7 +696,13 @@ class QHarnessCLI(LightningCLI):
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if "plugins" not in kwargs and not any(isinstance(p, CheckpointIO) for p in plugins):
             kwargs["plugins"] = [*plugins, AtomicCheckpointIO()]  # a kill or a full disk never truncates last.ckpt
-        return super().instantiate_trainer(**kwargs)
+        try:
+            return super().instantiate_trainer(**kwargs)
+        except (MisconfigurationException, ValueError) as e:  # a trainer value the checks before did not foresee
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(
+                f"Lightning refused the trainer config: {first}", fix="correct that trainer field (qharness fit --help)"
+            ) from e
 
     def _attach_configs(self) -> None:
         cfg = self.config_init[self.subcommand]
@@ -646,8 +712,19 @@ class QHarnessCLI(LightningCLI):
         self.trainer.bench_config = cfg["bench"]
         self.trainer.eval_config = cfg["eval"]
 
+    def _check_eval_text(self) -> None:
+        """The run's own validation text gives the offline eval tasks their documents: checked once the data is
+        read, before training or calibration (``eval.source`` was read in ``preflight``)."""
+        cfg = self.trainer.eval_config
+        if cfg.enabled and cfg.source is None:
+            from qharness.evaluation.harness import check_eval_text
+
+            self.datamodule.setup("fit")
+            check_eval_text(cfg, self.datamodule)
+
     def before_fit(self) -> None:
         self._attach_configs()
+        self._check_eval_text()
         self.trainer.callbacks.append(SaveOnSigterm(Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt"))
         self._default_weights_only()
 
@@ -666,7 +743,9 @@ class QHarnessCLI(LightningCLI):
     def before_export(self) -> None:
         self._attach_configs()
 
-    before_calibrate = before_export
+    def before_calibrate(self) -> None:
+        self._attach_configs()
+        self._check_eval_text()
 
     def before_evaluate(self) -> None:
         self._attach_configs()
@@ -675,6 +754,7 @@ class QHarnessCLI(LightningCLI):
 
     def before_autotune(self) -> None:
         self._attach_configs()
+        self._check_eval_text()
         if self.model.hparams.mode == "qat":  # it trains: as fit does
             self.trainer.callbacks.append(
                 SaveOnSigterm(Path(checkpoint_dir(self.trainer.default_root_dir)) / "last.ckpt")
@@ -710,6 +790,7 @@ def run_lightning_cli(argv: list[str]) -> None:
         QuantLM,
         TextDataModule,
         trainer_class=QTrainer,
+        parser_class=QArgumentParser,
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"default_env": False},
         auto_configure_optimizers=False,

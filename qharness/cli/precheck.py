@@ -3,7 +3,9 @@
 ``qharness fit|validate|test|calibrate|export|evaluate|sensitivity|autotune`` read their ``--config`` files and dotted overrides
 (``--model.lr -1``, ``--model.lr=-1``) here and check what needs no torch: the YAML itself, the top-level
 sections, the fields and values of ``model`` (``check_model_args``: lr, warmup, recipe and mode), ``data``
-(``check_data_args``: sizes, the source path) and the typed sections of ``qharness.config``. What it cannot
+(``check_data_args``: sizes, the source path), the typed sections of ``qharness.config``, and ``trainer`` and
+``checkpoint`` against Lightning's own ``Trainer``/``ModelCheckpoint`` signatures (``lightning_annotations``) with the
+values Lightning refuses only when it builds them (``check_trainer``, ``check_checkpoint``); then the cache directory. What it cannot
 interpret passes: LightningCLI checks the whole config afterwards, so this never rejects a config it accepts.
 
 Example::
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import math
 import re
 import tempfile
@@ -54,22 +57,12 @@ TOP_LEVEL = {"seed_everything", "trainer", "model", "data", "checkpoint", "ckpt_
 TOP_LEVEL |= set(SECTIONS) | {"pte", "tasks", "limit", "num_fewshot", "models"}
 TOP_LEVEL |= {"candidates", "unit", "against"}  # sensitivity's options
 TOP_LEVEL |= {"max_size_mb", "sensitivity"}  # autotune's
-# Types of the trainer and checkpoint fields checked here (Lightning's annotations, the parts a YAML value can take).
-TRAINER_TYPES = {
-    "max_steps": "int",
-    "max_epochs": "int | None",
-    "accumulate_grad_batches": "int",
-    "check_val_every_n_epoch": "int | None",
-    "log_every_n_steps": "int | None",
-    "num_sanity_val_steps": "int | None",
-    "limit_train_batches": "int | float | None",
-    "limit_val_batches": "int | float | None",
-    "limit_test_batches": "int | float | None",
-    "gradient_clip_val": "int | float | None",
-    "enable_checkpointing": "bool | None",
-    "enable_progress_bar": "bool | None",
+# Lightning's own classes behind the trainer and checkpoint groups: their fields and types are read from
+# Lightning's source (``lightning_annotations``), not copied here.
+LIGHTNING_CLASSES = {
+    "trainer": ("pytorch/trainer/trainer.py", "Trainer"),
+    "checkpoint": ("pytorch/callbacks/model_checkpoint.py", "ModelCheckpoint"),
 }
-CHECKPOINT_TYPES = {"every_n_train_steps": "int | None", "save_top_k": "int", "save_last": "bool | str | None"}
 _BOOL_WORDS = {"true", "false", "yes", "no", "on", "off"}  # what jsonargparse takes for a bool given as text
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 _NO_CHECK = object()  # an argument default that is not a literal
@@ -94,6 +87,36 @@ def init_annotations(relpath: str, cls: str) -> dict[str, str]:
             init = next(f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
             return {a.arg: ast.unparse(a.annotation) if a.annotation else "" for a in init.args.args[1:]}
     raise LookupError(f"{cls} not in {relpath}")
+
+
+def _union_text(node: ast.expr) -> str:
+    """An annotation as ``a | b | None`` text (``Optional[X]`` and ``Union[a, b]`` spelled out), as ``_fits`` reads it."""
+    if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id in ("Optional", "Union"):
+        items = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        return " | ".join([*map(_union_text, items), *(["None"] if node.value.id == "Optional" else [])])
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return f"{_union_text(node.left)} | {_union_text(node.right)}"
+    return ast.unparse(node)
+
+
+@functools.lru_cache(maxsize=None)
+def lightning_annotations(group: str) -> dict[str, str]:
+    """``{field: annotation}`` of the Lightning class behind the ``trainer`` or ``checkpoint`` group, read from
+    Lightning's installed source with ``ast`` (importing Lightning takes seconds); {} when it cannot be read."""
+    import importlib.util
+
+    relpath, cls = LIGHTNING_CLASSES[group]
+    try:
+        spec = importlib.util.find_spec("lightning")
+        tree = ast.parse((Path(spec.submodule_search_locations[0]) / relpath).read_text())
+    except (ImportError, AttributeError, TypeError, OSError, SyntaxError):
+        return {}
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            init = next(f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
+            args = [*init.args.args[1:], *init.args.kwonlyargs]
+            return {a.arg: _union_text(a.annotation) if a.annotation else "" for a in args}
+    return {}
 
 
 def _split_union(annotation: str) -> list[str]:
@@ -145,23 +168,48 @@ def check_types(section: str, values: dict, annotations: dict[str, str]) -> None
             raise UserError(f"{field} must be {words} (got {value!r})", fix=f"give {field} {words}")
 
 
+# Whole-number trainer fields and the least value Lightning takes (it fails on less only once the Trainer is built).
+TRAINER_AT_LEAST = {"num_nodes": 1, "accumulate_grad_batches": 1, "reload_dataloaders_every_n_epochs": 0}
+# What ``trainer.max_time`` takes as a mapping: ``datetime.timedelta``'s arguments.
+_TIMEDELTA = ("weeks", "days", "hours", "minutes", "seconds", "milliseconds", "microseconds")
+
+
 def check_trainer(trainer: dict) -> None:
-    """Values of trainer fields that Lightning would take and then fail on (a division by zero) or misuse."""
-    values = {k: _number(v) for k, v in trainer.items() if k in TRAINER_TYPES or k == "val_check_interval"}
-    accumulate = values.get("accumulate_grad_batches")
-    if accumulate is not None and accumulate < 1:
+    """Values of trainer fields that Lightning would take and then fail on (late, as a traceback) or misuse."""
+    values = {k: _number(v) for k, v in trainer.items() if k in lightning_annotations("trainer")}
+    for name, least in TRAINER_AT_LEAST.items():
+        value = values.get(name)
+        if value is not None and value < least:
+            raise UserError(f"trainer.{name} must be >= {least} (got {value:g})", fix=f"e.g. trainer.{name}: {least}")
+    max_steps = values.get("max_steps")
+    if max_steps is not None and (max_steps == 0 or max_steps < -1):
         raise UserError(
-            f"trainer.accumulate_grad_batches must be >= 1 (got {accumulate})",
-            fix="e.g. trainer.accumulate_grad_batches: 1",
+            f"trainer.max_steps must be positive, or -1 to use trainer.max_epochs (got {max_steps:g})",
+            fix="e.g. trainer.max_steps: 100",
         )
+    max_epochs = values.get("max_epochs")
+    if max_epochs is not None and (max_epochs == 0 or max_epochs < -1):
+        raise UserError(
+            f"trainer.max_epochs must be positive, or -1 for no limit (got {max_epochs:g})",
+            fix="e.g. trainer.max_epochs: 1, or leave it out (trainer.max_steps decides)",
+        )
+    _check_devices(trainer.get("devices"))
+    _check_max_time(trainer.get("max_time"))
     every = values.get("check_val_every_n_epoch")
     if every is not None and every < 1:
         raise UserError(
             f"trainer.check_val_every_n_epoch must be >= 1 or null (got {every})",
             fix="e.g. trainer.check_val_every_n_epoch: 1",
         )
-    for name in ("val_check_interval", "limit_train_batches", "limit_val_batches", "limit_test_batches"):
-        value, limit = values.get(name), name.startswith("limit")
+    for name in (
+        "val_check_interval",
+        "limit_train_batches",
+        "limit_val_batches",
+        "limit_test_batches",
+        "limit_predict_batches",
+        "overfit_batches",
+    ):
+        value, limit = values.get(name), name.startswith(("limit", "overfit"))
         if value is None:
             continue
         if not math.isfinite(value) or value < 0 or (not limit and value == 0) or (value > 1 and value % 1):
@@ -178,6 +226,65 @@ def check_trainer(trainer: dict) -> None:
         )
 
 
+def _check_devices(devices) -> None:
+    """``trainer.devices``: ``auto``, a count >= 1 (-1: all), or a non-empty list or comma-separated text of device
+    indices; Lightning refuses 0, ``"0"`` and ``[]`` only when it builds the Trainer."""
+    count = _number(devices, int)
+    if (
+        devices == []
+        or (count is not None and (count == 0 or count < -1))
+        or (isinstance(devices, str) and not devices.strip())
+    ):
+        raise UserError(
+            f"trainer.devices must be auto, a number of devices >= 1 (-1: all) or a list of device indices "
+            f"(got {devices!r})",
+            fix="e.g. trainer.devices: 1, or leave it out (auto)",
+        )
+
+
+def _check_max_time(max_time) -> None:
+    """``trainer.max_time``: ``DD:HH:MM:SS`` text or a mapping of ``datetime.timedelta`` arguments (as Lightning's
+    ``Timer`` reads it, which fails only once the Trainer is built)."""
+    if max_time is None:
+        return
+    if isinstance(max_time, str):
+        ok = re.fullmatch(r"\s*\d+:\d+:\d+:\d+\s*", max_time) is not None
+    elif isinstance(max_time, dict):
+        ok = bool(max_time) and all(
+            k in _TIMEDELTA and _number(v) is not None and math.isfinite(_number(v)) and _number(v) >= 0
+            for k, v in max_time.items()
+        )
+    else:
+        ok = False
+    if not ok:
+        raise UserError(
+            f"trainer.max_time must be DD:HH:MM:SS or a mapping of {', '.join(_TIMEDELTA)} (got {max_time!r})",
+            fix="e.g. trainer.max_time: 00:12:00:00 (12 hours), or {hours: 12}",
+        )
+
+
+def check_checkpoint(checkpoint: dict) -> None:
+    """The ``checkpoint`` group (Lightning's ``ModelCheckpoint``): values it fails on when built, and ``dirpath``,
+    which qharness sets from ``trainer.default_root_dir``."""
+    if checkpoint.get("dirpath") is not None:
+        raise UserError(
+            f"checkpoint.dirpath is set by qharness to <trainer.default_root_dir>/checkpoints (got {checkpoint['dirpath']!r})",
+            fix="leave checkpoint.dirpath out and set trainer.default_root_dir",
+        )
+    top_k = _number(checkpoint.get("save_top_k"), int)
+    if top_k is not None and top_k < -1:
+        raise UserError(
+            f"checkpoint.save_top_k must be >= -1 (got {top_k}; -1 keeps every checkpoint, 0 none)",
+            fix="e.g. checkpoint.save_top_k: 0",
+        )
+    every = _number(checkpoint.get("every_n_train_steps"), int)
+    if every is not None and every < 0:
+        raise UserError(
+            f"checkpoint.every_n_train_steps must be >= 0 (got {every})",
+            fix="e.g. checkpoint.every_n_train_steps: 50 (0: only at the end)",
+        )
+
+
 def check_run_dir(root) -> None:
     """``trainer.default_root_dir`` must name a directory that can be created and written (tried with a temporary
     file in its nearest existing parent: ``os.access`` says yes to root on a read-only place such as /proc)."""
@@ -188,20 +295,41 @@ def check_run_dir(root) -> None:
             "trainer.default_root_dir is empty (the run would write into the current directory)",
             fix="e.g. trainer.default_root_dir: runs/my_run",
         )
-    path = Path(str(root)).expanduser()
+    check_writable_dir(Path(str(root)).expanduser(), f"trainer.default_root_dir {root}", "choose a writable directory")
+
+
+def check_writable_dir(path: Path, what: str, fix: str) -> None:
+    """``path`` can be created as a directory and written: its nearest existing parent is a directory where a
+    temporary file can be made (``os.access`` says yes to root on a read-only place such as /proc). ``what`` names
+    the setting in the error."""
     for parent in (path, *path.parents):
         if parent.exists():
             if not parent.is_dir():
-                raise UserError(f"trainer.default_root_dir {root}: {parent} is a file", fix="point it at a directory")
+                raise UserError(f"{what}: {parent} is {'a file' if parent.is_file() else 'not a directory'}", fix=fix)
             try:
                 with tempfile.TemporaryFile(dir=parent):
                     pass
             except OSError as e:
-                raise UserError(
-                    f"trainer.default_root_dir {root}: {parent} is not writable ({e.strerror})",
-                    fix="choose a writable directory",
-                ) from e
+                raise UserError(f"{what}: {parent} is not writable ({e.strerror})", fix=fix) from e
             return
+
+
+def check_cache_dir() -> None:
+    """qharness's cache (``$QHARNESS_CACHE``: the embedded model, token caches) can be written, checked before any
+    work: otherwise the first write fails after minutes (pretraining the embedded model) or as a traceback."""
+    import os
+
+    from qharness.sources.cache import cache_dir
+
+    given = os.environ.get("QHARNESS_CACHE")
+    what = f"QHARNESS_CACHE={given}" if given is not None else f"the cache directory {cache_dir()}"
+    if given is not None and not given.strip():
+        raise UserError(
+            "QHARNESS_CACHE is set but empty", fix="point QHARNESS_CACHE at a writable directory, or unset it"
+        )
+    check_writable_dir(
+        cache_dir().expanduser(), what, fix="point QHARNESS_CACHE at a writable directory (default ~/.cache/qharness)"
+    )
 
 
 def _literal(node):
@@ -225,7 +353,10 @@ def read_config(path: str) -> dict:
         raise UserError(f"config file {path} {what}", fix="pass the path of a run config .yaml (e.g. configs/)")
     data = read_yaml(path, "config")
     if data is None:
-        return {}
+        raise UserError(
+            f"config file {path} is empty",
+            fix="give it the run's sections (e.g. configs/qat_xnnpack.yaml), or leave it out",
+        )
     if not isinstance(data, dict):
         raise UserError(
             f"config file {path} must hold a mapping of sections (got {type(data).__name__})",
@@ -426,26 +557,11 @@ def _section(cfg: dict, unclear: set[str], name: str) -> dict | None:
     return values
 
 
-def check_steps_and_lengths(
-    max_steps, max_epochs, every_n_train_steps, seq_len, batch_size, max_seq_len, eval_blocks, prompt_len, decode_steps
-) -> None:
-    """The checks across trainer, checkpoint, data, deploy and parity, on plain values (``preflight`` runs them
-    too); None skips a trainer/checkpoint value. Example::
+def check_across_sections(seq_len, batch_size, max_seq_len, eval_blocks, prompt_len, decode_steps) -> None:
+    """The checks across data, deploy and parity, on plain values (``preflight`` runs them too). Example::
 
-        check_steps_and_lengths(100, None, 50, 128, 8, 128, 32, 32, 8)   # UserError: deploy.max_seq_len=128 must exceed ...
+    check_across_sections(128, 8, 128, 32, 32, 8)   # UserError: deploy.max_seq_len=128 must exceed ...
     """
-    if max_steps is not None and (max_steps == 0 or max_steps < -1):
-        raise UserError(
-            f"trainer.max_steps must be positive, or -1 to use trainer.max_epochs (got {max_steps})",
-            fix="e.g. trainer.max_steps: 100",
-        )
-    if max_epochs is not None and max_epochs == 0:
-        raise UserError("trainer.max_epochs must be positive", fix="e.g. trainer.max_epochs: 1, or -1 for no limit")
-    if every_n_train_steps is not None and every_n_train_steps < 0:
-        raise UserError(
-            f"checkpoint.every_n_train_steps must be >= 0 (got {every_n_train_steps})",
-            fix="e.g. checkpoint.every_n_train_steps: 50 (0: only at the end)",
-        )
     if max_seq_len <= seq_len:
         raise UserError(
             f"deploy.max_seq_len={max_seq_len} must exceed data.seq_len={seq_len}",
@@ -481,12 +597,15 @@ def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
     if "seed_everything" not in unclear:
         check_types("", {"seed_everything": cfg.get("seed_everything")}, {"seed_everything": "bool | int | None"})
     if trainer is not None:
-        check_types("trainer", trainer, TRAINER_TYPES)
+        _unknown_fields("trainer", trainer, lightning_annotations("trainer"))
+        check_types("trainer", trainer, lightning_annotations("trainer"))
         check_trainer(trainer)
         if "default_root_dir" in trainer:
             check_run_dir(trainer["default_root_dir"])
     if checkpoint is not None:
-        check_types("checkpoint", checkpoint, CHECKPOINT_TYPES)
+        _unknown_fields("checkpoint", checkpoint, lightning_annotations("checkpoint"))
+        check_types("checkpoint", checkpoint, lightning_annotations("checkpoint"))
+        check_checkpoint(checkpoint)
     if model is not None:
         _check_model(model, trainer)
     sizes = None if data is None else _check_data(data)
@@ -495,11 +614,8 @@ def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
         values = _section(cfg, unclear, name)
         built[name] = None if values is None else _check_section(name, values)
     deploy, parity = built["deploy"], built["parity"]
-    if sizes and deploy and parity and trainer is not None and checkpoint is not None:
-        check_steps_and_lengths(
-            _number(trainer.get("max_steps"), int),
-            _number(trainer.get("max_epochs"), int),
-            _number(checkpoint.get("every_n_train_steps"), int),
+    if sizes and deploy and parity:
+        check_across_sections(
             *sizes,
             deploy.max_seq_len,
             parity.eval_blocks,
@@ -519,6 +635,11 @@ def precheck(argv: list[str]) -> None:
     args = argv[1:]
     if any(a in ("-h", "--help") or a.startswith("--print_config") or a.endswith(".help") for a in args):
         return
+    if "--" in args:
+        raise UserError(
+            f"`--` in the command line ({' '.join(argv)}): qharness takes no positional arguments after the options",
+            fix=f"give the config first without `--`: qharness {argv[0]} CONFIG.yaml [--section.field value ...]",
+        )
     try:
         cfg, unclear = merged_config(args)
         if argv[0] == "autotune":  # its budget (an option or a key of the config), before torch loads
@@ -532,6 +653,7 @@ def precheck(argv: list[str]) -> None:
                     budget = _value(a.partition("=")[2])
             check_budget(budget if _number(budget) is None else _number(budget))
         check_config(cfg, unclear)
+        check_cache_dir()
     except UserError:
         raise
     except Exception:  # noqa: BLE001  whatever this quick look cannot handle, LightningCLI's full check decides

@@ -29,9 +29,22 @@ def check_eval_config(cfg: EvalConfig, seq_len: int, max_seq_len: int) -> None:
     from qharness.evaluation.tasks import check_tasks
 
     check_eval_lengths(max_length(cfg, seq_len), seq_len, max_seq_len)
-    if cfg.source is not None and cfg.source.startswith((".", "/", "~")) and not Path(cfg.source).expanduser().exists():
-        raise UserError(f"eval.source {cfg.source} does not exist")
     check_tasks(cfg.tasks, cfg.include_path)
+    if cfg.source is not None:  # read now, not after training: a bad or too small text fails before any long work
+        check_eval_text(cfg, None)
+
+
+def _where(cfg: EvalConfig) -> str:
+    return f"eval.source {cfg.source}" if cfg.source is not None else "the run's validation text, from data.source"
+
+
+def check_eval_text(cfg: EvalConfig, dm) -> None:
+    """The evaluation text gives each offline task among ``cfg.tasks`` its documents (``tasks.offline_documents``);
+    ``dm`` (set up) gives the validation text when ``eval.source`` is null. Run before training."""
+    from qharness.evaluation.tasks import OFFLINE_TASKS, offline_documents
+
+    if any(t in OFFLINE_TASKS for t in cfg.tasks):
+        offline_documents(eval_texts(cfg, dm), cfg.tasks, _where(cfg), cfg.seed)
 
 
 def max_length(cfg: EvalConfig, seq_len: int) -> int:
@@ -58,7 +71,7 @@ def eval_texts(cfg: EvalConfig, dm) -> list[str]:
         return heldout_texts(dm)
     from qharness.sources.text import load_texts
 
-    return load_texts(cfg.source, cfg.text_field)
+    return load_texts(cfg.source, cfg.text_field, field="eval.source")
 
 
 def _clean(metrics: dict) -> dict:
@@ -132,7 +145,7 @@ def run_eval(
     disable_progress_bar()  # "Generating test split" bars for every task and model
     run_dir = Path(run_dir)
     include = (
-        [str(write_offline_tasks(texts, run_dir / "eval" / "tasks", cfg.seed))]
+        [str(write_offline_tasks(texts, run_dir / "eval" / "tasks", cfg.seed, cfg.tasks, _where(cfg)))]
         if any(t in OFFLINE_TASKS for t in cfg.tasks)
         else []
     )

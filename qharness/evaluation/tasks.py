@@ -53,6 +53,27 @@ def _good_line(line: str) -> bool:
     return 16 <= len(line.strip()) <= 120
 
 
+LONG_LINE = 400  # characters: a longer line (a whole paragraph or document on one line) is wrapped into pieces
+WRAP = 100  # characters per piece of a wrapped line
+
+
+def _wrap_long_lines(text: str) -> str:
+    """``text`` with each line over ``LONG_LINE`` characters wrapped at spaces into lines of at most ``WRAP``:
+    documents stored one per line (JSONL, parquet rows) then give the offline tasks usable lines, as prose does."""
+    if len(text) <= LONG_LINE or all(len(line) <= LONG_LINE for line in text.split("\n")):
+        return text
+    import textwrap
+
+    out = []
+    for line in text.splitlines(keepends=True):
+        body = line.rstrip("\r\n")
+        if len(body) <= LONG_LINE:
+            out.append(line)
+            continue
+        out.append("\n".join(textwrap.wrap(body, WRAP, break_on_hyphens=False)) + (line[len(body) :] or "\n"))
+    return "".join(out)
+
+
 def build_documents(
     texts: list[str], seed: int = 1234, max_docs: int = 256, doc_chars: int = 2000, context_chars: int = 400
 ) -> dict[str, list[dict]]:
@@ -62,6 +83,7 @@ def build_documents(
     "qharness_gen": [{"context", "target"}]}``.
     """
     rng = random.Random(seed)
+    texts = [_wrap_long_lines(t) for t in texts]
     ppl = [p for t in texts for p in _chunks(t, doc_chars) if len(p.strip()) >= 100]
     rng.shuffle(ppl)
     by_indent: dict[str, list[str]] = {}
@@ -95,16 +117,38 @@ def build_documents(
     return {"qharness_ppl": [{"text": p} for p in ppl[:max_docs]], "qharness_mc": mc, "qharness_gen": gen}
 
 
-def write_offline_tasks(texts: list[str], out_dir: Path, seed: int = 1234) -> Path:
-    """Write the offline task YAMLs and their JSONL documents into ``out_dir`` (an lm-eval include path)."""
-    out_dir = Path(out_dir)
-    docs = build_documents(texts, seed)
-    for name, rows in docs.items():
-        if not rows:
+# What each offline task needs from the evaluation text (said when the text has none of it).
+NEEDS = {
+    "qharness_ppl": "documents of at least 100 characters",
+    "qharness_mc": "lines of 16-120 characters after 64 characters of context, with 3 more lines of the same indent",
+    "qharness_gen": "lines of 16-120 characters after 64 characters of context",
+}
+
+
+def offline_documents(texts: list[str], tasks, where: str, seed: int = 1234) -> dict[str, list[dict]]:
+    """``build_documents`` for the offline tasks among ``tasks``; ``UserError`` when the text (``where``: the
+    setting it came from) gives one of them no document. Run before training and again when the tasks are written."""
+    wanted = [t for t in tasks if t in OFFLINE_TASKS]
+    docs = build_documents(texts, seed) if wanted else {}
+    for name in wanted:
+        if not docs[name]:
             raise UserError(
-                f"the evaluation text is too small or has no usable lines for {name}",
-                fix="give eval.source a larger text file",
+                f"the evaluation text ({where}, {len(texts)} documents, {sum(map(len, texts)):,} characters) gives "
+                f"{name} no documents: it needs {NEEDS[name]}",
+                fix=f"give eval.source more text of that kind, or drop {name} from eval.tasks",
             )
+    return docs
+
+
+def write_offline_tasks(
+    texts: list[str], out_dir: Path, seed: int = 1234, tasks=OFFLINE_TASKS, where: str = "eval.source"
+) -> Path:
+    """Write the YAMLs and JSONL documents of the offline tasks among ``tasks`` into ``out_dir`` (an lm-eval include
+    path)."""
+    out_dir = Path(out_dir)
+    for name, rows in offline_documents(texts, tasks, where, seed).items():
+        if name not in tasks:
+            continue
         data = write_text_atomic(out_dir / "data" / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
         cfg = yaml.safe_load((TEMPLATES / f"{name}.yaml").read_text())
         cfg["dataset_kwargs"]["data_files"]["test"] = str(data.resolve())

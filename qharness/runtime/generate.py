@@ -30,7 +30,14 @@ def load_tokenizer(path: str | Path):
     file = path / "tokenizer.json" if path.is_dir() else path
     if not file.is_file():
         raise UserError(f"no tokenizer at {file}", fix="pass --tokenizer DIR (the run's tokenizer/ directory)")
-    return Tokenizer.from_file(str(file))
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as e:  # tokenizers raises a bare Exception for malformed JSON or an unknown model type
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UserError(
+            f"{file} is not a tokenizer.json that tokenizers can read ({first})",
+            fix="pass --tokenizer DIR holding the run's tokenizer.json (the tokenizer/ directory beside the .pte)",
+        ) from e
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:

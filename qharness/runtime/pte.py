@@ -78,6 +78,33 @@ def set_runtime_threads(n: int) -> None:
     _THREADS = n
 
 
+# The constant methods qharness's runners read (``deploy.lower.runner_metadata`` writes them).
+NEEDED_METHODS = ("get_max_context_len",)
+# ``forward``'s inputs: (name, rank); both int64 (ExecuTorch's ScalarType 4, ``Long``).
+INPUTS = (("tokens [1, n]", 2), ("input_pos [1]", 1))
+_LONG = 4
+
+
+def _check_inputs(path: Path, method: str, meta) -> None:
+    """``method`` takes the inputs qharness feeds it (``INPUTS``): else one line naming what differs, instead of
+    the runtime's ``set_inputs() failed 0x12`` at the first call."""
+    want = ", ".join(f"{name} int64" for name, _ in INPUTS)
+    if meta.num_inputs() != len(INPUTS):
+        problem = f"takes {meta.num_inputs()} input(s)"
+    else:
+        problem = None
+        for i, (name, rank) in enumerate(INPUTS):
+            info = meta.input_tensor_meta(i)
+            if info.dtype() != _LONG or len(info.sizes()) != rank:
+                problem = f"input {i} ({name}) is {info}"
+                break
+    if problem is not None:
+        raise UserError(
+            f"{path}: its {method} {problem}; qharness feeds {want}: not a program qharness exported",
+            fix="export it with qharness export (or fit/calibrate)",
+        )
+
+
 class PteModel:
     """A loaded ``.pte`` whose ``forward(tokens[1, n], input_pos[1])`` returns ``logits[1, n, vocab]``."""
 
@@ -90,11 +117,24 @@ class PteModel:
         runtime_threads()
         try:
             self.program = runtime.load_program(path)
+        except Exception as e:
+            raise UserError(
+                f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e})", fix="re-run qharness export"
+            ) from e
+        missing = [m for m in (method, *NEEDED_METHODS) if m not in self.program.method_names]
+        if missing:
+            raise UserError(
+                f"{path} lacks the method(s) {', '.join(missing)} that qharness runs (it has "
+                f"{', '.join(sorted(self.program.method_names)) or 'none'}): not a program qharness exported",
+                fix="export it with qharness export (or fit/calibrate)",
+            )
+        try:
             self.method = self.program.load_method(method)
         except Exception as e:
             raise UserError(
                 f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e})", fix="re-run qharness export"
             ) from e
+        _check_inputs(path, method, self.method.metadata)
 
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
         out = self.method.execute([tokens.to(torch.long).contiguous(), torch.tensor([start], dtype=torch.long)])

@@ -58,9 +58,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def cache_key(source: str, text_field: str, split: str, tokenizer, piece_chars: int) -> str:
+def cache_key(source: str, text_field: str, split: str, tokenizer, piece_chars: int, field: str = "data.source") -> str:
     """The cache's name: changes when a file of the source changes (path, size, mtime), or the tokenizer/settings."""
-    files = local_files(source)
+    files = local_files(source, field)
     if source == EMBEDDED:
         what = ["embedded", sys.version, str(Path(os.__file__).parent)]
     elif files is None:
@@ -109,7 +109,7 @@ def document_pieces(pieces: Iterable[str], tokenizer, piece_chars: int) -> Itera
         yield buf
 
 
-def _token_arrays(source: str, text_field: str, split: str, tokenizer, piece_chars: int, chunk_bytes: int):
+def _token_arrays(source: str, text_field: str, split: str, tokenizer, piece_chars: int, chunk_bytes: int, field: str):
     """int64 arrays of the token stream, documents separated by EOS, one tokenizer batch at a time."""
     eos = tokenizer.eos_token_id
     batch, ends, size = [], [], 0
@@ -123,7 +123,7 @@ def _token_arrays(source: str, text_field: str, split: str, tokenizer, piece_cha
         batch.clear(), ends.clear()
         return np.asarray(ids, dtype=np.int64)
 
-    for doc in iter_documents(source, text_field, split, chunk_bytes):
+    for doc in iter_documents(source, text_field, split, chunk_bytes, field):
         it = document_pieces(doc, tokenizer, piece_chars)
         cur = next(it, None)
         while cur is not None:
@@ -152,11 +152,13 @@ def token_stream(
     split: str = "train",
     piece_chars: int = PIECE_CHARS,
     chunk_bytes: int = CHUNK_BYTES,
+    field: str = "data.source",
 ) -> torch.Tensor:
-    """The source's 1-D token stream (``torch.long``, memory-mapped from the token cache; built on first use)."""
+    """The source's 1-D token stream (``torch.long``, memory-mapped from the token cache; built on first use);
+    ``field`` names the setting in errors (``calibration.source``)."""
     root = cache_dir() / "tokens"
     root.mkdir(parents=True, exist_ok=True)
-    key = cache_key(source, text_field, split, tokenizer, piece_chars)
+    key = cache_key(source, text_field, split, tokenizer, piece_chars, field)
     path = root / f"{key}.i64"
     if path.is_file():
         return _open(path)
@@ -165,25 +167,26 @@ def token_stream(
         if not path.is_file():
             for stale in root.glob(f".{key}.i64.*.tmp"):  # a killed build's (we hold the lock)
                 stale.unlink(missing_ok=True)
-            _build(path, source, text_field, split, tokenizer, piece_chars, chunk_bytes)
+            _build(path, source, text_field, split, tokenizer, piece_chars, chunk_bytes, field)
     return _open(path)
 
 
-def _build(path: Path, source, text_field, split, tokenizer, piece_chars, chunk_bytes) -> None:
+def _build(path: Path, source, text_field, split, tokenizer, piece_chars, chunk_bytes, field) -> None:
     stats["builds"] += 1
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_umask())  # the mode any new file gets (mkstemp makes 0600)
         n = 0
         with os.fdopen(fd, "wb") as f:
-            for arr in _token_arrays(source, text_field, split, tokenizer, piece_chars, chunk_bytes):
+            for arr in _token_arrays(source, text_field, split, tokenizer, piece_chars, chunk_bytes, field):
                 f.write(arr.astype("<i8", copy=False).tobytes())
                 n += len(arr)
             f.flush()
             os.fsync(f.fileno())
-        if n == 0 and local_files(source) is not None:
+        if n == 0 and local_files(source, field) is not None:
             raise UserError(
-                f"data.source {Path(source).expanduser()} holds no text", fix="point data.source at non-empty text"
+                f"{field} {Path(source).expanduser()} holds no text (no rows, or only blank ones)",
+                fix=f"point {field} at non-empty text",
             )
         os.replace(tmp, path)
     except BaseException:

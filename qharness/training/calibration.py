@@ -39,7 +39,9 @@ def calibration_blocks(cfg: CalibrationConfig, dm) -> torch.Tensor:
     if cfg.source is None:
         x = dm.train_x
     else:
-        x, _ = pack(token_stream(cfg.source, cfg.text_field, dm.load_tokenizer()), dm.seq_len)
+        x, _ = pack(
+            token_stream(cfg.source, cfg.text_field, dm.load_tokenizer(), field="calibration.source"), dm.seq_len
+        )
         if len(x) == 0:
             raise UserError(
                 f"calibration.source {cfg.source} holds less than one block of data.seq_len={dm.seq_len} tokens"
