@@ -112,6 +112,16 @@ def write_offline_tasks(texts: list[str], out_dir: Path, seed: int = 1234) -> Pa
     return out_dir
 
 
+@functools.lru_cache(maxsize=None)
+def offline_metrics() -> dict[str, set[str]]:
+    """The metrics each offline task reports (its template's ``metric_list``), e.g. ``{"qharness_mc": {"acc_mutual_info"}}``."""
+    out = {}
+    for name in OFFLINE_TASKS:
+        cfg = yaml.safe_load((TEMPLATES / f"{name}.yaml").read_text())
+        out[name] = {m["metric"] for m in cfg.get("metric_list") or []}
+    return out
+
+
 # ---- names and data of standard lm-eval tasks -------------------------------------------------------
 
 _NAME = re.compile(rb"^(?:task|group|tag):[ \t]*(.*)$((?:\n[ \t]+-.*)*)", re.M)

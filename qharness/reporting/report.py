@@ -104,6 +104,34 @@ def resolve_metric(metric: str, rows: list[dict]) -> tuple[str, bool]:
     return column, bool(LOWER_IS_BETTER.search(column.split("/")[-2] if column.startswith("eval/") else column))
 
 
+def check_metric(metric, tasks: list[str], where: str = "report.metric") -> None:
+    """A ``--metric`` that no run will have, found before the runs (a sweep's ``report.metric``): ``ppl``, a column
+    every run's row has, or ``TASK/METRIC[/STAGE]`` of a task in ``tasks`` (the lm-eval tasks the runs evaluate;
+    the metric itself is checked for qharness's offline tasks, whose metrics are known beforehand)."""
+    from qharness.evaluation.tasks import offline_metrics
+
+    fixed = set(summary_row({"mode": "ptq", "quantized": True})) | set(noise_of({}))
+    if isinstance(metric, str) and (metric == "ppl" or (metric in fixed and not metric.startswith("_"))):
+        return
+    parts = metric.removeprefix("eval/").split("/") if isinstance(metric, str) else []
+    task, name, stage = (parts + ["pte"])[:3] if len(parts) in (2, 3) else (None, None, None)
+    known = offline_metrics().get(task)
+    why = (
+        "not a metric name"
+        if task is None or not name or stage not in STAGES
+        else f"no run evaluates task {task!r} (eval.tasks: {', '.join(tasks) or 'none, eval disabled'})"
+        if task not in tasks
+        else f"task {task} has no metric {name!r} (it has {', '.join(sorted(known))})"
+        if known is not None and name not in known and not (is_stderr(name) and name in {stderr_name(k) for k in known})
+        else None
+    )
+    if why is not None:
+        example = (
+            f" or TASK/METRIC such as {tasks[0]}/{sorted(offline_metrics().get(tasks[0], ['acc']))[0]}" if tasks else ""
+        )
+        raise UserError(f"{where} {metric!r}: {why}", fix=f"use ppl, a column of the report table{example}")
+
+
 AXES = {"latency": "decode_ms_per_token", "size": "pte_size_mb"}  # the x axis of a front: decode latency or .pte size
 
 
