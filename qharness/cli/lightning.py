@@ -23,7 +23,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-from qharness.cli.precheck import check_run_dir, check_steps_and_lengths, check_trainer
+from qharness.cli.precheck import check_checkpoint_paths, check_run_dir, check_steps_and_lengths, check_trainer
 from qharness.config import (
     BenchConfig,
     CalibrationConfig,
@@ -126,6 +126,7 @@ def preflight(cfg, subcommand: str | None = None) -> None:
     )
     check_trainer(cfg.trainer.as_dict())  # the pre-check's checks, on the parsed section
     check_run_dir(cfg.trainer.default_root_dir)
+    check_checkpoint_paths({"filename": cfg.checkpoint.get("filename")})  # dirpath: linked to default_root_dir
     if cfg.deploy.enabled and cfg.bench.enabled:
         check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
     if cfg.trainer.get("strategy") == "fsdp_layers":

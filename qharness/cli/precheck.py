@@ -36,7 +36,7 @@ from qharness.config import (
 )
 from qharness.data.args import check_data_args
 from qharness.errors import UserError
-from qharness.io import read_yaml
+from qharness.io import check_name, read_yaml
 from qharness.sources.models import EMBEDDED, check_local_checkpoint
 from qharness.sources.torchtune import PREFIX as TORCHTUNE
 from qharness.training.model_args import Distill, LoRA, check_model_args, check_precision
@@ -176,6 +176,18 @@ def check_trainer(trainer: dict) -> None:
             f"trainer.gradient_clip_val must be a finite number >= 0 (got {clip})",
             fix="e.g. trainer.gradient_clip_val: 1.0",
         )
+
+
+def check_checkpoint_paths(checkpoint: dict) -> None:
+    """Checkpoints stay in ``<trainer.default_root_dir>/checkpoints``: ``checkpoint.dirpath`` is set from
+    ``trainer.default_root_dir`` (never given), and ``checkpoint.filename`` is one plain name (``io.check_name``)."""
+    if checkpoint.get("dirpath") is not None:
+        raise UserError(
+            f"checkpoint.dirpath {checkpoint['dirpath']!r} is set by qharness (<trainer.default_root_dir>/checkpoints)",
+            fix="remove checkpoint.dirpath and set trainer.default_root_dir to move the run and its checkpoints",
+        )
+    if checkpoint.get("filename") is not None:
+        check_name(checkpoint["filename"], "checkpoint.filename", "step{step}")
 
 
 def check_run_dir(root) -> None:
@@ -487,6 +499,7 @@ def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
             check_run_dir(trainer["default_root_dir"])
     if checkpoint is not None:
         check_types("checkpoint", checkpoint, CHECKPOINT_TYPES)
+        check_checkpoint_paths(checkpoint)
     if model is not None:
         _check_model(model, trainer)
     sizes = None if data is None else _check_data(data)

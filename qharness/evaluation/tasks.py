@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from qharness.errors import UserError
-from qharness.io import write_text_atomic
+from qharness.io import atomic_dir, write_text_atomic
 
 OFFLINE_TASKS = ("qharness_ppl", "qharness_mc", "qharness_gen")
 TEMPLATES = Path(__file__).parent / "lm_eval_tasks"
@@ -96,7 +96,10 @@ def build_documents(
 
 
 def write_offline_tasks(texts: list[str], out_dir: Path, seed: int = 1234) -> Path:
-    """Write the offline task YAMLs and their JSONL documents into ``out_dir`` (an lm-eval include path)."""
+    """Write the offline task YAMLs and their JSONL documents as ``out_dir`` (an lm-eval include path): a directory
+    made afresh for this evaluation that replaces whatever was there (``atomic_dir``), so a YAML planted in a run's
+    ``eval/tasks`` (a ``task: qharness_ppl`` with a ``!function``) is gone before lm-eval reads the folder: only
+    qharness's own task files and the user's ``eval.include_path`` are ever loaded."""
     out_dir = Path(out_dir)
     docs = build_documents(texts, seed)
     for name, rows in docs.items():
@@ -105,10 +108,13 @@ def write_offline_tasks(texts: list[str], out_dir: Path, seed: int = 1234) -> Pa
                 f"the evaluation text is too small or has no usable lines for {name}",
                 fix="give eval.source a larger text file",
             )
-        data = write_text_atomic(out_dir / "data" / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-        cfg = yaml.safe_load((TEMPLATES / f"{name}.yaml").read_text())
-        cfg["dataset_kwargs"]["data_files"]["test"] = str(data.resolve())
-        write_text_atomic(out_dir / f"{name}.yaml", yaml.safe_dump(cfg, sort_keys=False))
+    final = out_dir.resolve()  # where the files are once the directory is in place (the YAMLs name their data)
+    with atomic_dir(out_dir) as fresh:
+        for name, rows in docs.items():
+            write_text_atomic(fresh / "data" / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+            cfg = yaml.safe_load((TEMPLATES / f"{name}.yaml").read_text())
+            cfg["dataset_kwargs"]["data_files"]["test"] = str(final / "data" / f"{name}.jsonl")
+            write_text_atomic(fresh / f"{name}.yaml", yaml.safe_dump(cfg, sort_keys=False))
     return out_dir
 
 

@@ -41,7 +41,7 @@ from qharness.checks.stats import (
     stderr_name,
 )
 from qharness.errors import UserError
-from qharness.io import remove_stale_temps, write_bytes_atomic, write_json_atomic
+from qharness.io import bad_name_reason, check_output_dir, remove_stale_temps, write_bytes_atomic, write_json_atomic
 from qharness.reporting.rows import STAGES, _number, latency_figures, noise_of, summary_row  # noqa: F401
 from qharness.run.summary import RunSummary
 
@@ -51,8 +51,10 @@ LOWER_IS_BETTER = re.compile(r"(ppl|perplexity|loss|bits_per_byte|bpb|error|late
 
 
 # --- many runs ----------------------------------------------------------------------------------
-def collect(runs_dir: str | Path) -> list[dict]:
-    """The rows of every ``summary.json`` under ``runs_dir`` (unreadable ones are skipped with a warning)."""
+def collect(runs_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
+    """The rows of every ``summary.json`` under ``runs_dir``; one that cannot be read or holds a field of the wrong
+    type is skipped with a one-line note naming it (logged, and added to ``skipped``)."""
+    skipped = [] if skipped is None else skipped
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise UserError(
@@ -66,15 +68,57 @@ def collect(runs_dir: str | Path) -> list[dict]:
         try:
             summary = RunSummary.read(path).to_dict()
             run = str(path.parent.relative_to(runs_dir)) if path.parent != runs_dir else runs_dir.name
-            rows.append(summary_row(summary, run=run) | noise_of(summary))
-        except (UserError, KeyError, TypeError) as e:
-            log.warning("skipping %s: %s", path, e)
+            rows.append(checked_row(summary_row(summary, run=run) | noise_of(summary)))
+        except Exception as e:  # noqa: BLE001  a summary of wrong types (written by hand or another tool)
+            why = e if isinstance(e, UserError) else f"not a qharness run summary ({type(e).__name__}: {e})"
+            skipped.append(one_line(f"Skipped {path}: {why}"))
+            log.warning("%s", skipped[-1])
     if not rows:
         raise UserError(
             f"no summary.json under {runs_dir}",
             fix="run qharness fit/calibrate/sweep first, or pass the directory that holds their runs",
         )
     return rows
+
+
+TEXT_COLUMNS = ("run", "model", "recipe", "backend", "mode", "latency_source")
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters shown escaped (``\\n``), as ``UserError`` does: one line on a terminal, in
+    a CSV cell or a Markdown row, whatever a summary.json or a directory name holds."""
+    return UserError(text).what
+
+
+def checked_row(row: dict) -> dict:
+    """``row`` (``summary_row | noise_of``) if every field has its type, text fields made one line; else a
+    ``UserError`` naming the first wrong field (the run is then skipped, not the report)."""
+    for key, value in row.items():
+        if key in TEXT_COLUMNS:
+            if value is not None and not isinstance(value, str):
+                raise UserError(f"{key} is {type(value).__name__}, not text")
+            row[key] = None if value is None else one_line(value)
+        elif key == "parity_passed":
+            if value is not None and not isinstance(value, bool):
+                raise UserError(f"parity.passed is {value!r}, not true/false")
+        elif key in ("_val", "_sha256"):
+            if value is not None and not isinstance(value, str):
+                raise UserError(f"{key[1:]} is {type(value).__name__}, not text")
+        elif key == "_blocks":
+            if not all(all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b) for b in value.values()):
+                raise UserError("metrics.*.block_losses holds something other than numbers")
+        elif (
+            not key.startswith("_")
+            and value is not None
+            and (isinstance(value, bool) or not isinstance(value, (int, float)))
+        ):
+            raise UserError(f"{key} is {value!r}, not a number")
+        if key.startswith(("eval/", "chance/")) and (
+            key.count("/") != (3 if key.startswith("eval/") else 2)
+            or any(bad_name_reason(part) for part in key.split("/")[1:])
+        ):
+            raise UserError(f"lm-eval task or metric name {one_line(key)!r} is not a plain name")
+    return row
 
 
 def resolve_metric(metric: str, rows: list[dict]) -> tuple[str, bool]:
@@ -456,15 +500,40 @@ def markdown_table(rows: list[dict], column: str, front_runs: set[str], size_run
             "*" if r["run"] in size_runs else "",
             r.get("ties") or "",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+_MD_TAG = re.compile(r"<(?=[A-Za-z/!?])")  # a "<" that could open an HTML tag or comment ("<=" cannot)
+
+
+def md_text(text: str) -> str:
+    """``text`` safe in a Markdown paragraph: one line (control characters escaped) and no HTML (a ``<`` that could
+    open a tag becomes ``&lt;``: a ``<script>`` from a summary.json shows as text; ``<=`` stays)."""
+    return _MD_TAG.sub("&lt;", one_line(text))
+
+
+def md_cell(text: str) -> str:
+    """``text`` safe in a Markdown table cell: ``md_text`` and ``|`` escaped (no extra columns or rows)."""
+    return md_text(text).replace("|", "\\|")
+
+
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n")  # what makes a spreadsheet read a cell as a formula (OWASP)
+
+
+def csv_cell(value):
+    """A CSV cell a spreadsheet will not run: text starting with ``= + - @`` (or a tab/return) gets a leading ``'``
+    (OWASP's CSV-injection advice); numbers, booleans and None stay as they are."""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
 
 
 def csv_text(rows: list[dict], columns: list[str]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=[csv_cell(c) for c in columns], extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({csv_cell(k): csv_cell(v) for k, v in r.items()} for r in rows)
     return buf.getvalue()
 
 
@@ -608,6 +677,12 @@ def plot_pareto(
     return buf.getvalue()
 
 
+def markdown_report(title: str, table: str, lines: list[str]) -> str:
+    """``report.md``: the title, the table (its cells escaped by ``markdown_table``) and the text lines, each made
+    safe Markdown (``md_text``): names from summaries and directories can add no line, heading or HTML."""
+    return f"# {md_text(title)}\n\n{table}\n" + "".join(md_text(line) + "\n" for line in lines)
+
+
 def describe(row: dict | None, column: str) -> str:
     if row is None:
         return "none"
@@ -735,9 +810,10 @@ def write_report(
     """Collect, rank and write ``report.md``, ``report.csv``, ``report.json`` and ``pareto.png`` into ``out``
     (default ``runs_dir``); log them to wandb; return what was written (rows, front, best, paths)."""
     runs_dir = Path(runs_dir)
-    out = Path(out) if out is not None else runs_dir
+    out = check_output_dir(Path(out) if out is not None else runs_dir, "--out" if out is not None else "RUNS_DIR")
     remove_stale_temps(out)  # what a killed report left behind
-    rows = collect(runs_dir)
+    skipped: list[str] = []
+    rows = collect(runs_dir, skipped)
     column, lower = resolve_metric(metric, rows)
     rows.sort(key=lambda r: (r["decode_ms_per_token"] is None, r["decode_ms_per_token"] or 0.0, r["run"]))
     front, ties = noisy_front(rows, column, lower)
@@ -798,12 +874,13 @@ def write_report(
             "machine with `qharness bench --pte RUN/model.pte` (it updates summary.json), then rerun `qharness report`."
         )
     lines += notes or []
+    lines += skipped
     text = "\n".join(lines)
     png = plot_pareto(rows, column, lower, front_runs, title, max_latency_ms)
     size_title = f"{runs_dir.name}: {'.pte perplexity' if column == 'ppl_pte' else column} vs .pte size"
     size_png = plot_pareto(rows, column, lower, size_runs, size_title, axis="size", max_size_mb=max_size_mb)
     paths = {
-        "markdown": write_bytes_atomic(out / "report.md", (f"# {title}\n\n{text}\n").encode()),
+        "markdown": write_bytes_atomic(out / "report.md", markdown_report(title, md, lines[1:]).encode()),
         "csv": write_bytes_atomic(out / "report.csv", csv_text(rows, columns).encode()),
         "png": write_bytes_atomic(out / "pareto.png", png),
         "size_png": write_bytes_atomic(out / "pareto_size.png", size_png),
