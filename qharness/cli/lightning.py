@@ -172,11 +172,14 @@ def preflight(cfg, subcommand: str | None = None) -> None:
     ):  # they write into the run directory
         hold_run_lock(cfg.trainer.default_root_dir)
     if cfg.model.checkpoint != "embedded":
-        from qharness.deploy.architectures import check_architecture
+        from qharness.deploy.architectures import check_architecture, check_deploy_memory, load_config
         from qharness.sources.models import resolve_checkpoint
 
         # an architecture that cannot be exported with a static KV cache fails here, before any training
-        check_architecture(resolve_checkpoint(cfg.model.checkpoint), cfg.model.trust_remote_code)
+        source = resolve_checkpoint(cfg.model.checkpoint)
+        check_architecture(source, cfg.model.trust_remote_code)
+        if cfg.deploy.enabled or subcommand == "export":  # a KV cache the machine cannot hold, before any work
+            check_deploy_memory(load_config(source, cfg.model.trust_remote_code), cfg.deploy.max_seq_len)
 
 
 def init_args(module: QuantLM) -> dict:

@@ -103,7 +103,8 @@ def checked_row(row: dict) -> dict:
                 raise UserError(f"parity.passed is {value!r}, not true/false")
         elif key in ("_val", "_sha256"):
             if value is not None and not isinstance(value, str):
-                raise UserError(f"{key[1:]} is {type(value).__name__}, not text")
+                field = {"_val": "val_blocks", "_sha256": "pte.sha256"}[key]
+                raise UserError(f"{field} is {type(value).__name__}, not text")
         elif key == "_blocks":
             if not all(all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b) for b in value.values()):
                 raise UserError("metrics.*.block_losses holds something other than numbers")
