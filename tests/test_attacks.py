@@ -19,7 +19,6 @@ from conftest import ROOT
 from test_report import RUNS, summary
 
 from qharness.errors import UserError
-from qharness.io import write_json_atomic
 from qharness.reporting.sweep import load_sweep, plan
 
 
@@ -224,7 +223,8 @@ def report_runs(tmp_path, **changes) -> tuple:
                 for p in parents:
                     target = target[p]
                 target[last] = value
-        write_json_atomic(root / name / "summary.json", s)
+        (root / name).mkdir(parents=True)
+        (root / name / "summary.json").write_text(json.dumps(s))  # NaN and Infinity as JSON's extension writes them
     return root
 
 
@@ -382,3 +382,113 @@ def test_a_kv_cache_larger_than_the_memory_is_one_line_before_any_work(tmp_path,
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert last.startswith(f"error: deploy.max_seq_len={positions} needs a KV cache of about") and "fix: set" in last
     assert not (tmp_path / "run" / "summary.json").exists()
+
+
+# ---------------------------------------------------------------- property-based: names, paths, summary types
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_fuzz import more  # noqa: E402
+
+# names an attacker tries: separators, "..", absolute paths, control and format characters, any unicode
+name_parts = st.one_of(
+    st.sampled_from(
+        ["/", "\\", "..", ".", "\n", "\r", "\t", "\x00", "\x1b[31m", "\u2028", "\u202e", "~", "-", "=", "|"]
+    ),
+    st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=6),
+)
+names = st.lists(name_parts, min_size=0, max_size=4).map("".join) | st.text(max_size=300)
+
+
+@more(80)
+@given(name=names)
+def test_a_name_is_refused_in_one_line_or_stays_a_plain_entry_of_its_directory(name, tmp_path_factory):
+    from qharness.io import check_name
+
+    root = tmp_path_factory.getbasetemp() / "names"
+    root.mkdir(exist_ok=True)
+    try:
+        check_name(name, "field", "example")
+    except UserError as e:
+        assert "\n" not in str(e) and "\r" not in str(e) and str(e).startswith("field ")
+        return
+    path = root / name
+    assert path.resolve().parent == root.resolve() and path.name == name  # one entry, directly inside root
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY, 0o600)  # and the file system takes it
+    os.close(fd)
+    path.unlink()
+
+
+@more(40)
+@given(name=names, mode=st.sampled_from(["ptq", "qat"]))
+def test_a_sweep_run_name_is_refused_or_its_run_dir_is_inside_the_sweep(name, mode, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sweepname")
+    path = sweep_file(tmp, [{"recipe": "xnnpack_int8_dynamic", "modes": [mode], "name": name}])
+    try:
+        runs = plan(load_sweep(path))
+    except UserError as e:
+        assert "\n" not in str(e)
+        return
+    for run in runs:
+        assert run.run_dir.resolve().parent == (tmp / "sweep").resolve()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
+    max_leaves=6,
+)
+SUMMARY_FIELDS = [
+    "model",
+    "recipe",
+    "backend",
+    "metrics",
+    "metrics.pte",
+    "metrics.pte.ppl",
+    "metrics.fp.ppl",
+    "parity",
+    "parity.passed",
+    "pte",
+    "pte.size_bytes",
+    "bench",
+    "bench.pte",
+    "bench.pte.decode_tok_s",
+    "bench_joint",
+    "eval",
+    "eval.tasks",
+    "eval.tasks.toy",
+    "eval.tasks.toy.pte",
+    "evaluations",
+    "val_blocks",
+]
+
+
+@more(30)
+@given(field=st.sampled_from(SUMMARY_FIELDS), value=json_values, text=names)
+def test_a_summary_field_of_any_type_skips_that_run_or_reports_it_never_the_report(
+    field, value, text, tmp_path_factory
+):
+    from unittest import mock
+
+    from qharness.reporting.report import write_report
+
+    tmp = tmp_path_factory.mktemp("summary")
+    root = report_runs(tmp, **{field: value, "backend" if field != "backend" else "model": text})
+    # the PNGs (a second each) are left out here; the wrong-type tests above draw them from the same checked rows
+    with mock.patch("qharness.reporting.report.plot_pareto", return_value=b"png"):
+        result = write_report(root, wandb=False)
+    runs = {r["run"] for r in result["rows"]}
+    skipped = [line for line in result["text"].splitlines() if line.startswith("Skipped")]
+    assert runs == {"fp", "int8-ptq", "evil"} or (runs == {"fp", "int8-ptq"} and len(skipped) == 1)
+    cells = [c for row in csv.reader(open(root / "report.csv")) for c in row]
+    assert not any(c.startswith(("=", "+", "-", "@", "\t", "\r")) for c in cells if c and not _number_text(c))
+    table = [line for line in (root / "report.md").read_text().splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(runs) and "<script" not in (root / "report.md").read_text()
+
+
+def _number_text(cell: str) -> bool:
+    try:
+        float(cell)
+        return True
+    except ValueError:
+        return False
