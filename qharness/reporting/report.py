@@ -14,6 +14,10 @@ beyond it on the other; the best run under a budget is picked by accuracy, then 
 the smaller ``.pte`` (then the name), and the words say when the data did not decide. Runs whose ``.pte`` failed
 the parity gate are shown but never on the front or picked.
 
+A summary.json is data, never markup: a summary with a field of the wrong type is skipped with a one-line note
+naming it (``checked_row``); text from summaries and directory names is made one line, a CSV cell that would start a
+spreadsheet formula gets a leading ``'`` (``csv_cell``) and Markdown escapes table pipes and HTML tags (``md_cell``).
+
 Example::
 
     result = write_report("runs/sweep_xnnpack", max_latency_ms=2.0)
@@ -40,7 +44,7 @@ from qharness.checks.stats import (
     rank_test_p,
     stderr_name,
 )
-from qharness.errors import UserError
+from qharness.errors import UserError, one_line
 from qharness.io import bad_name_reason, check_output_dir, remove_stale_temps, write_bytes_atomic, write_json_atomic
 from qharness.reporting.rows import STAGES, _number, latency_figures, noise_of, summary_row  # noqa: F401
 from qharness.run.summary import RunSummary
@@ -82,12 +86,6 @@ def collect(runs_dir: str | Path, skipped: list[str] | None = None) -> list[dict
 
 
 TEXT_COLUMNS = ("run", "model", "recipe", "backend", "mode", "latency_source")
-
-
-def one_line(text: str) -> str:
-    """``text`` with control characters shown escaped (``\\n``), as ``UserError`` does: one line on a terminal, in
-    a CSV cell or a Markdown row, whatever a summary.json or a directory name holds."""
-    return UserError(text).what
 
 
 def checked_row(row: dict) -> dict:
@@ -494,7 +492,7 @@ def markdown_table(rows: list[dict], column: str, front_runs: set[str], size_run
     """The runs' table; ``Pareto``: on the latency front, ``Pareto (size)``: on the ``.pte`` size front."""
     cols = table_columns(rows, column)
     header = [h for _, h, _ in cols] + ["Pareto", "Pareto (size)", "ties"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines = ["| " + " | ".join(md_cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
         cells = [_cell(r, k, f) for k, _, f in cols] + [
             "*" if r["run"] in front_runs else "",

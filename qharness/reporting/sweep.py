@@ -7,7 +7,9 @@ directory ``<sweep_dir>/<name or recipe>-<mode>/`` run by the ordinary CLI in a 
 QAT, ``qharness calibrate`` for PTQ) from the generated ``sweep_config.yaml`` there; its output goes to the
 console and to ``sweep.log`` there. A failed run is recorded and the sweep goes on. A re-run skips every run
 that finished with the same generated config (``sweep_status.json`` + ``summary.json``) and resumes a QAT run
-of that config that was killed or failed (``--ckpt_path last``, ``resumable``); ``--force`` reruns all. A run's
+of that config that was killed or failed (``--ckpt_path last``, ``resumable``); ``--force`` reruns all. A run's name must be one plain directory name
+(``io.check_name``: no separators, ``..`` or control characters), so every run stays inside ``sweep_dir``; a run
+process starts with ``python -P`` (nothing from the current directory is imported). A run's
 process gets SIGTERM when the sweep dies, so a killed sweep leaves nothing running. The embedded default model
 is resolved (pretrained once, cached) before the first run, so the runs share it; the eager FP model is benchmarked only in the first run (``bench.eager: false`` in the others). lm-eval
 (unless the config sets ``eval.models``) scores the FP model and ``.pte`` in the baseline run, the ``.pte`` in
