@@ -13,6 +13,7 @@ from pathlib import Path, PurePath
 from typing import Literal
 
 from qharness.errors import UserError
+from qharness.io import bad_name_reason
 
 
 def _at_least(section: str, **values) -> None:
@@ -59,10 +60,11 @@ class ExportConfig:
 
     def __post_init__(self):
         _at_least("deploy", max_seq_len=(self.max_seq_len, 3))
-        name = PurePath(self.filename)
-        if not self.filename or name.name != self.filename or name.suffix != ".pte" or self.filename.startswith("."):
+        why = bad_name_reason(self.filename)
+        if why or PurePath(self.filename).suffix != ".pte" or self.filename.startswith("."):
             raise UserError(
-                f"deploy.filename {self.filename!r} must be a plain file name ending in .pte",
+                f"deploy.filename {self.filename!r} must be a plain file name ending in .pte"
+                + (f" ({why})" if why else ""),
                 fix="e.g. deploy.filename: model.pte",
             )
 

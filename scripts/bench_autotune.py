@@ -134,7 +134,7 @@ def main(argv=None) -> None:
     recipe_files(out)
     sizes = predicted_sizes(model_dir, a.max_seq_len)
     budget = a.budget or round((sizes["8da4w-g32"] + sizes["8da8w-pc"]) / 2 / 1e4) / 100
-    from qharness.upstream.process import die_with_parent
+    from qharness.upstream.process import die_with_parent, python_command
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     sweep_dir = out / "sweep"
@@ -143,9 +143,7 @@ def main(argv=None) -> None:
         if rerun is not None and not rerun.is_file():
             break
         cmd = [
-            sys.executable,
-            "-m",
-            "qharness",
+            *python_command("-m", "qharness"),
             "sweep",
             str(sweep_config(out, model_dir, str(corpus), budget, a, rerun)),
         ]

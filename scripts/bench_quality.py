@@ -436,15 +436,13 @@ def main(argv=None) -> None:
     model_dir = benchmark_model(str(corpus.resolve()), a.pretrain_steps)
     info = json.loads((model_dir / "qharness_pretrain.json").read_text())
     t_pretrain = time.perf_counter() - t0
-    from qharness.upstream.process import die_with_parent
+    from qharness.upstream.process import die_with_parent, python_command
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     per_seed, t1 = {}, time.perf_counter()
     for seed in a.seeds:
         cmd = [
-            sys.executable,
-            "-m",
-            "qharness",
+            *python_command("-m", "qharness"),
             "sweep",
             str(sweep_config(out, seed, model_dir, str(corpus.resolve()), a.recipes, a)),
         ]

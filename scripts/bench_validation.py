@@ -60,9 +60,11 @@ def cases(tmp: Path) -> dict[str, tuple[Path, list[str]]]:
 
 def run_once(config: Path, extra: list[str], cwd: Path) -> tuple[float, int, str]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    # -P keeps the current directory off the child's sys.path (no module planted there runs): name qharness's root
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     start = time.perf_counter()
     result = subprocess.run(
-        [sys.executable, "-m", "qharness", "fit", "--config", str(config), *extra],
+        [sys.executable, "-P", "-m", "qharness", "fit", "--config", str(config), *extra],
         cwd=cwd,
         env=env,
         capture_output=True,

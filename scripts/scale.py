@@ -203,6 +203,7 @@ def main() -> None:
         subprocess.run(
             [
                 sys.executable,
+                "-P",  # not the current directory on sys.path (the script's folder is added explicitly)
                 "-c",
                 f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import scale; "
                 f"scale.make_model(__import__('pathlib').Path({str(model_dir)!r}), {args.shape!r})",

@@ -57,7 +57,7 @@ class FakeRunner:
         cfg = yaml.safe_load(open(cmd[cmd.index("--config") + 1]))
         run_dir = cfg["trainer"]["default_root_dir"]
         name = f"{cfg['model']['recipe']}-{cfg['model']['mode']}"
-        self.calls.append((cmd[3], name))
+        self.calls.append((cmd[cmd.index("qharness") + 1], name))  # the subcommand
         log_path.write_text("log of " + name)
         if name in self.fail:
             return 1

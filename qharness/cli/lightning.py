@@ -227,7 +227,7 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         "autotune",
     ):  # they write into the run directory
         hold_run_lock(cfg.trainer.default_root_dir)
-    from qharness.deploy.architectures import check_architecture
+    from qharness.deploy.architectures import check_architecture, check_deploy_memory, load_config
     from qharness.recipes.registry import load_recipe
     from qharness.sources.embedded import embedded_config
     from qharness.sources.models import EMBEDDED, resolve_checkpoint
@@ -241,6 +241,9 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         from qharness.run.pipeline import check_export_config
 
         check_export_config(cfg.deploy, seq_len, _context(resolve_checkpoint(cfg.model.checkpoint)))
+    if not embedded and (cfg.deploy.enabled or subcommand == "export"):  # a KV cache the machine cannot hold
+        source = resolve_checkpoint(cfg.model.checkpoint)
+        check_deploy_memory(load_config(source, cfg.model.trust_remote_code), cfg.deploy.max_seq_len)
     if not embedded or recipe is not None:  # the embedded Llama itself always exports
         check_architecture(
             EMBEDDED if embedded else resolve_checkpoint(cfg.model.checkpoint),

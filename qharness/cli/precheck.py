@@ -39,7 +39,7 @@ from qharness.config import (
 )
 from qharness.data.args import check_data_args
 from qharness.errors import UserError
-from qharness.io import load_yaml, read_yaml
+from qharness.io import check_name, load_yaml, read_yaml
 from qharness.sources.models import EMBEDDED, check_local_checkpoint
 from qharness.sources.torchtune import PREFIX as TORCHTUNE
 from qharness.training.model_args import Distill, LoRA, check_model_args, check_precision
@@ -283,6 +283,8 @@ def check_checkpoint(checkpoint: dict) -> None:
             f"checkpoint.every_n_train_steps must be >= 0 (got {every})",
             fix="e.g. checkpoint.every_n_train_steps: 50 (0: only at the end)",
         )
+    if checkpoint.get("filename") is not None:  # one plain name: checkpoints stay in the run's checkpoints/
+        check_name(checkpoint["filename"], "checkpoint.filename", "step{step}")
 
 
 def check_run_dir(root) -> None:

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from qharness.errors import UserError
-from qharness.io import write_text_atomic
+from qharness.io import atomic_dir, write_text_atomic
 
 OFFLINE_TASKS = ("qharness_ppl", "qharness_mc", "qharness_gen")
 TEMPLATES = Path(__file__).parent / "lm_eval_tasks"
@@ -143,17 +143,32 @@ def offline_documents(texts: list[str], tasks, where: str, seed: int = 1234) -> 
 def write_offline_tasks(
     texts: list[str], out_dir: Path, seed: int = 1234, tasks=OFFLINE_TASKS, where: str = "eval.source"
 ) -> Path:
-    """Write the YAMLs and JSONL documents of the offline tasks among ``tasks`` into ``out_dir`` (an lm-eval include
-    path)."""
+    """Write the YAMLs and JSONL documents of the offline tasks among ``tasks`` as ``out_dir`` (an lm-eval include
+    path): a directory made afresh for this evaluation that replaces whatever was there (``atomic_dir``), so a YAML
+    planted in a run's ``eval/tasks`` (a ``task: qharness_ppl`` with a ``!function``) is gone before lm-eval reads
+    the folder: only qharness's own task files and the user's ``eval.include_path`` are ever loaded."""
     out_dir = Path(out_dir)
-    for name, rows in offline_documents(texts, tasks, where, seed).items():
-        if name not in tasks:
-            continue
-        data = write_text_atomic(out_dir / "data" / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-        cfg = yaml.safe_load((TEMPLATES / f"{name}.yaml").read_text())
-        cfg["dataset_kwargs"]["data_files"]["test"] = str(data.resolve())
-        write_text_atomic(out_dir / f"{name}.yaml", yaml.safe_dump(cfg, sort_keys=False))
+    docs = offline_documents(texts, tasks, where, seed)
+    final = out_dir.resolve()  # where the files are once the directory is in place (the YAMLs name their data)
+    with atomic_dir(out_dir) as fresh:
+        for name, rows in docs.items():
+            if name not in tasks:
+                continue
+            write_text_atomic(fresh / "data" / f"{name}.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+            cfg = yaml.safe_load((TEMPLATES / f"{name}.yaml").read_text())
+            cfg["dataset_kwargs"]["data_files"]["test"] = str(final / "data" / f"{name}.jsonl")
+            write_text_atomic(fresh / f"{name}.yaml", yaml.safe_dump(cfg, sort_keys=False))
     return out_dir
+
+
+@functools.lru_cache(maxsize=None)
+def offline_metrics() -> dict[str, set[str]]:
+    """The metrics each offline task reports (its template's ``metric_list``), e.g. ``{"qharness_mc": {"acc_mutual_info"}}``."""
+    out = {}
+    for name in OFFLINE_TASKS:
+        cfg = yaml.safe_load((TEMPLATES / f"{name}.yaml").read_text())
+        out[name] = {m["metric"] for m in cfg.get("metric_list") or []}
+    return out
 
 
 # ---- names and data of standard lm-eval tasks -------------------------------------------------------

@@ -14,6 +14,10 @@ beyond it on the other; the best run under a budget is picked by accuracy, then 
 the smaller ``.pte`` (then the name), and the words say when the data did not decide. Runs whose ``.pte`` failed
 the parity gate are shown but never on the front or picked.
 
+A summary.json is data, never markup: a summary with a field of the wrong type is skipped with a one-line note
+naming it (``checked_row``); text from summaries and directory names is made one line, a CSV cell that would start a
+spreadsheet formula gets a leading ``'`` (``csv_cell``) and Markdown escapes table pipes and HTML tags (``md_cell``).
+
 Example::
 
     result = write_report("runs/sweep_xnnpack", max_latency_ms=2.0)
@@ -40,8 +44,8 @@ from qharness.checks.stats import (
     rank_test_p,
     stderr_name,
 )
-from qharness.errors import UserError
-from qharness.io import remove_stale_temps, write_bytes_atomic, write_json_atomic
+from qharness.errors import UserError, one_line
+from qharness.io import bad_name_reason, check_output_dir, remove_stale_temps, write_bytes_atomic, write_json_atomic
 from qharness.reporting.rows import STAGES, _number, latency_figures, noise_of, summary_row  # noqa: F401
 from qharness.run.summary import RunSummary
 
@@ -51,8 +55,10 @@ LOWER_IS_BETTER = re.compile(r"(ppl|perplexity|loss|bits_per_byte|bpb|error|late
 
 
 # --- many runs ----------------------------------------------------------------------------------
-def collect(runs_dir: str | Path) -> list[dict]:
-    """The rows of every ``summary.json`` under ``runs_dir`` (unreadable ones are skipped with a warning)."""
+def collect(runs_dir: str | Path, skipped: list[str] | None = None) -> list[dict]:
+    """The rows of every ``summary.json`` under ``runs_dir``; one that cannot be read or holds a field of the wrong
+    type is skipped with a one-line note naming it (logged, and added to ``skipped``)."""
+    skipped = [] if skipped is None else skipped
     runs_dir = Path(runs_dir)
     if not runs_dir.is_dir():
         raise UserError(
@@ -66,15 +72,52 @@ def collect(runs_dir: str | Path) -> list[dict]:
         try:
             summary = RunSummary.read(path).to_dict()
             run = str(path.parent.relative_to(runs_dir)) if path.parent != runs_dir else runs_dir.name
-            rows.append(summary_row(summary, run=run) | noise_of(summary))
-        except (UserError, KeyError, TypeError) as e:
-            log.warning("skipping %s: %s", path, e)
+            rows.append(checked_row(summary_row(summary, run=run) | noise_of(summary)))
+        except Exception as e:  # noqa: BLE001  a summary of wrong types (written by hand or another tool)
+            why = e if isinstance(e, UserError) else f"not a qharness run summary ({type(e).__name__}: {e})"
+            skipped.append(one_line(f"Skipped {path}: {why}"))
+            log.warning("%s", skipped[-1])
     if not rows:
         raise UserError(
             f"no summary.json under {runs_dir}",
             fix="run qharness fit/calibrate/sweep first, or pass the directory that holds their runs",
         )
     return rows
+
+
+TEXT_COLUMNS = ("run", "model", "recipe", "backend", "mode", "latency_source")
+
+
+def checked_row(row: dict) -> dict:
+    """``row`` (``summary_row | noise_of``) if every field has its type, text fields made one line; else a
+    ``UserError`` naming the first wrong field (the run is then skipped, not the report)."""
+    for key, value in row.items():
+        if key in TEXT_COLUMNS:
+            if value is not None and not isinstance(value, str):
+                raise UserError(f"{key} is {type(value).__name__}, not text")
+            row[key] = None if value is None else one_line(value)
+        elif key == "parity_passed":
+            if value is not None and not isinstance(value, bool):
+                raise UserError(f"parity.passed is {value!r}, not true/false")
+        elif key in ("_val", "_sha256"):
+            if value is not None and not isinstance(value, str):
+                field = {"_val": "val_blocks", "_sha256": "pte.sha256"}[key]
+                raise UserError(f"{field} is {type(value).__name__}, not text")
+        elif key == "_blocks":
+            if not all(all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b) for b in value.values()):
+                raise UserError("metrics.*.block_losses holds something other than numbers")
+        elif (
+            not key.startswith("_")
+            and value is not None
+            and (isinstance(value, bool) or not isinstance(value, (int, float)))
+        ):
+            raise UserError(f"{key} is {value!r}, not a number")
+        if key.startswith(("eval/", "chance/")) and (
+            key.count("/") != (3 if key.startswith("eval/") else 2)
+            or any(bad_name_reason(part) for part in key.split("/")[1:])
+        ):
+            raise UserError(f"lm-eval task or metric name {one_line(key)!r} is not a plain name")
+    return row
 
 
 def resolve_metric(metric: str, rows: list[dict]) -> tuple[str, bool]:
@@ -102,6 +145,34 @@ def resolve_metric(metric: str, rows: list[dict]) -> tuple[str, bool]:
                 + (f", or a task metric: {', '.join(known)}" if known else " (no run has lm-eval results)"),
             )
     return column, bool(LOWER_IS_BETTER.search(column.split("/")[-2] if column.startswith("eval/") else column))
+
+
+def check_metric(metric, tasks: list[str], where: str = "report.metric") -> None:
+    """A ``--metric`` that no run will have, found before the runs (a sweep's ``report.metric``): ``ppl``, a column
+    every run's row has, or ``TASK/METRIC[/STAGE]`` of a task in ``tasks`` (the lm-eval tasks the runs evaluate;
+    the metric itself is checked for qharness's offline tasks, whose metrics are known beforehand)."""
+    from qharness.evaluation.tasks import offline_metrics
+
+    fixed = set(summary_row({"mode": "ptq", "quantized": True})) | set(noise_of({}))
+    if isinstance(metric, str) and (metric == "ppl" or (metric in fixed and not metric.startswith("_"))):
+        return
+    parts = metric.removeprefix("eval/").split("/") if isinstance(metric, str) else []
+    task, name, stage = (parts + ["pte"])[:3] if len(parts) in (2, 3) else (None, None, None)
+    known = offline_metrics().get(task)
+    why = (
+        "not a metric name"
+        if task is None or not name or stage not in STAGES
+        else f"no run evaluates task {task!r} (eval.tasks: {', '.join(tasks) or 'none, eval disabled'})"
+        if task not in tasks
+        else f"task {task} has no metric {name!r} (it has {', '.join(sorted(known))})"
+        if known is not None and name not in known and not (is_stderr(name) and name in {stderr_name(k) for k in known})
+        else None
+    )
+    if why is not None:
+        example = (
+            f" or TASK/METRIC such as {tasks[0]}/{sorted(offline_metrics().get(tasks[0], ['acc']))[0]}" if tasks else ""
+        )
+        raise UserError(f"{where} {metric!r}: {why}", fix=f"use ppl, a column of the report table{example}")
 
 
 AXES = {"latency": "decode_ms_per_token", "size": "pte_size_mb"}  # the x axis of a front: decode latency or .pte size
@@ -426,22 +497,47 @@ def markdown_table(rows: list[dict], column: str, front_runs: set[str], size_run
     """The runs' table; ``Pareto``: on the latency front, ``Pareto (size)``: on the ``.pte`` size front."""
     cols = table_columns(rows, column)
     header = [h for _, h, _ in cols] + ["Pareto", "Pareto (size)", "ties"]
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines = ["| " + " | ".join(md_cell(h) for h in header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for r in rows:
         cells = [_cell(r, k, f) for k, _, f in cols] + [
             "*" if r["run"] in front_runs else "",
             "*" if r["run"] in size_runs else "",
             r.get("ties") or "",
         ]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(md_cell(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+_MD_TAG = re.compile(r"<(?=[A-Za-z/!?])")  # a "<" that could open an HTML tag or comment ("<=" cannot)
+
+
+def md_text(text: str) -> str:
+    """``text`` safe in a Markdown paragraph: one line (control characters escaped) and no HTML (a ``<`` that could
+    open a tag becomes ``&lt;``: a ``<script>`` from a summary.json shows as text; ``<=`` stays)."""
+    return _MD_TAG.sub("&lt;", one_line(text))
+
+
+def md_cell(text: str) -> str:
+    """``text`` safe in a Markdown table cell: ``md_text`` and ``|`` escaped (no extra columns or rows)."""
+    return md_text(text).replace("|", "\\|")
+
+
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r", "\n")  # what makes a spreadsheet read a cell as a formula (OWASP)
+
+
+def csv_cell(value):
+    """A CSV cell a spreadsheet will not run: text starting with ``= + - @`` (or a tab/return) gets a leading ``'``
+    (OWASP's CSV-injection advice); numbers, booleans and None stay as they are."""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
 
 
 def csv_text(rows: list[dict], columns: list[str]) -> str:
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
+    writer = csv.DictWriter(buf, fieldnames=[csv_cell(c) for c in columns], extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
-    writer.writerows(rows)
+    writer.writerows({csv_cell(k): csv_cell(v) for k, v in r.items()} for r in rows)
     return buf.getvalue()
 
 
@@ -585,6 +681,12 @@ def plot_pareto(
     return buf.getvalue()
 
 
+def markdown_report(title: str, table: str, lines: list[str]) -> str:
+    """``report.md``: the title, the table (its cells escaped by ``markdown_table``) and the text lines, each made
+    safe Markdown (``md_text``): names from summaries and directories can add no line, heading or HTML."""
+    return f"# {md_text(title)}\n\n{table}\n" + "".join(md_text(line) + "\n" for line in lines)
+
+
 def describe(row: dict | None, column: str) -> str:
     if row is None:
         return "none"
@@ -712,9 +814,10 @@ def write_report(
     """Collect, rank and write ``report.md``, ``report.csv``, ``report.json`` and ``pareto.png`` into ``out``
     (default ``runs_dir``); log them to wandb; return what was written (rows, front, best, paths)."""
     runs_dir = Path(runs_dir)
-    out = Path(out) if out is not None else runs_dir
+    out = check_output_dir(Path(out) if out is not None else runs_dir, "--out" if out is not None else "RUNS_DIR")
     remove_stale_temps(out)  # what a killed report left behind
-    rows = collect(runs_dir)
+    skipped: list[str] = []
+    rows = collect(runs_dir, skipped)
     column, lower = resolve_metric(metric, rows)
     rows.sort(key=lambda r: (r["decode_ms_per_token"] is None, r["decode_ms_per_token"] or 0.0, r["run"]))
     front, ties = noisy_front(rows, column, lower)
@@ -775,12 +878,13 @@ def write_report(
             "machine with `qharness bench --pte RUN/model.pte` (it updates summary.json), then rerun `qharness report`."
         )
     lines += notes or []
+    lines += skipped
     text = "\n".join(lines)
     png = plot_pareto(rows, column, lower, front_runs, title, max_latency_ms)
     size_title = f"{runs_dir.name}: {'.pte perplexity' if column == 'ppl_pte' else column} vs .pte size"
     size_png = plot_pareto(rows, column, lower, size_runs, size_title, axis="size", max_size_mb=max_size_mb)
     paths = {
-        "markdown": write_bytes_atomic(out / "report.md", (f"# {title}\n\n{text}\n").encode()),
+        "markdown": write_bytes_atomic(out / "report.md", markdown_report(title, md, lines[1:]).encode()),
         "csv": write_bytes_atomic(out / "report.csv", csv_text(rows, columns).encode()),
         "png": write_bytes_atomic(out / "pareto.png", png),
         "size_png": write_bytes_atomic(out / "pareto_size.png", size_png),

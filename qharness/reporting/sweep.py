@@ -7,7 +7,9 @@ directory ``<sweep_dir>/<name or recipe>-<mode>/`` run by the ordinary CLI in a 
 QAT, ``qharness calibrate`` for PTQ) from the generated ``sweep_config.yaml`` there; its output goes to the
 console and to ``sweep.log`` there. A failed run is recorded and the sweep goes on. A re-run skips every run
 that finished with the same generated config (``sweep_status.json`` + ``summary.json``) and resumes a QAT run
-of that config that was killed or failed (``--ckpt_path last``, ``resumable``); ``--force`` reruns all. A run's
+of that config that was killed or failed (``--ckpt_path last``, ``resumable``); ``--force`` reruns all. A run's name must be one plain directory name
+(``io.check_name``: no separators, ``..`` or control characters), so every run stays inside ``sweep_dir``; a run
+process starts with ``python -P`` (nothing from the current directory is imported). A run's
 process gets SIGTERM when the sweep dies, so a killed sweep leaves nothing running. The embedded default model
 is resolved (pretrained once, cached) before the first run, so the runs share it; the eager FP model is benchmarked only in the first run (``bench.eager: false`` in the others). lm-eval
 (unless the config sets ``eval.models``) scores the FP model and ``.pte`` in the baseline run, the ``.pte`` in
@@ -62,7 +64,15 @@ import yaml
 
 from qharness.config import deep_merge
 from qharness.errors import UserError
-from qharness.io import hold_run_lock, read_yaml, write_bytes_atomic, write_json_atomic
+from qharness.io import (
+    check_inside,
+    check_name,
+    check_output_dir,
+    hold_run_lock,
+    read_yaml,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 from qharness.progress import format_seconds
 from qharness.upstream import process
 
@@ -129,6 +139,12 @@ def load_sweep(path: str | Path) -> dict:
             f"sweep config {path} needs runs: a list like [{{recipe: xnnpack_int8_dynamic, modes: [ptq, qat]}}]"
         )
     spec.setdefault("sweep_dir", str(Path("runs") / path.stem))
+    if not isinstance(spec["sweep_dir"], str) or not spec["sweep_dir"].strip():
+        raise UserError(
+            f"sweep config {path}: sweep_dir must be a directory path (got {spec['sweep_dir']!r})",
+            fix="e.g. sweep_dir: runs/sweep_xnnpack",
+        )
+    check_output_dir(spec["sweep_dir"], f"sweep config {path}: sweep_dir")
     spec.setdefault("baseline", "xnnpack_fp32")
     spec["config"] = _mapping(spec.get("config"), "sweep config: config")
     spec["report"] = _mapping(spec.get("report"), "sweep config: report")
@@ -153,10 +169,23 @@ def load_sweep(path: str | Path) -> dict:
                 fix="write runs entries like {recipe: xnnpack_int8_dynamic, modes: [ptq, qat]} or "
                 "{autotune: {max_size_mb: 1.6}, modes: [ptq]}",
             )
+        if "mode" in run and "modes" in run:
+            raise UserError(
+                f"sweep config {path}: runs[{i}] has both mode and modes (one of them would be ignored)",
+                fix=f"keep one: modes: {_modes_together(run)}",
+            )
+        if "name" in run:
+            check_name(run["name"], f"sweep config {path}: runs[{i}].name", "int8_distill")
         if "autotune" in run:
             _check_autotune(run["autotune"], f"sweep config {path}: runs[{i}].autotune")
             run.setdefault("recipe", "xnnpack_8da4w")
     return spec
+
+
+def _modes_together(run: dict) -> list:
+    """``mode`` and ``modes`` of a run entry as one list (for the fix of an entry that has both)."""
+    modes = run["modes"] if isinstance(run["modes"], list) else [run["modes"]]
+    return list(dict.fromkeys([*modes, run["mode"]]))
 
 
 def check_jobs(jobs, bench_processes: int, where: str) -> None:
@@ -220,9 +249,17 @@ def plan(spec: dict) -> list[SweepRun]:
             recipe.check_mode(mode)
             tune = entry.get("autotune")
             default_name = f"autotune_{tune['max_size_mb']:g}mb" if tune else Path(entry["recipe"]).stem
-            name = f"{entry.get('name') or default_name}-{mode}"
+            name = check_name(
+                f"{entry.get('name') or default_name}-{mode}", f"sweep run {entry['recipe']}: run name", "int8_distill"
+            )
             if name in names:
-                if runs and name == runs[0].name and not entry.get("config"):
+                baseline = runs[0] if runs else None
+                if (
+                    baseline is not None
+                    and name == baseline.name
+                    and not entry.get("config")
+                    and _same_recipe(entry["recipe"], baseline.recipe)
+                ):
                     continue  # the baseline listed again among the runs
                 raise UserError(
                     f"sweep runs: two runs would be named {name} (same run directory)",
@@ -230,6 +267,7 @@ def plan(spec: dict) -> list[SweepRun]:
                 )
             names.add(name)
             run_dir = sweep_dir / name
+            check_inside(name, sweep_dir, f"sweep run {name}: its run directory", "remove what links it elsewhere")
             config = deep_merge(spec["config"], _mapping(entry.get("config"), f"sweep run {name}: config"))
             config = deep_merge(
                 config,
@@ -246,7 +284,31 @@ def plan(spec: dict) -> list[SweepRun]:
             if tune:  # autotune's options are top-level keys of its run config
                 config.update(tune)
             runs.append(SweepRun(name, entry["recipe"], mode, config, run_dir, autotune=bool(tune)))
+    check_report_metric(spec["report"].get("metric", "ppl"), runs)
     return runs
+
+
+def check_report_metric(metric, runs: list[SweepRun]) -> None:
+    """``report.metric`` against what the runs will record (their lm-eval tasks), before any run starts: a metric no
+    run has would otherwise be found only by the report, after all runs."""
+    from qharness.config import EvalConfig
+    from qharness.reporting.report import check_metric
+
+    default = EvalConfig()
+    tasks = {}
+    for run in runs:
+        section = run.config.get("eval") if isinstance(run.config.get("eval"), dict) else {}
+        if section.get("enabled", default.enabled):
+            given = section.get("tasks", default.tasks)
+            tasks |= dict.fromkeys(given if isinstance(given, list) else [given])
+    check_metric(metric, [str(t) for t in tasks], "sweep config: report.metric")
+
+
+def _same_recipe(a: str, b: str) -> bool:
+    """Whether two recipe names of a sweep config name the same recipe (a name, or a path to its YAML)."""
+    from qharness.recipes.registry import load_recipe
+
+    return a == b or load_recipe(a) == load_recipe(b)
 
 
 def _status(run: SweepRun) -> dict | None:
@@ -482,7 +544,7 @@ def run_sweep(
     def execute(i: int) -> None:
         run = runs[i]
         record = base_record(run)
-        cmd = [sys.executable, "-m", "qharness", run.subcommand, "--config", str(run.config_path)]
+        cmd = process.python_command("-m", "qharness", run.subcommand, "--config", str(run.config_path))
         resume = not force and resumable(run)
         if resume:
             cmd += ["--ckpt_path", "last"]

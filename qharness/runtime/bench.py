@@ -201,7 +201,7 @@ def measure_in_fresh_process(**kwargs) -> dict:
     ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
     r = subprocess.run(
-        [sys.executable, "-m", "qharness.runtime.bench", json.dumps(kwargs)],
+        process.python_command("-m", "qharness.runtime.bench", json.dumps(kwargs)),
         capture_output=True,
         text=True,
         env=env,

@@ -54,3 +54,15 @@ def die_with_parent() -> Callable[[], None] | None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return preexec
+
+
+def python_command(*args: str) -> list[str]:
+    """The command line of a child Python (``sys.executable``) that never puts the current directory (or a script's
+    directory) first on ``sys.path`` (``-P``, Python 3.11+): a ``yaml.py`` or ``torch.py`` lying in the directory
+    a sweep is started from is not imported in place of the real module. ``PYTHONPATH`` still applies (not ``-I``).
+
+    Example: ``python_command("-m", "qharness", "fit", "--config", "x.yaml")`` -> ``[sys.executable, "-P", "-m", ...]``
+    """
+    import sys
+
+    return [sys.executable, "-P", *args]
