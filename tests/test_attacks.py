@@ -184,9 +184,9 @@ def run_config(tmp_path, **sections):
     [
         (["--checkpoint.filename", "../../escaped"], "checkpoint.filename '../../escaped' is not a plain name"),
         (["--checkpoint.filename", "/tmp/escaped"], "checkpoint.filename '/tmp/escaped' is not a plain name"),
-        (["--checkpoint.dirpath", "/tmp/elsewhere"], "checkpoint.dirpath '/tmp/elsewhere' is set by qharness"),
+        (["--checkpoint.dirpath", "/tmp/elsewhere"], r"checkpoint.dirpath is set by qharness .*'/tmp/elsewhere'"),
         ({"checkpoint": {"filename": "a\nb"}}, r"checkpoint.filename 'a\\nb' is not a plain name"),
-        ({"checkpoint": {"dirpath": "../.."}}, r"checkpoint.dirpath '../..' is set by qharness"),
+        ({"checkpoint": {"dirpath": "../.."}}, r"checkpoint.dirpath is set by qharness .*'../..'"),
         ({"deploy": {"filename": "a\nb.pte"}}, r"deploy.filename 'a\\nb.pte' must be a plain file name"),
     ],
 )
@@ -326,12 +326,7 @@ def test_a_task_yaml_planted_in_the_run_directory_never_runs(tiny_llama, corpus,
         run,
     )
     assert not marker.exists(), "the planted task's !function ran"
-    assert sorted(p.name for p in planted.iterdir()) == [
-        "data",
-        "qharness_gen.yaml",
-        "qharness_mc.yaml",
-        "qharness_ppl.yaml",
-    ]
+    assert sorted(p.name for p in planted.iterdir()) == ["data", "qharness_ppl.yaml"]  # the asked task alone
     assert result["documents"] == {"qharness_ppl": 2} and "bits_per_byte" in result["tasks"]["qharness_ppl"]["fp"]
 
 
