@@ -336,7 +336,7 @@ def test_a_task_yaml_planted_in_the_run_directory_never_runs(tiny_llama, corpus,
 def test_deploy_memory_is_estimated_from_the_config():
     from transformers import LlamaConfig
 
-    from qharness.deploy.architectures import check_deploy_memory, deploy_memory_bytes
+    from qharness.deploy.memory import check_deploy_memory, deploy_memory_bytes
 
     config = LlamaConfig(
         vocab_size=100,
@@ -360,7 +360,8 @@ def test_a_kv_cache_larger_than_the_memory_is_one_line_before_any_work(tmp_path,
 
     from conftest import run_cli
 
-    from qharness.deploy.architectures import available_memory_bytes, deploy_memory_bytes, load_config
+    from qharness.deploy.architectures import load_config
+    from qharness.deploy.memory import available_memory_bytes, deploy_memory_bytes
 
     model = shutil.copytree(tiny_llama, tmp_path / "model")
     per_position = deploy_memory_bytes(load_config(str(model)), 1)[0]
@@ -487,3 +488,43 @@ def _number_text(cell: str) -> bool:
         return True
     except ValueError:
         return False
+
+
+def test_a_training_step_larger_than_the_memory_is_one_line_before_any_work(tmp_path, tiny_llama):
+    """data.batch_size x data.seq_len within the model's context but past what one step holds here (attention scores):
+    refused before the model loads, not an allocation failure or a swapping machine in the first step."""
+    import shutil
+
+    from conftest import run_cli, write_config
+    from transformers import LlamaConfig
+
+    from qharness.deploy.memory import available_memory_bytes, check_training_memory, training_memory_floor
+
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
+    )
+    floor = training_memory_floor(config, 2, 10)
+    assert floor >= 2 * 2 * 10 * 100 * 4 + 2 * 2 * 4 * 10 * 10 * 4  # logits and their gradient, one layer's scores
+    check_training_memory(config, 2, 10, available=floor)  # fits exactly
+    with pytest.raises(UserError, match=r"data.batch_size=2 x data.seq_len=10 needs at least .* fix: lower"):
+        check_training_memory(config, 2, 10, available=floor - 1)
+
+    model = shutil.copytree(tiny_llama, tmp_path / "model")
+    seq_len, batch = 1 << 16, 2  # one layer's attention scores alone: 2 x 2 x 4 heads x 65536^2 floats (275 GB)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = 2 * seq_len  # the model allows it: the machine does not
+    (model / "config.json").write_text(json.dumps(config))
+    assert training_memory_floor(LlamaConfig(**config), batch, seq_len) > available_memory_bytes()
+    path = write_config(
+        tmp_path / "run.yaml",
+        model,
+        "embedded",
+        tmp_path / "run",
+        data={"seq_len": seq_len, "batch_size": batch},
+        deploy={"enabled": False, "max_seq_len": seq_len + 1},
+    )
+    r = run_cli("fit", "--config", path, timeout=300)
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert last.startswith(f"error: data.batch_size={batch} x data.seq_len={seq_len} needs at least"), last
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -227,7 +227,8 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         "autotune",
     ):  # they write into the run directory
         hold_run_lock(cfg.trainer.default_root_dir)
-    from qharness.deploy.architectures import check_architecture, check_deploy_memory, load_config
+    from qharness.deploy.architectures import check_architecture, load_config
+    from qharness.deploy.memory import check_deploy_memory, check_training_memory
     from qharness.recipes.registry import load_recipe
     from qharness.sources.embedded import embedded_config
     from qharness.sources.models import EMBEDDED, resolve_checkpoint
@@ -237,16 +238,19 @@ def preflight(cfg, subcommand: str | None = None) -> None:
     embedded = cfg.model.checkpoint == EMBEDDED  # its config is known before it is pretrained
     deploys = subcommand == "export" or (subcommand in ("fit", "calibrate", None) and deploy.enabled)
     recipe = load_recipe(cfg.model.recipe) if deploys else None
+    source = None if embedded else resolve_checkpoint(cfg.model.checkpoint)
+    config = embedded_config() if embedded else load_config(source, cfg.model.trust_remote_code)
     if not embedded and cfg.deploy.enabled:  # the .pte's KV cache within the model's context: now, not after training
         from qharness.run.pipeline import check_export_config
 
-        check_export_config(cfg.deploy, seq_len, _context(resolve_checkpoint(cfg.model.checkpoint)))
-    if not embedded and (cfg.deploy.enabled or subcommand == "export"):  # a KV cache the machine cannot hold
-        source = resolve_checkpoint(cfg.model.checkpoint)
-        check_deploy_memory(load_config(source, cfg.model.trust_remote_code), cfg.deploy.max_seq_len)
+        check_export_config(cfg.deploy, seq_len, _context(source))
+    if cfg.deploy.enabled or subcommand == "export":  # a KV cache the machine cannot hold, before any work
+        check_deploy_memory(config, cfg.deploy.max_seq_len)
+    if subcommand == "fit" or (subcommand == "autotune" and cfg.model.mode == "qat"):  # a step it cannot hold
+        check_training_memory(config, cfg.data.batch_size, seq_len)
     if not embedded or recipe is not None:  # the embedded Llama itself always exports
         check_architecture(
-            EMBEDDED if embedded else resolve_checkpoint(cfg.model.checkpoint),
+            EMBEDDED if embedded else source,
             cfg.model.trust_remote_code,
             recipe=recipe,
             max_seq_len=deploy.max_seq_len,

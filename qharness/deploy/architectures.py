@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
-import os
 
 from qharness.errors import UserError
 
@@ -48,61 +47,6 @@ def load_config(source: str, trust_remote_code: bool = False):
             f"the config of model {source!r} has a size of 0 (e.g. num_attention_heads)",
             fix="give every size in config.json (num_attention_heads, num_key_value_heads, ...) a whole number >= 1",
         ) from e
-
-
-def deploy_memory_bytes(config, max_seq_len: int) -> tuple[int, int]:
-    """About the bytes deployment holds for ``config`` (a transformers config) at ``max_seq_len``, estimated from the
-    config alone: ``(KV cache, weights)``: the fp32 static cache (keys and values of every layer, batch 1) and the
-    fp32 weights (embeddings, attention and MLP of every layer, the LM head unless tied).
-
-    Example: a 32-layer, 8 KV-head, 128-dim Llama at 8192 positions -> a KV cache of 2 x 32 x 8 x 128 x 8192 x 4 bytes
-    (2.1 GB)."""
-    text = config.get_text_config()
-
-    def n(name, default=0):
-        value = getattr(text, name, None)
-        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else default
-
-    hidden, layers = n("hidden_size", 1), n("num_hidden_layers", 1)
-    heads = n("num_attention_heads", 1)
-    head_dim = n("head_dim") or hidden // heads or 1
-    kv_heads = n("num_key_value_heads") or heads
-    kv = 2 * layers * kv_heads * head_dim * max_seq_len * 4
-    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
-    mlp = 3 * hidden * (n("intermediate_size") or 4 * hidden)
-    embeddings = n("vocab_size", 1) * hidden * (1 if getattr(text, "tie_word_embeddings", True) else 2)
-    return kv, 4 * (embeddings + layers * (attention + mlp))
-
-
-def available_memory_bytes() -> int | None:
-    """The memory this machine can still give (Linux ``MemAvailable``; else free physical pages); None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def check_deploy_memory(config, max_seq_len: int, available: int | None = None) -> None:
-    """``UserError`` when the KV cache and weights of the deployed model at ``deploy.max_seq_len`` (``deploy_memory_bytes``)
-    exceed the memory available now (``available``: bytes, default ``available_memory_bytes()``): one line before any
-    work, instead of an allocation of gigabytes at export time."""
-    available = available_memory_bytes() if available is None else available
-    kv, weights = deploy_memory_bytes(config, max_seq_len)
-    if available is None or kv + weights <= available:
-        return
-    fits = max(0, (available - weights) * max_seq_len // max(kv, 1))
-    raise UserError(
-        f"deploy.max_seq_len={max_seq_len} needs a KV cache of about {kv / 1e9:.1f} GB plus {weights / 1e9:.1f} GB of "
-        f"weights, more than the {available / 1e9:.1f} GB of memory available",
-        fix=f"set deploy.max_seq_len <= {fits}" if fits >= 3 else "use a machine with more memory or a smaller model",
-    )
 
 
 def probe_config(config):
