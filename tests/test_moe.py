@@ -198,20 +198,26 @@ def check_run(run_dir, tokenizer_dir=None) -> dict:
     return summary
 
 
-def test_calibrate_cli_deploys_mixtral(tmp_path, tiny_mixtral, corpus):
-    """``qharness calibrate`` (PTQ, int8 dynamic) of a Mixtral writes a ``.pte`` that passes the parity gate and
-    generates (before the rewrite: ``SpecViolationError`` on ``aten.histc`` at lowering, exit 1)."""
-    cfg = write_config(
+def moe_config(tmp_path, model_dir, corpus, model: dict, trainer: dict | None = None):
+    """A tiny run config for an MoE model (16-token blocks, a 32-position ``.pte``, a short parity check)."""
+    return write_config(
         tmp_path / "run.yaml",
-        tiny_mixtral,
+        model_dir,
         corpus,
         tmp_path / "run",
-        model={"mode": "ptq"},
+        model=model,
+        trainer=trainer or {},
         data={"seq_len": 16},
         deploy={"max_seq_len": 32},
         parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
         calibration={"blocks": 2},
     )
+
+
+def test_calibrate_cli_deploys_mixtral(tmp_path, tiny_mixtral, corpus):
+    """``qharness calibrate`` (PTQ, int8 dynamic) of a Mixtral writes a ``.pte`` that passes the parity gate and
+    generates (before the rewrite: ``SpecViolationError`` on ``aten.histc`` at lowering, exit 1)."""
+    cfg = moe_config(tmp_path, tiny_mixtral, corpus, model={"mode": "ptq"})
     result = run_cli("calibrate", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
     check_run(tmp_path / "run")
@@ -226,17 +232,12 @@ def test_mixtral_runs_end_to_end(tmp_path, tiny_mixtral, corpus, command, recipe
     """QAT (a few steps) and PTQ with both recipes: parity passes, the ``.pte`` generates; torchao's record of what
     it quantized names every expert projection; after ``fit``, ``qharness export`` reloads the saved checkpoint into
     a freshly loaded (rewritten) model and deploys it again."""
-    cfg = write_config(
-        tmp_path / "run.yaml",
+    cfg = moe_config(
+        tmp_path,
         tiny_mixtral,
         corpus,
-        tmp_path / "run",
         model={"mode": "qat" if command == "fit" else "ptq", "recipe": recipe},
         trainer={"max_steps": 3, "val_check_interval": 3},
-        data={"seq_len": 16},
-        deploy={"max_seq_len": 32},
-        parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
-        calibration={"blocks": 2},
     )
     result = run_cli(command, "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -263,17 +264,7 @@ def test_other_families_calibrate_end_to_end(tmp_path, corpus, model_type):
     model = make_tiny_hf(
         tmp_path / "model", model_type, corpus.read_text()[:200_000], num_experts_per_tok=TOP_K, **FAMILIES[model_type]
     )
-    cfg = write_config(
-        tmp_path / "run.yaml",
-        model,
-        corpus,
-        tmp_path / "run",
-        model={"mode": "ptq"},
-        data={"seq_len": 16},
-        deploy={"max_seq_len": 32},
-        parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
-        calibration={"blocks": 2},
-    )
+    cfg = moe_config(tmp_path, model, corpus, model={"mode": "ptq"})
     result = run_cli("calibrate", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
     check_run(tmp_path / "run")
