@@ -343,7 +343,15 @@ CASES = {
     ),
     "bench: an unknown option": (
         lambda t: ["bench", "--pte", str(t.tmp / "none.pte"), "--repz", "3"],
-        "error: qharness bench: unrecognized arguments: --repz 3. fix: ",
+        "error: qharness bench: unrecognized arguments: --repz 3. fix: `qharness bench --help` lists its options",
+    ),
+    "generate: a missing .pte is named before its tokenizer": (
+        lambda t: ["generate", "--pte", str(t.tmp / "none.pte"), "--prompt", "x"],
+        "none.pte does not exist. fix: pass the program a run wrote",
+    ),
+    "generate: a text file as .pte is named before its tokenizer": (
+        lambda t: ["generate", "--pte", str(_write(t, "notes.txt", "hello")), "--prompt", "x"],
+        "notes.txt is not a loadable ExecuTorch program",
     ),
     "eval.source without usable lines": (
         lambda t: _cfg(

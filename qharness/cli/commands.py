@@ -64,8 +64,8 @@ def generate(
     from qharness.runtime.generate import load_tokenizer
     from qharness.runtime.pte import PteModel
 
+    program = PteModel(pte)  # a missing or foreign program is named first: the tokenizer's place follows from it
     tok = load_tokenizer(tokenizer or Path(pte).parent / "tokenizer")
-    program = PteModel(pte)
 
     def stream(piece: str) -> None:
         print(piece, end="", flush=True)
@@ -129,10 +129,10 @@ def bench(
     )
     if len(pte) > 1 or processes is not None:
         from qharness.runtime.bench import bench_jointly, format_joint, joint_entry
+        from qharness.runtime.pte import check_pte_file
 
         for path in pte:
-            if not Path(path).is_file():
-                raise UserError(f".pte file {path} does not exist")
+            check_pte_file(path)
         joint = bench_jointly(
             pte, prompt_len, decode_tokens, 10 if reps is None else reps, 5 if processes is None else processes, threads
         )
@@ -215,9 +215,10 @@ def profile(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 16, r
     for name, value in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("reps", reps), ("top", top)):
         if value < 1:
             raise UserError(f"profile --{name} must be >= 1 (got {value})", fix=f"e.g. --{name} 16")
+    from qharness.runtime.pte import check_pte_file
+
     for path in pte:
-        if not Path(path).is_file():
-            raise UserError(f".pte file {path} does not exist")
+        check_pte_file(path)
     names = [Path(path).name for path in pte]
     labels = names if len(set(names)) == len(names) else [str(Path(path).parent) for path in pte]  # a/model.pte, b/...
     profiles = {}

@@ -105,13 +105,22 @@ def _check_inputs(path: Path, method: str, meta) -> None:
         )
 
 
+def check_pte_file(path: str | Path) -> Path:
+    """``path`` if it is a file, else a one-line ``UserError`` (every command that takes ``--pte`` asks here)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(
+            f".pte file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""),
+            fix="pass the program a run wrote, e.g. --pte runs/<run>/model.pte",
+        )
+    return path
+
+
 class PteModel:
     """A loaded ``.pte`` whose ``forward(tokens[1, n], input_pos[1])`` returns ``logits[1, n, vocab]``."""
 
     def __init__(self, path: str | Path, method: str = "forward"):
-        path = Path(path)
-        if not path.is_file():
-            raise UserError(f".pte file {path} does not exist")
+        path = check_pte_file(path)
         self.path = path
         runtime = imports.executorch_runtime()
         runtime_threads()
