@@ -362,7 +362,8 @@ def check_inside(path: str | os.PathLike, root: str | os.PathLike, field: str, f
 
 def check_output_dir(path: str | os.PathLike, field: str) -> Path:
     """``path`` if it is a directory or can be made one: a one-line ``UserError`` naming ``field`` when it, or the
-    nearest of its parents that exists, is a file (``mkdir`` would raise ``FileExistsError``/``NotADirectoryError``).
+    nearest of its parents that exists, is a file (``mkdir`` would raise ``FileExistsError``/``NotADirectoryError``),
+    or when nothing can be made there (``/proc``, a read-only place; tried with a directory made and removed).
 
     Example: ``check_output_dir("report.md", "--out")`` -> ``UserError: --out report.md is a file, not a directory``
     """
@@ -371,12 +372,19 @@ def check_output_dir(path: str | os.PathLike, field: str) -> Path:
     path = Path(path)
     for where in (path, *path.parents):
         if where.is_dir():
-            return path
+            break
         if where.exists() or where.is_symlink():
             what = "is" if where == path else f"lies under {where}, which is"
             raise UserError(
                 f"{field} {path} {what} a file, not a directory", fix=f"name a directory for {field} (new or existing)"
             )
+    try:  # a place that takes no directory (/proc, read-only): said now, leaving nothing behind
+        os.rmdir(tempfile.mkdtemp(prefix=".qharness-probe-", dir=where))
+    except OSError as e:
+        raise UserError(
+            f"{field} {path} cannot be made a directory ({e.strerror or type(e).__name__})",
+            fix=f"name a writable directory for {field}",
+        ) from e
     return path
 
 

@@ -345,6 +345,11 @@ CASES = {
         lambda t: ["bench", "--pte", str(t.tmp / "none.pte"), "--repz", "3"],
         "error: qharness bench: unrecognized arguments: --repz 3. fix: `qharness bench --help` lists its options",
     ),
+    "report --out a place that takes no directory": (
+        lambda t: ["report", str(t.tmp), "--out", "/proc/qharness_report"],
+        "error: --out /proc/qharness_report cannot be made a directory",
+    ),
+    "a directory as the config": (lambda t: ["fit", str(t.tmp)], "is a directory. fix: pass the path of a run config"),
     "generate: a missing .pte is named before its tokenizer": (
         lambda t: ["generate", "--pte", str(t.tmp / "none.pte"), "--prompt", "x"],
         "none.pte does not exist. fix: pass the program a run wrote",

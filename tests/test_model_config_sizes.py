@@ -34,6 +34,7 @@ def test_zero_attention_heads_is_one_line_naming_the_field(tmp_path, tiny_llama,
     [
         ({"num_key_value_heads": -2}, "num_key_value_heads"),
         ({"hidden_size": 64.5}, "hidden_size"),
+        ({"hidden_size": "sixty-four"}, "hidden_size"),  # was a TypeError traceback from transformers' config
         ({"text_config": {"num_hidden_layers": 0}}, "text_config.num_hidden_layers"),
     ],
 )

@@ -65,9 +65,11 @@ def _print_help() -> None:
 
 
 def rewrite_argv(argv: list[str]) -> list[str]:
-    """Accept a positional config: ``fit x.yaml`` -> ``fit --config x.yaml``; ``evaluate --ckpt`` = ``--ckpt_path``."""
+    """Accept a positional config: ``fit x.yaml`` -> ``fit --config x.yaml`` (any first argument that is no option:
+    a directory or a missing file is then named as the config it was meant to be); ``evaluate --ckpt`` =
+    ``--ckpt_path``."""
     out = list(argv)
-    if len(out) >= 2 and out[1].endswith((".yaml", ".yml")) and not out[1].startswith("-"):
+    if len(out) >= 2 and not out[1].startswith("-"):
         out[1:2] = ["--config", out[1]]
     if out and out[0] == "evaluate":
         out = [

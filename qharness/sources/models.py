@@ -102,9 +102,13 @@ def check_config_sizes(path: Path) -> None:
             value = section.get(field)
             if value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, (list, tuple, dict)):
                 continue  # a per-layer list or the like: transformers judges it
-            if not (math.isfinite(value) and value >= 1 and value == int(value)):
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value >= 1 and value == int(value))
+            ):
                 raise UserError(
                     f"model.checkpoint {path}: {prefix}{field} must be a whole number >= 1 (got {value!r})",
                     fix=f"set {prefix}{field} in config.json to the model's real size (as save_pretrained wrote it)",
