@@ -443,3 +443,34 @@ def test_the_sweep_cli_runs_two_real_runs_at_a_time(tmp_path, tiny_llama, corpus
     assert "timing 2 programs jointly" in r.stdout and "Pareto plot:" in r.stdout
     bad = run_cli("sweep", tmp_path / "s.yaml", "--jobs", "0")
     assert bad.returncode == 2 and "--jobs must be a whole number >= 1" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_run_config_the_precheck_refuses_stops_the_sweep_before_any_run(tmp_path, tiny_llama, corpus):
+    """A run whose own config is bad (data.seq_len -1 in its config) is one line naming the run before the baseline or
+    any other run starts; it used to fail (exit 1) after the runs before it had run."""
+    from conftest import run_cli
+
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text(
+        yaml.safe_dump(
+            {
+                "sweep_dir": str(tmp_path / "sw"),
+                "config": {"model": {"checkpoint": str(tiny_llama)}, "data": {"source": str(corpus), "seq_len": 32}},
+                "runs": [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"], "config": {"data": {"seq_len": -1}}}],
+            }
+        )
+    )
+    r = run_cli("sweep", sweep)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"error: sweep {sweep}: run xnnpack_int8_dynamic-ptq: data.seq_len must be at least 2 (got -1). "
+        "fix: e.g. data.seq_len: 128"
+    )
+    assert not (tmp_path / "sw").exists()  # nothing ran, nothing was written
+
+
+def test_the_shipped_sweep_passes_the_run_config_checks():
+    from conftest import ROOT, run_cli
+
+    r = run_cli("sweep", ROOT / "configs" / "sweep_xnnpack.yaml", "--dry_run")
+    assert r.returncode == 0 and "xnnpack_8da3w-qat" in r.stdout, r.stderr[-2000:]

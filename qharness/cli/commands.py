@@ -277,11 +277,18 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False, jobs: int 
         jobs: runs at a time, each with its share of the cores (default: the config's jobs, else 1); their output then
             goes to each run's sweep.log.
     """
+    from qharness.cli.precheck import check_config
     from qharness.progress import format_seconds
     from qharness.reporting.sweep import is_done, load_sweep, plan, run_sweep
 
+    runs = plan(load_sweep(config))
+    for run in runs:  # every run's own config checked before any run starts: one line now, not after the others ran
+        try:
+            check_config(run.config)
+        except UserError as e:
+            raise UserError(f"sweep {config}: run {run.name}: {e.what}", fix=e.fix) from e
     if dry_run:
-        for run in plan(load_sweep(config)):
+        for run in runs:
             done = is_done(run) and not force
             print(
                 f"{run.name:<32} qharness {run.subcommand} {run.config_path}  {'(finished: skipped)' if done else ''}"
