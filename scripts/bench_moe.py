@@ -1,4 +1,4 @@
-"""MoE decode speed (issue 36, item 2): a tiny Mixtral ``.pte`` against dense Mistral ``.pte`` files of the same
+"""MoE decode speed: a tiny Mixtral ``.pte`` against dense Mistral ``.pte`` files of the same
 attention, embeddings and depth whose MLP has the MoE's *active* width (``top_k * I``) and its *total* width
 (``experts * I``).
 

@@ -1,4 +1,4 @@
-"""An attacker's tries on the CLI (issue #43, "Safe under attack"): planted code in a run directory or in the
+"""An attacker's tries on the CLI: planted code in a run directory or in the
 working directory, names and paths that would write or delete outside their directory, strings from a
 ``summary.json`` that would inject spreadsheet formulas or Markdown/HTML into the report, sizes that would allocate
 more memory than the machine has, and sweep inputs that were silently wrong. Each ends in one ``error: ... fix:``

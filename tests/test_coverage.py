@@ -1,4 +1,4 @@
-"""Every decoder quantized as its recipe says (issue #36): projections normalized at load (GPT-2's Conv1D, Falcon's
+"""Every decoder quantized as its recipe says: projections normalized at load (GPT-2's Conv1D, Falcon's
 FalconLinear -> nn.Linear), coverage measured at deploy and recorded in summary.json, a projection the recipe meant to
 quantize and left float stopped, and the architecture check deploying a one-layer copy with the run's recipe before
 any training (a failure at lowering, e.g. MoE routing's aten.histc, found at once).

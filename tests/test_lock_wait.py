@@ -1,4 +1,4 @@
-"""Locks that speak (#43): a run waiting on another process's lock (token cache, cached model) says at once whom it
+"""Locks that speak: a run waiting on another process's lock (token cache, cached model) says at once whom it
 waits for (pid, task, lock file), takes the lock when the holder is done, and gives up with one line naming the pid
 and how to free the lock when the holder is stopped (SIGSTOP) or the wait runs past its bound
 (``qharness.io.hold_lock``); a run directory held by a stopped process says so."""

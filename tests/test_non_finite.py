@@ -1,4 +1,4 @@
-"""Numbers that cannot lie (#43): NaN never passes the parity gate, a non-finite weight, loss or score stops the run
+"""Numbers that cannot lie: NaN never passes the parity gate, a non-finite weight, loss or score stops the run
 with one line naming the step or stage, and nothing non-finite is published as ``model.pte``."""
 
 import json

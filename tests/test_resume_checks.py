@@ -1,4 +1,4 @@
-"""Checkpoints read for resume or export (#43): a non-finite one is refused when read, one of another data layout
+"""Checkpoints read for resume or export: a non-finite one is refused when read, one of another data layout
 (``data.seq_len``/``batch_size``) or with a wrongly shaped tensor is one line before training, and a QAT run that
 trained zero steps is never trained nor shipped as QAT."""
 
