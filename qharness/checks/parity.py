@@ -281,8 +281,9 @@ def learned_scales_carried(graph: torch.fx.GraphModule, qparams: dict[str, tuple
 
 
 def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
-    """The reasons the ``.pte`` fails the gate (empty: it passes); a NaN figure or a non-finite logit fails it. Argmax agreement is judged on the positions
-    that are not near ties (``compare_decoding``); with none, perplexity and ``max_abs_diff`` judge alone.
+    """The reasons the ``.pte`` fails the gate (empty: it passes); a NaN figure or a non-finite logit fails it. Argmax
+    agreement is judged on the positions that are not near ties (``compare_decoding``); with none, perplexity and
+    ``max_abs_diff`` judge alone.
     ``prefix``: ``fake_quant_`` judges with ``cfg.fake_quant_max_ppl_rel_diff`` / ``fake_quant_min_argmax_agreement``
     (the ``.pte`` against the trained fake-quant model; no ``max_abs_diff``)."""
     reasons = []
