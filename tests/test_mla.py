@@ -87,6 +87,22 @@ def test_deploy_graph_quantizes_every_mla_projection():
     assert "model.layers.0.self_attn.kv_b_proj" not in coverage["unused"], coverage
 
 
+def test_source_recipe_quantizes_every_mla_projection_and_the_router():
+    """torchao's 8da4w (source-level) on DeepSeek-V3: the fast path's graph exports with the router's weight a torchao
+    quantized tensor (its ``weight.type(torch.float32)``: before ``upstream/fixes/torchao_metadata.py``,
+    ``NotImplementedError ... aten._assert_tensor_metadata``) and every projection, router included, is 8da4w."""
+    from qharness.deploy.lower import export_path, graph_coverage, quantize_for_deploy, quantized_layers
+    from qharness.recipes.registry import load_recipe
+
+    model = tiny_deepseek(kv_lora_rank=32, v_head_dim=8)  # every in_features a multiple of the group size (32)
+    tokens = torch.randint(0, 96, (1, 8), generator=torch.Generator().manual_seed(3))
+    graph = quantize_for_deploy(model, load_recipe("xnnpack_8da4w"), 32, lambda g: g(tokens, torch.tensor([0])))
+    assert export_path(graph) == "fast"
+    assert quantized_layers(graph)["model.layers.1.mlp.gate.proj"] == "8da4w-g32"
+    coverage = graph_coverage(graph)
+    assert coverage["fraction"] == 1.0 and coverage["float"] == {}, coverage
+
+
 def test_calibrate_cli_deploys_deepseek_v3(tmp_path, corpus):
     """``qharness calibrate`` (PTQ, int8 dynamic) of a one-layer DeepSeek-V3 MoE: the architecture check passes,
     the ``.pte`` takes the fast path, passes the parity gate and generates (before: exit 2, the architecture check's
@@ -121,3 +137,51 @@ def test_calibrate_cli_deploys_deepseek_v3(tmp_path, corpus):
         "generate", "--pte", tmp_path / "run" / "model.pte", "--prompt", "def ", "--max_new_tokens", "6", "--seed", "0"
     )
     assert gen.returncode == 0 and gen.stdout.startswith("def ") and "tok/s" in gen.stderr, gen.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_calibrate_cli_deploys_deepseek_v3_with_8da4w(tmp_path, corpus):
+    """The same with torchao's 8da4w (int4 group-wise weights, group 32): parity passes and the ``.pte`` generates."""
+    dims = {**MLA, "kv_lora_rank": 32, "v_head_dim": 8}
+    model = make_tiny_hf(
+        tmp_path / "model", "deepseek_v3", corpus.read_text()[:200_000], head_dim=None, num_key_value_heads=None, **dims
+    )
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        model,
+        corpus,
+        tmp_path / "run",
+        model={"mode": "ptq", "recipe": "xnnpack_8da4w"},
+        data={"seq_len": 16},
+        deploy={"max_seq_len": 32},
+        parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
+        calibration={"blocks": 2},
+    )
+    result = run_cli("calibrate", "--config", cfg)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["parity"]["passed"] and summary["pte"]["export_path"] == "fast", summary
+    gen = run_cli(
+        "generate", "--pte", tmp_path / "run" / "model.pte", "--prompt", "def ", "--max_new_tokens", "6", "--seed", "0"
+    )
+    assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr[-2000:]
+
+
+def test_deepseek_v2_is_refused_before_work_naming_the_missing_pieces(tmp_path, corpus):
+    """DeepSeek-V2 rotates with complex numbers: ``qharness calibrate`` stops at the architecture check (exit 2, one
+    line) naming what each export lacks: complex rotary factors for the fast path (ExecuTorch has no complex dtype),
+    keys and values of different widths for transformers' StaticCache (before: only 'TorchRuntimeError: RuntimeError
+    when making fake tensor call')."""
+    dims = {k: v for k, v in MLA.items() if k not in ("n_group", "topk_group")}
+    model = make_tiny_hf(
+        tmp_path / "model", "deepseek_v2", corpus.read_text()[:50_000], head_dim=None, num_key_value_heads=None, **dims
+    )
+    cfg = write_config(tmp_path / "run.yaml", model, corpus, tmp_path / "run", model={"mode": "ptq"})
+    result = run_cli("calibrate", "--config", cfg)
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "DeepseekV2ForCausalLM cannot be deployed" in lines[0], lines[0]
+    assert "complex rotary factors" in lines[0] and "no complex dtype" in lines[0], lines[0]
+    assert "keys of 1 x 16 and values of 1 x 8" in lines[0] and "StaticCache" in lines[0], lines[0]
+    assert not (tmp_path / "run" / "model.pte").exists()

@@ -272,7 +272,13 @@ class RopeTable(torch.nn.Module):
         probe, positions = torch.zeros(1, dtype=dtype), torch.arange(max_seq_len)[None]
         with torch.no_grad():
             for i, key in enumerate(self.keys):
-                cos, sin = rotary(probe, positions) if key is None else rotary(probe, positions, key)
+                out = rotary(probe, positions) if key is None else rotary(probe, positions, key)
+                if not (isinstance(out, tuple) and len(out) == 2) or any(t.is_complex() for t in out):
+                    raise ValueError(
+                        f"{type(rotary).__name__} gives complex rotary factors (torch.polar, applied with "
+                        "view_as_complex), not (cos, sin); ExecuTorch has no complex dtype"
+                    )
+                cos, sin = out
                 self.register_buffer(f"cos_{i}", cos.clone(), persistent=False)  # [1, max_seq_len, dim]
                 self.register_buffer(f"sin_{i}", sin.clone(), persistent=False)
 
@@ -367,7 +373,7 @@ def _update_cache_kv(buffers: list[tuple]):
     return UpdateCacheKV()
 
 
-def _kv_shapes(model, max_seq_len: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def kv_shapes(model, max_seq_len: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Each layer's key and value cache shapes ``[1, max_seq_len, heads, dim]``, read off the ``DynamicCache`` of a
     one-token forward of the model (its own attention): the heads the model really projects, whatever its config
     calls them. Keys and values may differ in heads and width: multi-head latent attention (DeepSeek-V2/V3) caches
@@ -402,7 +408,7 @@ class FastDecoder(torch.nn.Module):
         weight = model.get_input_embeddings().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         buffers, int8 = [], kv_cache == "int8"
-        for i, shapes in enumerate(_kv_shapes(model, max_seq_len)):
+        for i, shapes in enumerate(kv_shapes(model, max_seq_len)):
             for kv, shape in zip(("k", "v"), shapes):
                 self.register_buffer(
                     f"{kv}_cache_{i}", torch.zeros(shape, dtype=torch.int8 if int8 else dtype), persistent=False
