@@ -139,9 +139,32 @@ def test_calibrate_cli_deploys_deepseek_v3(tmp_path, corpus):
     assert gen.returncode == 0 and gen.stdout.startswith("def ") and "tok/s" in gen.stderr, gen.stderr[-2000:]
 
 
+def test_int8_kv_cache_of_mla_stores_the_latent_as_int8_and_stays_close():
+    """``kv_cache: int8``: the latent and rotary-key caches are int8 (per token, dequantized before the model expands
+    them); prefill then decode stays close to the model's own logits, eager and exported alike."""
+    from qharness.deploy import fastpath
+
+    model = tiny_deepseek()
+    x = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
+    decoder = fastpath.FastDecoder(model, 32, kv_cache="int8")
+    assert decoder.k_cache_0.dtype == torch.int8 and tuple(decoder.v_cache_0.shape) == (1, 32, 1, 8)
+    graph = fastpath.export_fast(model, 32, kv_cache="int8").module()
+    with torch.no_grad():
+        ref = model(input_ids=x, use_cache=False).logits[0, -1]
+        for run in (decoder, graph):
+            run(x[:, :6], torch.tensor([0]))
+            got = run(x[:, 6:], torch.tensor([6]))[0, -1]
+            err = (got - ref).abs().max().item()
+            assert 0 < err < 0.02 * ref.abs().max().item(), err
+
+
 @pytest.mark.slow
-def test_calibrate_cli_deploys_deepseek_v3_with_8da4w(tmp_path, corpus):
-    """The same with torchao's 8da4w (int4 group-wise weights, group 32): parity passes and the ``.pte`` generates."""
+@pytest.mark.parametrize("kv_cache", ["fp32", "int8"])
+def test_calibrate_cli_deploys_deepseek_v3_with_8da4w(tmp_path, corpus, kv_cache):
+    """The same with torchao's 8da4w (int4 group-wise weights, group 32), with a float and an int8 KV cache: parity
+    passes and the ``.pte`` generates."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"base: xnnpack_8da4w\ndescription: 8da4w, {kv_cache} KV cache\nkv_cache: {kv_cache}\n")
     dims = {**MLA, "kv_lora_rank": 32, "v_head_dim": 8}
     model = make_tiny_hf(
         tmp_path / "model", "deepseek_v3", corpus.read_text()[:200_000], head_dim=None, num_key_value_heads=None, **dims
@@ -151,7 +174,7 @@ def test_calibrate_cli_deploys_deepseek_v3_with_8da4w(tmp_path, corpus):
         model,
         corpus,
         tmp_path / "run",
-        model={"mode": "ptq", "recipe": "xnnpack_8da4w"},
+        model={"mode": "ptq", "recipe": str(recipe)},
         data={"seq_len": 16},
         deploy={"max_seq_len": 32},
         parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
@@ -161,6 +184,7 @@ def test_calibrate_cli_deploys_deepseek_v3_with_8da4w(tmp_path, corpus):
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["parity"]["passed"] and summary["pte"]["export_path"] == "fast", summary
+    assert summary["pte"]["kv_cache"] == kv_cache, summary["pte"]
     gen = run_cli(
         "generate", "--pte", tmp_path / "run" / "model.pte", "--prompt", "def ", "--max_new_tokens", "6", "--seed", "0"
     )
