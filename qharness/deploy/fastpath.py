@@ -13,6 +13,9 @@ into transformers' own extension points and runs the model's ``forward``:
 - ``UpdateCacheKV``, a transformers ``Cache`` whose layers write with ``llama::update_cache`` into
   ``[1, max_seq_len, kv_heads, head_dim]`` buffers registered on ``FastDecoder`` (mutable buffers of the program)
   and hand the attention function those buffers as they are (BSHD: no transposes of the cache in the graph).
+  Multi-head latent attention (DeepSeek-V3) caches its compressed latent and rotary key, buffers of their own
+  widths: the model expands them into keys and values over the whole cache at each call, and ``attention``
+  zero-pads the narrower of the two to one head dim for ``custom_sdpa`` (``_same_width``).
 
 Positions (``position_ids = input_pos + arange(n)``) go through the model's own rotary code; the last token's
 logits come from HF's ``logits_to_keep=1``. Quantizers see the model's own ``nn.Linear``s. A family whose
