@@ -168,7 +168,7 @@ def check_deploy(config, recipe, max_seq_len: int, what: str, trust_remote_code:
                 _deploy(model, probe_recipe, max_seq_len)
     except ProbeFailed as failed:
         e = failed.__cause__
-        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        first = str(e).strip().splitlines()[0][:600] if str(e).strip() else ""  # both exports' reasons fit
         raise UserError(
             f"{what}: {arch} cannot be deployed with recipe {recipe.name!r}: {failed.stage} of a "
             f"one-layer copy fails ({type(e).__name__}: {first})",

@@ -13,6 +13,9 @@ into transformers' own extension points and runs the model's ``forward``:
 - ``UpdateCacheKV``, a transformers ``Cache`` whose layers write with ``llama::update_cache`` into
   ``[1, max_seq_len, kv_heads, head_dim]`` buffers registered on ``FastDecoder`` (mutable buffers of the program)
   and hand the attention function those buffers as they are (BSHD: no transposes of the cache in the graph).
+  Multi-head latent attention (DeepSeek-V3) caches its compressed latent and rotary key, buffers of their own
+  widths: the model expands them into keys and values over the whole cache at each call, and ``attention``
+  zero-pads the narrower of the two to one head dim for ``custom_sdpa`` (``_same_width``).
 
 Positions (``position_ids = input_pos + arange(n)``) go through the model's own rotary code; the last token's
 logits come from HF's ``logits_to_keep=1``. Quantizers see the model's own ``nn.Linear``s. A family whose
@@ -148,7 +151,9 @@ def _softcapped_attention(q, k_cache, v_cache, start, scaling: float, softcap: f
 
 def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs):
     """transformers attention function (registered as ``ATTENTION``): ``query [1, H, n, D]`` (BHSD), ``key`` /
-    ``value`` the layer's whole cache ``[1, S, H_kv, D]`` (BSHD, from ``UpdateCacheKV``) -> ``[1, n, H, D]``."""
+    ``value`` the layer's whole cache ``[1, S, H_kv, D]`` (BSHD, from ``UpdateCacheKV``) -> ``[1, n, H, D]``. A
+    ``latent`` cache layer's model (MLA) expands its cache into ``key [1, H, S, Dk]`` and ``value [1, H, S, Dv]``
+    (BHSD, ``Dk != Dv``): they are laid out BSHD and padded to one width (``_same_width``) -> ``[1, n, H, Dv]``."""
     if dropout:
         raise ValueError(f"{ATTENTION} attention does not implement dropout")
     for name in ("head_mask", "s_aux", "sinks"):
@@ -160,9 +165,33 @@ def attention(module, query, key, value, attention_mask, scaling=None, dropout=0
         raise RuntimeError(f"{ATTENTION} attention runs only inside FastDecoder")
     start = _ACTIVE[-1].start
     q = query.transpose(1, 2)  # [1, n, H, D]: a view of the projection's output
+    v_dim = None
+    layer_idx = getattr(module, "layer_idx", None)
+    if (
+        layer_idx is not None and _ACTIVE[-1].layers[layer_idx].latent
+    ):  # MLA: keys [1, H, S, Dk], values [1, H, S, Dv], expanded
+        q, key, value, v_dim = _same_width(q, key.transpose(1, 2), value.transpose(1, 2))
+    out, _ = _attention(module, q, key, value, start, scaling, softcap, kwargs.get("sliding_window"))
+    return (out if v_dim is None else out[..., :v_dim]), None
+
+
+def _same_width(q, key, value):
+    """``(q, key, value, value width)`` with the narrower of keys (and the query) or values zero-padded to the other's
+    width: ``custom_sdpa`` takes one head dim. Zeros added to queries and keys leave every score as it was; the
+    outputs' extra columns (``weights @ 0``) are cut off after attention."""
+    dk, dv = key.shape[-1], value.shape[-1]
+    pad = torch.nn.functional.pad
+    if dk < dv:
+        q, key = pad(q, (0, dv - dk)), pad(key, (0, dv - dk))
+    elif dv < dk:
+        value = pad(value, (0, dk - dv))
+    return q, key.contiguous(), value.contiguous(), dv
+
+
+def _attention(module, q, key, value, start, scaling, softcap, window):
+    """``attention`` over BSHD ``q [1, n, H, D]`` and caches ``[1, S, H_kv, D]`` -> ``([1, n, H, D], None)``."""
     n, length = q.shape[1], key.shape[1]
     scale = float(scaling) if scaling is not None else q.shape[-1] ** -0.5
-    window = kwargs.get("sliding_window")
     window = window if isinstance(window, int) and window < length else None
     if key.dtype == torch.int8:  # the int8 KV cache: its layer holds the per-token scales and zero points
         ks, kz, vs, vz = _ACTIVE[-1].layers[module.layer_idx].qparams
@@ -246,7 +275,13 @@ class RopeTable(torch.nn.Module):
         probe, positions = torch.zeros(1, dtype=dtype), torch.arange(max_seq_len)[None]
         with torch.no_grad():
             for i, key in enumerate(self.keys):
-                cos, sin = rotary(probe, positions) if key is None else rotary(probe, positions, key)
+                out = rotary(probe, positions) if key is None else rotary(probe, positions, key)
+                if not (isinstance(out, tuple) and len(out) == 2) or any(t.is_complex() for t in out):
+                    raise ValueError(
+                        f"{type(rotary).__name__} gives complex rotary factors (torch.polar, applied with "
+                        "view_as_complex), not (cos, sin); ExecuTorch has no complex dtype"
+                    )
+                cos, sin = out
                 self.register_buffer(f"cos_{i}", cos.clone(), persistent=False)  # [1, max_seq_len, dim]
                 self.register_buffer(f"sin_{i}", sin.clone(), persistent=False)
 
@@ -267,7 +302,12 @@ def _cache_layer_class():
         """One layer's keys and values, ``[1, max_seq_len, kv_heads, head_dim]``, written by ``llama::update_cache``
         at the cache's ``start``; ``update`` returns the whole buffers (BSHD) for ``attention``. With ``qparams``
         (``(k_scales, k_zero_points, v_scales, v_zero_points)``, each ``[1, max_seq_len, kv_heads, 1]``) the buffers
-        are int8: each new token's keys and values are quantized per token and head (``quantize_per_token``)."""
+        are int8: each new token's keys and values are quantized per token and head (``quantize_per_token``).
+
+        ``latent``: keys and values of different shapes (multi-head latent attention caches its compressed latent
+        and rotary key, one head each). The model's own code, not ``attention``, reads those: ``update`` hands them
+        over as the ``[1, heads, max_seq_len, dim]`` views transformers' cache layers return (free with one head;
+        dequantized first when int8), and ``attention`` gets the keys and values the model expanded from them."""
 
         is_compileable = True
         is_sliding = False
@@ -276,6 +316,7 @@ def _cache_layer_class():
             super().__init__()
             self.cache, self.keys, self.values, self.qparams = cache, keys, values, qparams
             self.max_cache_len = keys.shape[1]
+            self.latent = keys.shape != values.shape
             self.is_initialized = True
 
         def lazy_initialization(self, key_states, value_states) -> None:
@@ -296,9 +337,15 @@ def _cache_layer_class():
                 ):
                     for part, into in zip(quantize_per_token(new.transpose(1, 2)), (buf, scales, zero_points)):
                         torch.ops.llama.update_cache(part, into, start)
+                if self.latent:
+                    return _dequantize(self.keys, kz, ks).transpose(1, 2), _dequantize(self.values, vz, vs).transpose(
+                        1, 2
+                    )
                 return self.keys, self.values
             torch.ops.llama.update_cache(key_states.transpose(1, 2), self.keys, start)  # [1, n, H_kv, D]: small
             torch.ops.llama.update_cache(value_states.transpose(1, 2), self.values, start)
+            if self.latent:
+                return self.keys.transpose(1, 2), self.values.transpose(1, 2)
             return self.keys, self.values
 
         def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -329,10 +376,12 @@ def _update_cache_kv(buffers: list[tuple]):
     return UpdateCacheKV()
 
 
-def _kv_shapes(model, max_seq_len: int) -> list[tuple[int, int, int, int]]:
-    """Each layer's cache shape ``[1, max_seq_len, kv_heads, head_dim]``, read off the ``DynamicCache`` of a
+def kv_shapes(model, max_seq_len: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Each layer's key and value cache shapes ``[1, max_seq_len, heads, dim]``, read off the ``DynamicCache`` of a
     one-token forward of the model (its own attention): the heads the model really projects, whatever its config
-    calls them."""
+    calls them. Keys and values may differ in heads and width: multi-head latent attention (DeepSeek-V2/V3) caches
+    its compressed latent (``kv_lora_rank`` wide) as keys and its rotary key (``qk_rope_head_dim``) as values, one
+    head each."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -341,9 +390,9 @@ def _kv_shapes(model, max_seq_len: int) -> list[tuple[int, int, int, int]]:
     shapes = []
     for layer in cache.layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if keys is None or values is None or keys.shape != values.shape:
-            raise ValueError(f"a {type(layer).__name__} cache layer without keys and values of one shape")
-        shapes.append((1, max_seq_len, keys.shape[1], keys.shape[3]))
+        if keys is None or values is None or keys.dim() != 4 or values.dim() != 4:
+            raise ValueError(f"a {type(layer).__name__} cache layer without 4-D keys and values")
+        shapes.append(tuple((1, max_seq_len, t.shape[1], t.shape[3]) for t in (keys, values)))
     return shapes
 
 
@@ -362,8 +411,8 @@ class FastDecoder(torch.nn.Module):
         weight = model.get_input_embeddings().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         buffers, int8 = [], kv_cache == "int8"
-        for i, shape in enumerate(_kv_shapes(model, max_seq_len)):
-            for kv in ("k", "v"):
+        for i, shapes in enumerate(kv_shapes(model, max_seq_len)):
+            for kv, shape in zip(("k", "v"), shapes):
                 self.register_buffer(
                     f"{kv}_cache_{i}", torch.zeros(shape, dtype=torch.int8 if int8 else dtype), persistent=False
                 )

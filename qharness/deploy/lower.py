@@ -78,7 +78,31 @@ def export_deploy(
     )
     if kv_cache != "fp32":
         log.warning("the recipe's %s KV cache needs the fast path; this program keeps a float KV cache", kv_cache)
-    return export_static_cache(model, max_seq_len), reason
+    try:
+        return export_static_cache(model, max_seq_len), reason
+    except Exception as e:  # neither export: say why for both
+        raise RuntimeError(
+            f"fast path: {reason}; generic HF static-cache export: {_static_cache_failure(model, e)}"
+        ) from e
+
+
+def _static_cache_failure(model, error: Exception) -> str:
+    """Why the generic export failed: keys and values of different widths (MLA caches its latent and its rotary key)
+    that transformers' ``StaticCache`` (one ``head_dim`` for both) cannot hold, else the error's first line."""
+    from qharness.deploy.fastpath import kv_shapes
+
+    try:
+        shapes = kv_shapes(model, 8)
+    except Exception:
+        shapes = []
+    for i, (keys, values) in enumerate(shapes):
+        if keys[2:] != values[2:]:
+            return (
+                f"layer {i} caches keys of {keys[2]} x {keys[3]} and values of {values[2]} x {values[3]} (heads x width)"
+                "; transformers' StaticCache holds both with one head count and head_dim"
+            )
+    first = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+    return f"{type(error).__name__}: {first}"
 
 
 def quantize_for_deploy(
@@ -127,12 +151,17 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
     reason = fastpath.unsupported_reason(model, max_seq_len)
     layers = None
     if recipe.kind == "source":
+        from qharness.upstream.fixes import torchao_metadata
+
+        torchao_metadata.register()  # a quantized weight's .to(dtype) exports (DeepSeek-V3's router)
         layers = quantizer.convert(model, weight_qparams)
         log.info("quantized layers: %s", layer_counts(layers))
     ep, reason = export_deploy(model, max_seq_len, recipe.kv_cache, reason)
     graph = ep.module()
     if recipe.kind != "pt2e":
         return graph, reason, layers, quantizer
+    from qharness.upstream.fixes import torchao_fold
+
     pt2e = imports.pt2e()
     prepared = pt2e.prepare_pt2e(graph, quantizer)
     if weight_qparams is not None:
@@ -140,7 +169,9 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
 
         use_learned_qparams(prepared, model, weight_qparams)
     calibrate(prepared)
-    return pt2e.convert_pt2e(prepared), reason, layers, quantizer
+    converted = pt2e.convert_pt2e(prepared)
+    torchao_fold.fold_weight_quantization(converted)  # kv_b_proj of MLA: see that module
+    return converted, reason, layers, quantizer
 
 
 def quantized_layers(graph: torch.fx.GraphModule) -> dict[str, str] | None:
