@@ -191,6 +191,8 @@ def check_run(run_dir, tokenizer_dir=None) -> dict:
     """A finished run's ``.pte`` passed parity and generates text through ``qharness generate``."""
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["parity"]["passed"], summary["parity"]
+    coverage = summary["coverage"]  # every expert and the router counted, and quantized
+    assert coverage["fraction"] == 1.0 and not coverage["unused"] and not coverage["float"], coverage
     gen = run_cli(
         "generate", "--pte", run_dir / "model.pte", "--prompt", "def ", "--max_new_tokens", "6", "--seed", "0"
     )

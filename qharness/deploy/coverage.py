@@ -148,9 +148,13 @@ def _match(path: str, names) -> str | None:
 
 
 def _module_of(node: torch.fx.Node, names) -> str | None:
+    """The linear module of ``names`` a node computes in: the innermost on its module stack, or the ``nn.Linear`` a
+    ``moe.linear_router`` reads its weight from (the router's own ``F.linear`` runs in the router module)."""
+    from qharness.sources.moe import ROUTER_LINEAR
+
     stack = node.meta.get("nn_module_stack") or {}
     for path, _ in reversed(list(stack.values())):
-        found = _match(path, names)
+        found = _match(path, names) or _match(f"{path}.{ROUTER_LINEAR}", names)
         if found is not None:
             return found
     return None

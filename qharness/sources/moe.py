@@ -158,8 +158,11 @@ def batched_experts(experts: LinearExperts) -> nn.Module:
     return original
 
 
+ROUTER_LINEAR = "proj"  # the nn.Linear child a ``linear_router`` reads its weight from (deploy/coverage.py finds it)
+
+
 def _router_weight(self) -> torch.Tensor:
-    return self.proj.weight
+    return getattr(self, ROUTER_LINEAR).weight
 
 
 def linear_router(router: nn.Module) -> bool:
@@ -168,21 +171,21 @@ def linear_router(router: nn.Module) -> bool:
     source-level recipes quantize it as PT2E recipes do (they see an ``aten.linear`` either way); its own routing code
     is kept. False when ``router`` has no such parameter."""
     w = router._parameters.get("weight") if isinstance(router, nn.Module) else None
-    if isinstance(router, nn.Linear) or w is None or w.dim() != 2 or "proj" in router._modules:
+    if isinstance(router, nn.Linear) or w is None or w.dim() != 2 or ROUTER_LINEAR in router._modules:
         return False
     cls = type(router)
     proj = nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
     proj.weight = w
     del router._parameters["weight"]
     router.__class__ = type(f"Linear{cls.__name__}", (cls,), {"weight": property(_router_weight), "_base": cls})
-    router.proj = proj
+    setattr(router, ROUTER_LINEAR, proj)
     return True
 
 
 def _plain_router(router: nn.Module) -> None:
     """The inverse of ``linear_router``."""
-    weight = router.proj.weight
-    del router._modules["proj"]
+    weight = getattr(router, ROUTER_LINEAR).weight
+    del router._modules[ROUTER_LINEAR]
     router.__class__ = router._base
     router.weight = weight
 
