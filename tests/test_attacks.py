@@ -150,7 +150,8 @@ def test_a_sweep_does_not_run_a_yaml_py_planted_in_the_working_directory(tmp_pat
         "sweep_dir": str(tmp_path / "sweep"),
         "runs": [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"]}],
         "baseline": None,
-        "config": {"model": {"checkpoint": str(tmp_path / "no_such_model")}},
+        # passes the sweep's check of each run's config; the run itself then refuses its eval task (a child ran)
+        "config": {"model": {"checkpoint": "embedded"}, "eval": {"enabled": True, "tasks": ["no_such_task_q"]}},
         "report": {"wandb": False, "bench_processes": 0},
     }
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(config))
@@ -164,7 +165,7 @@ def test_a_sweep_does_not_run_a_yaml_py_planted_in_the_working_directory(tmp_pat
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     log = (tmp_path / "sweep" / "xnnpack_int8_dynamic-ptq" / "sweep.log").read_text()
-    assert "no_such_model" in log, r.stdout + r.stderr  # the run started and failed on its model, as it should
+    assert "no_such_task_q" in log, r.stdout + r.stderr  # the run started and failed on its task, as it should
     assert not marker.exists(), "the run process imported the planted yaml.py"
 
 

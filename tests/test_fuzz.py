@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import ROOT, write_config
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from qharness.cli.precheck import precheck
@@ -361,6 +361,7 @@ def _known(section):
     section=st.sampled_from(SECTIONS),
     wrong=st.one_of(st.integers(), st.lists(st.integers(), max_size=2), st.booleans(), st.floats()),
 )
+@example(key="max_size_mb", section="model", wrong=0)  # autotune's key, unknown to fit (was accepted)
 def test_unknown_sections_and_sections_that_are_not_mappings(key, section, wrong):
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)

@@ -56,7 +56,8 @@ SECTIONS = {
 TOP_LEVEL = {"seed_everything", "trainer", "model", "data", "checkpoint", "ckpt_path", "weights_only", "verbose"}
 TOP_LEVEL |= set(SECTIONS) | {"pte", "tasks", "limit", "num_fewshot", "models"}
 TOP_LEVEL |= {"candidates", "unit", "against"}  # sensitivity's options
-TOP_LEVEL |= {"max_size_mb", "sensitivity"}  # autotune's
+AUTOTUNE_KEYS = {"max_size_mb", "sensitivity"}  # autotune's: unknown to the other subcommands
+TOP_LEVEL |= AUTOTUNE_KEYS
 # Lightning's own classes behind the trainer and checkpoint groups: their fields and types are read from
 # Lightning's source (``lightning_annotations``), not copied here.
 LIGHTNING_CLASSES = {
@@ -582,12 +583,14 @@ def check_across_sections(seq_len, batch_size, max_seq_len, eval_blocks, prompt_
         )
 
 
-def check_config(cfg: dict, unclear: set[str] = frozenset()) -> None:
-    """``UserError`` for the first problem found in a merged run config; sections in ``unclear`` are skipped."""
-    unknown = sorted(set(cfg) - TOP_LEVEL)
+def check_config(cfg: dict, unclear: set[str] = frozenset(), subcommand: str | None = None) -> None:
+    """``UserError`` for the first problem found in a merged run config; sections in ``unclear`` are skipped;
+    ``subcommand`` (when known): autotune's own keys are unknown to the others."""
+    known = TOP_LEVEL - AUTOTUNE_KEYS if subcommand not in (None, "autotune") else TOP_LEVEL
+    unknown = sorted(set(cfg) - known)
     if unknown:
         raise UserError(
-            f"unknown config section(s) {', '.join(unknown)}", fix=f"known sections: {', '.join(sorted(TOP_LEVEL))}"
+            f"unknown config section(s) {', '.join(unknown)}", fix=f"known sections: {', '.join(sorted(known))}"
         )
     for name in ("model", "data", "trainer", "checkpoint", *SECTIONS):
         value = cfg.get(name)
@@ -654,7 +657,7 @@ def precheck(argv: list[str]) -> None:
                 elif a.startswith("--max_size_mb="):
                     budget = _value(a.partition("=")[2])
             check_budget(budget if _number(budget) is None else _number(budget))
-        check_config(cfg, unclear)
+        check_config(cfg, unclear, argv[0])
         check_cache_dir()
     except UserError:
         raise
