@@ -284,7 +284,7 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False, jobs: int 
     runs = plan(load_sweep(config))
     for run in runs:  # every run's own config checked before any run starts: one line now, not after the others ran
         try:
-            check_config(run.config)
+            check_config(run.config, subcommand=run.subcommand)
         except UserError as e:
             raise UserError(f"sweep {config}: run {run.name}: {e.what}", fix=e.fix) from e
     if dry_run:
