@@ -138,6 +138,7 @@ def test_child_pythons_do_not_import_from_the_working_directory(tmp_path):
     assert r.returncode == 0 and "planted" not in r.stderr and str(tmp_path) not in r.stdout
 
 
+@pytest.mark.slow  # its run child can take minutes on a loaded machine; the fast check of -P is the test above
 def test_a_sweep_does_not_run_a_yaml_py_planted_in_the_working_directory(tmp_path):
     marker = tmp_path / "planted_ran"
     work = tmp_path / "work"
