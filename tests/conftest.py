@@ -158,3 +158,19 @@ def fitted(tmp_path_factory, tiny_llama, corpus):
     )
     result = run_cli("fit", cfg)
     return tmp / "run", cfg, result
+
+
+def tiny_run_config(tmp_path, model_dir, corpus, model: dict, trainer: dict | None = None):
+    """A tiny run config for a small model (16-token blocks, a 32-position ``.pte``, a short parity check)."""
+    return write_config(
+        tmp_path / "run.yaml",
+        model_dir,
+        corpus,
+        tmp_path / "run",
+        model=model,
+        trainer=trainer or {},
+        data={"seq_len": 16},
+        deploy={"max_seq_len": 32},
+        parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
+        calibration={"blocks": 2},
+    )

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_hf, run_cli, write_config
+from conftest import make_tiny_hf, run_cli, tiny_run_config, write_config
 
 # MLA widths (keys: qk_nope + qk_rope = 24 per head; the latent: kv_lora_rank) and the MoE ones, small
 MLA = dict(
@@ -116,17 +116,7 @@ def test_calibrate_cli_deploys_deepseek_v3(tmp_path, corpus):
         num_key_value_heads=None,
         **MLA,
     )
-    cfg = write_config(
-        tmp_path / "run.yaml",
-        model,
-        corpus,
-        tmp_path / "run",
-        model={"mode": "ptq"},
-        data={"seq_len": 16},
-        deploy={"max_seq_len": 32},
-        parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
-        calibration={"blocks": 2},
-    )
+    cfg = tiny_run_config(tmp_path, model, corpus, model={"mode": "ptq"})
     result = run_cli("calibrate", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -169,17 +159,7 @@ def test_calibrate_cli_deploys_deepseek_v3_with_8da4w(tmp_path, corpus, kv_cache
     model = make_tiny_hf(
         tmp_path / "model", "deepseek_v3", corpus.read_text()[:200_000], head_dim=None, num_key_value_heads=None, **dims
     )
-    cfg = write_config(
-        tmp_path / "run.yaml",
-        model,
-        corpus,
-        tmp_path / "run",
-        model={"mode": "ptq", "recipe": str(recipe)},
-        data={"seq_len": 16},
-        deploy={"max_seq_len": 32},
-        parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
-        calibration={"blocks": 2},
-    )
+    cfg = tiny_run_config(tmp_path, model, corpus, model={"mode": "ptq", "recipe": str(recipe)})
     result = run_cli("calibrate", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_hf, run_cli, write_config
+from conftest import make_tiny_hf, run_cli, tiny_run_config
 
 EXPERTS, TOP_K = 4, 2
 # every sparse-MoE family of transformers 5.24 asked for, with its own names for the expert counts and widths
@@ -200,26 +200,10 @@ def check_run(run_dir, tokenizer_dir=None) -> dict:
     return summary
 
 
-def moe_config(tmp_path, model_dir, corpus, model: dict, trainer: dict | None = None):
-    """A tiny run config for an MoE model (16-token blocks, a 32-position ``.pte``, a short parity check)."""
-    return write_config(
-        tmp_path / "run.yaml",
-        model_dir,
-        corpus,
-        tmp_path / "run",
-        model=model,
-        trainer=trainer or {},
-        data={"seq_len": 16},
-        deploy={"max_seq_len": 32},
-        parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
-        calibration={"blocks": 2},
-    )
-
-
 def test_calibrate_cli_deploys_mixtral(tmp_path, tiny_mixtral, corpus):
     """``qharness calibrate`` (PTQ, int8 dynamic) of a Mixtral writes a ``.pte`` that passes the parity gate and
     generates (before the rewrite: ``SpecViolationError`` on ``aten.histc`` at lowering, exit 1)."""
-    cfg = moe_config(tmp_path, tiny_mixtral, corpus, model={"mode": "ptq"})
+    cfg = tiny_run_config(tmp_path, tiny_mixtral, corpus, model={"mode": "ptq"})
     result = run_cli("calibrate", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
     check_run(tmp_path / "run")
@@ -234,7 +218,7 @@ def test_mixtral_runs_end_to_end(tmp_path, tiny_mixtral, corpus, command, recipe
     """QAT (a few steps) and PTQ with both recipes: parity passes, the ``.pte`` generates; torchao's record of what
     it quantized names every expert projection; after ``fit``, ``qharness export`` reloads the saved checkpoint into
     a freshly loaded (rewritten) model and deploys it again."""
-    cfg = moe_config(
+    cfg = tiny_run_config(
         tmp_path,
         tiny_mixtral,
         corpus,
@@ -266,7 +250,7 @@ def test_other_families_calibrate_end_to_end(tmp_path, corpus, model_type):
     model = make_tiny_hf(
         tmp_path / "model", model_type, corpus.read_text()[:200_000], num_experts_per_tok=TOP_K, **FAMILIES[model_type]
     )
-    cfg = moe_config(tmp_path, model, corpus, model={"mode": "ptq"})
+    cfg = tiny_run_config(tmp_path, model, corpus, model={"mode": "ptq"})
     result = run_cli("calibrate", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
     check_run(tmp_path / "run")
