@@ -1,7 +1,8 @@
-"""Small typed configs for the stages after training. Their docstrings become ``--help`` text.
+"""Typed config sections of the stages after training (deploy, parity, calibration, bench, eval, wandb): part of
+the run's schema (``qharness.schema.RunConfig``). Their docstrings become ``--help`` text and the config reference.
 
-Each checks its own fields when it is built (``UserError`` naming the field); checks that need several sections
-(``deploy.max_seq_len`` against ``data.seq_len``, ...) live in one place, ``qharness.cli.lightning.preflight``.
+Each checks its own fields in ``validate()`` when it is built (``UserError`` naming the field); the rules across
+sections (``deploy.max_seq_len`` against ``data.seq_len``, ...) are ``RunConfig.validate``'s.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from qharness.errors import UserError
 from qharness.io import bad_name_reason
 
 
-def _at_least(section: str, **values) -> None:
+def at_least(section: str, **values) -> None:
     """``values`` are ``name=(value, minimum)``: each must be an int/float >= minimum."""
     for name, (value, minimum) in values.items():
         if (
@@ -31,17 +32,20 @@ def _at_least(section: str, **values) -> None:
             )
 
 
-def check_source(section: str, source) -> None:
-    """A section's optional text ``source`` (null: the run's own text): not blank, and a path (``./``, ``/``,
-    ``~``) must exist."""
+def check_source(
+    section: str, source, allow_null: bool = True, fix: str = "give an existing file or directory"
+) -> None:
+    """A section's text ``source`` (null where ``allow_null``: the run's own text): not blank, and a path (``./``,
+    ``/``, ``~``) must exist (``fix``: what to give instead)."""
     if not isinstance(source, str):
         return
     if not source.strip():
         raise UserError(
-            f"{section}.source is empty", fix=f"give a text file or directory, or leave {section}.source null"
+            f"{section}.source is empty",
+            fix=f"give a text file or directory{', or leave ' + section + '.source null' if allow_null else ''}",
         )
     if source.startswith((".", "/", "~")) and not Path(source).expanduser().exists():
-        raise UserError(f"{section}.source {source} does not exist", fix="give an existing file or directory")
+        raise UserError(f"{section}.source {source} does not exist", fix=fix)
 
 
 @dataclass
@@ -59,7 +63,11 @@ class ExportConfig:
     filename: str = "model.pte"
 
     def __post_init__(self):
-        _at_least("deploy", max_seq_len=(self.max_seq_len, 3))
+        self.validate()
+
+    def validate(self) -> None:
+        """This section's own rules (``UserError`` naming the field); run when it is built."""
+        at_least("deploy", max_seq_len=(self.max_seq_len, 3))
         why = bad_name_reason(self.filename)
         if why or PurePath(self.filename).suffix != ".pte" or self.filename.startswith("."):
             raise UserError(
@@ -106,7 +114,11 @@ class ParityConfig:
     fake_quant_min_argmax_agreement: float = 0.8
 
     def __post_init__(self):
-        _at_least(
+        self.validate()
+
+    def validate(self) -> None:
+        """This section's own rules (``UserError`` naming the field); run when it is built."""
+        at_least(
             "parity",
             fake_quant_max_ppl_rel_diff=(self.fake_quant_max_ppl_rel_diff, 0),
             prompts=(self.prompts, 1),
@@ -122,7 +134,7 @@ class ParityConfig:
                     f"parity.{name} must lie in [0, 1] (got {getattr(self, name)})", fix=f"set parity.{name} <= 1"
                 )
         if self.max_abs_diff is not None:
-            _at_least("parity", max_abs_diff=(self.max_abs_diff, 0))
+            at_least("parity", max_abs_diff=(self.max_abs_diff, 0))
 
 
 @dataclass
@@ -140,7 +152,11 @@ class CalibrationConfig:
     blocks: int = 32
 
     def __post_init__(self):
-        _at_least("calibration", blocks=(self.blocks, 1))
+        self.validate()
+
+    def validate(self) -> None:
+        """This section's own rules (``UserError`` naming the field); run when it is built."""
+        at_least("calibration", blocks=(self.blocks, 1))
         check_source("calibration", self.source)
 
 
@@ -163,7 +179,11 @@ class BenchConfig:
     eager: bool = True
 
     def __post_init__(self):
-        _at_least("bench", prompt_len=(self.prompt_len, 1), decode_tokens=(self.decode_tokens, 1), reps=(self.reps, 1))
+        self.validate()
+
+    def validate(self) -> None:
+        """This section's own rules (``UserError`` naming the field); run when it is built."""
+        at_least("bench", prompt_len=(self.prompt_len, 1), decode_tokens=(self.decode_tokens, 1), reps=(self.reps, 1))
 
 
 def check_lengths(prompt_len: int, decode_tokens: int, reps: int, max_context_len: int) -> None:
@@ -212,6 +232,14 @@ class WandbConfig:
     group: str | None = None
     tags: list[str] = field(default_factory=list)
 
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """This section's own rules (``UserError`` naming the field); run when it is built."""
+        if self.mode not in (None, "offline", "online"):
+            raise UserError(f"wandb.mode must be offline, online or null (got {self.mode!r})", fix="e.g. wandb.mode: offline")
+
 
 # The models lm-eval can score, and their column names.
 MODEL_KINDS = {"fp": "FP", "fake_quant": "fake-quant", "converted": "converted", "pte": ".pte"}
@@ -255,18 +283,22 @@ class EvalConfig:
     seed: int = 1234
 
     def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """This section's own rules (``UserError`` naming the field); run when it is built."""
         unknown = [m for m in self.models if m not in MODEL_KINDS]
         if unknown or not self.models:
             raise UserError(
                 f"eval.models: unknown {unknown or 'empty list'}", fix=f"choose among {', '.join(MODEL_KINDS)}"
             )
         if self.limit is not None:
-            _at_least("eval", limit=(self.limit, 1))
+            at_least("eval", limit=(self.limit, 1))
         if self.num_fewshot is not None:
-            _at_least("eval", num_fewshot=(self.num_fewshot, 0))
+            at_least("eval", num_fewshot=(self.num_fewshot, 0))
         if self.max_length is not None:
-            _at_least("eval", max_length=(self.max_length, 2))
-        _at_least("eval", bootstrap_iters=(self.bootstrap_iters, 0))
+            at_least("eval", max_length=(self.max_length, 2))
+        at_least("eval", bootstrap_iters=(self.bootstrap_iters, 0))
         check_source("eval", self.source)
         if not self.tasks:
             raise UserError("eval.tasks is empty", fix="name at least one task, or set eval.enabled: false")
