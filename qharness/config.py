@@ -238,7 +238,9 @@ class WandbConfig:
     def validate(self) -> None:
         """This section's own rules (``UserError`` naming the field); run when it is built."""
         if self.mode not in (None, "offline", "online"):
-            raise UserError(f"wandb.mode must be offline, online or null (got {self.mode!r})", fix="e.g. wandb.mode: offline")
+            raise UserError(
+                f"wandb.mode must be offline, online or null (got {self.mode!r})", fix="e.g. wandb.mode: offline"
+            )
 
 
 # The models lm-eval can score, and their column names.

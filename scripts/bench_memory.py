@@ -97,7 +97,7 @@ def worker(args) -> None:
     from qharness.recipes.registry import load_recipe
     from qharness.training import sharding
     from qharness.training.layerwise import set_checkpointing
-    from qharness.training.model_args import LoRA
+    from qharness.schema.model import LoRA
     from qharness.training.module import prepare_for_training
     from qharness.upstream.process import map_large_allocations_separately
 

@@ -106,14 +106,14 @@ def test_qat_starts_from_gptq_weights_and_scales(tiny_llama):
 
 def test_qat_by_gptq_needs_learned_scales(tmp_path):
     """Plain QAT's min-max fake quantization would re-round GPTQ's weights onto another grid: refused up front."""
-    from qharness.training.model_args import check_model_args
+    from qharness.schema import ModelConfig
 
     with pytest.raises(UserError, match="does not support mode 'qat'"):
         load_recipe("xnnpack_8da4w_gptq").check_mode("qat")
     (tmp_path / "r.yaml").write_text("base: xnnpack_8da4w_gptq\nmodes: [qat, ptq]\n")
     with pytest.raises(UserError, match="rounds by GPTQ .* without learned scales"):
-        check_model_args(str(tmp_path / "r.yaml"), "qat", lr=1e-4, warmup_steps=10)
-    assert check_model_args("xnnpack_8da3w_lsq_gptq", "qat", lr=1e-4, warmup_steps=10).rounds_with_gptq
+        ModelConfig(recipe=str(tmp_path / "r.yaml"), mode="qat")
+    assert ModelConfig(recipe="xnnpack_8da3w_lsq_gptq", mode="qat").load_recipe().rounds_with_gptq
 
 
 def test_ptq_by_rotation_and_gptq_through_the_cli_deploys_gptq_scales_exactly(tmp_path, tiny_llama, corpus):

@@ -17,8 +17,9 @@ PACKAGE = Path(qharness.__file__).parent
 FLOW = [
     "base",
     "sources",
-    "data",
     "recipes",
+    "schema",
+    "data",
     "training",
     "deploy",
     "checks",

@@ -10,6 +10,7 @@ row to the wandb run.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -24,20 +25,19 @@ from lightning.pytorch.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 
 from qharness.cli.args import usage_error
-from qharness.cli.precheck import check_across_sections, check_checkpoint, check_run_dir, check_trainer
 from qharness.config import (
     BenchConfig,
     CalibrationConfig,
     EvalConfig,
     ExportConfig,
     ParityConfig,
-    WandbConfig,
-    check_lengths,
 )
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
 from qharness.io import hold_run_lock, torch_save_atomic
 from qharness.progress import lightning_progress_bar
+from qharness.schema import CheckpointConfig, ModelConfig, RunConfig, TrainerConfig
+from qharness.schema.fields import field_docs
 from qharness.training import sharding  # noqa: F401  (registers --trainer.strategy fsdp_layers)
 from qharness.training.module import QuantLM, check_finite_state
 
@@ -115,7 +115,7 @@ def check_resume_data(ckpt: dict, ckpt_path: str, data_cfg) -> None:
 
 def _lora(value) -> dict | None:
     """``model.lora`` as plain data (a config group, a dict, a ``LoRA`` or None), for comparing."""
-    from qharness.training.model_args import LoRA
+    from qharness.schema.model import LoRA
 
     if value is None:
         return None
@@ -161,55 +161,19 @@ def check_strategy_and_accelerator(strategy, accelerator) -> None:
         )
 
 
+def run_config(cfg) -> RunConfig:
+    """The parsed config (a jsonargparse namespace) as the schema's ``RunConfig``, each section built and checked
+    (``checkpoint.dirpath`` left out: qharness links it to the run directory)."""
+    values = cfg.as_dict()
+    values["checkpoint"] = {k: v for k, v in (values.get("checkpoint") or {}).items() if k != "dirpath"}
+    return RunConfig.from_dict(values)
+
+
 def preflight(cfg, subcommand: str | None = None) -> None:
     """Bad input found from the config alone: one clear error (exit 2) instead of a failure hours later."""
-    if cfg.data.seq_len < 2 or cfg.data.batch_size < 1:
-        raise UserError(
-            f"data.seq_len must be at least 2 and data.batch_size positive (got {cfg.data.seq_len}, {cfg.data.batch_size})"
-        )
-    seq_len, deploy, par = cfg.data.seq_len, cfg.deploy, cfg.parity
-    check_across_sections(  # each section checked its own fields when it was built (qharness/config.py)
-        seq_len,
-        cfg.data.batch_size,
-        deploy.max_seq_len,
-        par.eval_blocks,
-        par.prompt_len,
-        par.decode_steps,
-    )
-    check_trainer(cfg.trainer.as_dict())  # the pre-check's checks, on the parsed sections
-    check_checkpoint({k: v for k, v in cfg.checkpoint.as_dict().items() if k != "dirpath"})  # dirpath: linked
+    run_config(cfg).validate(subcommand)  # every rule of the schema, as the pre-check ran them before torch loaded
+    seq_len, deploy = cfg.data.seq_len, cfg.deploy
     check_strategy_and_accelerator(cfg.trainer.get("strategy"), cfg.trainer.get("accelerator"))
-    if subcommand == "fit" or (subcommand == "autotune" and cfg.model.mode == "qat"):
-        check_trains(cfg.trainer)
-    check_run_dir(cfg.trainer.default_root_dir)
-    if cfg.deploy.enabled and cfg.bench.enabled:
-        check_lengths(cfg.bench.prompt_len, cfg.bench.decode_tokens, cfg.bench.reps, cfg.deploy.max_seq_len)
-    if cfg.trainer.get("strategy") == "fsdp_layers":
-        from qharness.training.model_args import check_model_args
-
-        m = cfg.model
-        check_model_args(
-            m.recipe,
-            m.mode,
-            m.lr,
-            m.warmup_steps,
-            layerwise=m.layerwise,
-            strategy="fsdp_layers",
-            weight_decay=m.weight_decay,
-        )
-    if cfg.model.get("distill") is not None:
-        from qharness.training.model_args import Distill
-
-        Distill(**cfg.model.distill.as_dict())  # its own field checks, as one line (jsonargparse would wrap them)
-    if cfg.model.get("lora") is not None:
-        from qharness.training.model_args import LoRA
-
-        LoRA(**cfg.model.lora.as_dict())
-    if cfg.model.mode == "qat" and str(cfg.trainer.precision or "32-true") not in ("32", "32-true"):
-        from qharness.recipes.registry import load_recipe
-        from qharness.training.model_args import check_precision
-
-        check_precision(cfg.trainer.precision, load_recipe(cfg.model.recipe), cfg.model.mode)
     if cfg.calibration.source is not None:  # a missing path, a FIFO, empty files: now, not after training
         from qharness.sources.text import local_files
 
@@ -258,19 +222,6 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         )
 
 
-def check_trains(trainer) -> None:
-    """A training run whose trainer settings alone train no step (``limit_train_batches: 0``; ``max_epochs: 0`` is
-    the pre-check's, ``precheck.check_trainer``): one line before anything loads, instead of a run reported and
-    shipped as trained."""
-    value = trainer.get("limit_train_batches")
-    if value is not None and not isinstance(value, bool) and value == 0:
-        raise UserError(
-            f"trainer.limit_train_batches={value} trains no step: the run would be reported and shipped as trained",
-            fix="leave trainer.limit_train_batches out or make it positive; for a .pte without training use qharness "
-            "calibrate with model.mode: ptq",
-        )
-
-
 def _context(model_dir: str) -> int | None:
     """``max_position_embeddings`` from a local model's config.json (its text config's for a multimodal model);
     None for a hub id or when it is not there."""
@@ -289,9 +240,7 @@ def _context(model_dir: str) -> int | None:
 
 def init_args(module: QuantLM) -> dict:
     """The arguments ``module`` was made with (its hyperparameters, without what Lightning adds)."""
-    import inspect
-
-    names = set(inspect.signature(QuantLM.__init__).parameters) - {"self"}
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
     return {k: v for k, v in module.hparams.items() if k in names}
 
 
@@ -623,29 +572,16 @@ class QHarnessCLI(LightningCLI):
         }
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.add_class_arguments(ExportConfig, "deploy", help="Deployment to .pte")
-        parser.add_class_arguments(ParityConfig, "parity", help="Parity gate of the .pte")
-        parser.add_class_arguments(CalibrationConfig, "calibration", help="Calibration data")
-        parser.add_class_arguments(BenchConfig, "bench", help="Benchmark of the .pte vs the eager FP model")
-        parser.add_class_arguments(EvalConfig, "eval", help="lm-eval evaluation of the FP, fake-quant and .pte models")
-        parser.add_class_arguments(WandbConfig, "wandb", help="Weights & Biases logging (offline by default)")
+        # the sections after training, from the schema (model and data: QuantLM's and TextDataModule's fields are the
+        # schema's ModelConfig and DataConfig; trainer and checkpoint: Lightning's classes, with qharness's defaults)
+        docs = field_docs(RunConfig)
+        for name, section in RunConfig.sections().items():
+            if name not in ("model", "data", "trainer", "checkpoint"):
+                parser.add_class_arguments(section, name, help=docs[name])
         parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
-        parser.set_defaults(
-            {
-                "checkpoint.save_last": True,
-                "checkpoint.every_n_train_steps": 50,
-                "checkpoint.save_top_k": 0,
-                "trainer.default_root_dir": "runs/default",
-                "trainer.max_steps": 100,
-                "trainer.val_check_interval": 50,
-                "trainer.limit_val_batches": 8,
-                "trainer.num_sanity_val_steps": 0,
-                "trainer.log_every_n_steps": 10,
-                "trainer.deterministic": True,
-                # TextDataModule shards training batches across DDP ranks itself (resumable, see data.py)
-                "trainer.use_distributed_sampler": False,
-            }
-        )
+        defaults = {f"trainer.{k}": v for k, v in dataclasses.asdict(TrainerConfig()).items()}
+        defaults |= {f"checkpoint.{k}": v for k, v in dataclasses.asdict(CheckpointConfig()).items() if k != "dirpath"}
+        parser.set_defaults(defaults)  # TextDataModule shards training batches itself: use_distributed_sampler off
         parser.link_arguments("trainer.default_root_dir", "checkpoint.dirpath", compute_fn=checkpoint_dir)
         parser.link_arguments("model.checkpoint", "data.tokenizer")
         parser.link_arguments("model.trust_remote_code", "data.trust_remote_code")

@@ -12,13 +12,15 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import torch
 from torch.utils.data import DataLoader, Sampler, TensorDataset
 
-from qharness.data.args import check_data_args
 from qharness.errors import UserError
 from qharness.progress import stage as progress_stage
+from qharness.schema.data import DataConfig
 from qharness.sources.token_cache import token_stream
 
 
@@ -79,36 +81,19 @@ def batches_done(global_step: int, accumulate: int, per_pass: int) -> int:
 
 
 class TextDataModule(L.LightningDataModule):
-    def __init__(
-        self,
-        source: str = "embedded",
-        text_field: str = "text",
-        tokenizer: str = "embedded",
-        seq_len: int = 128,
-        batch_size: int = 8,
-        val_fraction: float = 0.1,
-        seed: int = 1234,
-        trust_remote_code: bool = False,
-    ):
+    def __init__(self, **fields):
         """Language-modelling data packed into fixed-length blocks.
 
-        Args:
-            source: ``embedded`` (text shipped with Python: documentation topics and stdlib sources), a local
-                .txt/.json/.jsonl/.parquet/.csv file or directory, or a hub dataset id (online only).
-            text_field: Column holding the text (json/parquet/csv/hub sources).
-            tokenizer: Where the tokenizer comes from; linked to ``model.checkpoint`` (you rarely set it).
-            seq_len: Tokens per block: the sequence length the model is trained and evaluated on.
-            batch_size: Blocks per batch. Training graphs are exported with this static batch size.
-            val_fraction: Fraction of the token stream (its end) held out for validation and parity checks.
-            seed: Seed of the training-batch shuffle.
-            trust_remote_code: Allow the tokenizer's own code from the hub (off by default; only for sources you trust).
+        Its fields are ``DataConfig``'s (``qharness.schema.data``: types, defaults, help and rules in one place; the
+        CLI's ``--data.*`` options are read from there), e.g. ``TextDataModule(seq_len=64, batch_size=8)``.
         """
+        config = DataConfig(**fields)  # checks every field (UserError naming it) before any work
         super().__init__()
-        check_data_args(source, seq_len, batch_size, val_fraction)
         self.save_hyperparameters()
-        self.source, self.text_field, self.tokenizer_source = source, text_field, tokenizer
-        self.seq_len, self.batch_size, self.val_fraction, self.seed = seq_len, batch_size, val_fraction, seed
-        self.trust_remote_code = trust_remote_code
+        self.hparams.update(dataclasses.asdict(config))
+        self.source, self.text_field, self.tokenizer_source = config.source, config.text_field, config.tokenizer
+        self.seq_len, self.batch_size, self.val_fraction = config.seq_len, config.batch_size, config.val_fraction
+        self.seed, self.trust_remote_code = config.seed, config.trust_remote_code
         self.train_x = self.train_y = self.val_x = self.val_y = None
         self.tokenizer = None
 

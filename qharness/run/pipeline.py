@@ -36,17 +36,14 @@ from qharness.errors import ParityError, UserError
 from qharness.io import atomic_dir, write_bytes_atomic
 from qharness.progress import stage
 from qharness.run.summary import RunSummary
+from qharness.schema.run import check_max_seq_len
 from qharness.upstream import process
 
 log = logging.getLogger(__name__)
 
 
 def check_export_config(cfg: ExportConfig, seq_len: int, context: int | None) -> None:
-    if cfg.max_seq_len <= seq_len:
-        raise UserError(
-            f"deploy.max_seq_len={cfg.max_seq_len} must exceed data.seq_len={seq_len}",
-            fix=f"set deploy.max_seq_len >= {seq_len + 1}",
-        )
+    check_max_seq_len(cfg.max_seq_len, seq_len)
     if context is not None and cfg.max_seq_len > context:
         raise UserError(
             f"deploy.max_seq_len={cfg.max_seq_len} exceeds the model's context ({context})",

@@ -61,4 +61,6 @@ class DataConfig:
         for name, example in (("text_field", "text"), ("tokenizer", "embedded")):
             if not getattr(self, name).strip():
                 raise UserError(f"data.{name} is empty", fix=f"e.g. data.{name}: {example}")
-        check_source("data", self.source, allow_null=False, fix="give an existing file or directory, or a hub dataset id")
+        check_source(
+            "data", self.source, allow_null=False, fix="give an existing file or directory, or a hub dataset id"
+        )

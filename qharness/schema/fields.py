@@ -32,7 +32,7 @@ def _members(tp) -> tuple:
     return typing.get_args(tp) if origin in (Union, types.UnionType) else (tp,)
 
 
-def _number(value, kind: type):
+def number(value, kind: type = float):
     """``value`` as ``kind`` (int or float; numeric text too, as jsonargparse reads ``1e-3``), else None."""
     if isinstance(value, bool):
         return None
@@ -61,8 +61,8 @@ def _coerce_one(value, tp, name: str):
             return value
         return _BOOLS.get(value.strip().lower(), _NO) if isinstance(value, str) else _NO
     if tp in (int, float):
-        number = _number(value, tp)
-        return _NO if number is None else number
+        out = number(value, tp)
+        return _NO if out is None else out
     if tp is str:
         if isinstance(value, str):
             return value

@@ -174,7 +174,6 @@ class LoRA:
         return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets)}
 
 
-
 @dataclasses.dataclass
 class ModelConfig:
     """A causal LM trained with quantization-aware training (or calibrated) for one backend recipe.

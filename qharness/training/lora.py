@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from qharness.errors import UserError
+from qharness.schema.model import LORA_TARGETS, LoRA
 from qharness.sources.models import tied
-from qharness.training.model_args import LORA_TARGETS, LoRA
 
 A, B = "lora_a", "lora_b"
 

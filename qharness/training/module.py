@@ -11,7 +11,6 @@ quantization ranges (dynamic-activation fake-quants keep observing: that *is* dy
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import lightning as L
@@ -19,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from qharness.errors import UserError
-from qharness.training.model_args import Distill, LoRA, check_layer_units, check_model_args
+from qharness.schema.model import LoRA, ModelConfig, check_layer_units
 from qharness.upstream import imports
 
 
@@ -41,8 +40,8 @@ def load_teacher(source: str, trust_remote_code: bool = False):
 
         teacher = load_teacher("runs/fp32_finetune-qat")   # the fine-tuned FP model, an HF causal LM
     """
+    from qharness.schema.model import teacher_run_checkpoint
     from qharness.sources.models import load_model_and_tokenizer, resolve_checkpoint
-    from qharness.training.model_args import teacher_run_checkpoint
 
     ckpt_path = teacher_run_checkpoint(source)
     if ckpt_path is None:
@@ -238,83 +237,22 @@ def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: floa
 
 
 class QuantLM(L.LightningModule):
-    def __init__(
-        self,
-        checkpoint: str = "embedded",
-        recipe: str = "xnnpack_int8_dynamic",
-        mode: str = "qat",
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        warmup_steps: int = 10,
-        trust_remote_code: bool = False,
-        fake_quant_after_n_steps: int = 0,
-        freeze_observers_after_n_steps: int | None = None,
-        distill: Distill | None = None,
-        layerwise: bool = False,
-        activation_checkpointing: bool = False,
-        lora: LoRA | None = None,
-    ):
+    def __init__(self, **fields):
         """A causal LM trained with quantization-aware training (or calibrated) for one backend recipe.
 
-        Args:
-            checkpoint: ``embedded`` (the built-in small Llama, pretrained on first use), a local
-                ``save_pretrained`` directory of any decoder-only HF causal LM that transformers exports
-                with a static KV cache (Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3, ...), a hub id (online
-                only), or a torchtune builder: ``torchtune:llama3_2.llama3_2_1b`` or
-                ``torchtune:llama3_2.llama3_2(vocab_size=2048, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=128, max_seq_len=512)``
-                (random init; ``tokenizer=DIR`` picks an HF tokenizer; needs the torchtune extra).
-            recipe: Backend recipe name (``qharness recipes`` lists them) or a path to a recipe YAML.
-            mode: ``qat`` (train with fake quantization) or ``ptq`` (calibrate only).
-            lr: Peak learning rate of AdamW.
-            weight_decay: AdamW weight decay.
-            warmup_steps: Linear warm-up steps before the cosine decay.
-            trust_remote_code: Run model code from the hub (off by default; only for models you trust).
-            fake_quant_after_n_steps: QAT: train in floating point for the first N optimizer steps (fake
-                quantization off, observers recording), then with fake quantization (torchtune's
-                ``fake_quant_after_n_steps``). Validation before step N measures the FP model. PT2E recipes only.
-            freeze_observers_after_n_steps: QAT: from step N on, weight (and static-activation) quantization
-                ranges stop following the weights; training goes on with the frozen scales. Deployment still
-                computes min-max scales from the final weights, so freeze late (small weight changes after N).
-                None: never. PT2E recipes only.
-            distill: QAT: also train against the FP model's logits (knowledge distillation; its fields:
-                ``qharness fit --model.distill.help``), e.g. ``--model.distill.kl_weight 1.0
-                --model.distill.temperature 2.0``. Costs one more FP copy of the model per process. None: plain
-                cross-entropy.
-            layerwise: Export each decoder layer (and the output head) as its own graph instead of one graph for the
-                whole model: the units that ``--trainer.strategy fsdp_layers`` shards and ``activation_checkpointing``
-                recomputes. Same numerics as the whole-model graph; checkpoints of one form do not load into the other.
-            activation_checkpointing: Recompute each decoder layer in backward instead of keeping its activations
-                (less memory, about one more forward of time). PT2E recipes need ``layerwise``.
-            lora: QAT: train low-rank adapters on the frozen base weights instead of the weights themselves (LoRA-QAT;
-                its fields: ``qharness fit --model.lora.help``), e.g. ``--model.lora.rank 8 --model.lora.alpha 16``. The
-                recipe's weight fake quantization sees the merged weight ``W + (alpha/rank) B A``, which deployment
-                quantizes: the ``.pte`` is the trained model, with the program shape of full QAT. None: full QAT.
+        Its fields are ``ModelConfig``'s (``qharness.schema.model``: types, defaults, help and rules in one place; the
+        CLI's ``--model.*`` options are read from there), e.g. ``QuantLM(recipe="xnnpack_8da4w", lr=2e-4)``.
         """
+        config = ModelConfig(**fields)  # checks every field (UserError naming it) before any work
         super().__init__()
         self.save_hyperparameters()
-        distill = Distill(**distill) if isinstance(distill, dict) else distill
-        self.hparams.distill = dataclasses.asdict(distill) if distill is not None else None  # plain data in checkpoints
-        self.distill = distill
-        lora = LoRA(**lora) if isinstance(lora, dict) else lora
-        self.hparams.lora = lora.record() if lora is not None else None
-        self.lora = lora
-        self.recipe = check_model_args(
-            recipe,
-            mode,
-            lr,
-            warmup_steps,
-            fake_quant_after_n_steps,
-            freeze_observers_after_n_steps,
-            distill is not None,
-            layerwise,
-            activation_checkpointing,
-            weight_decay=weight_decay,
-            lora=lora is not None,
-        )
-        if checkpoint != "embedded":
+        self.hparams.update(config.hparams())  # every field, distill and lora as plain data (checkpoints)
+        self.distill, self.lora = config.distill, config.lora
+        self.recipe = config.load_recipe()
+        if config.checkpoint != "embedded":
             from qharness.sources.models import resolve_checkpoint
 
-            resolve_checkpoint(checkpoint)  # a missing directory, config or weights fails here, before any work
+            resolve_checkpoint(config.checkpoint)  # a missing directory, config or weights fails here, before any work
         self.graph: torch.nn.Module | None = None  # the prepared exported graph (eager modules for torchao QAT)
         # the distillation teacher, in a list so that it is no submodule: not in state_dict, checkpoints or the optimizer
         self._teacher: list[torch.nn.Module] = []
