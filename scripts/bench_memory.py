@@ -95,9 +95,9 @@ def worker(args) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from qharness.recipes.registry import load_recipe
+    from qharness.schema.model import LoRA
     from qharness.training import sharding
     from qharness.training.layerwise import set_checkpointing
-    from qharness.schema.model import LoRA
     from qharness.training.module import prepare_for_training
     from qharness.upstream.process import map_large_allocations_separately
 

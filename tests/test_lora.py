@@ -9,8 +9,8 @@ import torch
 from conftest import run_cli, write_config
 
 from qharness.errors import UserError
-from qharness.training.lora import check_merged_fake_quant, is_adapter, targets
 from qharness.schema.model import LoRA
+from qharness.training.lora import check_merged_fake_quant, is_adapter, targets
 from qharness.training.module import QuantLM
 
 X = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -7,8 +7,8 @@ import torch
 
 from qharness.errors import UserError
 from qharness.recipes.registry import load_recipe
-from qharness.sources.models import load_model_and_tokenizer
 from qharness.schema.run import check_precision
+from qharness.sources.models import load_model_and_tokenizer
 from qharness.training.module import QuantLM, export_for_training, set_fake_quant
 
 
