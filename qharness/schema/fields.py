@@ -139,8 +139,20 @@ def build(cls, section: str, values, *, strict: bool = True):
     types_ = hints(cls)
     if strict:
         check_known(section, values, types_)
-    kwargs = {k: coerce(v, types_[k], f"{section}.{k}") for k, v in values.items() if k in types_}
-    return cls(**kwargs)
+    kwargs, wrong = {}, None
+    for k, v in values.items():
+        if k in types_:
+            try:
+                kwargs[k] = coerce(v, types_[k], f"{section}.{k}")
+            except UserError as e:  # the section's own rule may say more (``targets must be a list of patterns``)
+                kwargs[k], wrong = v, wrong or e
+    try:
+        built = cls(**kwargs)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise wrong or e
+    if wrong is not None:
+        raise wrong
+    return built
 
 
 def field_docs(cls) -> dict[str, str]:

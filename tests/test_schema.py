@@ -1,0 +1,151 @@
+"""The run config's schema (qharness/schema): one dataclass per section, from which the CLI's options and --help, the
+check before torch loads, the Python configs and docs/config-reference.md are all derived.
+
+``test_every_field_reaches_every_place`` walks every field of every section: a field added to one dataclass must show
+up in ``qharness fit --help`` with its help text, be known to (and type-checked by) the pre-check, be accepted by
+``RunConfig``, and appear in the reference; a field that fails to reach one of them fails here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+from qharness.cli.precheck import check_config
+from qharness.errors import UserError
+from qharness.schema import RunConfig
+from qharness.schema.fields import field_docs, hints
+from qharness.schema.reference import PATH, reference
+
+
+def _fields():
+    """``(section, field, dataclass)`` of every field of every section, nested ones (``model.distill``) included."""
+    from qharness.schema.reference import _nested
+
+    for section, cls in RunConfig.sections().items():
+        for f in dataclasses.fields(cls):
+            yield section, f.name, cls
+        for name, nested in _nested(cls):
+            for f in dataclasses.fields(nested):
+                yield f"{section}.{name}", f.name, nested
+
+
+def _words(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_schema_imports_without_torch():
+    """The schema, the pre-check and the reference load neither torch, Lightning nor transformers (fresh process)."""
+    code = (
+        "import sys, qharness.schema, qharness.schema.reference, qharness.cli.precheck\n"
+        "heavy = [m for m in ('torch', 'lightning', 'transformers', 'executorch') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "qharness.schema.RunConfig().validate('fit')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_every_field_has_a_type_a_default_and_help():
+    for section, name, cls in _fields():
+        f = {f.name: f for f in dataclasses.fields(cls)}[name]
+        assert name in hints(cls), f"{section}.{name}: no type"
+        assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, name
+        assert field_docs(cls).get(name), f"{section}.{name}: no line in {cls.__name__}'s Args:"
+
+
+def _default(cls, name):
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _takes_a_mapping(tp) -> bool:
+    import typing
+
+    members = typing.get_args(tp) or (tp,)
+    return any(m is dict or dataclasses.is_dataclass(m) or typing.get_origin(m) is dict for m in members)
+
+
+# fields the CLI sets from others (QHarnessCLI.add_arguments_to_parser's links): no options of their own
+LINKED = {"data.tokenizer", "data.trust_remote_code", "checkpoint.dirpath"}
+
+
+def _help(monkeypatch, *args: str) -> str:
+    """``qharness fit ARGS`` help text as the CLI prints it (in-process: the same parser, without a process start)."""
+    from qharness.cli.lightning import run_lightning_cli
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        run_lightning_cli(["fit", *args])
+    return _words(out.getvalue())
+
+
+def test_every_field_reaches_every_place(monkeypatch):
+    """For every field: ``qharness fit --help`` shows it (with its help text, for qharness's own sections), the
+    pre-check knows it (its default passes into the ``RunConfig`` it returns; a value of no type it takes is one
+    ``UserError`` naming it), and the config reference lists it."""
+    pages = {"": _help(monkeypatch, "--help")}
+    pages |= {f"model.{n}": _help(monkeypatch, f"--model.{n}.help") for n in ("distill", "lora")}
+    text = reference()
+    for section, name, cls in _fields():
+        dotted, top = f"{section}.{name}", section.split(".")[0]
+        page = pages.get(section, pages[""])
+        if dotted in LINKED:
+            assert f"--{dotted} " not in page, f"{dotted}: linked, yet an option"
+        else:
+            assert f"--{dotted} " in page, f"{dotted}: not an option of qharness fit"
+        if top not in ("trainer", "checkpoint"):  # those two show Lightning's own help text
+            squeezed = re.sub(r"\s+", "", field_docs(cls)[name])[:60]
+            assert squeezed in re.sub(r"\s+", "", page), f"{dotted}: its help is not in qharness fit --help"
+        assert f"| `{dotted}` |" in text, f"{dotted}: not in docs/config-reference.md"
+        if dotted == "checkpoint.dirpath":
+            continue  # set by qharness: refused when given (test_precheck)
+        cfg: dict = {}
+        node = cfg
+        for part in section.split("."):
+            node = node.setdefault(part, {})
+        node[name] = _default(cls, name)
+        got = check_config(cfg, subcommand="validate")
+        for part in dotted.split("."):
+            got = getattr(got, part)
+        assert got == node[name] or list(got) == node[name], dotted
+        if not _takes_a_mapping(hints(cls)[name]):
+            node[name] = {"a": "mapping"}
+            with pytest.raises(UserError, match=re.escape(dotted)):
+                check_config(cfg, subcommand="validate")
+
+
+def test_reference_is_current():
+    """docs/config-reference.md is what ``python -m qharness.schema.reference`` writes from the schema."""
+    assert PATH.read_text() == reference(), "run: python -m qharness.schema.reference"
+
+
+def test_trainer_fields_are_lightnings():
+    """The trainer and checkpoint fields qharness reads are Lightning's own (a renamed one fails here)."""
+    import inspect
+
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    for section, cls in (("trainer", Trainer), ("checkpoint", ModelCheckpoint)):
+        ours = set(hints(RunConfig.sections()[section]))
+        assert ours <= set(inspect.signature(cls).parameters), ours - set(inspect.signature(cls).parameters)
+
+
+def test_run_config_from_yaml_and_validate(tmp_path):
+    run = RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"model.lr": "2e-4", "trainer.max_steps": 7})
+    assert run.model.lr == 2e-4 and run.trainer.max_steps == 7
+    run.validate("fit")
+    with pytest.raises(UserError, match="deploy.max_seq_len=64 must exceed data.seq_len=128"):
+        RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"deploy.max_seq_len": 64}).validate("fit")
+    with pytest.raises(UserError, match="unknown config field.s. model.lrr"):
+        RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"model.lrr": 1})
