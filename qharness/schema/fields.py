@@ -149,7 +149,9 @@ def build(cls, section: str, values, *, strict: bool = True):
     try:
         built = cls(**kwargs)
     except (TypeError, ValueError, AttributeError) as e:
-        raise wrong or e
+        if wrong is None:
+            raise
+        raise wrong from e
     if wrong is not None:
         raise wrong
     return built

@@ -1,6 +1,6 @@
 """``docs/config-reference.md``, written from the schema: every section and field with its type, default and help.
 
-    python -m qharness.schema.reference    # rewrites docs/config-reference.md (tests/test_schema.py checks it is current)
+python -m qharness.schema.reference    # rewrites docs/config-reference.md (tests/test_schema.py checks it is current)
 """
 
 from __future__ import annotations
