@@ -14,6 +14,8 @@ import io
 import re
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT
@@ -149,3 +151,46 @@ def test_run_config_from_yaml_and_validate(tmp_path):
         RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"deploy.max_seq_len": 64}).validate("fit")
     with pytest.raises(UserError, match="unknown config field.s. model.lrr"):
         RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"model.lrr": 1})
+
+
+def test_min_lr_ratio_is_where_the_cosine_decay_ends(tmp_path):
+    """``model.min_lr_ratio`` (added to ``ModelConfig`` alone): the learning rate the schedule ends at; a value
+    outside [0, 1] is one line before torch loads."""
+    import torch
+
+    from qharness.training.module import QuantLM
+
+    for ratio in (0.0, 0.1, 0.5):
+        module = QuantLM(min_lr_ratio=ratio, lr=1e-3, warmup_steps=2)
+        module.graph = torch.nn.Module()
+        module.graph.model = torch.nn.Linear(2, 2)
+        module._trainer = SimpleNamespace(estimated_stepping_batches=10)
+        sched = module.configure_optimizers()["lr_scheduler"]["scheduler"]
+        for _ in range(12):
+            sched.optimizer.step()
+            sched.step()
+        assert sched.get_last_lr()[0] == pytest.approx(1e-3 * ratio), ratio
+    with pytest.raises(UserError, match=re.escape("model.min_lr_ratio must lie in [0, 1] (got 2)")):
+        RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"model.min_lr_ratio": 2})
+
+
+def test_bad_min_lr_ratio_fails_in_about_a_second(tmp_path):
+    """Through the CLI: one error line, before torch, lightning or transformers load."""
+    from conftest import write_config
+
+    config = write_config(tmp_path / "c.yaml", "embedded", "embedded", tmp_path / "run")
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "qharness", "fit", str(config), "--model.min_lr_ratio", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    seconds = time.monotonic() - start
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2 and errors == [
+        "error: model.min_lr_ratio must lie in [0, 1] (got 2). fix: e.g. model.min_lr_ratio: 0.1"
+    ], result.stderr[-2000:]
+    assert not re.search(r"\|\s+(torch|lightning|transformers)(\.|$)", result.stderr, re.M)
+    print(f"bad model.min_lr_ratio refused in {seconds:.2f} s")

@@ -190,6 +190,8 @@ class ModelConfig:
         lr: Peak learning rate of AdamW.
         weight_decay: AdamW weight decay.
         warmup_steps: Linear warm-up steps before the cosine decay.
+        min_lr_ratio: Where the cosine decay ends, as a fraction of ``lr`` (0: down to zero; 1: constant after the
+            warm-up).
         trust_remote_code: Run model code from the hub (off by default; only for models you trust).
         fake_quant_after_n_steps: QAT: train in floating point for the first N optimizer steps (fake
             quantization off, observers recording), then with fake quantization (torchtune's
@@ -219,6 +221,7 @@ class ModelConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
     warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
     trust_remote_code: bool = False
     fake_quant_after_n_steps: int = 0
     freeze_observers_after_n_steps: int | None = None
@@ -279,6 +282,10 @@ class ModelConfig:
         if self.warmup_steps < 0:
             raise UserError(
                 f"model.warmup_steps must be >= 0 (got {self.warmup_steps})", fix="e.g. model.warmup_steps: 10"
+            )
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise UserError(
+                f"model.min_lr_ratio must lie in [0, 1] (got {self.min_lr_ratio:g})", fix="e.g. model.min_lr_ratio: 0.1"
             )
         fq, freeze = self.fake_quant_after_n_steps, self.freeze_observers_after_n_steps
         if fq < 0 or (freeze is not None and freeze < 0):

@@ -613,13 +613,13 @@ class QuantLM(L.LightningModule):
         ]
         opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.lr)
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        warm = self.hparams.warmup_steps
+        warm, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
 
         def schedule(step: int) -> float:
             if step < warm:
                 return (step + 1) / warm
             progress = min(1.0, (step - warm) / max(1, total - warm))
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
         return {
             "optimizer": opt,
