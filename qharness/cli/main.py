@@ -89,35 +89,19 @@ def _option(argv: list[str], name: str):
     return value
 
 
-def check_tasks_early(argv: list[str]) -> None:
-    """lm-eval task names (and whether their data can be reached) checked before Lightning is even imported,
-    so a typo or an offline machine fails in a second or two; the full config check follows in preflight."""
-    if argv[0] not in ("fit", "calibrate", "export", "evaluate"):
+def check_tasks_early(argv: list[str], run) -> None:
+    """lm-eval task names (and whether their data can be reached) checked before Lightning is even imported, so a
+    typo or an offline machine fails in a second or two: ``eval.tasks`` of the pre-check's ``RunConfig`` (``run``;
+    None: it could not read the config, and preflight checks them), or evaluate's ``--tasks a,b``."""
+    if argv[0] not in ("fit", "calibrate", "export", "evaluate") or run is None:
         return
-    import yaml
-
-    ev = {}
-    config = _option(argv, "--config")
-    if config and os.path.isfile(config):
-        try:
-            ev = (yaml.safe_load(open(config)) or {}).get("eval") or {}
-        except (yaml.YAMLError, AttributeError):
-            return  # LightningCLI reports a broken config
-    if not isinstance(ev, dict):
+    if argv[0] != "evaluate" and not run.eval.enabled:
         return
-    tasks = (
-        _option(argv, "--tasks" if argv[0] == "evaluate" else "--eval.tasks")
-        or _option(argv, "--eval.tasks")
-        or ev.get("tasks")
-    )
-    enabled = str(_option(argv, "--eval.enabled") or ev.get("enabled", True)).lower() not in ("false", "0", "no")
-    if tasks is None or (argv[0] != "evaluate" and not enabled):
-        return
-    if isinstance(tasks, str):
-        tasks = [t.strip() for t in tasks.strip("[]").split(",") if t.strip()]
+    given = _option(argv, "--tasks") if argv[0] == "evaluate" else None
+    tasks = [t.strip() for t in given.strip("[]").split(",") if t.strip()] if given else run.eval.tasks
     from qharness.evaluation.tasks import check_tasks
 
-    check_tasks([str(t) for t in tasks], _option(argv, "--eval.include_path") or ev.get("include_path"))
+    check_tasks([str(t) for t in tasks], run.eval.include_path)
 
 
 def _fail(message: str) -> None:
@@ -151,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
         argv = rewrite_argv(argv)
         from qharness.cli.precheck import precheck
 
-        precheck(argv)  # the config's own errors in about a second, before torch loads
-        check_tasks_early(argv)
+        run = precheck(argv)  # the config's own errors in about a second, before torch loads
+        check_tasks_early(argv, run)
         from qharness.cli.lightning import run_lightning_cli
 
         try:
