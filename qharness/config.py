@@ -201,6 +201,19 @@ def check_lengths(prompt_len: int, decode_tokens: int, reps: int, max_context_le
         )
 
 
+def check_generate_args(max_new_tokens: int, temperature: float, top_k: int) -> None:
+    """``generate``'s numbers (``qharness generate`` and ``runtime.generate.generate``), before the .pte loads:
+    ``UserError`` naming the option."""
+    for name, value, ok in (
+        ("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
+        ("temperature", temperature, math.isfinite(temperature) and temperature >= 0),
+        ("top_k", top_k, top_k >= 0),
+    ):
+        if not ok:
+            low = 1 if name == "max_new_tokens" else 0
+            raise UserError(f"--{name} must be a finite number >= {low} (got {value})", fix=f"e.g. --{name} {low}")
+
+
 def check_eval_lengths(length: int, seq_len: int, max_seq_len: int) -> None:
     """lm-eval's window (``eval.max_length``, null: ``data.seq_len``) against the graph and the ``.pte``."""
     if length < 2 or length > seq_len or length >= max_seq_len:

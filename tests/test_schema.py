@@ -18,11 +18,13 @@ import time
 from types import SimpleNamespace
 
 import pytest
+import yaml
 from conftest import ROOT
 
 from qharness.cli.precheck import check_config
 from qharness.errors import UserError
 from qharness.schema import RunConfig
+from qharness.schema import run as run_module
 from qharness.schema.fields import field_docs, hints
 from qharness.schema.reference import PATH, reference
 
@@ -77,7 +79,7 @@ def _takes_a_mapping(tp) -> bool:
 
 
 # fields the CLI sets from others (QHarnessCLI.add_arguments_to_parser's links): no options of their own
-LINKED = {"data.tokenizer", "data.trust_remote_code", "checkpoint.dirpath"}
+LINKED = {f"{section}.{name}" for section, name in run_module.LINKED}
 
 
 def _help(monkeypatch, *args: str) -> str:
@@ -143,12 +145,19 @@ def test_trainer_fields_are_lightnings():
         assert ours <= set(inspect.signature(cls).parameters), ours - set(inspect.signature(cls).parameters)
 
 
-def test_run_config_from_yaml_and_validate(tmp_path):
+def test_run_config_from_yaml_and_validate(tmp_path, monkeypatch):
     run = RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"model.lr": "2e-4", "trainer.max_steps": 7})
     assert run.model.lr == 2e-4 and run.trainer.max_steps == 7
     run.validate("fit")
     with pytest.raises(UserError, match="deploy.max_seq_len=64 must exceed data.seq_len=128"):
         RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"deploy.max_seq_len": 64}).validate("fit")
+    again = RunConfig.from_dict(run.to_dict())  # the mapping a config file holds, read back
+    assert again.model == run.model and again.trainer == run.trainer and again.eval == run.eval
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(run.to_dict()))
+    printed = _help(
+        monkeypatch, "--config", str(tmp_path / "run.yaml"), "--print_config"
+    )  # Lightning's parser takes it
+    assert "min_lr_ratio: 0.1" in printed and "lr: 0.0002" in printed
     with pytest.raises(UserError, match="unknown config field.s. model.lrr"):
         RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"model.lrr": 1})
 

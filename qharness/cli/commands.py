@@ -9,10 +9,10 @@ Example::
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 
+from qharness.config import check_generate_args
 from qharness.errors import UserError
 
 
@@ -24,18 +24,6 @@ def recipes() -> None:
     width = max(len(r.name) for r in rows)
     for r in rows:
         print(f"{r.name:<{width}}  {r.backend:<8} {'/'.join(r.modes):<8} {r.description}")
-
-
-def check_generate_args(max_new_tokens: int, temperature: float, top_k: int) -> None:
-    """``generate``'s numbers, before the .pte loads: ``UserError`` naming the option."""
-    for name, value, ok in (
-        ("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
-        ("temperature", temperature, math.isfinite(temperature) and temperature >= 0),
-        ("top_k", top_k, top_k >= 0),
-    ):
-        if not ok:
-            low = 1 if name == "max_new_tokens" else 0
-            raise UserError(f"--{name} must be a finite number >= {low} (got {value})", fix=f"e.g. --{name} {low}")
 
 
 def generate(

@@ -12,13 +12,13 @@ Example::
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from qharness.config import check_generate_args
 from qharness.errors import UserError
 
 
@@ -62,10 +62,7 @@ def generate(
     on_text: Callable[[str], None] = lambda s: None,
 ) -> dict:
     """Generate from ``prompt``; ``on_text`` receives each new piece of text as soon as it decodes cleanly."""
-    if max_new_tokens < 1 or not 0 <= temperature < math.inf or top_k < 0:
-        raise UserError(
-            f"need max_new_tokens >= 1, temperature >= 0, top_k >= 0 (got {max_new_tokens}, {temperature}, {top_k})"
-        )
+    check_generate_args(max_new_tokens, temperature, top_k)
     meta = pte.metadata()
     if "get_max_context_len" not in meta:
         raise UserError(

@@ -37,6 +37,15 @@ from qharness.schema.trainer import CheckpointConfig, TrainerConfig
 
 # Sections backed by a Lightning class: names not in the dataclass are that class's own fields (Lightning checks them).
 LIGHTNING_SECTIONS = {"trainer", "checkpoint"}
+# Fields the CLI sets from others (``QHarnessCLI``'s links): not part of a config file.
+LINKED = {("data", "tokenizer"), ("data", "trust_remote_code"), ("checkpoint", "dirpath")}
+
+
+def _plain(value):
+    """Dataclass values as YAML data: tuples as lists."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 @dataclass
@@ -101,6 +110,14 @@ class RunConfig:
                 update = {p: update}
             cfg = deep_merge(cfg, update)
         return cls.from_dict(cfg)
+
+    def to_dict(self) -> dict:
+        """The config as the mapping a config file holds (``qharness fit --config`` takes it as YAML; ``from_dict``
+        reads it back), without the fields the CLI links from others (``data.tokenizer``: ``model.checkpoint``)."""
+        out = _plain(dataclasses.asdict(self))
+        for section, name in LINKED:
+            out[section].pop(name, None)
+        return out
 
     def validate(self, subcommand: str | None = None, skip: frozenset[str] | set[str] = frozenset()) -> None:
         """Every section's own rules, then the rules across sections (those touching a section in ``skip``, which
