@@ -19,7 +19,8 @@ from conftest import ROOT
 from test_report import RUNS, summary
 
 from qharness.errors import UserError
-from qharness.reporting.sweep import load_sweep, plan
+from qharness.sweep.plan import plan
+from qharness.sweep.spec import load_sweep
 
 
 def sweep_file(tmp_path, runs, **extra):

@@ -36,7 +36,7 @@ def test_a_recipe_with_a_key_twice_is_refused(tmp_path):
 
 
 def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
-    from qharness.reporting.sweep import load_sweep
+    from qharness.sweep.spec import load_sweep
 
     path = tmp_path / "sweep.yaml"
     path.write_text("runs:\n  - recipe: xnnpack_int8_dynamic\n    modes: [ptq]\n    modes: [qat]\n")

@@ -121,7 +121,8 @@ def test_the_cache_builder_cleans_temporaries_of_dead_builds(tmp_path):
 
 @pytest.mark.parametrize("status", [None, {"config_sha256": "other", "returncode": None}])
 def test_a_sweep_resumes_only_a_started_qat_run_of_the_same_config(tmp_path, status):
-    from qharness.reporting.sweep import STATUS, SweepRun, resumable
+    from qharness.sweep.plan import SweepRun
+    from qharness.sweep.resume import STATUS, resumable
 
     run = SweepRun("int8-qat", "xnnpack_int8_dynamic", "qat", {"trainer": {"max_steps": 6}}, tmp_path / "r")
     (run.run_dir / "checkpoints").mkdir(parents=True)

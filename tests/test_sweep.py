@@ -15,7 +15,11 @@ from test_bench import make_tiny_pte
 
 from qharness.errors import UserError
 from qharness.io import write_json_atomic
-from qharness.reporting.sweep import depends_on, is_done, load_sweep, plan, run_logged, run_sweep
+from qharness.sweep.launch import run_logged
+from qharness.sweep.plan import depends_on, plan
+from qharness.sweep.resume import is_done
+from qharness.sweep.scheduler import run_sweep
+from qharness.sweep.spec import load_sweep
 
 PPL = {
     "xnnpack_fp32-ptq": 98.0,

@@ -279,7 +279,10 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False, jobs: int 
     """
     from qharness.cli.precheck import check_config
     from qharness.progress import format_seconds
-    from qharness.reporting.sweep import is_done, load_sweep, plan, run_sweep
+    from qharness.sweep.plan import plan
+    from qharness.sweep.resume import is_done
+    from qharness.sweep.scheduler import run_sweep
+    from qharness.sweep.spec import load_sweep
 
     runs = plan(load_sweep(config))
     for run in runs:  # every run's own config checked before any run starts: one line now, not after the others ran
