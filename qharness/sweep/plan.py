@@ -133,7 +133,7 @@ def check_report_metric(metric, runs: list[SweepRun]) -> None:
     """``report.metric`` against what the runs will record (their lm-eval tasks), before any run starts: a metric no
     run has would otherwise be found only by the report, after all runs."""
     from qharness.config import EvalConfig
-    from qharness.reporting.report import check_metric
+    from qharness.reporting.metric import check_metric
 
     default = EvalConfig()
     tasks = {}
