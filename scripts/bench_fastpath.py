@@ -65,7 +65,8 @@ def load_model(source: str):
 
 def export_ours(model, recipe_name: str, max_seq_len: int, path: Path, bos_id, eos_ids) -> dict:
     """Our ``.pte`` of ``recipe_name`` (PTQ, calibrated on 4 random blocks); returns timings and the export path."""
-    from qharness.deploy.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.deploy.deployed import export_path
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.recipes.registry import load_recipe
 
     recipe = load_recipe(recipe_name)
@@ -86,7 +87,7 @@ def export_ours(model, recipe_name: str, max_seq_len: int, path: Path, bos_id, e
 def export_ours_all_logits(model, max_seq_len: int, path: Path, bos_id, eos_ids) -> None:
     """Our fp32 fast path returning every position's logits (``FastDecoder(all_logits=True)``): what keeping
     all-position logits would cost in prefill."""
-    from qharness.deploy.fastpath import export_fast
+    from qharness.deploy.fastpath.decoder import export_fast
     from qharness.deploy.lower import runner_metadata
     from qharness.recipes.registry import load_recipe
     from qharness.upstream import imports

@@ -93,7 +93,8 @@ def text_data(model_dir: Path, seq_len: int = 128):
 
 def export_ours(model, tokenizer, recipe_name: str, max_seq_len: int, path: Path, calib: torch.Tensor) -> dict:
     """Our PTQ ``.pte`` of ``recipe_name``: export+quantize and lowering times, calibration tokens/s."""
-    from qharness.deploy.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.deploy.deployed import export_path
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.recipes.registry import load_recipe
     from qharness.run.pipeline import eos_ids
     from qharness.training.calibration import calibrate

@@ -35,7 +35,7 @@ def _direct_loglikelihood(model, ids: list[int], n_cont: int) -> float:
 
 
 def _adapters(model, tok, max_length=64):
-    from qharness.deploy.fastpath import FastDecoder
+    from qharness.deploy.fastpath.decoder import FastDecoder
     from qharness.evaluation.lm_eval_adapter import BatchedForward, CachedStep, QHarnessLM, hf_backend
     from qharness.training.module import export_for_training
 
