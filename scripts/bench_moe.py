@@ -70,7 +70,7 @@ def build(kind: str, args) -> torch.nn.Module:
 def export(kind: str, args, out: Path) -> Path:
     """``out/<kind>.pte`` of ``build(kind)`` quantized by ``args.recipe`` (reused when present)."""
     from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
-    from qharness.io import write_bytes_atomic
+    from qharness.io.atomic import write_bytes_atomic
     from qharness.recipes.registry import load_recipe
 
     path = out / f"{kind}_{args.recipe}.pte"

@@ -402,7 +402,7 @@ names = st.lists(name_parts, min_size=0, max_size=4).map("".join) | st.text(max_
 @more(80)
 @given(name=names)
 def test_a_name_is_refused_in_one_line_or_stays_a_plain_entry_of_its_directory(name, tmp_path_factory):
-    from qharness.io import check_name
+    from qharness.io.names import check_name
 
     root = tmp_path_factory.getbasetemp() / "names"
     root.mkdir(exist_ok=True)

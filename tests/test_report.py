@@ -6,7 +6,7 @@ import json
 import pytest
 from conftest import run_cli
 
-from qharness.io import write_json_atomic
+from qharness.io.atomic import write_json_atomic
 from qharness.reporting.metric import resolve_metric
 from qharness.reporting.ranking import best_under, pareto_front
 from qharness.reporting.report import write_report

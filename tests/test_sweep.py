@@ -14,7 +14,7 @@ from conftest import ROOT, run_cli, write_config
 from test_bench import make_tiny_pte
 
 from qharness.errors import UserError
-from qharness.io import write_json_atomic
+from qharness.io.atomic import write_json_atomic
 from qharness.sweep.launch import run_logged
 from qharness.sweep.plan import depends_on, plan
 from qharness.sweep.resume import is_done

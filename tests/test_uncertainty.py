@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qharness.checks.stats import latency_tie, loss_interval, paired_ratio, rank_test_p, with_intervals
-from qharness.io import write_json_atomic
+from qharness.io.atomic import write_json_atomic
 from qharness.reporting.ranking import compare_accuracy, compare_latency
 from qharness.reporting.report import write_report
 

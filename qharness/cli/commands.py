@@ -121,7 +121,7 @@ def bench(
         threads: ExecuTorch/torch threads in every process (default: the cores free now).
         out: also write the joint result to this JSON file.
     """
-    from qharness.io import write_json_atomic
+    from qharness.io.atomic import write_json_atomic
     from qharness.run.summary import RunSummary
 
     check_bench_counts(

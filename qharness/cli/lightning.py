@@ -36,7 +36,8 @@ from qharness.config import (
 )
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
-from qharness.io import hold_run_lock, torch_save_atomic
+from qharness.io.atomic import torch_save_atomic
+from qharness.io.locks import hold_run_lock
 from qharness.progress import lightning_progress_bar
 from qharness.training import sharding  # noqa: F401  (registers --trainer.strategy fsdp_layers)
 from qharness.training.module import QuantLM, check_finite_state
@@ -312,7 +313,7 @@ class SaveOnSigterm(Callback):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written as every qharness output is (``qharness.io.torch_save_atomic``): under a temporary name
+    """Checkpoints written as every qharness output is (``qharness.io.atomic.torch_save_atomic``): under a temporary name
     beside ``last.ckpt``, fsynced, then renamed. Lightning's own writer stages the file in the system temp dir and
     copies it over the old one when that is another device, so a full disk there truncated the last good checkpoint;
     here a failed write leaves it whole and ends in one ``DiskFullError`` line."""
@@ -573,7 +574,7 @@ class QTrainer(Trainer):
             "rest_correction_bytes": correction,
             "within_budget": measured <= budget,
         }
-        from qharness.io import write_json_atomic
+        from qharness.io.atomic import write_json_atomic
 
         write_json_atomic(run_dir / at.PLAN_FILE, record)
         print(

@@ -39,7 +39,8 @@ from qharness.config import (
 )
 from qharness.data.args import check_data_args
 from qharness.errors import UserError
-from qharness.io import check_name, load_yaml, read_yaml
+from qharness.io.names import check_name
+from qharness.io.yaml_reader import load_yaml, read_yaml
 from qharness.sources.models import EMBEDDED, check_local_checkpoint
 from qharness.sources.torchtune import PREFIX as TORCHTUNE
 from qharness.training.model_args import Distill, LoRA, check_model_args, check_precision

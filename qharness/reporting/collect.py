@@ -10,7 +10,7 @@ import logging
 from pathlib import Path
 
 from qharness.errors import UserError, one_line
-from qharness.io import bad_name_reason
+from qharness.io.names import bad_name_reason
 from qharness.reporting.rows import noise_of, summary_row
 from qharness.run.summary import RunSummary
 

@@ -32,7 +32,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qharness.io import check_output_dir, remove_stale_temps, write_bytes_atomic, write_json_atomic
+from qharness.io.atomic import write_bytes_atomic, write_json_atomic
+from qharness.io.names import check_output_dir
+from qharness.io.temps import remove_stale_temps
 from qharness.reporting.collect import collect
 from qharness.reporting.metric import resolve_metric
 from qharness.reporting.plot import plot_pareto

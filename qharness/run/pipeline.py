@@ -33,7 +33,7 @@ from qharness.config import BenchConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.deploy.coverage import format_coverage
 from qharness.deploy.fastpath.twin import all_logits_twin
 from qharness.errors import ParityError, UserError
-from qharness.io import atomic_dir, write_bytes_atomic
+from qharness.io.atomic import atomic_dir, write_bytes_atomic
 from qharness.progress import stage
 from qharness.run.summary import RunSummary
 from qharness.upstream import process

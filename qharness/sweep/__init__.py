@@ -8,7 +8,7 @@ QAT, ``qharness calibrate`` for PTQ) from the generated ``sweep_config.yaml`` th
 console and to ``sweep.log`` there. A failed run is recorded and the sweep goes on. A re-run skips every run
 that finished with the same generated config (``sweep_status.json`` + ``summary.json``) and resumes a QAT run
 of that config that was killed or failed (``--ckpt_path last``, ``resumable``); ``--force`` reruns all. A run's name must be one plain directory name
-(``io.check_name``: no separators, ``..`` or control characters), so every run stays inside ``sweep_dir``; a run
+(``io.names.check_name``: no separators, ``..`` or control characters), so every run stays inside ``sweep_dir``; a run
 process starts with ``python -P`` (nothing from the current directory is imported). A run's
 process gets SIGTERM when the sweep dies, so a killed sweep leaves nothing running. The embedded default model
 is resolved (pretrained once, cached) before the first run, so the runs share it; the eager FP model is benchmarked only in the first run (``bench.eager: false`` in the others). lm-eval

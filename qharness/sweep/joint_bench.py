@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from qharness.io import write_json_atomic
+from qharness.io.atomic import write_json_atomic
 
 
 def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dict | None = None) -> dict | None:

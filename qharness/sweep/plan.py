@@ -9,7 +9,7 @@ from pathlib import Path
 
 from qharness.config import deep_merge
 from qharness.errors import UserError
-from qharness.io import check_inside, check_name
+from qharness.io.names import check_inside, check_name
 from qharness.sweep.spec import mapping
 
 SUBCOMMAND = {"qat": "fit", "ptq": "calibrate"}

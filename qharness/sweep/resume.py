@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from qharness.errors import UserError
-from qharness.io import write_json_atomic
+from qharness.io.atomic import write_json_atomic
 from qharness.sweep.plan import SweepRun
 
 STATUS = "sweep_status.json"

@@ -14,7 +14,8 @@ from pathlib import Path
 import yaml
 
 from qharness.errors import UserError
-from qharness.io import hold_run_lock, write_bytes_atomic, write_json_atomic
+from qharness.io.atomic import write_bytes_atomic, write_json_atomic
+from qharness.io.locks import hold_run_lock
 from qharness.progress import format_seconds
 from qharness.sweep.joint_bench import bench_joint
 from qharness.sweep.launch import run_logged

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from qharness.errors import UserError
-from qharness.io import check_name, check_output_dir, read_yaml
+from qharness.io.names import check_name, check_output_dir
+from qharness.io.yaml_reader import read_yaml
 
 TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report", "jobs"}
 RUN_KEYS = {"recipe", "modes", "mode", "config", "name", "autotune"}
