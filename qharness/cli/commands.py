@@ -128,7 +128,7 @@ def bench(
         prompt_len=prompt_len, decode_tokens=decode_tokens, reps=reps, processes=processes, threads=threads
     )
     if len(pte) > 1 or processes is not None:
-        from qharness.runtime.bench import bench_jointly, format_joint, joint_entry
+        from qharness.runtime.joint import bench_jointly, format_joint, joint_entry
         from qharness.runtime.pte import check_pte_file
 
         for path in pte:

@@ -15,7 +15,7 @@ def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dic
     ``<sweep_dir>/bench_joint.json``."""
     from qharness.config import BenchConfig
     from qharness.run.summary import RunSummary
-    from qharness.runtime.bench import bench_jointly, joint_entry
+    from qharness.runtime.joint import bench_jointly, joint_entry
 
     ptes, summaries = {}, {}
     for r in records:
