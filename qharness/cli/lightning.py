@@ -313,7 +313,7 @@ class SaveOnSigterm(Callback):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written as every qharness output is (``qharness.io.atomic.torch_save_atomic``): under a temporary name
+    """Checkpoints written as every qharness output is (``qharness.io.torch_save_atomic``): under a temporary name
     beside ``last.ckpt``, fsynced, then renamed. Lightning's own writer stages the file in the system temp dir and
     copies it over the old one when that is another device, so a full disk there truncated the last good checkpoint;
     here a failed write leaves it whole and ends in one ``DiskFullError`` line."""
