@@ -14,7 +14,7 @@ from pathlib import Path, PurePath
 from typing import Literal
 
 from qharness.errors import UserError
-from qharness.io import bad_name_reason
+from qharness.io.names import bad_name_reason
 
 
 def at_least(section: str, **values) -> None:

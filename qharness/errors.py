@@ -28,7 +28,7 @@ class ParityError(RuntimeError):
 
 class DiskFullError(UserError):
     """A write ran out of space (or quota): ``path`` is the file that was being written (its old content, if any,
-    is intact); the message says about how much it needed and how much is free (``qharness.io.disk_full_error``)."""
+    is intact); the message says about how much it needed and how much is free (``qharness.io.disk.disk_full_error``)."""
 
     def __init__(self, what: str, fix: str | None = None, path=None):
         super().__init__(what, fix)

@@ -5,7 +5,7 @@ For each kind (fp32, int8 dynamic, 8da4w) both programs are built from one HF Ll
 mapping the HF weights into ExecuTorch's Llama definition (``examples/models/llama``: a Meta-format
 checkpoint + ``params.json``) and running ``export_llama(LlmConfig)`` with the KV cache, custom SDPA,
 dynamic shapes and XNNPACK (``extended_ops``) on. The ``.pte`` files are then timed with
-``qharness.runtime.bench.interleaved`` (``--processes`` fresh processes each, round-robin, one thread count): prefill
+``qharness.runtime.joint.interleaved`` (``--processes`` fresh processes each, round-robin, one thread count): prefill
 and decode ms/token, and each ratio ours/theirs taken per round (process k of ours against process k of
 theirs) and given as median (min-max) over the rounds. Targets: decode ratio <= 1.05, prefill ratio <= 1;
 "MET" only when the whole spread meets them, "TIE/UNDECIDED" when it straddles them.
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from qharness.runtime.bench import format_spread, pair_ratios, verdict
+from qharness.runtime.spread import format_spread, pair_ratios, verdict
 
 KINDS = {  # kind: (our recipe, their LlmConfig.quantization settings)
     "fp32": ("xnnpack_fp32", {}),
@@ -65,7 +65,8 @@ def load_model(source: str):
 
 def export_ours(model, recipe_name: str, max_seq_len: int, path: Path, bos_id, eos_ids) -> dict:
     """Our ``.pte`` of ``recipe_name`` (PTQ, calibrated on 4 random blocks); returns timings and the export path."""
-    from qharness.deploy.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.deploy.deployed import export_path
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.recipes.registry import load_recipe
 
     recipe = load_recipe(recipe_name)
@@ -86,7 +87,7 @@ def export_ours(model, recipe_name: str, max_seq_len: int, path: Path, bos_id, e
 def export_ours_all_logits(model, max_seq_len: int, path: Path, bos_id, eos_ids) -> None:
     """Our fp32 fast path returning every position's logits (``FastDecoder(all_logits=True)``): what keeping
     all-position logits would cost in prefill."""
-    from qharness.deploy.fastpath import export_fast
+    from qharness.deploy.fastpath.decoder import export_fast
     from qharness.deploy.lower import runner_metadata
     from qharness.recipes.registry import load_recipe
     from qharness.upstream import imports
@@ -215,9 +216,10 @@ def agreement(ours: Path, theirs: Path, vocab: int, prompt_len: int = 32, decode
 
 
 def time_both(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps: int, processes: int) -> dict:
-    """``qharness.runtime.bench.interleaved`` over the ``.pte`` files; per model the ms/token spread over processes (prefill,
+    """``qharness.runtime.joint.interleaved`` over the ``.pte`` files; per model the ms/token spread over processes (prefill,
     decode) and its per-process values, which ``run`` pairs round by round into ratios."""
-    from qharness.runtime.bench import interleaved, spread
+    from qharness.runtime.joint import interleaved
+    from qharness.runtime.spread import spread
 
     programs = {name: {"kind": "pte", "path": str(path), "vocab_size": vocab} for name, path in paths.items()}
     joint = interleaved(programs, prompt_len, decode_tokens, reps, processes)

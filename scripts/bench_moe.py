@@ -9,7 +9,7 @@ the MoE decodes near the total-width dense model and slower than the active-widt
 
 Each model is random-init (speed depends on shapes, not values), built in-process, quantized by ``--recipe``
 (PTQ, calibrated on random tokens) and lowered to ``.pte`` with qharness's own deploy functions; then
-``qharness.runtime.bench.interleaved`` times all three in ``--processes`` fresh processes each, round-robin, one
+``qharness.runtime.joint.interleaved`` times all three in ``--processes`` fresh processes each, round-robin, one
 thread count. Printed: the joint table (median (min-max) over processes) and the decode ratios MoE / dense taken
 per round (process k against process k), median (min-max).
 
@@ -70,7 +70,7 @@ def build(kind: str, args) -> torch.nn.Module:
 def export(kind: str, args, out: Path) -> Path:
     """``out/<kind>.pte`` of ``build(kind)`` quantized by ``args.recipe`` (reused when present)."""
     from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
-    from qharness.io import write_bytes_atomic
+    from qharness.io.atomic import write_bytes_atomic
     from qharness.recipes.registry import load_recipe
 
     path = out / f"{kind}_{args.recipe}.pte"
@@ -108,7 +108,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/bench_moe"), help="directory for the .pte files")
     args = p.parse_args()
 
-    from qharness.runtime.bench import format_joint, format_spread, interleaved, pair_ratios
+    from qharness.runtime.joint import format_joint, interleaved
+    from qharness.runtime.spread import format_spread, pair_ratios
     from qharness.upstream import quiet
 
     quiet.install()

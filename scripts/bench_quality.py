@@ -223,7 +223,7 @@ class SelectionBlocks:
         cached = json.loads(cache.read_text()) if cache.is_file() else {}
         if self.key not in cached:
             from qharness.checks.parity import score_deployed
-            from qharness.io import write_bytes_atomic
+            from qharness.io.atomic import write_bytes_atomic
             from qharness.run.summary import RunSummary
             from qharness.runtime.pte import PteModel
 

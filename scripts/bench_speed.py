@@ -6,7 +6,7 @@ built once; speed depends on shapes, not on weight values; or ``benchmark``, or 
 for xnnpack_fp32, xnnpack_int8_dynamic, xnnpack_int4w_dynamic and xnnpack_8da4w our ``.pte`` is exported
 (PTQ; calibration throughput and export + lowering time are recorded), ExecuTorch's own LLM export
 (``export_llama``, 8da4w, group 32) of the same weights is the peer, and the eager PyTorch model is the
-floor. All are then timed with ``qharness.runtime.bench.interleaved`` (prefill ``--prompt_len`` tokens in one call,
+floor. All are then timed with ``qharness.runtime.joint.interleaved`` (prefill ``--prompt_len`` tokens in one call,
 decode ``--decode_tokens`` one by one; ``--processes`` fresh processes per program, round-robin, one thread
 count); each speed ratio is taken per round (process k of A against process k of B) and given as median
 (min-max) over the rounds. Decode is also given as a fraction of the memory-bandwidth bound (measured copy
@@ -93,7 +93,8 @@ def text_data(model_dir: Path, seq_len: int = 128):
 
 def export_ours(model, tokenizer, recipe_name: str, max_seq_len: int, path: Path, calib: torch.Tensor) -> dict:
     """Our PTQ ``.pte`` of ``recipe_name``: export+quantize and lowering times, calibration tokens/s."""
-    from qharness.deploy.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.deploy.deployed import export_path
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.recipes.registry import load_recipe
     from qharness.run.pipeline import eos_ids
     from qharness.training.calibration import calibrate
@@ -120,9 +121,10 @@ def export_ours(model, tokenizer, recipe_name: str, max_seq_len: int, path: Path
 
 
 def time_all(paths: dict, vocab: int, prompt_len: int, decode_tokens: int, reps: int, processes: int) -> dict:
-    """``qharness.runtime.bench.interleaved`` over every program; per program the median over processes of the per-process
+    """``qharness.runtime.joint.interleaved`` over every program; per program the median over processes of the per-process
     medians (tok/s) and the per-process values (``decode_per_process``, ``prefill_per_process``) for pairwise ratios."""
-    from qharness.runtime.bench import interleaved, max_over_min
+    from qharness.runtime.joint import interleaved
+    from qharness.runtime.spread import max_over_min
 
     programs = {name: {"kind": kind, "path": str(path), "vocab_size": vocab} for name, (kind, path) in paths.items()}
     joint = interleaved(programs, prompt_len, decode_tokens, reps, processes)
@@ -292,7 +294,8 @@ def main(argv=None) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    from qharness.runtime.bench import format_spread, memory_bandwidth, pair_ratios, spread, verdict
+    from qharness.runtime.measure import memory_bandwidth
+    from qharness.runtime.spread import format_spread, pair_ratios, spread, verdict
     from qharness.sources.models import load_model_and_tokenizer
 
     out = Path(a.out)

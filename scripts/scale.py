@@ -141,7 +141,8 @@ def run_stages(
         import torch
         import transformers  # noqa: F401
 
-        from qharness.deploy.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
+        from qharness.deploy.deployed import export_path
+        from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
         from qharness.recipes.registry import load_recipe
         from qharness.run.pipeline import eos_ids
         from qharness.sources.models import load_model_and_tokenizer

@@ -115,7 +115,7 @@ def test_a_failing_trace_is_refused_and_a_success_is_remembered(tmp_path, family
 def test_family_trains_and_quantizes_for_deploy(name, family_dir):
     """export_for_training + prepare_qat_pt2e + a train step, weights back into HF, static-cache deploy graph
     (convert_pt2e) close to the trained fake-quant graph."""
-    from qharness.deploy.fastpath import all_logits_twin
+    from qharness.deploy.fastpath.twin import all_logits_twin
     from qharness.deploy.lower import quantize_for_deploy
 
     source = str(family_dir(name))
@@ -218,8 +218,9 @@ def test_family_pte_takes_the_fast_path_and_passes_parity(family, recipe_name, t
     greedy decode (``compare_decoding``) and perplexity over blocks."""
     from qharness.checks.parity import compare_decoding, fold_constants, gate, score_deployed
     from qharness.config import ParityConfig
-    from qharness.deploy.fastpath import all_logits_twin
-    from qharness.deploy.lower import export_path, lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.deploy.deployed import export_path, fallback_reason
+    from qharness.deploy.fastpath.twin import all_logits_twin
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.recipes.registry import load_recipe
     from qharness.runtime.pte import PteModel
 
@@ -227,7 +228,7 @@ def test_family_pte_takes_the_fast_path_and_passes_parity(family, recipe_name, t
     vocab = model.config.vocab_size
     x = torch.randint(0, vocab, (3, 25), generator=torch.Generator().manual_seed(0))
     deployed = quantize_for_deploy(model, recipe, cache, lambda g: [g(b[None, :24], torch.tensor([0])) for b in x])
-    assert export_path(deployed) == "fast", deployed.meta.get("qharness_fallback_reason")
+    assert export_path(deployed) == "fast", fallback_reason(deployed)
     (tmp_path / "m.pte").write_bytes(lower_to_pte(deployed, recipe, cache, runner_metadata(cache, vocab, 1, [2])))
     reference = fold_constants(deployed)
     scorer = all_logits_twin(reference)

@@ -19,7 +19,8 @@ from conftest import ROOT
 from test_report import RUNS, summary
 
 from qharness.errors import UserError
-from qharness.reporting.sweep import load_sweep, plan
+from qharness.sweep.plan import plan
+from qharness.sweep.spec import load_sweep
 
 
 def sweep_file(tmp_path, runs, **extra):
@@ -401,7 +402,7 @@ names = st.lists(name_parts, min_size=0, max_size=4).map("".join) | st.text(max_
 @more(80)
 @given(name=names)
 def test_a_name_is_refused_in_one_line_or_stays_a_plain_entry_of_its_directory(name, tmp_path_factory):
-    from qharness.io import check_name
+    from qharness.io.names import check_name
 
     root = tmp_path_factory.getbasetemp() / "names"
     root.mkdir(exist_ok=True)

@@ -14,7 +14,8 @@ from test_mixed_precision import _recipe, _tiny_model
 from qharness.errors import UserError
 from qharness.evaluation import autotune as at
 from qharness.evaluation.sensitivity import unit_sizes
-from qharness.reporting.sweep import load_sweep, plan
+from qharness.sweep.plan import plan
+from qharness.sweep.spec import load_sweep
 
 CANDIDATES = {
     "8da8w-pc": {"weight_bits": 8, "group_size": None},

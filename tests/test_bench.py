@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import run_cli
 
-from qharness.runtime.bench import max_over_min, pair_ratios, spread, verdict
+from qharness.runtime.spread import max_over_min, pair_ratios, spread, verdict
 
 
 def make_tiny_pte(path, max_seq_len: int = 32):
@@ -215,7 +215,7 @@ def test_the_bandwidth_bound_counts_the_weights_a_decode_step_reads(tiny_pte, tm
     (a tied one is also the lm_head, read whole)."""
     import torch
 
-    from qharness.runtime.bench import measure_in_fresh_process
+    from qharness.runtime.measure import measure_in_fresh_process
     from qharness.runtime.pte import embedding_bytes
     from qharness.sources.embedded import EmbeddedSpec, new_llama
 

@@ -86,7 +86,8 @@ def test_projections_load_as_plain_linear_with_the_same_outputs(name, swapped, f
 )
 def test_deploy_quantizes_every_projection(name, recipe_name, family):
     """The converted deploy graph reads no projection weight in float, and its coverage record says so."""
-    from qharness.deploy.lower import graph_coverage, quantize_for_deploy
+    from qharness.deploy.deployed import graph_coverage
+    from qharness.deploy.lower import quantize_for_deploy
     from qharness.recipes.registry import load_recipe
     from qharness.sources.models import load_model_and_tokenizer
 
@@ -118,7 +119,8 @@ def test_a_projection_left_float_stops_the_deploy_with_its_name(family):
 
 def test_the_fp_recipe_and_a_recipe_rule_keep_layers_float_without_failing(family, tmp_path):
     from qharness.deploy.coverage import format_coverage
-    from qharness.deploy.lower import graph_coverage, quantize_for_deploy
+    from qharness.deploy.deployed import graph_coverage
+    from qharness.deploy.lower import quantize_for_deploy
     from qharness.recipes.registry import load_recipe
     from qharness.sources.models import load_model_and_tokenizer
 

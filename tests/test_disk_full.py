@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from qharness.errors import DiskFullError
-from qharness.io import atomic_dir, torch_save_atomic, write_bytes_atomic
+from qharness.io.atomic import atomic_dir, torch_save_atomic, write_bytes_atomic
 
 LINE = re.compile(
     r"^error: no space left on device writing (?P<path>\S+) \((?:needs about (?P<needed>[\d.]+) MB, )?"
@@ -176,7 +176,7 @@ def test_a_real_full_tmpfs(tmp_path):
         """
         import os, sys, torch
         from qharness.errors import DiskFullError
-        from qharness.io import torch_save_atomic, write_bytes_atomic
+        from qharness.io.atomic import torch_save_atomic, write_bytes_atomic
         run = os.environ["RUN"]
         write_bytes_atomic(f"{run}/model.pte", b"old")
         torch_save_atomic({"w": torch.ones(100_000)}, f"{run}/checkpoints/last.ckpt")  # 0.4 MB

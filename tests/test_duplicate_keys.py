@@ -1,11 +1,11 @@
 """A key given twice in one YAML mapping (PyYAML keeps the last one, silently) is refused with one line naming the key
-and the file, in every YAML qharness reads: run configs, recipes, sweep files (``qharness.io.load_yaml``)."""
+and the file, in every YAML qharness reads: run configs, recipes, sweep files (``qharness.io.yaml_reader.load_yaml``)."""
 
 import pytest
 from conftest import run_cli, write_config
 
 from qharness.errors import UserError
-from qharness.io import load_yaml
+from qharness.io.yaml_reader import load_yaml
 
 
 def test_the_loader_refuses_a_key_given_twice_and_keeps_merge_keys():
@@ -36,7 +36,7 @@ def test_a_recipe_with_a_key_twice_is_refused(tmp_path):
 
 
 def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
-    from qharness.reporting.sweep import load_sweep
+    from qharness.sweep.spec import load_sweep
 
     path = tmp_path / "sweep.yaml"
     path.write_text("runs:\n  - recipe: xnnpack_int8_dynamic\n    modes: [ptq]\n    modes: [qat]\n")

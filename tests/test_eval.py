@@ -35,7 +35,7 @@ def _direct_loglikelihood(model, ids: list[int], n_cont: int) -> float:
 
 
 def _adapters(model, tok, max_length=64):
-    from qharness.deploy.fastpath import FastDecoder
+    from qharness.deploy.fastpath.decoder import FastDecoder
     from qharness.evaluation.lm_eval_adapter import BatchedForward, CachedStep, QHarnessLM, hf_backend
     from qharness.training.module import export_for_training
 
@@ -284,7 +284,7 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus
     from qharness.config import EvalConfig
     from qharness.evaluation.harness import format_eval_table, run_eval
     from qharness.evaluation.lm_eval_adapter import QHarnessLM, hf_backend
-    from qharness.reporting.report import summary_row
+    from qharness.reporting.rows import summary_row
 
     model, tok = fp
     cfg = EvalConfig(
@@ -308,7 +308,7 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus
     row = summary_row({"metrics": {}, "recipe": "xnnpack_fp32", "mode": "ptq", "quantized": False, "eval": result})
     assert row["eval/qharness_mc/acc_mutual_info/fp"] == acc
     assert row["eval/qharness_mc/acc_mutual_info_stderr/fp"] == mc["acc_mutual_info_stderr"]
-    from qharness.reporting.report import eval_header
+    from qharness.reporting.render import eval_header
 
     assert eval_header([row], "eval/qharness_mc/acc_mutual_info/fp") == "qharness_mc/acc_mutual_info/fp (chance 0.25)"
     assert eval_header([row], "eval/qharness_mc/acc_mutual_info/pte") == "qharness_mc/acc_mutual_info (chance 0.25)"

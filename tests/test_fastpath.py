@@ -1,4 +1,4 @@
-"""The fast deploy graph (qharness/deploy/fastpath.py: the HF model's own forward with ExecuTorch's ops as its
+"""The fast deploy graph (qharness/deploy/fastpath/: the HF model's own forward with ExecuTorch's ops as its
 attention and cache) against the HF model, for every family, and the generic fallback."""
 
 import logging
@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from qharness.checks.parity import block_logits, tail_logits
-from qharness.deploy import fastpath
+from qharness.deploy.fastpath import attention as fast_attention
+from qharness.deploy.fastpath import decoder as fast_decoder
+from qharness.deploy.fastpath import support as fast_support
+from qharness.deploy.fastpath import transposes as fast_transposes
+from qharness.deploy.fastpath import twin as fast_twin
 
 
 def _step(decoder):
@@ -18,7 +22,7 @@ def _check_equal_to_hf(model, max_seq_len=48, atol=2e-5):
     """Prefill at 0, chunked prefill at a later start, token-by-token decode: last-token logits equal HF's."""
     vocab = model.config.vocab_size
     x = torch.randint(0, vocab, (1, 40), generator=torch.Generator().manual_seed(0))
-    decoder = fastpath.FastDecoder(model, max_seq_len)
+    decoder = fast_decoder.FastDecoder(model, max_seq_len)
     with torch.no_grad():
         ref = model(input_ids=x).logits[0]
         out = decoder(x[:, :20], torch.tensor([0]))
@@ -46,7 +50,7 @@ def test_fast_decoder_equals_the_hf_llama(tiny_llama):
     from qharness.sources.models import load_model_and_tokenizer
 
     model = load_model_and_tokenizer(str(tiny_llama))[0]
-    assert fastpath.unsupported_reason(model, 64) is None
+    assert fast_support.unsupported_reason(model, 64) is None
     _check_equal_to_hf(model)
 
 
@@ -94,7 +98,7 @@ FAMILIES = {
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fast_decoder_equals_every_family(family):
     model = _tiny(family, **FAMILIES[family])
-    assert fastpath.unsupported_reason(model, 48) is None
+    assert fast_support.unsupported_reason(model, 48) is None
     _check_equal_to_hf(model)
 
 
@@ -121,7 +125,7 @@ def test_fast_decoder_equals_every_family(family):
 )
 def test_fast_decoder_equals_other_supported_architectures(arch, extra):
     model = _tiny(arch, **extra)
-    assert fastpath.unsupported_reason(model, 48) is None
+    assert fast_support.unsupported_reason(model, 48) is None
     _check_equal_to_hf(model)
 
 
@@ -129,8 +133,8 @@ def test_exported_fast_graph_equals_the_eager_one(tiny_llama):
     from qharness.sources.models import load_model_and_tokenizer
 
     model = load_model_and_tokenizer(str(tiny_llama))[0]
-    graph = fastpath.export_fast(model, 32).module()
-    eager = fastpath.FastDecoder(model, 32)
+    graph = fast_decoder.export_fast(model, 32).module()
+    eager = fast_decoder.FastDecoder(model, 32)
     x = torch.randint(0, 300, (1, 12))
     with torch.no_grad():
         for tokens, start in ((x[:, :9], 0), (x[:, 9:10], 9), (x[:, 10:12], 10)):  # other lengths than the example's 8
@@ -148,30 +152,30 @@ def _bloom():
 
 
 def test_unsupported_models_say_why():
-    assert fastpath.unsupported_reason(_bloom(), 32) == (
+    assert fast_support.unsupported_reason(_bloom(), 32) == (
         "BloomForCausalLM: its attention does not use transformers' AttentionInterface"
     )
     dynamic = _tiny("LlamaForCausalLM", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
-    assert "rotary type 'dynamic'" in fastpath.unsupported_reason(dynamic, 32)
+    assert "rotary type 'dynamic'" in fast_support.unsupported_reason(dynamic, 32)
 
 
 def test_a_family_whose_forward_ignores_the_cache_is_refused(monkeypatch):
     """The eager check is what proves a family's attention goes through the interfaces: here the cache is skipped."""
     model = _tiny("LlamaForCausalLM")
-    monkeypatch.setattr(fastpath, "attention", lambda module, q, k, v, *a, **kw: (q.transpose(1, 2), None))
-    monkeypatch.setattr(fastpath, "register", lambda: None)
+    monkeypatch.setattr(fast_decoder, "register", lambda: None)  # keeps the attention function below registered
     from transformers import AttentionInterface
 
-    AttentionInterface.register(fastpath.ATTENTION, fastpath.attention)
+    AttentionInterface.register(fast_attention.ATTENTION, lambda module, q, k, v, *a, **kw: (q.transpose(1, 2), None))
     try:
-        assert "the fast path's logits differ from the model's own" in fastpath.unsupported_reason(model, 32)
+        assert "the fast path's logits differ from the model's own" in fast_support.unsupported_reason(model, 32)
     finally:
         monkeypatch.undo()
-        fastpath.register()
+        fast_attention.register()
 
 
 def test_an_unsupported_architecture_falls_back_to_the_generic_export(caplog):
-    from qharness.deploy.lower import export_path, fallback_reason, quantize_for_deploy
+    from qharness.deploy.deployed import export_path, fallback_reason
+    from qharness.deploy.lower import quantize_for_deploy
     from qharness.recipes.registry import load_recipe
 
     bloom = _bloom()
@@ -192,7 +196,7 @@ def test_a_failing_fast_export_falls_back_with_the_reason(monkeypatch):
     def broken(model, max_seq_len, all_logits=False, kv_cache="fp32"):
         raise RuntimeError("Dynamo failed to run FX node")
 
-    monkeypatch.setattr(fastpath, "export_fast", broken)
+    monkeypatch.setattr(fast_decoder, "export_fast", broken)
     _, reason = export_deploy(_tiny("LlamaForCausalLM"), 32)
     assert (
         reason == "LlamaForCausalLM: torch.export of the fast path failed (RuntimeError: Dynamo failed to run FX node)"
@@ -203,29 +207,30 @@ def test_a_source_quantized_model_is_checked_for_the_fast_path_on_its_fp_weights
     """torchao recipes quantize the model before export; the support check (the fast path's logits against the
     model's own, to float tolerance) must see the FP weights, where one int8 activation rounded the other way cannot
     move the logits (it did by 0.13 on a 30-layer 135M model, which then fell back to the slow export)."""
+    from qharness.deploy.deployed import export_path
     from qharness.deploy.lower import quantize_for_deploy
     from qharness.recipes.registry import load_recipe
 
-    seen, check = [], fastpath.unsupported_reason
+    seen, check = [], fast_support.unsupported_reason
 
     def recording(model, max_seq_len):
         seen.append({type(m.weight.data) for m in model.modules() if isinstance(m, torch.nn.Linear)})
         return check(model, max_seq_len)
 
-    monkeypatch.setattr(fastpath, "unsupported_reason", recording)
+    monkeypatch.setattr(fast_support, "unsupported_reason", recording)
     model = _tiny("LlamaForCausalLM")
     graph = quantize_for_deploy(model, load_recipe("xnnpack_8da4w"), 32, lambda g: None)
     assert seen == [{torch.Tensor}]  # checked once, on plain float weights
     assert {type(m.weight.data) for m in model.modules() if isinstance(m, torch.nn.Linear)} != {torch.Tensor}
-    assert graph.meta["qharness_export_path"] == "fast"
+    assert export_path(graph) == "fast"
 
 
 def test_the_model_is_left_as_it_was():
     """The attention implementation and rotary modules are swapped only while the fast path runs."""
     model = _tiny("gemma2", sliding_window=8)
     rotary, impl = model.model.rotary_emb, model.config._attn_implementation
-    fastpath.export_fast(model, 32)
-    assert model.model.rotary_emb is rotary and model.config._attn_implementation == impl != fastpath.ATTENTION
+    fast_decoder.export_fast(model, 32)
+    assert model.model.rotary_emb is rotary and model.config._attn_implementation == impl != fast_attention.ATTENTION
 
 
 def test_sink_transposes_leaves_no_transpose_and_the_same_values():
@@ -233,9 +238,9 @@ def test_sink_transposes_leaves_no_transpose_and_the_same_values():
     q, k, v or the cache (ExecuTorch would copy each)."""
     for family in ("llama", "gemma3_text", "phi3", "olmo2", "stablelm"):
         model = _tiny(family, **FAMILIES[family])
-        ep = fastpath.export_fast(model, 32)
+        ep = fast_decoder.export_fast(model, 32)
         assert not [n for n in ep.graph_module.graph.nodes if n.target == torch.ops.aten.transpose.int], family
-        assert fastpath.sink_transposes(ep.graph_module) == 0  # nothing left to move
+        assert fast_transposes.sink_transposes(ep.graph_module) == 0  # nothing left to move
 
 
 def _lowered_ops(graph, recipe, max_seq_len):
@@ -255,7 +260,8 @@ def _lowered_ops(graph, recipe, max_seq_len):
 def test_lowered_fast_program_has_no_permute_copies(family):
     """No layer moves data between layouts: custom SDPA layers (causal, or windowed by a mask), and Gemma2's
     soft-capped attention (plain matmuls: ``custom_sdpa`` cannot soft-cap), which reads the caches as they lie."""
-    from qharness.deploy.lower import export_path, quantize_for_deploy
+    from qharness.deploy.deployed import export_path
+    from qharness.deploy.lower import quantize_for_deploy
     from qharness.recipes.registry import load_recipe
 
     recipe = load_recipe("xnnpack_fp32")
@@ -307,7 +313,8 @@ def test_fold_constants_computes_weight_math_once_and_keeps_the_cache_state():
 def test_all_logits_twin_scores_blocks_as_the_per_token_path(recipe, rel):
     """A wrong twin (e.g. logits of the next position) is off by several times the spread."""
     from qharness.checks.parity import fold_constants
-    from qharness.deploy.lower import export_path, quantize_for_deploy
+    from qharness.deploy.deployed import export_path
+    from qharness.deploy.lower import quantize_for_deploy
     from qharness.recipes.registry import load_recipe
 
     model = _tiny("LlamaForCausalLM")
@@ -316,7 +323,7 @@ def test_all_logits_twin_scores_blocks_as_the_per_token_path(recipe, rel):
         model, load_recipe(recipe), 48, calibrate=lambda g: [g(b[None], torch.tensor([0])) for b in blocks]
     )
     reference = fold_constants(deployed)
-    twin = fastpath.all_logits_twin(reference)
+    twin = fast_twin.all_logits_twin(reference)
     assert export_path(twin) == "fast"
     shared = {t.data_ptr() for t in [*reference.state_dict().values(), *reference.buffers()]}  # + rotary tables
     assert all(t.data_ptr() in shared for t in twin.state_dict().values())  # weights and KV cache shared, not copied
@@ -340,4 +347,4 @@ def test_all_logits_twin_of_a_generic_graph_is_the_graph():
     from qharness.recipes.registry import load_recipe
 
     graph = quantize_for_deploy(_bloom(), load_recipe("xnnpack_fp32"), 32, calibrate=lambda g: None)
-    assert fastpath.all_logits_twin(graph) is graph
+    assert fast_twin.all_logits_twin(graph) is graph

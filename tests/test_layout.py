@@ -27,6 +27,7 @@ FLOW = [
     "evaluation",
     "run",
     "reporting",
+    "sweep",
     "cli",
 ]
 BASE = {"errors", "io", "progress", "config", "upstream", "__init__"}

@@ -1,7 +1,7 @@
 """Locks that speak: a run waiting on another process's lock (token cache, cached model) says at once whom it
 waits for (pid, task, lock file), takes the lock when the holder is done, and gives up with one line naming the pid
 and how to free the lock when the holder is stopped (SIGSTOP) or the wait runs past its bound
-(``qharness.io.hold_lock``); a run directory held by a stopped process says so."""
+(``qharness.io.locks.hold_lock``); a run directory held by a stopped process says so."""
 
 import os
 import subprocess
@@ -11,11 +11,11 @@ import time
 import pytest
 
 from qharness.errors import UserError
-from qharness.io import hold_lock, hold_run_lock, release_run_locks
+from qharness.io.locks import hold_lock, hold_run_lock, release_run_locks
 
 HOLD = (
     "import os, signal, sys, time\n"
-    "from qharness.io import hold_lock, hold_run_lock\n"
+    "from qharness.io.locks import hold_lock, hold_run_lock\n"
     "how, path = sys.argv[1], sys.argv[2]\n"
     "def hold():\n"
     "    print('held', flush=True)\n"

@@ -53,11 +53,12 @@ def test_fast_path_takes_mla(v_head_dim):
     """The fast path's support check (prefill, a second chunk and a decode step against the model's own logits)
     passes, over per-layer caches of the latent ``[1, S, 1, kv_lora_rank]`` and rotary key ``[1, S, 1, qk_rope]``
     (before: 'a DynamicLayer cache layer without keys and values of one shape', and the generic export failed)."""
-    from qharness.deploy import fastpath
+    from qharness.deploy.fastpath import decoder as fast_decoder
+    from qharness.deploy.fastpath import support as fast_support
 
     model = tiny_deepseek(v_head_dim=v_head_dim)
-    assert fastpath.unsupported_reason(model, 32) is None
-    decoder = fastpath.FastDecoder(model, 32)
+    assert fast_support.unsupported_reason(model, 32) is None
+    decoder = fast_decoder.FastDecoder(model, 32)
     assert tuple(decoder.k_cache_0.shape) == (1, 32, 1, 16) and tuple(decoder.v_cache_0.shape) == (1, 32, 1, 8)
     x = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -72,7 +73,8 @@ def test_deploy_graph_quantizes_every_mla_projection():
     constant: no ``quantize_per_channel`` of a float parameter is left to run (before: ``kv_b_proj``'s, which
     torchao's constant folding skips because its output is ``copy_``-ed into the keys; ExecuTorch's portable kernel
     then aborted at run time), and the coverage check counts every projection quantized."""
-    from qharness.deploy.lower import export_path, graph_coverage, quantize_for_deploy
+    from qharness.deploy.deployed import export_path, graph_coverage
+    from qharness.deploy.lower import quantize_for_deploy
     from qharness.recipes.registry import load_recipe
 
     model = tiny_deepseek()
@@ -91,7 +93,8 @@ def test_source_recipe_quantizes_every_mla_projection_and_the_router():
     """torchao's 8da4w (source-level) on DeepSeek-V3: the fast path's graph exports with the router's weight a torchao
     quantized tensor (its ``weight.type(torch.float32)``: before ``upstream/fixes/torchao_metadata.py``,
     ``NotImplementedError ... aten._assert_tensor_metadata``) and every projection, router included, is 8da4w."""
-    from qharness.deploy.lower import export_path, graph_coverage, quantize_for_deploy, quantized_layers
+    from qharness.deploy.deployed import export_path, graph_coverage, quantized_layers
+    from qharness.deploy.lower import quantize_for_deploy
     from qharness.recipes.registry import load_recipe
 
     model = tiny_deepseek(kv_lora_rank=32, v_head_dim=8)  # every in_features a multiple of the group size (32)
@@ -132,13 +135,13 @@ def test_calibrate_cli_deploys_deepseek_v3(tmp_path, corpus):
 def test_int8_kv_cache_of_mla_stores_the_latent_as_int8_and_stays_close():
     """``kv_cache: int8``: the latent and rotary-key caches are int8 (per token, dequantized before the model expands
     them); prefill then decode stays close to the model's own logits, eager and exported alike."""
-    from qharness.deploy import fastpath
+    from qharness.deploy.fastpath import decoder as fast_decoder
 
     model = tiny_deepseek()
     x = torch.randint(0, 96, (1, 7), generator=torch.Generator().manual_seed(1))
-    decoder = fastpath.FastDecoder(model, 32, kv_cache="int8")
+    decoder = fast_decoder.FastDecoder(model, 32, kv_cache="int8")
     assert decoder.k_cache_0.dtype == torch.int8 and tuple(decoder.v_cache_0.shape) == (1, 32, 1, 8)
-    graph = fastpath.export_fast(model, 32, kv_cache="int8").module()
+    graph = fast_decoder.export_fast(model, 32, kv_cache="int8").module()
     with torch.no_grad():
         ref = model(input_ids=x, use_cache=False).logits[0, -1]
         for run in (decoder, graph):

@@ -124,7 +124,8 @@ def test_shipped_and_test_configs_pass(tmp_path):
 
 
 def test_sweep_run_configs_pass(tmp_path):
-    from qharness.reporting.sweep import load_sweep, plan
+    from qharness.sweep.plan import plan
+    from qharness.sweep.spec import load_sweep
 
     for run in plan(load_sweep(ROOT / "configs" / "sweep_xnnpack.yaml")):
         (tmp_path / "run.yaml").write_text(yaml.safe_dump(run.config))

@@ -85,7 +85,7 @@ def _lowered_run(out, model_dir, recipe_name_or_path):
 @pytest.fixture(scope="module")
 def emb4_run(tmp_path_factory, tiny_llama):
     """The tiny Llama through xnnpack_8da4w with 4-bit embeddings: fast path + quantized_decomposed kernels."""
-    from qharness.deploy.lower import export_path
+    from qharness.deploy.deployed import export_path
 
     out = tmp_path_factory.mktemp("emb4")
     recipe = out / "emb4.yaml"
@@ -98,7 +98,7 @@ def emb4_run(tmp_path_factory, tiny_llama):
 @pytest.fixture(scope="module")
 def kv8_run(tmp_path_factory, tiny_llama):
     """The tiny Llama through xnnpack_8da4w with the int8 KV cache (``kv_cache: int8``): quantized attention."""
-    from qharness.deploy.lower import export_path, kv_cache_dtype
+    from qharness.deploy.deployed import export_path, kv_cache_dtype
 
     out = tmp_path_factory.mktemp("kv8")
     recipe = out / "kv8.yaml"
@@ -109,7 +109,7 @@ def kv8_run(tmp_path_factory, tiny_llama):
 
 
 def _family_run(tmp_path_factory, corpus, model_type, recipe, **overrides):
-    from qharness.deploy.lower import export_path
+    from qharness.deploy.deployed import export_path
 
     out = tmp_path_factory.mktemp(model_type)
     model_dir = make_tiny_hf(out / model_type, model_type, corpus.read_text()[:100_000], layers=2, **overrides)

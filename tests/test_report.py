@@ -6,8 +6,11 @@ import json
 import pytest
 from conftest import run_cli
 
-from qharness.io import write_json_atomic
-from qharness.reporting.report import best_under, pareto_front, resolve_metric, summary_row, write_report
+from qharness.io.atomic import write_json_atomic
+from qharness.reporting.metric import resolve_metric
+from qharness.reporting.ranking import best_under, pareto_front
+from qharness.reporting.report import write_report
+from qharness.reporting.rows import summary_row
 
 # name: (recipe, mode, quantized, .pte ppl, decode ms/token, .pte MB, parity passed, toy/acc of the .pte)
 RUNS = {

@@ -7,9 +7,9 @@ import sys
 import pytest
 
 from qharness.errors import UserError
-from qharness.io import hold_run_lock, release_run_locks
+from qharness.io.locks import hold_run_lock, release_run_locks
 
-HOLD = "import sys, time; from qharness.io import hold_run_lock; hold_run_lock(sys.argv[1]); print('held', flush=True); time.sleep(60)"
+HOLD = "import sys, time; from qharness.io.locks import hold_run_lock; hold_run_lock(sys.argv[1]); print('held', flush=True); time.sleep(60)"
 
 
 def _holder(run_dir):

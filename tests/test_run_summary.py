@@ -7,7 +7,7 @@ import stat
 import pytest
 
 from qharness.errors import UserError
-from qharness.io import write_json_atomic
+from qharness.io.atomic import write_json_atomic
 from qharness.run.summary import SCHEMA_VERSION, RunSummary
 
 

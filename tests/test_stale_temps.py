@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from qharness.io import atomic_dir, remove_stale_temps, temp_dir_for, write_bytes_atomic
+from qharness.io.atomic import atomic_dir, write_bytes_atomic
+from qharness.io.temps import remove_stale_temps, temp_dir_for
 
 # a writer that creates its temporary the way write_bytes_atomic does, says so, then waits to be killed
 _WRITER = """
@@ -91,7 +92,7 @@ def _dead_pid() -> int:
 
 
 def test_taking_a_run_directory_cleans_it_and_its_checkpoints(tmp_path):
-    from qharness.io import hold_run_lock, release_run_locks
+    from qharness.io.locks import hold_run_lock, release_run_locks
 
     pid = _dead_pid()
     stale = [tmp_path / f".model.pending.pte.{pid}.abcd1234.tmp", tmp_path / "checkpoints" / f".last.ckpt.{pid}.x.tmp"]
@@ -121,7 +122,8 @@ def test_the_cache_builder_cleans_temporaries_of_dead_builds(tmp_path):
 
 @pytest.mark.parametrize("status", [None, {"config_sha256": "other", "returncode": None}])
 def test_a_sweep_resumes_only_a_started_qat_run_of_the_same_config(tmp_path, status):
-    from qharness.reporting.sweep import STATUS, SweepRun, resumable
+    from qharness.sweep.plan import SweepRun
+    from qharness.sweep.resume import STATUS, resumable
 
     run = SweepRun("int8-qat", "xnnpack_int8_dynamic", "qat", {"trainer": {"max_steps": 6}}, tmp_path / "r")
     (run.run_dir / "checkpoints").mkdir(parents=True)

@@ -14,8 +14,12 @@ from conftest import ROOT, run_cli, write_config
 from test_bench import make_tiny_pte
 
 from qharness.errors import UserError
-from qharness.io import write_json_atomic
-from qharness.reporting.sweep import depends_on, is_done, load_sweep, plan, run_logged, run_sweep
+from qharness.io.atomic import write_json_atomic
+from qharness.sweep.launch import run_logged
+from qharness.sweep.plan import depends_on, plan
+from qharness.sweep.resume import is_done
+from qharness.sweep.scheduler import run_sweep
+from qharness.sweep.spec import load_sweep
 
 PPL = {
     "xnnpack_fp32-ptq": 98.0,
@@ -167,7 +171,7 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
     bench_joint in each summary.json and all of them in bench_joint.json, at the sweep config's bench lengths even
     though the runs benchmarked nothing themselves (bench.enabled: false). The fresh processes are stood in for
     (their numbers are made up), so the test checks order, shapes and arithmetic, not speed."""
-    import qharness.runtime.bench
+    import qharness.runtime.joint
 
     pte = make_tiny_pte(tmp_path / "tiny" / "model.pte")
     calls = []
@@ -185,7 +189,7 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
             "weight_bytes": 1,
         }
 
-    monkeypatch.setattr(qharness.runtime.bench, "measure_in_fresh_process", fake_measure)
+    monkeypatch.setattr(qharness.runtime.joint, "measure_in_fresh_process", fake_measure)
     path = sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 3})
     spec = yaml.safe_load(path.read_text())
     spec["config"]["bench"] = {"enabled": False, "prompt_len": 8, "decode_tokens": 4, "reps": 2}

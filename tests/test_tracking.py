@@ -5,7 +5,7 @@ import json
 import pytest
 from wandb_offline import config, history, offline_run, tables
 
-from qharness.reporting.report import summary_row
+from qharness.reporting.rows import summary_row
 from qharness.reporting.tracking import wandb_logged_in, wandb_mode
 
 

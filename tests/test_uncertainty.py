@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from qharness.checks.stats import latency_tie, loss_interval, paired_ratio, rank_test_p, with_intervals
-from qharness.io import write_json_atomic
-from qharness.reporting.report import compare_accuracy, compare_latency, write_report
+from qharness.io.atomic import write_json_atomic
+from qharness.reporting.ranking import compare_accuracy, compare_latency
+from qharness.reporting.report import write_report
 
 
 # --- numerics -----------------------------------------------------------------------------------
@@ -305,7 +306,7 @@ def test_the_png_draws_error_bars(sweep):
 
     import matplotlib.pyplot as plt
 
-    from qharness.reporting.report import plot_pareto
+    from qharness.reporting.plot import plot_pareto
 
     rows = list(rows_of(write_report(sweep, wandb=False)).values())
     bare = [{k: v for k, v in r.items() if not k.endswith(("_lo", "_hi"))} for r in rows]

@@ -109,14 +109,14 @@ def bench(
         threads: ExecuTorch/torch threads in every process (default: the cores free now).
         out: also write the joint result to this JSON file.
     """
-    from qharness.io import write_json_atomic
+    from qharness.io.atomic import write_json_atomic
     from qharness.run.summary import RunSummary
 
     check_bench_counts(
         prompt_len=prompt_len, decode_tokens=decode_tokens, reps=reps, processes=processes, threads=threads
     )
     if len(pte) > 1 or processes is not None:
-        from qharness.runtime.bench import bench_jointly, format_joint, joint_entry
+        from qharness.runtime.joint import bench_jointly, format_joint, joint_entry
         from qharness.runtime.pte import check_pte_file
 
         for path in pte:
@@ -267,7 +267,10 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False, jobs: int 
     """
     from qharness.cli.precheck import check_config
     from qharness.progress import format_seconds
-    from qharness.reporting.sweep import is_done, load_sweep, plan, run_sweep
+    from qharness.sweep.plan import plan
+    from qharness.sweep.resume import is_done
+    from qharness.sweep.scheduler import run_sweep
+    from qharness.sweep.spec import load_sweep
 
     runs = plan(load_sweep(config))
     for run in runs:  # every run's own config checked before any run starts: one line now, not after the others ran

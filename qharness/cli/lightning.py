@@ -34,7 +34,8 @@ from qharness.config import (
 )
 from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
-from qharness.io import hold_run_lock, torch_save_atomic
+from qharness.io.atomic import torch_save_atomic
+from qharness.io.locks import hold_run_lock
 from qharness.progress import lightning_progress_bar
 from qharness.schema import CheckpointConfig, ModelConfig, RunConfig, TrainerConfig
 from qharness.schema.fields import field_docs
@@ -261,7 +262,7 @@ class SaveOnSigterm(Callback):
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written as every qharness output is (``qharness.io.torch_save_atomic``): under a temporary name
+    """Checkpoints written as every qharness output is (``qharness.io.atomic.torch_save_atomic``): under a temporary name
     beside ``last.ckpt``, fsynced, then renamed. Lightning's own writer stages the file in the system temp dir and
     copies it over the old one when that is another device, so a full disk there truncated the last good checkpoint;
     here a failed write leaves it whole and ends in one ``DiskFullError`` line."""
@@ -522,7 +523,7 @@ class QTrainer(Trainer):
             "rest_correction_bytes": correction,
             "within_budget": measured <= budget,
         }
-        from qharness.io import write_json_atomic
+        from qharness.io.atomic import write_json_atomic
 
         write_json_atomic(run_dir / at.PLAN_FILE, record)
         print(

@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     quiet.install()  # known-harmless upstream messages hidden (not with --verbose)
     from qharness.errors import ParityError, UserError
-    from qharness.io import name_output_field
+    from qharness.io.disk import name_output_field
 
     # what a disk-full error tells the user to point elsewhere (a sweep's runs learn theirs from the environment);
     # restored when this command returns (main may run again in the same process)
@@ -155,14 +155,14 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     except Exception as e:
-        from qharness.io import disk_full_error_of
+        from qharness.io.disk import disk_full_error_of
 
         full = disk_full_error_of(e)  # a write anywhere (Lightning's logs, a library's save) ran out of space
         if full is None:
             raise
         _fail(str(full))
     finally:
-        from qharness.io import release_run_locks
+        from qharness.io.locks import release_run_locks
 
         release_run_locks()  # the command is over: the run directory is free for the next one
         if previous_field is not None:

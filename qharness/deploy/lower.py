@@ -8,7 +8,7 @@ when the method's second input has one element), and ``runner_metadata`` gives t
 Two exports: the fast path (``qharness.deploy.fastpath``: the model's own forward with ExecuTorch's
 ``custom_sdpa`` / ``update_cache`` ops plugged in as its attention and cache, ``logits[1, 1, vocab]`` of the last
 token) for every model that takes it, else the generic HF static cache (``logits[1, n, vocab]``), with a logged
-reason. ``export_path(graph)`` says which one.
+reason. ``deployed.export_path(graph)`` says which one (``deployed.DeployRecord``: what the graph records).
 
 Example::
 
@@ -25,9 +25,11 @@ from collections.abc import Callable
 
 import torch
 
-from qharness.deploy.fastpath import dynamic_shapes as _dynamic_shapes
-from qharness.deploy.fastpath import example_inputs as _example
-from qharness.deploy.fastpath import export_path, fallback_reason, kv_cache_dtype  # noqa: F401  (which export a graph took)
+from qharness.deploy.deployed import DeployRecord, export_path, stamp
+from qharness.deploy.fastpath import decoder as fast_decoder
+from qharness.deploy.fastpath import support as fast_support
+from qharness.deploy.fastpath.decoder import dynamic_shapes as _dynamic_shapes
+from qharness.deploy.fastpath.decoder import example_inputs as _example
 from qharness.upstream import imports, lowering
 
 log = logging.getLogger(__name__)
@@ -63,13 +65,11 @@ def export_deploy(
     succeeds), else the HF static cache; returns ``(exported program, reason for the fallback or None)``.
     ``kv_cache`` (``fp32`` or ``int8``) is the fast path's; the generic export keeps HF's float cache. ``reason``: the
     support check's answer when it already ran (on the FP weights of a model quantized since)."""
-    from qharness.deploy import fastpath
-
     if reason is _CHECK:
-        reason = fastpath.unsupported_reason(model, max_seq_len)
+        reason = fast_support.unsupported_reason(model, max_seq_len)
     if reason is None:
         try:
-            return fastpath.export_fast(model, max_seq_len, kv_cache=kv_cache), None
+            return fast_decoder.export_fast(model, max_seq_len, kv_cache=kv_cache), None
         except Exception as e:  # e.g. torch.export cannot trace the model's forward with the fast path's cache
             first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
             reason = f"{type(model).__name__}: torch.export of the fast path failed ({type(e).__name__}: {first})"
@@ -89,7 +89,7 @@ def export_deploy(
 def _static_cache_failure(model, error: Exception) -> str:
     """Why the generic export failed: keys and values of different widths (MLA caches its latent and its rotary key)
     that transformers' ``StaticCache`` (one ``head_dim`` for both) cannot hold, else the error's first line."""
-    from qharness.deploy.fastpath import kv_shapes
+    from qharness.deploy.fastpath.kv_cache import kv_shapes
 
     try:
         shapes = kv_shapes(model, 8)
@@ -126,12 +126,18 @@ def quantize_for_deploy(
 
     linears = coverage.inventory(model)  # before torchao's quantize_ replaces the weights
     graph, reason, layers, quantizer = _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams)
-    graph.meta["qharness_coverage"] = measured = coverage.measure(graph, linears, recipe, quantizer, layers)
+    measured = coverage.measure(graph, linears, recipe, quantizer, layers)
+    stamp(
+        graph,
+        DeployRecord(
+            export_path="generic" if reason else "fast",
+            fallback_reason=reason,
+            kv_cache="fp32" if reason else recipe.kv_cache,
+            layers=layers,
+            coverage=measured,
+        ),
+    )
     coverage.check(measured, recipe.name, type(model).__name__)  # no float projection the recipe meant to quantize
-    graph.meta["qharness_layers"] = layers
-    graph.meta["qharness_export_path"] = "generic" if reason else "fast"
-    graph.meta["qharness_fallback_reason"] = reason
-    graph.meta["qharness_kv_cache"] = "fp32" if reason else recipe.kv_cache
     return graph
 
 
@@ -143,12 +149,10 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
     quantizer = recipe.make_quantizer(is_qat=False)
     if weight_qparams is not None and recipe.kind not in ("pt2e", "source"):
         raise ValueError(f"learned weight scales need a quantized recipe ({recipe.name} is {recipe.kind})")
-    from qharness.deploy import fastpath
-
     # The support check compares the fast path's logits with the model's own, so it runs on the FP weights, before any
     # quantization: after torchao's quantize_, one int8 activation rounded the other way moves the logits past its
     # float tolerance (0.13 on a 30-layer 135M model), and a model the fast path takes would fall back to the slow export.
-    reason = fastpath.unsupported_reason(model, max_seq_len)
+    reason = fast_support.unsupported_reason(model, max_seq_len)
     layers = None
     if recipe.kind == "source":
         from qharness.upstream.fixes import torchao_metadata
@@ -172,18 +176,6 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
     converted = pt2e.convert_pt2e(prepared)
     torchao_fold.fold_weight_quantization(converted)  # kv_b_proj of MLA: see that module
     return converted, reason, layers, quantizer
-
-
-def quantized_layers(graph: torch.fx.GraphModule) -> dict[str, str] | None:
-    """``{module name: scheme}`` that ``quantize_for_deploy`` applied (source-level recipes; ``fp``: kept in
-    floating point by the recipe's ``layers``); None for graph-level (PT2E) and FP recipes."""
-    return graph.meta.get("qharness_layers")
-
-
-def graph_coverage(graph: torch.fx.GraphModule) -> dict | None:
-    """How much of the model ``quantize_for_deploy`` quantized (``coverage.measure``: linear weights and bytes,
-    per recipe rule, the float ones with why); None for a graph it did not make."""
-    return graph.meta.get("qharness_coverage")
 
 
 def layer_counts(layers: dict[str, str] | None) -> dict[str, int] | None:

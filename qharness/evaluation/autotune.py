@@ -258,7 +258,7 @@ def write_recipe(plan: Plan, path: Path, base: str, command: str) -> Path:
     the budget and the prediction (``qharness calibrate CONFIG --model.recipe PATH`` runs it again)."""
     import yaml
 
-    from qharness.io import write_bytes_atomic
+    from qharness.io.atomic import write_bytes_atomic
 
     head = [
         f"# written by: {command}",

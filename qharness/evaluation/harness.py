@@ -18,7 +18,7 @@ import torch
 from qharness.checks.stats import is_stderr, stderr_name
 from qharness.config import MODEL_KINDS, EvalConfig, check_eval_lengths
 from qharness.errors import UserError
-from qharness.io import to_jsonable, write_json_atomic
+from qharness.io.atomic import to_jsonable, write_json_atomic
 
 log = logging.getLogger(__name__)
 

@@ -139,7 +139,7 @@ def converted_backend(graph, max_length: int) -> CachedStep:
     """A deploy graph ``(tokens[1, n], input_pos[1]) -> logits`` (the converted PyTorch model), scored through
     its all-logits twin (``fastpath.all_logits_twin``: the same weights and ops): one call per sequence, where
     a last-token graph takes one call per token."""
-    from qharness.deploy.fastpath import all_logits_twin
+    from qharness.deploy.fastpath.twin import all_logits_twin
 
     scorer = all_logits_twin(graph)
     return CachedStep(lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)), max_length)

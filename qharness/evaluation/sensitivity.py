@@ -369,7 +369,7 @@ def plot(result: dict, path: Path) -> Path:
 
 def write_outputs(result: dict, out_dir: Path) -> dict[str, Path]:
     """``sensitivity.json``, ``sensitivity.md`` (the table) and ``sensitivity.png`` (the heat map) in ``out_dir``."""
-    from qharness.io import write_bytes_atomic, write_json_atomic
+    from qharness.io.atomic import write_bytes_atomic, write_json_atomic
 
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from qharness.errors import UserError
-from qharness.io import atomic_dir, write_text_atomic
+from qharness.io.atomic import atomic_dir, write_text_atomic
 
 OFFLINE_TASKS = ("qharness_ppl", "qharness_mc", "qharness_gen")
 TEMPLATES = Path(__file__).parent / "lm_eval_tasks"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from qharness.errors import UserError
-from qharness.io import read_yaml
+from qharness.io.yaml_reader import read_yaml
 from qharness.recipes import torchao, vulkan, xnnpack  # noqa: F401  the built-in quantizers and partitioners register here
 from qharness.recipes.layers import LayerRule, parse_layers, per_layer
 from qharness.recipes.registration import PARTITIONERS, QUANTIZERS, parse_settings

@@ -1,1 +1,1 @@
-"""After the runs: wandb tracking, the accuracy-vs-latency report and the sweep over recipes."""
+"""After the runs: wandb tracking and the accuracy-vs-latency report (tables, Pareto plots, the pick)."""

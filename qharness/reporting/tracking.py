@@ -7,7 +7,8 @@ FP / fake-quant / ``.pte`` perplexities with their 95% intervals (``ppl_<model>_
 paired ratio to FP (``ppl_pte_vs_fp`` and its ``_lo``/``_hi``), lm-eval metrics with their standard errors
 (``eval/<task>/<metric>_stderr/<model>``), parity figures, ``.pte`` size, prefill/decode tokens/s with their
 ranges, bandwidth fraction) as the table ``final_row`` and in the run summary. Offline runs upload later with
-``wandb sync <run dir>/wandb/offline-run-*``.
+``wandb sync <run dir>/wandb/offline-run-*``. ``qharness report`` logs its table, scatter chart and Pareto plot in
+one run of its own (``log_to_wandb``).
 
 Example::
 
@@ -120,3 +121,34 @@ def log_final_row(loggers, summary: dict) -> dict | None:
         except Exception as e:  # the .pte and summary.json are written: a logging failure must not fail the run
             log.warning("could not log the final row to wandb (%s: %s); summary.json has it", type(e).__name__, e)
     return row
+
+
+def log_to_wandb(
+    rows: list[dict], columns: list[str], column: str, png: Path, out_dir: Path, name: str, project: str = "qharness"
+) -> Path | None:
+    """The table, a scatter chart (metric vs decode ms/token) and the PNG in one wandb run under ``out_dir/wandb``."""
+    if use_wandb_mode() == "disabled":
+        return None
+    import wandb
+
+    run = wandb.init(
+        project=project,
+        dir=str(out_dir),
+        name=f"report-{name}",
+        job_type="report",
+        group=name,
+        config={"metric": column, "runs": len(rows)},
+    )
+    table = wandb.Table(columns=columns, data=[[r.get(c) for c in columns] for r in rows])
+    run.log(
+        {
+            "report/table": table,
+            "report/scatter": wandb.plot.scatter(
+                table, "decode_ms_per_token", column, title=f"{column} vs decode ms/token"
+            ),
+            "report/pareto": wandb.Image(str(png)),
+        }
+    )
+    run_dir = Path(run.dir).parent
+    run.finish()
+    return run_dir

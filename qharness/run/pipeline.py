@@ -31,9 +31,9 @@ from qharness.checks.parity import (
 from qharness.checks.stats import with_intervals
 from qharness.config import BenchConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.deploy.coverage import format_coverage
-from qharness.deploy.fastpath import all_logits_twin
+from qharness.deploy.fastpath.twin import all_logits_twin
 from qharness.errors import ParityError, UserError
-from qharness.io import atomic_dir, write_bytes_atomic
+from qharness.io.atomic import atomic_dir, write_bytes_atomic
 from qharness.progress import stage
 from qharness.run.summary import RunSummary
 from qharness.schema.run import check_max_seq_len
@@ -169,16 +169,8 @@ def deploy_and_check(
         summary = deploy_and_check(module.trained(), held_out(dm, parity_cfg, calib_cfg), Path("runs/x"),
                                    ExportConfig(), ParityConfig())
     """
-    from qharness.deploy.lower import (
-        export_path,
-        fallback_reason,
-        graph_coverage,
-        kv_cache_dtype,
-        layer_counts,
-        lower_to_pte,
-        quantized_layers,
-        runner_metadata,
-    )
+    from qharness.deploy.deployed import export_path, fallback_reason, graph_coverage, kv_cache_dtype, quantized_layers
+    from qharness.deploy.lower import layer_counts, lower_to_pte, runner_metadata
     from qharness.runtime.bench import bench, format_bench
     from qharness.runtime.pte import PteModel
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qharness.errors import UserError
-from qharness.io import to_jsonable, write_json_atomic
+from qharness.io.atomic import to_jsonable, write_json_atomic
 
 SCHEMA_VERSION = 4  # 1: the unversioned summaries written before this type existed; 2: before ``layers``; 3: before
 # ``coverage`` (all read)

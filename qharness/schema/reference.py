@@ -11,7 +11,7 @@ import types
 import typing
 from pathlib import Path
 
-from qharness.io import write_text_atomic
+from qharness.io.atomic import write_text_atomic
 from qharness.schema.fields import field_docs, hints
 from qharness.schema.run import LIGHTNING_SECTIONS, RunConfig
 

@@ -28,7 +28,7 @@ from qharness.config import (
     deep_merge,
 )
 from qharness.errors import UserError
-from qharness.io import read_yaml
+from qharness.io.yaml_reader import read_yaml
 from qharness.recipes.registry import Recipe
 from qharness.schema.data import DataConfig
 from qharness.schema.fields import build, coerce, hints

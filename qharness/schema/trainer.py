@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from qharness.errors import UserError
-from qharness.io import check_name
+from qharness.io.names import check_name
 from qharness.schema.fields import typed
 
 # What ``trainer.max_time`` takes as a mapping: ``datetime.timedelta``'s arguments.

@@ -16,7 +16,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qharness.io import hold_lock, remove_stale_temps, temp_dir_for
+from qharness.io.locks import hold_lock
+from qharness.io.temps import remove_stale_temps, temp_dir_for
 from qharness.sources.cache import cache_dir
 from qharness.sources.text import EMBEDDED, embedded_corpus, load_texts, tokenize_stream
 from qharness.sources.tokenizer import train_bpe_tokenizer

@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from qharness.errors import UserError
-from qharness.io import _umask, hold_lock
+from qharness.io.atomic import umask
+from qharness.io.locks import hold_lock
 from qharness.sources.cache import cache_dir
 from qharness.sources.text import CHUNK_BYTES, EMBEDDED, iter_documents, local_files
 
@@ -175,7 +176,7 @@ def _build(path: Path, source, text_field, split, tokenizer, piece_chars, chunk_
     stats["builds"] += 1
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # the mode any new file gets (mkstemp makes 0600)
+        os.fchmod(fd, 0o666 & ~umask())  # the mode any new file gets (mkstemp makes 0600)
         n = 0
         with os.fdopen(fd, "wb") as f:
             for arr in _token_arrays(source, text_field, split, tokenizer, piece_chars, chunk_bytes, field):

@@ -30,7 +30,7 @@ import shutil
 from pathlib import Path
 
 from qharness.errors import UserError
-from qharness.io import remove_stale_temps, temp_dir_for
+from qharness.io.temps import remove_stale_temps, temp_dir_for
 
 PREFIX = "torchtune:"
 RESERVED = ("tokenizer", "seed")  # ours, not the builder's

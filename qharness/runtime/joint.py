@@ -1,0 +1,156 @@
+"""Programs timed jointly: ``processes`` fresh processes per program in round-robin order (A B C A B C ...), all with
+one thread count, each program reported as the ``spread`` of its process medians; and the table of them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from qharness.errors import UserError
+from qharness.runtime.bench import pte_vocab
+from qharness.runtime.measure import measure_in_fresh_process
+from qharness.runtime.spread import format_spread, max_over_min, spread
+
+JOINT_KEYS = ("decode_tok_s", "prefill_tok_s", "decode_ms_per_token")
+
+
+def interleaved(
+    programs: dict[str, dict],
+    prompt_len: int,
+    decode_tokens: int,
+    reps: int,
+    processes: int,
+    threads: int | None = None,
+    log=print,
+) -> dict:
+    """Time every program in ``processes`` fresh processes each, round-robin (A B C A B C ...), all with the same
+    thread count (default: the cores free now). ``programs``: name -> ``{"kind": "pte"|"eager", "path", "vocab_size"}``.
+
+    Returns ``{"processes", "order": "round-robin", "load_avg_1m": [before, after], "threads", "prompt_len",
+    "decode_tokens", "reps", "sequence": [program names in the order run], "programs": {name: {"path", "kind", "decode_tok_s",
+    "prefill_tok_s", "decode_ms_per_token", "decode_cpu_share", "decode_tok_per_cpu_s", "size_bytes", "weight_bytes"}}}``;
+    each timing is a ``spread`` of the per-process medians (ms/token derived per process). ``decode_cpu_share``
+    (CPU time / wall time while decoding) below the thread count says the process waited for a core;
+    ``decode_tok_per_cpu_s`` is decode speed per CPU-second, which such waiting does not move.
+    """
+    from qharness.runtime.pte import free_cores
+
+    if processes < 1:
+        raise UserError(
+            f"bench processes must be >= 1 (got {processes})", fix="pass --processes 5 (or report.bench_processes: 5)"
+        )
+    threads = threads or free_cores()
+    before = os.getloadavg()[0]
+    runs = {name: [] for name in programs}
+    order = []
+    for k in range(processes):
+        for name, p in programs.items():
+            log(f"[bench] process {k + 1}/{processes}: {name} ({threads} threads, load {os.getloadavg()[0]:.1f})")
+            runs[name].append(
+                measure_in_fresh_process(
+                    kind=p["kind"],
+                    path=str(p["path"]),
+                    vocab_size=p["vocab_size"],
+                    prompt_len=prompt_len,
+                    decode_tokens=decode_tokens,
+                    reps=reps,
+                    threads=threads,
+                )
+            )
+            order.append(name)
+    out = {
+        "processes": processes,
+        "order": "round-robin",
+        "load_avg_1m": [before, os.getloadavg()[0]],
+        "threads": threads,
+        "prompt_len": prompt_len,
+        "decode_tokens": decode_tokens,
+        "reps": reps,
+        "sequence": order,
+        "programs": {},
+    }
+    for name, ms in runs.items():
+        decode = [m["decode_tok_s"]["median"] for m in ms]
+        out["programs"][name] = {
+            "kind": programs[name]["kind"],
+            "path": str(programs[name]["path"]),
+            "decode_tok_s": spread(decode),
+            "prefill_tok_s": spread([m["prefill_tok_s"]["median"] for m in ms]),
+            "decode_ms_per_token": spread([1e3 / d for d in decode]),
+            "decode_cpu_share": spread([m["decode_cpu_share"]["median"] for m in ms]),
+            "decode_tok_per_cpu_s": spread([m["decode_tok_per_cpu_s"]["median"] for m in ms]),
+            "size_bytes": ms[0]["size_bytes"],
+            "weight_bytes": ms[0]["weight_bytes"],
+        }
+    return out
+
+
+def bench_jointly(
+    pte_paths: list[str | Path],
+    prompt_len: int = 128,
+    decode_tokens: int = 64,
+    reps: int = 10,
+    processes: int = 5,
+    threads: int | None = None,
+    names: list[str] | None = None,
+    log=print,
+) -> dict:
+    """``interleaved`` over ``.pte`` files (names: ``names`` or the paths), their lengths checked first."""
+    names = names or [str(p) for p in pte_paths]
+    if len(set(names)) != len(names):
+        raise UserError(f"bench: the same .pte given twice ({names})", fix="pass each --pte once")
+    programs = {
+        n: {"kind": "pte", "path": str(p), "vocab_size": pte_vocab(p, prompt_len, decode_tokens, reps)}
+        for n, p in zip(names, pte_paths)
+    }
+    return interleaved(programs, prompt_len, decode_tokens, reps, processes, threads, log)
+
+
+def joint_entry(joint: dict, name: str) -> dict:
+    """One program's ``bench_joint`` section for its summary.json (the shape the report reads)."""
+    p = joint["programs"][name]
+    return {
+        "processes": joint["processes"],
+        "order": joint["order"],
+        "load_avg_1m": joint["load_avg_1m"],
+        "threads": joint["threads"],
+        **{k: p[k] for k in JOINT_KEYS},
+    }
+
+
+def format_joint(j: dict) -> str:
+    rows = [
+        (
+            "program",
+            "decode tok/s",
+            "decode ms/token",
+            "max/min",
+            "prefill tok/s",
+            "max/min",
+            "CPU share",
+            "decode tok/CPU-s",
+            "max/min",
+        )
+    ]
+    for name, p in j["programs"].items():
+        rows.append(
+            (
+                name,
+                format_spread(p["decode_tok_s"], ".0f"),
+                format_spread(p["decode_ms_per_token"], ".3f"),
+                f"{max_over_min(p['decode_tok_s']):.2f}",
+                format_spread(p["prefill_tok_s"], ".0f"),
+                f"{max_over_min(p['prefill_tok_s']):.2f}",
+                format_spread(p["decode_cpu_share"]),
+                format_spread(p["decode_tok_per_cpu_s"], ".0f"),
+                f"{max_over_min(p['decode_tok_per_cpu_s']):.2f}",
+            )
+        )
+    width = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    head = (
+        f"bench (joint): {j['processes']} fresh processes per program, round-robin, {j['threads']} threads; prompt {j['prompt_len']} tokens, "
+        f"{j['decode_tokens']} decode steps, {j['reps']} reps per process; median (min-max) of the process medians; "
+        f"load average {j['load_avg_1m'][0]:.1f} -> {j['load_avg_1m'][1]:.1f} on {os.cpu_count()} CPUs"
+    )
+    return "\n".join([head] + ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in rows])
