@@ -20,8 +20,15 @@ text = "\n\n".join(embedded_corpus(300_000))
 train_text, val_text = text[:250_000], text[250_000:]
 tokenizer = train_bpe_tokenizer([train_text], vocab_size=384)
 torch.manual_seed(0)
-config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+config = LlamaConfig(
+    vocab_size=len(tokenizer),
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 model = AutoModelForCausalLM.from_config(config)
 
 # 1. prepare: export + the recipe's fake quantization, a module that trains at the static shape [8, 64]
@@ -44,9 +51,11 @@ for step in range(20):
 
 # 3. export: static-KV-cache .pte, lowered for XNNPACK, checked against the converted model (parity gate)
 result = qharness.export(qm, out_dir, calibration=train_text, validation=val_text, parity={"eval_blocks": 8})
-print(f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity['passed']}, "
-      f"{result.coverage:.0%} of the weight bytes quantized")
+print(
+    f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity['passed']}, "
+    f"{result.coverage:.0%} of the weight bytes quantized"
+)
 
 # 4. run the .pte with the ExecuTorch runtime
 pte = qharness.Pte.load(result.pte_path)
-print(pte.generate("def main():", max_new_tokens=16))
+print(repr(pte.generate("def main():", max_new_tokens=16)))

@@ -42,6 +42,7 @@ __all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str):
+    """The public names, each loaded from its module on first use (PEP 562): ``import qharness`` stays torch-free."""
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'qharness' has no attribute {name!r}")
@@ -51,4 +52,5 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
+    """The module's names and the lazily loaded public ones (``help(qharness)`` lists them)."""
     return sorted({*globals(), *__all__})

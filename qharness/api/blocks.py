@@ -23,7 +23,8 @@ def token_stream(data: Data, tokenizer, what: str) -> torch.Tensor:
     if isinstance(data, torch.Tensor):
         if data.dim() != 1 or data.dtype not in (torch.int32, torch.int64):
             raise UserError(
-                f"{what} is a {data.dim()}-D {data.dtype} tensor", fix=f"pass {what} as text or a 1-D integer token tensor"
+                f"{what} is a {data.dim()}-D {data.dtype} tensor",
+                fix=f"pass {what} as text or a 1-D integer token tensor",
             )
         return data.to(torch.long).cpu()
     texts = [data] if isinstance(data, str) else data
@@ -38,7 +39,9 @@ def token_stream(data: Data, tokenizer, what: str) -> torch.Tensor:
     return tokenize_stream(texts, tokenizer)
 
 
-def validation_blocks(data: Data, tokenizer, seq_len: int, what: str = "validation") -> tuple[torch.Tensor, torch.Tensor]:
+def validation_blocks(
+    data: Data, tokenizer, seq_len: int, what: str = "validation"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-token targets ``[n, seq_len]``: from text or a 1-D stream, or a 2-D ``[n, seq_len + 1]`` tensor of
     blocks (inputs are its first ``seq_len`` columns, targets its last)."""
     if isinstance(data, torch.Tensor) and data.dim() == 2:

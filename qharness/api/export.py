@@ -98,7 +98,9 @@ def export(
         if calibration is None:
             raise UserError("plain PTQ needs calibration data", fix="pass calibration= (text or token blocks)")
         blocks = calibration_blocks(calibration, tokenizer, seq_len)
-        model = calibrate(prepare(model, recipe, mode="ptq", batch_size=batch_size, seq_len=seq_len, tokenizer=tokenizer), [blocks])
+        model = calibrate(
+            prepare(model, recipe, mode="ptq", batch_size=batch_size, seq_len=seq_len, tokenizer=tokenizer), [blocks]
+        )
         calibration = None
     elif recipe is not None and load_recipe(recipe).name != model.recipe.name:
         raise UserError(
