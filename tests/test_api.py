@@ -133,6 +133,10 @@ def test_quantized_model_contract(hf, tmp_path):
     other = qharness.prepare(
         AutoModelForCausalLM.from_config(model.config), "xnnpack_fp32_finetune", batch_size=2, seq_len=8, tokenizer=tok
     )
+    from qharness.sources.text import embedded_corpus
+
+    r = qharness.evaluate(qm, tasks=["qharness_ppl"], texts="\n\n".join(embedded_corpus(20_000)), limit=2)
+    assert r["models"] == ["fake_quant"] and r["tasks"]["qharness_ppl"]["fake_quant"]["byte_perplexity"] > 1
     state = torch.load(tmp_path / "qat.pt", weights_only=True)
     state["graph.extra"] = torch.zeros(1)
     with pytest.raises(UserError, match="does not fit this QuantizedModel"):
@@ -229,3 +233,10 @@ def test_plain_ptq_export_and_pte(hf, tmp_path):
         pte.perplexity(torch.zeros(1, 100, dtype=torch.long))
     with pytest.raises(UserError, match="does not exist"):
         qharness.Pte.load(tmp_path / "none.pte")
+
+    # lm-eval of the .pte and of the FP model (the plain PTQ path left it FP), as qharness evaluate runs it
+    for subject, kind in ((pte, "pte"), (model, "fp")):
+        r = qharness.evaluate(subject, tok, tasks=["qharness_ppl"], texts=text[60_000:], limit=2)
+        assert r["models"] == [kind] and r["tasks"]["qharness_ppl"][kind]["byte_perplexity"] > 1
+    with pytest.raises(UserError, match="qharness_ppl need texts"):
+        qharness.evaluate(pte, tasks=["qharness_ppl"])
