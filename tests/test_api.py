@@ -163,6 +163,15 @@ def test_qat_observers_follow_train_and_eval(hf):
     qm.train()
     assert qm.training and all(int(m.observer_enabled[0]) == 1 for m in static)
 
+    # a graph trained on a GPU is prepared again on CPU for export: the same numerics once the state is loaded
+    opt = torch.optim.AdamW(qm.parameters(), lr=1e-2)
+    x = torch.randint(0, len(tok), (2, 16))
+    qm(x, labels=x).loss.backward()
+    opt.step()
+    qm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(qm.rebuilt_on_cpu()(x), qm(x).logits, rtol=0, atol=0)
+
 
 def test_export_refuses_bad_input_before_work(hf, tmp_path):
     model, tok = hf
