@@ -249,3 +249,43 @@ def test_plain_ptq_export_and_pte(hf, tmp_path):
         assert r["models"] == [kind] and r["tasks"]["qharness_ppl"][kind]["byte_perplexity"] > 1
     with pytest.raises(UserError, match="qharness_ppl need texts"):
         qharness.evaluate(pte, tasks=["qharness_ppl"])
+
+
+@pytest.mark.slow
+def test_api_and_cli_write_the_same_program(tiny_llama, corpus, tmp_path):
+    """``qharness calibrate`` and ``qharness.export`` (plain PTQ) of one model, recipe and data: the same ``.pte``
+    bytes (the API builds the CLI's ``Trained``/``HeldOut`` and runs its ``deploy_and_check``)."""
+    from conftest import run_cli, write_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qharness.data.datamodule import TextDataModule
+    from qharness.run.summary import RunSummary
+
+    parity = {"eval_blocks": 8, "prompts": 2, "prompt_len": 16, "decode_steps": 4}
+    cfg = write_config(
+        tmp_path / "ptq.yaml",
+        tiny_llama,
+        corpus,
+        tmp_path / "cli",
+        model={"mode": "ptq", "recipe": "xnnpack_int8_static"},
+    )  # static activation ranges: the program depends on the calibration blocks
+    r = run_cli("calibrate", cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    dm = TextDataModule(source=str(corpus), tokenizer=str(tiny_llama), seq_len=32, batch_size=4)
+    dm.setup("fit")
+    result = qharness.export(
+        AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32),
+        tmp_path / "api",
+        recipe="xnnpack_int8_static",
+        tokenizer=AutoTokenizer.from_pretrained(tiny_llama),
+        calibration=dm.train_x[:4],  # the config's calibration.blocks: 4, from the training split
+        validation=torch.cat([dm.val_x, dm.val_y[:, -1:]], 1),
+        seq_len=32,
+        batch_size=4,
+        max_seq_len=64,
+        parity=parity,
+    )
+    cli = RunSummary.read(tmp_path / "cli" / "summary.json")
+    assert result.summary.pte["sha256"] == cli.pte["sha256"]
+    assert (tmp_path / "api" / "model.pte").read_bytes() == (tmp_path / "cli" / "model.pte").read_bytes()
+    assert result.summary.metrics["pte"]["ppl"] == pytest.approx(cli.metrics["pte"]["ppl"], rel=1e-6)
