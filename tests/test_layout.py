@@ -28,6 +28,7 @@ FLOW = [
     "run",
     "reporting",
     "sweep",
+    "api",
     "cli",
 ]
 BASE = {"errors", "io", "progress", "config", "upstream", "__init__"}
