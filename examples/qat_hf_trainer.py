@@ -42,12 +42,13 @@ config = LlamaConfig(
 torch.manual_seed(0)
 model = LlamaForCausalLM(config)
 
-# the text as [SEQ]-token blocks: the last 16 blocks held out for evaluation and the .pte's parity gate
+# the text as one token stream cut into [SEQ]-token blocks; its last 16 blocks' tokens are held out (evaluation, and
+# the .pte's parity gate)
 stream = tokenize_stream([text], tokenizer)
-blocks = stream[: len(stream) // SEQ * SEQ].view(-1, SEQ)
-train_blocks, val_blocks = blocks[:-16], blocks[-16:]
+train_stream, val_stream = stream[: -16 * SEQ], stream[-16 * SEQ :]
+train_blocks = train_stream[: len(train_stream) // SEQ * SEQ].view(-1, SEQ)
 train_data = [{"input_ids": b, "labels": b} for b in train_blocks]  # labels as for any HF causal LM (shifted inside)
-val_data = [{"input_ids": b, "labels": b} for b in val_blocks]
+val_data = [{"input_ids": b, "labels": b} for b in val_stream.view(-1, SEQ)]
 
 args = TrainingArguments(
     output_dir=str(OUT / "trainer"),
@@ -77,7 +78,7 @@ print(f"trained to step {trainer.state.global_step}" + (f" (resumed from {last})
 
 # the trained fake-quant model -> a .pte with a static KV cache, checked against the converted model
 result = qharness.export(
-    qmodel, OUT, tokenizer=tokenizer, calibration=train_blocks[:8], validation=val_blocks, max_seq_len=64
+    qmodel, OUT, tokenizer=tokenizer, calibration=train_blocks[:8], validation=val_stream, max_seq_len=64
 )
 print(f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity['passed']}")
 

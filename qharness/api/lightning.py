@@ -31,7 +31,8 @@ log = logging.getLogger("qharness")
 
 
 class QuantizationCallback(Callback):
-    """Quantization-aware training (or PTQ calibration) of the HF causal LM at ``pl_module.<attr>``, then a ``.pte``.
+    """Quantization-aware training of the HF causal LM at ``pl_module.<attr>``, then a ``.pte``. (PTQ trains
+    nothing: ``qharness.prepare(model, recipe, mode="ptq", ...)``, ``qharness.calibrate``, ``qharness.export``.)
 
     Args:
         recipe: A recipe name (``qharness.recipes()`` lists them), a recipe YAML path or a loaded ``Recipe``.
@@ -40,12 +41,11 @@ class QuantizationCallback(Callback):
         seq_len: Tokens per training block.
         out_dir: Where the ``.pte``, the tokenizer and ``summary.json`` go (default: ``trainer.default_root_dir``).
         attr: The attribute of your LightningModule holding the HF model (``self.model`` by default).
-        mode: ``qat`` (fake-quantized training) or ``ptq`` (observers only).
         tokenizer: The model's tokenizer (written beside the ``.pte`` for its runner; the parity prompts use it).
-        calibration: ``input_ids`` blocks ``[n, seq_len]`` for the deploy graph's observers; None: the first
-            ``calibration_blocks`` blocks of the trainer's training dataloader.
-        validation: ``input_ids`` blocks ``[n, seq_len]`` the parity gate scores; None: the first
-            ``validation_blocks`` blocks of the trainer's validation dataloader (else the training one).
+        calibration: The deploy graph's calibration data as ``qharness.export`` takes it (text, a token stream or
+            ``[m, seq_len]`` blocks); None: the first ``calibration_blocks`` blocks of the trainer's training dataloader.
+        validation: The parity gate's held-out data as ``qharness.export`` takes it (text or a token stream); None:
+            the first ``validation_blocks`` blocks of the trainer's validation dataloader (else the training one).
         calibration_blocks: How many blocks to take when ``calibration`` is None.
         validation_blocks: How many blocks to take when ``validation`` is None.
         max_seq_len: KV-cache length of the ``.pte`` (None: ``qharness.export``'s default).
@@ -64,10 +64,9 @@ class QuantizationCallback(Callback):
         *,
         out_dir: str | os.PathLike | None = None,
         attr: str = "model",
-        mode: str = "qat",
         tokenizer=None,
-        calibration: torch.Tensor | None = None,
-        validation: torch.Tensor | None = None,
+        calibration=None,
+        validation=None,
         calibration_blocks: int = 32,
         validation_blocks: int = 8,
         max_seq_len: int | None = None,
@@ -82,13 +81,15 @@ class QuantizationCallback(Callback):
             ("validation_blocks", validation_blocks),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise UserError(f"QuantizationCallback {name}={value!r} must be a positive integer", fix=f"e.g. {name}=4")
+                raise UserError(
+                    f"QuantizationCallback {name}={value!r} must be a positive integer", fix=f"e.g. {name}=4"
+                )
         if not isinstance(attr, str) or not attr.isidentifier():
             raise UserError(
                 f"QuantizationCallback attr={attr!r} is not an attribute name",
                 fix="pass the name of your LightningModule's attribute holding the HF model, e.g. attr='model'",
             )
-        self.recipe, self.batch_size, self.seq_len, self.mode = recipe, batch_size, seq_len, mode
+        self.recipe, self.batch_size, self.seq_len = recipe, batch_size, seq_len
         self.out_dir, self.attr, self.tokenizer = out_dir, attr, tokenizer
         self.calibration, self.validation = calibration, validation
         self.calibration_blocks, self.validation_blocks = calibration_blocks, validation_blocks
@@ -117,19 +118,15 @@ class QuantizationCallback(Callback):
                 fix=f"set self.{self.attr} = AutoModelForCausalLM... in your LightningModule's __init__, or pass "
                 "attr=<the attribute that holds it>",
             )
-        if not isinstance(model, torch.nn.Module):
-            raise UserError(
-                f"QuantizationCallback(attr={self.attr!r}): {type(pl_module).__name__}.{self.attr} is a "
-                f"{type(model).__name__}, not a torch.nn.Module",
-                fix="point attr at the attribute holding the HF causal LM",
-            )
-        from qharness.api.prepare import prepare
+        from qharness.api.prepare import check_causal_lm, prepare
+
+        check_causal_lm(model, what=f"{type(pl_module).__name__}.{self.attr}")
 
         device = trainer.strategy.root_device  # the exported graph bakes its device in: prepare where it trains
         prepared = prepare(
             model.to(device),
             self.recipe,
-            mode=self.mode,
+            mode="qat",
             batch_size=self.batch_size,
             seq_len=self.seq_len,
             tokenizer=self.tokenizer,
@@ -148,17 +145,6 @@ class QuantizationCallback(Callback):
             strategy.checkpoint_io = AtomicCheckpointIO()
 
     # --- training ---------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        """A batch of another shape than the prepared graph's is one line before its step runs."""
-        ids = input_ids_of(batch)
-        if ids is not None and tuple(ids.shape) != (self.batch_size, self.seq_len):
-            raise UserError(
-                f"training batch {batch_idx} has input_ids of shape {list(ids.shape)}; the prepared model was exported "
-                f"for [{self.batch_size}, {self.seq_len}] (QuantizationCallback batch_size, seq_len)",
-                fix=f"give the DataLoader batch_size={self.batch_size} and drop_last=True with blocks of "
-                f"{self.seq_len} tokens, or construct the callback with your data's shape",
-            )
-
     def on_validation_end(self, trainer, pl_module) -> None:
         """Back to the training graph after validation during fit: Lightning restores modes by setting ``.training``
         flags, which does not switch an exported graph (it would train in its eval form)."""
@@ -183,10 +169,10 @@ class QuantizationCallback(Callback):
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"recipe": recipe_name(self.recipe), "mode": self.mode, "shape": [self.batch_size, self.seq_len]}
+        return {"recipe": recipe_name(self.recipe), "shape": [self.batch_size, self.seq_len]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Resuming: the checkpoint must have been trained with this callback's recipe, mode and shape."""
+        """Resuming: the checkpoint must have been trained with this callback's recipe and shape."""
         mine = self.state_dict()
         for key, value in mine.items():
             if key in state_dict and state_dict[key] != value:
@@ -202,12 +188,6 @@ class QuantizationCallback(Callback):
         prepared = self.prepared(pl_module)
         if not self.export or prepared is None or trainer.interrupted or not trainer.is_global_zero:
             return
-        if self.mode == "qat" and trainer.global_step == 0:
-            raise UserError(
-                "the QAT fit trained 0 steps (e.g. limit_train_batches gave no batches): its .pte would be labelled "
-                "QAT without any quantization-aware training; nothing was exported",
-                fix="train at least one step (Trainer max_steps, limit_train_batches)",
-            )
         from qharness.api.export import export
 
         calibration = self.calibration
@@ -215,9 +195,10 @@ class QuantizationCallback(Callback):
             calibration = blocks_of(trainer.train_dataloader, self.calibration_blocks)
         validation = self.validation
         if validation is None:
-            validation = blocks_of(trainer.val_dataloaders, self.validation_blocks)
-            if validation is None:
-                validation = blocks_of(trainer.train_dataloader, self.validation_blocks)
+            blocks = blocks_of(trainer.val_dataloaders, self.validation_blocks)
+            if blocks is None:
+                blocks = blocks_of(trainer.train_dataloader, self.validation_blocks)
+            validation = None if blocks is None else blocks.flatten()  # a token stream: export cuts input/target blocks
         prepared.train(False)
         self.result = export(
             prepared,
