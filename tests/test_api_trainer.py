@@ -86,7 +86,9 @@ def test_trainer_resumes_a_prepared_model_from_its_checkpoint(tmp_path, tiny_lla
     resumed.train(resume_from_checkpoint=str(ckpt))
     assert seen["step"] == 2
     differ = [k for k, v in saved.items() if not torch.equal(seen["state"][k], v)]
-    assert differ == []  # the resumed model holds the checkpoint's state exactly
+    # the resumed model holds the checkpoint's state exactly: the observers' eps buffers (2**-12 for XNNPACK's
+    # dynamic activations) too, though safetensors keeps no module versions (torchao resets eps on version-less loads)
+    assert differ == []
     assert resumed.state.global_step == 4
     assert int(qm2.trained_batches) == 4
 
