@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import copy
 from collections.abc import Iterable
 from pathlib import Path
@@ -103,7 +104,15 @@ class QuantizedModel(torch.nn.Module):
         return self
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``; a state of another model, recipe or shape is one ``UserError`` line."""
+        """``nn.Module.load_state_dict``; a state of another model, recipe or shape is one ``UserError`` line.
+
+        A state without module versions (``_metadata``: safetensors files, e.g. ``transformers.Trainer``'s
+        checkpoints, and dict copies keep none) is loaded with this model's own: torchao's observers treat a
+        version-less state as version 1 and reset their ``eps`` buffers (XNNPACK's 2**-12 becomes float32's eps)."""
+        if getattr(state_dict, "_metadata", None) is None:
+            metadata = super().state_dict()._metadata
+            state_dict = collections.OrderedDict(state_dict)
+            state_dict._metadata = metadata
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         except RuntimeError as e:
