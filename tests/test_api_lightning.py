@@ -84,12 +84,13 @@ def test_callback_trains_saves_on_sigterm_and_resumes(tmp_path, tiny_llama, corp
     """The callback prepares ``module.model`` at setup (the optimizer trains the graph), training after validation
     runs the training form (static observers back on), SIGTERM at step 3 saves ``last.ckpt`` through the atomic
     checkpoint writer, and ``fit(ckpt_path=...)`` with a fresh module and callback resumes from step 3 holding the
-    checkpoint's state exactly, then trains on to max_steps."""
+    checkpoint's state exactly, then trains on to max_steps; resuming with another shape is one line."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     import qharness
     from qharness.api.prepare import QuantizedModel
     from qharness.cli.lightning import AtomicCheckpointIO
+    from qharness.errors import UserError
 
     model, tok = tiny(tiny_llama)
     train, val = loaders(tok, corpus)
@@ -133,6 +134,12 @@ def test_callback_trains_saves_on_sigterm_and_resumes(tmp_path, tiny_llama, corp
     assert at_start["state"].keys() == ckpt["state_dict"].keys()
     assert [k for k, v in ckpt["state_dict"].items() if not torch.equal(at_start["state"][k], v)] == []
     assert second.global_step == 6
+
+    other = qharness.QuantizationCallback(RECIPE, batch_size=1, seq_len=SEQ, tokenizer=tok, export=False)
+    with pytest.raises(
+        UserError, match=r"trained with QuantizationCallback shape=\[2, 16\], this callback has \[1, 16\]"
+    ):
+        trainer(tmp_path, 8, [other]).fit(CausalLM(tiny(tiny_llama)[0]), train, val, ckpt_path=last)
 
 
 def test_callback_exports_after_fit_with_the_dataloaders_blocks(tmp_path, tiny_llama, corpus, monkeypatch):

@@ -132,6 +132,13 @@ class QuantizationCallback(Callback):
             tokenizer=self.tokenizer,
         )
         setattr(pl_module, self.attr, prepared)
+        hook = pl_module.on_load_checkpoint  # called with a checkpoint to resume before its state is loaded
+
+        def on_load_checkpoint(checkpoint: dict) -> None:
+            self.check_checkpoint(checkpoint)
+            hook(checkpoint)
+
+        pl_module.on_load_checkpoint = on_load_checkpoint
 
     def _install_checkpoint_io(self, trainer) -> None:
         """Checkpoints written atomically (``AtomicCheckpointIO``), unless the user chose a checkpoint plugin."""
@@ -171,13 +178,22 @@ class QuantizationCallback(Callback):
     def state_dict(self) -> dict:
         return {"recipe": recipe_name(self.recipe), "shape": [self.batch_size, self.seq_len]}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Resuming: the checkpoint must have been trained with this callback's recipe and shape."""
-        mine = self.state_dict()
-        for key, value in mine.items():
-            if key in state_dict and state_dict[key] != value:
+    def check_checkpoint(self, checkpoint: dict) -> None:
+        """Resuming: the checkpoint must have been trained with this callback's recipe and shape (one line, before
+        Lightning loads its state into the prepared model, where a mismatch would end in a traceback)."""
+        if "callbacks" not in checkpoint:  # a weights-only checkpoint: nothing recorded to check
+            return
+        saved = checkpoint["callbacks"].get(self.state_key)
+        if not isinstance(saved, dict):
+            raise UserError(
+                "the checkpoint to resume was not trained with QuantizationCallback (it holds no prepared state)",
+                fix="to start QAT from fine-tuned weights, load them into your model before fit; ckpt_path resumes a "
+                "run trained with the callback",
+            )
+        for key, value in self.state_dict().items():
+            if saved.get(key) != value:
                 raise UserError(
-                    f"the checkpoint was trained with QuantizationCallback {key}={state_dict[key]!r}, this callback has "
+                    f"the checkpoint was trained with QuantizationCallback {key}={saved.get(key)!r}, this callback has "
                     f"{value!r}",
                     fix="resume with the callback settings the checkpoint was trained with, or start a new run",
                 )
