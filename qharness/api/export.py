@@ -86,7 +86,7 @@ def export(
     """
     from qharness.io import check_output_dir
 
-    parity_cfg = _parity_config(parity)
+    parity_cfg = _parity_config(parity)  # default: ParityConfig's, its prompts cut to seq_len (below)
     if not isinstance(model, QuantizedModel):  # plain PTQ: prepare + calibrate, as qharness calibrate
         if recipe is None:
             raise UserError(
@@ -119,6 +119,8 @@ def export(
             "export needs validation data (the parity gate scores the .pte on it)",
             fix="pass validation= held-out text (or [n, seq_len + 1] token blocks)",
         )
+    if parity is None and parity_cfg.prompt_len > qm.seq_len:
+        parity_cfg = ParityConfig(prompt_len=qm.seq_len)
     x, y = validation_blocks(validation, tokenizer, qm.seq_len)
     n = min(parity_cfg.eval_blocks, len(x)) // qm.batch_size * qm.batch_size
     if n == 0:
@@ -135,14 +137,14 @@ def export(
             "export needs calibration data for the deploy graph's ranges",
             fix="pass calibration= (training text or [m, seq_len] token blocks), or qharness.calibrate a PTQ model first",
         )
+    context = context_of(qm.fp_model)
+    export_cfg = ExportConfig(max_seq_len=max_seq_len or min(DEFAULT_MAX_SEQ_LEN, context or DEFAULT_MAX_SEQ_LEN))
+    check_lengths(qm.seq_len, qm.batch_size, export_cfg.max_seq_len, parity_cfg, context)
     if qm.mode == "qat" and int(qm.trained_batches) == 0:
         raise UserError(
             "the QAT model trained 0 steps: its .pte would be labelled QAT without any quantization-aware training",
             fix="train it first (a loop of qm(x, labels=x).loss.backward()), or use mode='ptq' and qharness.calibrate",
         )
-    context = context_of(qm.fp_model)
-    export_cfg = ExportConfig(max_seq_len=max_seq_len or min(DEFAULT_MAX_SEQ_LEN, context or DEFAULT_MAX_SEQ_LEN))
-    check_lengths(qm.seq_len, qm.batch_size, export_cfg.max_seq_len, parity_cfg, context)
     out_dir = check_output_dir(out_dir, "out_dir")
     return _deploy(qm, tokenizer, x[:n], y[:n], calib, Path(out_dir), export_cfg, parity_cfg)
 
