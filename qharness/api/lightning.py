@@ -96,6 +96,7 @@ class QuantizationCallback(Callback):
         self.max_seq_len, self.parity = max_seq_len, parity
         self.export, self.save_on_sigterm = export, save_on_sigterm
         self.result = None  # the ExportResult, after fit
+        self._recipe_name: str | None = None
 
     # --- preparing --------------------------------------------------------------------------------
     def prepared(self, pl_module):
@@ -132,6 +133,7 @@ class QuantizationCallback(Callback):
             tokenizer=self.tokenizer,
         )
         setattr(pl_module, self.attr, prepared)
+        self._recipe_name = prepared.recipe.name  # a path or a Recipe object given: recorded by its name
         hook = pl_module.on_load_checkpoint  # called with a checkpoint to resume before its state is loaded
 
         def on_load_checkpoint(checkpoint: dict) -> None:
@@ -176,7 +178,9 @@ class QuantizationCallback(Callback):
 
     # --- checkpoints ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"recipe": recipe_name(self.recipe), "shape": [self.batch_size, self.seq_len]}
+        given = str(self.recipe) if isinstance(self.recipe, (str, os.PathLike)) else self.recipe.name
+        name = self._recipe_name or given  # the recipe's name once prepared
+        return {"recipe": name, "shape": [self.batch_size, self.seq_len]}
 
     def check_checkpoint(self, checkpoint: dict) -> None:
         """Resuming: the checkpoint must have been trained with this callback's recipe and shape (one line, before
@@ -225,11 +229,6 @@ class QuantizationCallback(Callback):
             max_seq_len=self.max_seq_len,
             parity=self.parity,
         )
-
-
-def recipe_name(recipe) -> str:
-    """A recipe given as a name, a path or a ``Recipe``: its name as recorded in checkpoints."""
-    return recipe if isinstance(recipe, str) else getattr(recipe, "name", str(recipe))
 
 
 def input_ids_of(batch) -> torch.Tensor | None:
