@@ -93,6 +93,43 @@ def test_trainer_resumes_a_prepared_model_from_its_checkpoint(tmp_path, tiny_lla
     assert int(qm2.trained_batches) == 4
 
 
+def test_trainer_gradient_accumulation_averages_the_micro_batches(tmp_path, tiny_llama, corpus):
+    """With ``gradient_accumulation_steps=2`` one Trainer step (plain SGD) moves the weights by the mean of the two
+    micro-batches' gradients, as for an HF model: the Trainer must not take the QuantizedModel's ``**ignored`` for a
+    loss normalized by ``num_items_in_batch`` (it would then skip the division: twice the step)."""
+    from transformers import Trainer, TrainingArguments
+
+    import qharness
+
+    model, tok = tiny(tiny_llama)
+    data = blocks(tok, corpus, 2 * BATCH)
+    qm = qharness.prepare(model, "xnnpack_int8_dynamic", batch_size=BATCH, seq_len=SEQ, tokenizer=tok)
+    for half in (data[:BATCH], data[BATCH:]):  # the mean gradient of the two micro-batches (order does not matter)
+        (qm(half, labels=half).loss / 2).backward()
+    params = dict(qm.named_parameters())
+    mean_grad = {k: p.grad.clone() for k, p in params.items() if p.grad is not None}
+    before = {k: p.detach().clone() for k, p in params.items()}
+    qm.zero_grad(set_to_none=True)
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=1,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=2,
+        optim="sgd",
+        learning_rate=0.5,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    Trainer(model=qm, args=args, train_dataset=[{"input_ids": b, "labels": b} for b in data]).train()
+    name = max(mean_grad, key=lambda k: mean_grad[k].abs().max())  # the weight with the largest gradient
+    step = before[name] - params[name].detach()
+    torch.testing.assert_close(step, 0.5 * mean_grad[name], rtol=1e-3, atol=1e-6)
+
+
 def test_trainer_batch_of_another_shape_is_one_line(tmp_path, tiny_llama, corpus):
     """A Trainer batch size other than the prepared one fails on the first step with the shape error, not a graph
     guard traceback."""

@@ -46,6 +46,11 @@ class QuantizedModel(torch.nn.Module):
         torch.save(qm.state_dict(), "qat.pt")       # resume: qm2 = prepare(...); qm2.load_state_dict(torch.load("qat.pt"))
     """
 
+    # transformers.Trainer reads this: a forward taking **kwargs would otherwise be assumed to normalize its loss by
+    # the batch's token count (``num_items_in_batch``), and the Trainer would skip dividing it by the gradient
+    # accumulation steps (gradients gradient_accumulation_steps times too large). The loss here is a per-batch mean.
+    accepts_loss_kwargs = False
+
     def __init__(self, graph, fp_model, recipe: Recipe, mode: str, tokenizer, batch_size: int, seq_len: int):
         super().__init__()
         from qharness.training.module import QuantLM
