@@ -62,7 +62,8 @@ def validation_blocks(
 
 
 def calibration_blocks(data: Data, tokenizer, seq_len: int, what: str = "calibration") -> torch.Tensor:
-    """``[m, seq_len]`` token blocks: from text or a 1-D stream (packed), or a 2-D ``[m, seq_len]`` tensor."""
+    """``[m, seq_len]`` token blocks: the first ``calibration.blocks`` (32, the CLI's default) of text or a 1-D stream
+    (packed), or a 2-D ``[m, seq_len]`` tensor as given (all of it: each block is one pass of the deploy graph)."""
     if isinstance(data, torch.Tensor) and data.dim() == 2:
         if data.shape[1] != seq_len or data.dtype not in (torch.int32, torch.int64):
             raise UserError(
@@ -70,4 +71,6 @@ def calibration_blocks(data: Data, tokenizer, seq_len: int, what: str = "calibra
                 fix=f"pass [m, {seq_len}] integer token blocks (the prepared seq_len), or text",
             )
         return data.to(torch.long).cpu()
-    return validation_blocks(data, tokenizer, seq_len, what)[0]
+    from qharness.config import CalibrationConfig
+
+    return validation_blocks(data, tokenizer, seq_len, what)[0][: CalibrationConfig().blocks]

@@ -72,8 +72,8 @@ def export(
     ``model``: a ``QuantizedModel`` (QAT-trained, or PTQ after ``calibrate``), or a plain FP transformers model with
     ``recipe`` (plain PTQ: calibrated on ``calibration``, cut into ``seq_len`` blocks). ``validation``: held-out data
     that every model is scored on and whose prefixes are the parity prompts: text, a 1-D token tensor, or
-    ``[n, seq_len + 1]`` blocks (up to ``parity.eval_blocks`` blocks are used). ``calibration`` (text, a 1-D token
-    tensor or ``[m, seq_len]`` blocks) sets the deploy graph's ranges (for QAT recipes with dynamic activations, only
+    ``[n, seq_len + 1]`` blocks (up to ``parity.eval_blocks`` blocks are used). ``calibration`` (text or a 1-D token
+    tensor: its first 32 blocks, as the CLI's ``calibration.blocks``; or ``[m, seq_len]`` blocks, all used) sets the deploy graph's ranges (for QAT recipes with dynamic activations, only
     the weights'); a PTQ model's default is what ``calibrate`` gave. Bad input is one ``UserError`` line before any
     long work. The model itself is left as it was (the deployment works on a copy of the FP model).
 
@@ -98,9 +98,16 @@ def export(
         if calibration is None:
             raise UserError("plain PTQ needs calibration data", fix="pass calibration= (text or token blocks)")
         blocks = calibration_blocks(calibration, tokenizer, seq_len)
-        model = calibrate(
-            prepare(model, recipe, mode="ptq", batch_size=batch_size, seq_len=seq_len, tokenizer=tokenizer), [blocks]
+        prepared = prepare(
+            model,
+            recipe,
+            mode="ptq",
+            batch_size=batch_size,
+            seq_len=seq_len,
+            tokenizer=tokenizer,
+            check_architecture=False,  # the deployment below is the check
         )
+        model = calibrate(prepared, [blocks])
         calibration = None
     elif recipe is not None and load_recipe(recipe).name != model.recipe.name:
         raise UserError(

@@ -200,6 +200,7 @@ def prepare(
     batch_size: int,
     seq_len: int,
     tokenizer=None,
+    check_architecture: bool = True,
 ) -> QuantizedModel:
     """Prepare ``model`` (a float32 transformers causal LM) for QAT or PTQ with ``recipe`` (name, YAML path or
     ``Recipe``) at the static batch shape ``[batch_size, seq_len]``.
@@ -209,7 +210,8 @@ def prepare(
     is kept as ``fp_model`` (one more FP copy of the weights in memory: export scores it and deploys the trained
     weights into it). The architecture is checked first, as ``qharness fit`` does (a one-layer copy deployed with the
     recipe, cached). ``mode="ptq"`` exports nothing now: ``calibrate`` then ``export`` (the CLI's ``calibrate``).
-    ``tokenizer`` (an HF tokenizer) is kept for ``export``. QAT recipes with ``rounding: gptq`` start from the FP
+    ``tokenizer`` (an HF tokenizer) is kept for ``export``. ``check_architecture=False`` skips the one-layer deploy
+    check (``export`` of an FP model, which deploys right after, does). QAT recipes with ``rounding: gptq`` start from the FP
     weights here (the CLI's ``fit`` starts from GPTQ's).
 
     Example::
@@ -230,7 +232,8 @@ def prepare(
         raise UserError(
             f"tokenizer is a {type(tokenizer).__name__}", fix="pass the model's transformers tokenizer (AutoTokenizer)"
         )
-    check_deploys(model, recipe, seq_len)
+    if check_architecture:
+        check_deploys(model, recipe, seq_len)
     from qharness.sources.normalize import normalize_model
 
     normalize_model(model)
