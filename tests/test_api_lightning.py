@@ -52,7 +52,7 @@ def loaders(tok, corpus, batch_size: int = BATCH):
     return train, DataLoader(blocks[40:], batch_size=batch_size, drop_last=True)
 
 
-def trainer(root, max_steps: int, callbacks) -> L.Trainer:
+def trainer(root, max_steps: int, callbacks, **kw) -> L.Trainer:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     return L.Trainer(
@@ -66,6 +66,7 @@ def trainer(root, max_steps: int, callbacks) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[*callbacks, ModelCheckpoint(dirpath=root / "checkpoints", every_n_train_steps=100, save_last=True)],
+        **kw,
     )
 
 
@@ -165,8 +166,8 @@ def test_callback_exports_after_fit_with_the_dataloaders_blocks(tmp_path, tiny_l
 
 
 def test_callback_errors_are_one_line_before_training(tmp_path, tiny_llama, corpus):
-    """A missing attribute, a model that is not a causal LM and batches of another shape: one UserError line each,
-    before any optimizer step."""
+    """A missing attribute, a model that is not a causal LM, batches of another shape, a precision the recipe's
+    fake quantization cannot train with: one UserError line each, before any optimizer step."""
     import qharness
     from qharness.errors import UserError
 
@@ -187,6 +188,9 @@ def test_callback_errors_are_one_line_before_training(tmp_path, tiny_llama, corp
     wrong, _ = loaders(tok, corpus, batch_size=BATCH + 1)
     msg = fit(CausalLM(model), loader=wrong)
     assert f"static shape [{BATCH}, {SEQ}]" in msg and "drop_last=True" in msg and "\n" not in msg
+    t = trainer(tmp_path, 2, [qharness.QuantizationCallback("xnnpack_8da4w", BATCH, SEQ)], precision="bf16-mixed")
+    with pytest.raises(UserError, match="trainer.precision=bf16-mixed does not work with recipe 'xnnpack_8da4w'"):
+        t.fit(CausalLM(model), train, val)
     with pytest.raises(UserError, match="batch_size=0 must be a positive integer"):
         qharness.QuantizationCallback(RECIPE, batch_size=0, seq_len=SEQ)
 

@@ -120,13 +120,17 @@ class QuantizationCallback(Callback):
                 "attr=<the attribute that holds it>",
             )
         from qharness.api.prepare import check_causal_lm, prepare
+        from qharness.api.recipes import load_recipe
+        from qharness.training.model_args import check_precision
 
         check_causal_lm(model, what=f"{type(pl_module).__name__}.{self.attr}")
+        recipe = load_recipe(self.recipe)
+        check_precision(trainer.precision, recipe, "qat")  # e.g. bf16-mixed with a torchao source-level recipe
 
         device = trainer.strategy.root_device  # the exported graph bakes its device in: prepare where it trains
         prepared = prepare(
             model.to(device),
-            self.recipe,
+            recipe,
             mode="qat",
             batch_size=self.batch_size,
             seq_len=self.seq_len,
