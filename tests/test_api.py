@@ -133,6 +133,10 @@ def test_quantized_model_contract(hf, tmp_path):
     other = qharness.prepare(
         AutoModelForCausalLM.from_config(model.config), "xnnpack_fp32_finetune", batch_size=2, seq_len=8, tokenizer=tok
     )
+    from qharness.sources.text import embedded_corpus
+
+    r = qharness.evaluate(qm, tasks=["qharness_ppl"], texts="\n\n".join(embedded_corpus(20_000)), limit=2)
+    assert r["models"] == ["fake_quant"] and r["tasks"]["qharness_ppl"]["fake_quant"]["byte_perplexity"] > 1
     state = torch.load(tmp_path / "qat.pt", weights_only=True)
     state["graph.extra"] = torch.zeros(1)
     with pytest.raises(UserError, match="does not fit this QuantizedModel"):
@@ -158,6 +162,15 @@ def test_qat_observers_follow_train_and_eval(hf):
     assert not qm.training and all(int(m.observer_enabled[0]) == 0 for m in static)
     qm.train()
     assert qm.training and all(int(m.observer_enabled[0]) == 1 for m in static)
+
+    # a graph trained on a GPU is prepared again on CPU for export: the same numerics once the state is loaded
+    opt = torch.optim.AdamW(qm.parameters(), lr=1e-2)
+    x = torch.randint(0, len(tok), (2, 16))
+    qm(x, labels=x).loss.backward()
+    opt.step()
+    qm.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(qm.rebuilt_on_cpu()(x), qm(x).logits, rtol=0, atol=0)
 
 
 def test_export_refuses_bad_input_before_work(hf, tmp_path):
@@ -229,3 +242,10 @@ def test_plain_ptq_export_and_pte(hf, tmp_path):
         pte.perplexity(torch.zeros(1, 100, dtype=torch.long))
     with pytest.raises(UserError, match="does not exist"):
         qharness.Pte.load(tmp_path / "none.pte")
+
+    # lm-eval of the .pte and of the FP model (the plain PTQ path left it FP), as qharness evaluate runs it
+    for subject, kind in ((pte, "pte"), (model, "fp")):
+        r = qharness.evaluate(subject, tok, tasks=["qharness_ppl"], texts=text[60_000:], limit=2)
+        assert r["models"] == [kind] and r["tasks"]["qharness_ppl"][kind]["byte_perplexity"] > 1
+    with pytest.raises(UserError, match="qharness_ppl need texts"):
+        qharness.evaluate(pte, tasks=["qharness_ppl"])

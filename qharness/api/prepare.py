@@ -138,20 +138,24 @@ class QuantizedModel(torch.nn.Module):
 
     def cpu_fake_quant(self) -> torch.nn.Module:
         """The trained fake-quant graph on CPU in evaluation mode: this graph, or (trained on another device, whose
-        devices the export baked in) the same preparation of the FP copy on CPU with the trained state loaded."""
-        graph = self.graph
-        if any(t.device.type != "cpu" for t in graph.state_dict().values()):
-            from qharness.training.module import QuantLM, prepare_for_training
-
-            graph = prepare_for_training(
-                copy.deepcopy(self.fp_model), self.recipe, self.batch_size, self.seq_len, is_qat=True
-            )
-            graph.load_state_dict({k: v.detach().cpu() for k, v in self.graph.state_dict().items()})
-            lm = QuantLM(recipe=self.recipe, mode=self.mode)
-            lm.graph = graph
-            lm.to_eval()
-            return graph
+        devices the export baked in) ``rebuilt_on_cpu()``."""
+        if any(t.device.type != "cpu" for t in self.graph.state_dict().values()):
+            return self.rebuilt_on_cpu()
         self._lm[0].to_eval()
+        return self.graph
+
+    def rebuilt_on_cpu(self) -> torch.nn.Module:
+        """The same preparation of the FP copy, on CPU, with this graph's trained state (weights and observers; the
+        preparation is deterministic, as the CLI's ``QuantLM.rebuild_on``), in evaluation mode."""
+        from qharness.training.module import QuantLM, prepare_for_training
+
+        graph = prepare_for_training(
+            copy.deepcopy(self.fp_model), self.recipe, self.batch_size, self.seq_len, is_qat=True
+        )
+        graph.load_state_dict({k: v.detach().cpu() for k, v in self.graph.state_dict().items()})
+        lm = QuantLM(recipe=self.recipe, mode=self.mode)
+        lm.graph = graph
+        lm.to_eval()
         return graph
 
 
