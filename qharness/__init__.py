@@ -34,6 +34,7 @@ _EXPORTS = {
     "ExportResult": "qharness.api.export",
     "Pte": "qharness.api.pte",
     "evaluate": "qharness.api.evaluate",
+    "QuantizationCallback": "qharness.api.lightning",
     "UserError": "qharness.errors",
     "ParityError": "qharness.errors",
 }

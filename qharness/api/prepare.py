@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import copy
 from collections.abc import Iterable
 from pathlib import Path
@@ -44,6 +45,11 @@ class QuantizedModel(torch.nn.Module):
         loss = qm(x, labels=x).loss                 # x: LongTensor [batch_size, seq_len]
         torch.save(qm.state_dict(), "qat.pt")       # resume: qm2 = prepare(...); qm2.load_state_dict(torch.load("qat.pt"))
     """
+
+    # transformers.Trainer reads this: a forward taking **kwargs would otherwise be assumed to normalize its loss by
+    # the batch's token count (``num_items_in_batch``), and the Trainer would skip dividing it by the gradient
+    # accumulation steps (gradients gradient_accumulation_steps times too large). The loss here is a per-batch mean.
+    accepts_loss_kwargs = False
 
     def __init__(self, graph, fp_model, recipe: Recipe, mode: str, tokenizer, batch_size: int, seq_len: int):
         super().__init__()
@@ -103,7 +109,15 @@ class QuantizedModel(torch.nn.Module):
         return self
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``; a state of another model, recipe or shape is one ``UserError`` line."""
+        """``nn.Module.load_state_dict``; a state of another model, recipe or shape is one ``UserError`` line.
+
+        A state without module versions (``_metadata``: safetensors files, e.g. ``transformers.Trainer``'s
+        checkpoints, and dict copies keep none) is loaded with this model's own: torchao's observers treat a
+        version-less state as version 1 and reset their ``eps`` buffers (XNNPACK's 2**-12 becomes float32's eps)."""
+        if getattr(state_dict, "_metadata", None) is None:
+            metadata = super().state_dict()._metadata
+            state_dict = collections.OrderedDict(state_dict)
+            state_dict._metadata = metadata
         try:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
         except RuntimeError as e:
