@@ -37,7 +37,7 @@ def _direct_loglikelihood(model, ids: list[int], n_cont: int) -> float:
 def _adapters(model, tok, max_length=64):
     from qharness.deploy.fastpath import FastDecoder
     from qharness.evaluation.lm_eval_adapter import BatchedForward, CachedStep, QHarnessLM, hf_backend
-    from qharness.training.module import export_for_training
+    from qharness.training.prepare import export_for_training
 
     graph = export_for_training(model, 3, max_length)  # a fixed [3, T] graph, like the fake-quant one
     decoder = FastDecoder(model, max_length + 1)  # what the .pte runs: a KV cache, last-token logits only

@@ -9,7 +9,8 @@ from qharness.errors import UserError
 from qharness.recipes.registry import load_recipe
 from qharness.sources.models import load_model_and_tokenizer
 from qharness.training.model_args import check_precision
-from qharness.training.module import QuantLM, export_for_training, set_fake_quant
+from qharness.training.module import QuantLM
+from qharness.training.prepare import export_for_training, set_fake_quant
 
 
 class FakeTrainer:

@@ -39,7 +39,8 @@ from qharness.errors import UserError
 from qharness.io import hold_run_lock, torch_save_atomic
 from qharness.progress import lightning_progress_bar
 from qharness.training import sharding  # noqa: F401  (registers --trainer.strategy fsdp_layers)
-from qharness.training.module import QuantLM, check_finite_state
+from qharness.training.module import QuantLM
+from qharness.training.weights import check_finite_state
 
 log = logging.getLogger("qharness")
 
