@@ -1,7 +1,7 @@
 """Small typed configs for the stages after training. Their docstrings become ``--help`` text.
 
 Each checks its own fields when it is built (``UserError`` naming the field); checks that need several sections
-(``deploy.max_seq_len`` against ``data.seq_len``, ...) live in one place, ``qharness.cli.lightning.preflight``.
+(``deploy.max_seq_len`` against ``data.seq_len``, ...) live in one place, ``qharness.api.lightning_cli.preflight``.
 """
 
 from __future__ import annotations

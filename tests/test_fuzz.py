@@ -2,7 +2,7 @@
 field (``UserError``: exit 2), never a traceback, a hang or a silent success.
 
 The default run drives the same functions the CLI calls, in-process and derandomized (the pre-check of a run
-config, ``qharness.cli.precheck.precheck``; the text-source loader, ``load_texts``); the ``slow`` run sends more
+config, ``qharness.api.precheck.precheck``; the text-source loader, ``load_texts``); the ``slow`` run sends more
 cases through the real ``python -m qharness fit CONFIG``. Each example is one distinct bad input.
 """
 
@@ -24,7 +24,7 @@ from conftest import ROOT, write_config
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from qharness.cli.precheck import precheck
+from qharness.api.precheck import precheck
 from qharness.errors import UserError
 from qharness.recipes.registry import _FIELDS as KNOWN_RECIPE_FIELDS
 
@@ -238,7 +238,7 @@ CHECKABLE = re.compile(r"int|float|bool|None|Literal\[.*\]")
 
 def _lightning_typed() -> dict[str, list[str]]:
     """``{group.field: type parts}`` of the Lightning fields whose every type part the pre-check can check."""
-    from qharness.cli.precheck import lightning_annotations
+    from qharness.api.precheck import lightning_annotations
 
     out = {}
     for group in ("trainer", "checkpoint"):
@@ -342,8 +342,8 @@ def test_an_unknown_field_is_named(section, key, value):
 def _known(section):
     from dataclasses import fields
 
-    from qharness.cli.precheck import SECTIONS as TYPED
-    from qharness.cli.precheck import init_defaults, lightning_annotations
+    from qharness.api.precheck import SECTIONS as TYPED
+    from qharness.api.precheck import init_defaults, lightning_annotations
 
     if section in ("trainer", "checkpoint"):
         return set(lightning_annotations(section))

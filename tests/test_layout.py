@@ -26,6 +26,7 @@ FLOW = [
     "evaluation",
     "run",
     "reporting",
+    "api",
     "cli",
 ]
 BASE = {"errors", "io", "progress", "config", "upstream", "__init__"}

@@ -278,7 +278,7 @@ def test_sigterm_mid_accumulation_keeps_the_last_step_boundary_checkpoint(tmp_pa
 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from qharness.cli.lightning import SaveOnSigterm
+    from qharness.training.checkpoints import SaveOnSigterm
 
     saved = []
 

@@ -43,7 +43,8 @@ SUBCOMMANDS = {
     "sweep": "run the FP baseline and recipes x modes (PTQ, QAT) from one sweep config, then the report",
 }
 
-# Run-config subcommands go through LightningCLI (cli/lightning.py); the plain ones are the functions of cli/commands.py.
+# Run-config subcommands go through LightningCLI (api/jobs.run_argv, api/lightning_cli.py); the plain ones are the
+# functions of cli/commands.py.
 LIGHTNING = ("fit", "calibrate", "validate", "test", "export", "evaluate", "sensitivity", "autotune")
 PLAIN = ("recipes", "generate", "bench", "profile", "report", "sweep")
 
@@ -78,48 +79,6 @@ def rewrite_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _option(argv: list[str], name: str):
-    """The last value given to ``--name VALUE`` or ``--name=VALUE`` (None if absent)."""
-    value = None
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(name + "="):
-            value = a[len(name) + 1 :]
-    return value
-
-
-def check_tasks_early(argv: list[str]) -> None:
-    """lm-eval task names (and whether their data can be reached) checked before Lightning is even imported,
-    so a typo or an offline machine fails in a second or two; the full config check follows in preflight."""
-    if argv[0] not in ("fit", "calibrate", "export", "evaluate"):
-        return
-    import yaml
-
-    ev = {}
-    config = _option(argv, "--config")
-    if config and os.path.isfile(config):
-        try:
-            ev = (yaml.safe_load(open(config)) or {}).get("eval") or {}
-        except (yaml.YAMLError, AttributeError):
-            return  # LightningCLI reports a broken config
-    if not isinstance(ev, dict):
-        return
-    tasks = (
-        _option(argv, "--tasks" if argv[0] == "evaluate" else "--eval.tasks")
-        or _option(argv, "--eval.tasks")
-        or ev.get("tasks")
-    )
-    enabled = str(_option(argv, "--eval.enabled") or ev.get("enabled", True)).lower() not in ("false", "0", "no")
-    if tasks is None or (argv[0] != "evaluate" and not enabled):
-        return
-    if isinstance(tasks, str):
-        tasks = [t.strip() for t in tasks.strip("[]").split(",") if t.strip()]
-    from qharness.evaluation.tasks import check_tasks
-
-    check_tasks([str(t) for t in tasks], _option(argv, "--eval.include_path") or ev.get("include_path"))
-
-
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -149,14 +108,10 @@ def main(argv: list[str] | None = None) -> None:
             call(getattr(commands, argv[0]), argv[1:], prog=f"qharness {argv[0]}")
             return
         argv = rewrite_argv(argv)
-        from qharness.cli.precheck import precheck
-
-        precheck(argv)  # the config's own errors in about a second, before torch loads
-        check_tasks_early(argv)
-        from qharness.cli.lightning import run_lightning_cli
+        from qharness.api.jobs import run_argv
 
         try:
-            run_lightning_cli(argv)
+            run_argv(argv)  # the config checked before torch loads, then LightningCLI
         except SystemExit as e:  # Lightning stops on SIGTERM with SIGTERMException (a SystemExit of code None)
             if type(e).__name__ == "SIGTERMException":
                 print(
