@@ -305,7 +305,10 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus
     saved = json.loads((tmp_path / "eval.json").read_text())["tasks"]["qharness_mc"]["fp"]
     assert saved["acc_mutual_info_stderr"] == mc["acc_mutual_info_stderr"]
     assert f"{acc:.4f} ± {mc['acc_mutual_info_stderr']:.4f}" in format_eval_table(result)
-    row = summary_row({"metrics": {}, "recipe": "xnnpack_fp32", "mode": "ptq", "quantized": False, "eval": result})
+    from qharness.run.summary import RunSummary
+
+    blank = dict(run_dir="x", model="m", recipe="xnnpack_fp32", backend="xnnpack", seq_len=16, eval_blocks=4)
+    row = summary_row(RunSummary(**blank, mode="ptq", quantized=False, eval=result))
     assert row["eval/qharness_mc/acc_mutual_info/fp"] == acc
     assert row["eval/qharness_mc/acc_mutual_info_stderr/fp"] == mc["acc_mutual_info_stderr"]
     from qharness.reporting.report import eval_header

@@ -234,7 +234,7 @@ class QTrainer(Trainer):
         from qharness.reporting.tracking import log_final_row
 
         self.summary = summary
-        log_final_row(self.loggers, summary.to_dict())
+        log_final_row(self.loggers, summary)
 
     def train_tuned(self, model: QuantLM, datamodule: TextDataModule) -> None:
         """QAT autotune: fit ``model``, keep the finished run as ``last.ckpt``, gather its graph (as ``after_fit``)."""

@@ -46,7 +46,7 @@ from qharness.checks.stats import (
 )
 from qharness.errors import UserError, one_line
 from qharness.io import bad_name_reason, check_output_dir, remove_stale_temps, write_bytes_atomic, write_json_atomic
-from qharness.reporting.rows import STAGES, _number, latency_figures, noise_of, summary_row  # noqa: F401
+from qharness.reporting.rows import STAGES, _number, latency_figures, noise_of, row_columns, summary_row  # noqa: F401
 from qharness.run.summary import RunSummary
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def collect(runs_dir: str | Path, skipped: list[str] | None = None) -> list[dict
         if "wandb" in path.relative_to(runs_dir).parts:
             continue
         try:
-            summary = RunSummary.read(path).to_dict()
+            summary = RunSummary.read(path)
             run = str(path.parent.relative_to(runs_dir)) if path.parent != runs_dir else runs_dir.name
             rows.append(checked_row(summary_row(summary, run=run) | noise_of(summary)))
         except Exception as e:  # noqa: BLE001  a summary of wrong types (written by hand or another tool)
@@ -153,7 +153,7 @@ def check_metric(metric, tasks: list[str], where: str = "report.metric") -> None
     the metric itself is checked for qharness's offline tasks, whose metrics are known beforehand)."""
     from qharness.evaluation.tasks import offline_metrics
 
-    fixed = set(summary_row({"mode": "ptq", "quantized": True})) | set(noise_of({}))
+    fixed = row_columns()
     if isinstance(metric, str) and (metric == "ppl" or (metric in fixed and not metric.startswith("_"))):
         return
     parts = metric.removeprefix("eval/").split("/") if isinstance(metric, str) else []
