@@ -114,8 +114,8 @@ def test_a_summary_written_before_the_sections_were_typed_reads_as_typed_section
     """tests/data/summary_v4_qat.json: a QAT run's summary.json as the writer before typed sections wrote it (schema 4,
     learned scales, the fake-quant gate, the benchmark); read into the typed sections, printed, and written back as
     the same JSON (its null section fields left out)."""
-    from qharness.run.table import format_table
     from qharness.run.summary import FakeQuantAgreement, Parity, PteInfo, Score
+    from qharness.run.table import format_table
 
     path = DATA / "summary_v4_qat.json"
     s = RunSummary.read(path)
