@@ -30,6 +30,13 @@ from qharness.io import to_jsonable, write_json_atomic
 SCHEMA_VERSION = 4  # 1: the unversioned summaries written before this type existed; 2: before ``layers``; 3: before
 # ``coverage`` (all read)
 MODES = ("qat", "ptq")
+# a section field written as null when unset (``to_dict``): what the writer always recorded; other unset fields
+# are left out, as they were before the sections were typed (a parity gate's ``skipped``, ``fake_quant``, ...)
+KEEP_NONE = {"keep_none": True}
+
+
+def _kept() -> Any:
+    return field(default=None, metadata=KEEP_NONE)
 
 
 @dataclass
@@ -54,11 +61,11 @@ class Score:
         block_losses: Mean loss of each block, in block order (the report pairs runs by them).
     """
 
-    loss: float | None = None
-    ppl: float | None = None
-    loss_se: float | None = None
-    n_blocks: int | None = None
-    ppl_ci: list[float] | None = None
+    loss: float | None = _kept()
+    ppl: float | None = _kept()
+    loss_se: float | None = _kept()
+    n_blocks: int | None = _kept()
+    ppl_ci: list[float] | None = _kept()
     vs_fp: VsFp | None = None
     block_losses: list[float] | None = None
 
@@ -85,7 +92,7 @@ class Agreement:
     positions: int | None = None
     tie_margin: float | None = None
     near_ties: int | None = None
-    argmax_agreement_decided: float | None = None
+    argmax_agreement_decided: float | None = _kept()
     non_finite_positions: int | None = None
     ppl_rel_diff: float | None = None
     passed: bool | None = None
@@ -131,13 +138,13 @@ class PteInfo:
         sha256: Digest of its bytes (later evaluations name the program they scored by it).
     """
 
-    path: str | None = None
-    size_bytes: int | None = None
-    max_seq_len: int | None = None
-    export_path: str | None = None
-    fallback_reason: str | None = None
-    kv_cache: str | None = None
-    sha256: str | None = None
+    path: str | None = _kept()
+    size_bytes: int | None = _kept()
+    max_seq_len: int | None = _kept()
+    export_path: str | None = _kept()
+    fallback_reason: str | None = _kept()
+    kv_cache: str | None = _kept()
+    sha256: str | None = _kept()
 
 
 @dataclass
@@ -241,7 +248,7 @@ class RunSummary:
         return Path(run_dir) / Path(self.pte.path or "").name
 
     def to_dict(self) -> dict:
-        """As JSON data: the sections' unset (None) fields left out, as the summaries before typed sections wrote."""
+        """As JSON data, the same as before the sections were typed (``KEEP_NONE``)."""
         return to_jsonable({f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     @classmethod
@@ -315,9 +322,13 @@ def _hints(cls) -> dict:
 
 
 def _plain(value):
-    """A section as JSON data: a dataclass's fields without the None ones; dicts and lists of them."""
+    """A section as JSON data: a dataclass's fields (unset ones only where ``KEEP_NONE``); dicts and lists of them."""
     if dataclasses.is_dataclass(value):
-        return {f.name: _plain(v) for f in dataclasses.fields(value) if (v := getattr(value, f.name)) is not None}
+        return {
+            f.name: _plain(v)
+            for f in dataclasses.fields(value)
+            if (v := getattr(value, f.name)) is not None or f.metadata.get("keep_none")
+        }
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, list):
