@@ -11,7 +11,7 @@ from qharness.recipes.registry import Recipe, load_recipe
 
 
 def check_model_args(
-    recipe: str,
+    recipe: str | Recipe,
     mode: str,
     lr: float,
     warmup_steps: int,
@@ -31,7 +31,10 @@ def check_model_args(
         check_model_args("xnnpack_int8_dynamic", "qat", lr=1e-4, warmup_steps=10).kind   # "pt2e"
         check_model_args("xnnpack_int8_dynamic", "qat", lr=-1, warmup_steps=10)          # UserError: model.lr ...
     """
-    loaded = load_recipe(recipe)
+    if isinstance(recipe, Recipe):  # the Python API passes the loaded recipe
+        loaded, recipe = recipe, recipe.name
+    else:
+        loaded = load_recipe(recipe)
     loaded.check_mode(mode)
     if distill and mode != "qat":
         raise UserError(

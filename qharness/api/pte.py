@@ -1,0 +1,138 @@
+"""A ``.pte`` that qharness wrote, as one object: generate text, logits and perplexity of token blocks, benchmark.
+
+It runs through the same code as the CLI: ``runtime/pte.py`` (the ExecuTorch runtime), ``runtime/generate.py``
+(``qharness generate``'s loop and sampling), ``checks/parity.py`` (scoring), ``runtime/bench.py`` (``qharness bench``).
+
+Example::
+
+    pte = qharness.Pte.load("out/model.pte")            # tokenizer: out/tokenizer/
+    print(pte.generate("def main():", max_new_tokens=32, on_token=lambda s: print(s, end="")))
+    pte.perplexity(blocks)                              # blocks: LongTensor [n, L]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from qharness.errors import UserError
+
+__all__ = ["Pte"]
+
+
+class Pte:
+    """A loaded ``.pte`` and its tokenizer (``tokenizers.Tokenizer``). Build it with ``Pte.load``.
+
+    Attributes: ``path``, ``program`` (the ``runtime.pte.PteModel``: ``program(tokens[1, n], start) -> logits``),
+    ``tokenizer``, ``last`` (the statistics of the last ``generate``: prompt tokens, new token ids, stop reason,
+    prefill/decode tokens per second).
+    """
+
+    def __init__(self, program, tokenizer):
+        self.program, self.tokenizer = program, tokenizer
+        self.path = Path(program.path)
+        self.last: dict | None = None
+
+    @classmethod
+    def load(cls, path: str | Path, tokenizer: str | Path | None = None) -> Pte:
+        """Load ``path`` with the tokenizer directory ``tokenizer`` (default: ``tokenizer/`` beside the ``.pte``, as
+        ``qharness generate``); a missing or foreign file is one ``UserError`` line. Example::
+
+        pte = qharness.Pte.load("runs/qat_xnnpack/model.pte")
+        """
+        from qharness.runtime.generate import load_tokenizer
+        from qharness.runtime.pte import PteModel
+
+        program = PteModel(path)
+        return cls(program, load_tokenizer(tokenizer or Path(path).parent / "tokenizer"))
+
+    def metadata(self) -> dict:
+        """The runner metadata: ``get_max_context_len``, ``get_vocab_size``, ``get_eos_ids``, ..."""
+        return self.program.metadata()
+
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        on_token: Callable[[str], None] | None = None,
+    ) -> str:
+        """The text generated after ``prompt`` (``qharness generate``'s loop: one prefill, then a token per call until
+        EOS, ``max_new_tokens`` or the end of the KV cache). ``temperature`` 0 is greedy, else softmax sampling among the
+        ``top_k`` most likely (0: all), seeded by ``seed``; ``on_token`` receives each piece of text as it decodes.
+
+        Example::
+
+            text = pte.generate("def main():", max_new_tokens=32, temperature=0.8, top_k=40, seed=1)
+        """
+        from qharness.runtime.generate import generate
+
+        self.last = generate(
+            self.program, self.tokenizer, prompt, max_new_tokens, temperature, top_k, seed, on_text=on_token or _ignore
+        )
+        return self.last["text"]
+
+    def logits(self, tokens) -> torch.Tensor:
+        """``logits[n, vocab]`` of every position of ``tokens`` (a list of ids or a 1-D / ``[1, n]`` tensor), from a
+        fresh prefill at position 0. Example::
+
+            next_id = int(pte.logits(pte.tokenizer.encode("def").ids)[-1].argmax())
+        """
+        from qharness.checks.parity import block_logits
+
+        block = _block(tokens)
+        with torch.no_grad():
+            return block_logits(self.program, block).float()
+
+    def perplexity(self, blocks: torch.Tensor) -> float:
+        """Perplexity of ``blocks`` (``[n, L]`` token ids): each block's tokens 1..L-1 predicted from those before, scored
+        as the parity gate scores the ``.pte`` (``checks/parity.score_deployed``). Example::
+
+            ppl = pte.perplexity(torch.tensor([pte.tokenizer.encode(text).ids[:65]]))
+        """
+        from qharness.checks.parity import score_deployed
+
+        if not isinstance(blocks, torch.Tensor) or blocks.dim() != 2 or blocks.shape[1] < 2:
+            got = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else type(blocks).__name__
+            raise UserError(f"perplexity takes [n, L] token blocks (got {got})", fix="pass a 2-D LongTensor, L >= 2")
+        blocks = blocks.to(torch.long)
+        self._fits(blocks.shape[1] - 1)
+        return score_deployed(self.program, blocks[:, :-1], blocks[:, 1:])["ppl"]
+
+    def bench(self, prompt_len: int = 128, decode_tokens: int = 64, reps: int = 5, threads: int | None = None) -> dict:
+        """``qharness bench`` of this ``.pte`` alone: load time, prefill/decode tokens/s, peak RSS and size, each rep in a
+        fresh process (median and spread). Example::
+
+            r = pte.bench(prompt_len=32, decode_tokens=16, reps=2); r["pte"]["decode_tok_s"]["median"]
+        """
+        from qharness.runtime.bench import bench
+
+        for name, value in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("reps", reps)):
+            if value < 1:
+                raise UserError(f"bench {name} must be >= 1 (got {value})", fix=f"pass {name}=1 or more")
+        return bench(self.path, None, prompt_len, decode_tokens, reps, threads)
+
+    def _fits(self, n: int) -> None:
+        context = self.metadata().get("get_max_context_len")
+        if context is not None and n > context:
+            raise UserError(
+                f"{n} tokens do not fit the .pte's KV cache of {context} positions",
+                fix=f"give at most {context} tokens (or export with a larger max_seq_len)",
+            )
+
+
+def _ignore(piece: str) -> None:
+    pass
+
+
+def _block(tokens) -> torch.Tensor:
+    t = torch.as_tensor(tokens, dtype=torch.long)
+    if t.dim() == 2 and t.shape[0] == 1:
+        t = t[0]
+    if t.dim() != 1 or t.numel() == 0:
+        raise UserError(f"tokens of shape {tuple(t.shape)}", fix="pass a list of token ids or a 1-D tensor")
+    return t
