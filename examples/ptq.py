@@ -40,7 +40,7 @@ qm = qharness.calibrate(qm, batches)
 
 # 2. export: static-KV-cache .pte, lowered for XNNPACK, checked against the converted model (parity gate)
 result = qharness.export(qm, out_dir, validation=val_text, parity={"eval_blocks": 8})
-print(f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity['passed']}")
+print(f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity.passed}")
 
 # 3. run the .pte with the ExecuTorch runtime
 pte = qharness.Pte.load(result.pte_path)

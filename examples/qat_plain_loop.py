@@ -52,7 +52,7 @@ for step in range(20):
 # 3. export: static-KV-cache .pte, lowered for XNNPACK, checked against the converted model (parity gate)
 result = qharness.export(qm, out_dir, calibration=train_text, validation=val_text, parity={"eval_blocks": 8})
 print(
-    f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity['passed']}, "
+    f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity.passed}, "
     f"{result.coverage:.0%} of the weight bytes quantized"
 )
 

@@ -9,10 +9,12 @@ The Python API (docs/python-api.md): QAT in your own training loop, then a check
         loss = qm(batch, labels=batch).loss
         loss.backward(); opt.step(); opt.zero_grad()
     result = qharness.export(qm, "out/", calibration=train_text, validation=val_text)
-    print(result.pte_path, result.size_bytes, result.parity["passed"])
+    print(result.pte_path, result.size_bytes, result.parity.passed)
     print(qharness.Pte.load(result.pte_path).generate("def main():", max_new_tokens=32))
 
 PTQ: ``qharness.calibrate(qharness.prepare(m, recipe, mode="ptq", ...), batches)`` then ``export``.
+A whole configured job, as ``qharness calibrate CONFIG`` runs it: ``qharness.run_job("configs/ptq_xnnpack.yaml",
+"calibrate")`` -> the typed ``RunSummary``; ``qharness.sweep(...)``, ``qharness.report(...)``.
 ``import qharness`` loads no torch: each name loads its module on first use. The CLI: ``qharness --help``.
 """
 
@@ -35,6 +37,10 @@ _EXPORTS = {
     "Pte": "qharness.api.pte",
     "evaluate": "qharness.api.evaluate",
     "QuantizationCallback": "qharness.api.lightning",
+    "run_job": "qharness.api.jobs",
+    "sweep": "qharness.api.jobs",
+    "report": "qharness.api.jobs",
+    "RunSummary": "qharness.run.summary",
     "UserError": "qharness.errors",
     "ParityError": "qharness.errors",
 }

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -103,9 +102,12 @@ def sweep_config(out: Path, model_dir: Path, corpus: str, budget: float, args, r
     return path
 
 
-def summary(run_dir: Path) -> dict | None:
+def summary(run_dir: Path):
+    """The run's ``RunSummary`` (None: the run did not finish)."""
+    from qharness.run.summary import RunSummary
+
     path = run_dir / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    return RunSummary.read(path) if path.is_file() else None
 
 
 def main(argv=None) -> None:
@@ -134,22 +136,23 @@ def main(argv=None) -> None:
     recipe_files(out)
     sizes = predicted_sizes(model_dir, a.max_seq_len)
     budget = a.budget or round((sizes["8da4w-g32"] + sizes["8da8w-pc"]) / 2 / 1e4) / 100
-    from qharness.upstream.process import die_with_parent, python_command
+    from qharness.api.jobs import sweep
+    from qharness.errors import UserError
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # each sweep run is a child process (by design): it finds this checkout's qharness
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     sweep_dir = out / "sweep"
     tuned_dir = sweep_dir / f"autotune_{budget:g}mb-ptq"
     for rerun in (None, tuned_dir / "autotuned.yaml"):  # the second pass adds the re-run of the written recipe
         if rerun is not None and not rerun.is_file():
             break
-        cmd = [
-            *python_command("-m", "qharness"),
-            "sweep",
-            str(sweep_config(out, model_dir, str(corpus), budget, a, rerun)),
-        ]
-        cmd += ["--force"] if a.force and rerun is None else []
-        print("$ " + " ".join(cmd), flush=True)
-        subprocess.run(cmd, env=env, check=False, preexec_fn=die_with_parent())  # killed, it leaves no sweep on
+        config = sweep_config(out, model_dir, str(corpus), budget, a, rerun)
+        force = a.force and rerun is None
+        print(f"$ qharness sweep {config}{' --force' if force else ''}", flush=True)
+        try:
+            sweep(config, force=force)  # a failed run is recorded in the sweep and reported below as not finished
+        except UserError as e:
+            sys.exit(f"error: {e}")
     wall = time.perf_counter() - t0
 
     from qharness.checks.stats import paired_ratio
@@ -166,15 +169,15 @@ def main(argv=None) -> None:
         if s is None:
             rows.append((name, "-", "-", "not finished", ""))
             continue
-        m = s["metrics"]["pte"]
-        r = paired_ratio(m["block_losses"], fp["metrics"]["pte"]["block_losses"]) if fp else None
+        m = s.metrics["pte"]
+        r = paired_ratio(m.block_losses, fp.metrics["pte"].block_losses) if fp else None
         vs = (
             "-"
             if r is None or name == "xnnpack_fp32"
             else f"{r['ppl_ratio'] - 1:+.2%} [{r['ci'][0] - 1:+.2%}, {r['ci'][1] - 1:+.2%}]"
         )
-        layers = ", ".join(f"{n} x {k}" for k, n in sorted((s.get("layers") or {}).get("counts", {}).items()))
-        rows.append((name, f"{s['pte']['size_bytes']:,}", f"{m['ppl']:.3f}", vs, layers))
+        layers = ", ".join(f"{n} x {k}" for k, n in sorted(s.layers.counts.items())) if s.layers else ""
+        rows.append((name, f"{s.pte.size_bytes:,}", f"{m.ppl:.3f}", vs, layers))
     width = [max(len(r[i]) for r in rows) for i in range(5)]
     print("\n".join("  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip() for r in rows))
 
@@ -187,12 +190,12 @@ def main(argv=None) -> None:
         f"({(plan['measured_size_bytes'] - plan['predicted_size_bytes']) / plan['measured_size_bytes']:+.2%}); "
         f"predicted ppl {plan['predicted_ppl']:.3f}, .pte ppl {plan['measured_ppl_pte']:.3f}"
     )
-    size = tuned["pte"]["size_bytes"]
+    size = tuned.pte.size_bytes
     uniform = {n: s for n, s in runs.items() if n in UNIFORM and n != "xnnpack_fp32" and s is not None}
-    fits = {n: s for n, s in uniform.items() if s["pte"]["size_bytes"] <= size}
+    fits = {n: s for n, s in uniform.items() if s.pte.size_bytes <= size}
     if fits:
-        best = min(fits, key=lambda n: fits[n]["metrics"]["pte"]["ppl"])
-        r = paired_ratio(tuned["metrics"]["pte"]["block_losses"], fits[best]["metrics"]["pte"]["block_losses"])
+        best = min(fits, key=lambda n: fits[n].metrics["pte"].ppl)
+        r = paired_ratio(tuned.metrics["pte"].block_losses, fits[best].metrics["pte"].block_losses)
         lo, hi = r["ci"]
         verdict = (
             "BEATS it beyond the noise"
@@ -202,16 +205,16 @@ def main(argv=None) -> None:
             else "a tie (inside the noise)"
         )
         print(
-            f"autotuned ({size:,} bytes) vs the best uniform recipe no larger, {best} ({fits[best]['pte']['size_bytes']:,} "
+            f"autotuned ({size:,} bytes) vs the best uniform recipe no larger, {best} ({fits[best].pte.size_bytes:,} "
             f"bytes): ppl {r['ppl_ratio'] - 1:+.2%} [{lo - 1:+.2%}, {hi - 1:+.2%}] (95%, paired over "
-            f"{len(tuned['metrics']['pte']['block_losses'])} blocks): {verdict}"
+            f"{len(tuned.metrics['pte'].block_losses)} blocks): {verdict}"
         )
     rerun = runs["autotuned_rerun"]
     if rerun is not None:
         print(
-            f"re-run of autotuned.yaml: {rerun['pte']['size_bytes']:,} bytes (autotune {size:,}), ppl "
-            f"{rerun['metrics']['pte']['ppl']:.4f} (autotune {tuned['metrics']['pte']['ppl']:.4f}); same program: "
-            f"{rerun['pte'].get('sha256') == tuned['pte'].get('sha256')}"
+            f"re-run of autotuned.yaml: {rerun.pte.size_bytes:,} bytes (autotune {size:,}), ppl "
+            f"{rerun.metrics['pte'].ppl:.4f} (autotune {tuned.metrics['pte'].ppl:.4f}); same program: "
+            f"{rerun.pte.sha256 == tuned.pte.sha256}"
         )
     (out / "results.json").write_text(
         json.dumps({"budget_mb": budget, "sizes": sizes, "plan": plan, "wall_s": wall}, indent=2)

@@ -98,7 +98,8 @@ def worker(args) -> None:
     from qharness.schema.model import LoRA
     from qharness.training import sharding
     from qharness.training.layerwise import set_checkpointing
-    from qharness.training.module import prepare_for_training
+    from qharness.schema import LoRA
+    from qharness.training.prepare import prepare_for_training
     from qharness.upstream.process import map_large_allocations_separately
 
     map_large_allocations_separately()

@@ -45,7 +45,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import replace
@@ -184,7 +183,9 @@ def pte_ppl(path: Path) -> float | None:
     summary = path / "summary.json"
     if not summary.is_file():
         return None
-    return json.loads(summary.read_text())["metrics"]["pte"]["ppl"]
+    from qharness.run.summary import RunSummary
+
+    return RunSummary.read(summary).metrics["pte"].ppl
 
 
 class SelectionBlocks:
@@ -436,19 +437,19 @@ def main(argv=None) -> None:
     model_dir = benchmark_model(str(corpus.resolve()), a.pretrain_steps)
     info = json.loads((model_dir / "qharness_pretrain.json").read_text())
     t_pretrain = time.perf_counter() - t0
-    from qharness.upstream.process import die_with_parent, python_command
+    from qharness.api.jobs import sweep
+    from qharness.errors import UserError
 
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    # each sweep run is a child process (by design): it finds this checkout's qharness
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     per_seed, t1 = {}, time.perf_counter()
     for seed in a.seeds:
-        cmd = [
-            *python_command("-m", "qharness"),
-            "sweep",
-            str(sweep_config(out, seed, model_dir, str(corpus.resolve()), a.recipes, a)),
-        ]
-        cmd += ["--force"] if a.force else []
-        print("$ " + " ".join(cmd), flush=True)
-        subprocess.run(cmd, env=env, check=False, preexec_fn=die_with_parent())  # killed, it leaves no sweep on
+        config = sweep_config(out, seed, model_dir, str(corpus.resolve()), a.recipes, a)
+        print(f"$ qharness sweep {config}{' --force' if a.force else ''}", flush=True)
+        try:
+            sweep(config, force=a.force)  # a failed run is recorded in the sweep and left out of the rows
+        except UserError as e:
+            sys.exit(f"error: {e}")
         per_seed[seed] = seed_rows(out / f"seed{seed}", a.recipes, a.variants)
     t_sweeps = time.perf_counter() - t1
 

@@ -153,7 +153,7 @@ def step_times(
 
     from qharness.recipes.registry import load_recipe
     from qharness.sources.models import load_model_and_tokenizer
-    from qharness.training.module import LogitsOnly, export_for_training, prepare_for_training
+    from qharness.training.prepare import LogitsOnly, export_for_training, prepare_for_training
     from qharness.upstream import imports
 
     base, _ = load_model_and_tokenizer(str(model_dir))

@@ -223,10 +223,10 @@ def test_plain_ptq_export_and_pte(hf, tmp_path):
         parity={"eval_blocks": 4, "prompts": 2, "prompt_len": 16, "decode_steps": 4},
         max_seq_len=64,
     )
-    assert result.parity["passed"] is True and result.pte_path == tmp_path / "ptq" / "model.pte"
+    assert result.parity.passed is True and result.pte_path == tmp_path / "ptq" / "model.pte"
     assert result.size_bytes == result.pte_path.stat().st_size and result.coverage == 1.0
     assert result.summary.mode == "ptq" and result.summary.recipe == "xnnpack_int8_dynamic"
-    assert result.summary.pte["max_seq_len"] == 64 and result.summary.eval_blocks == 4
+    assert result.summary.pte.max_seq_len == 64 and result.summary.eval_blocks == 4
     assert (tmp_path / "ptq" / "tokenizer" / "tokenizer.json").is_file()
 
     pte = qharness.Pte.load(result.pte_path)
@@ -286,6 +286,6 @@ def test_api_and_cli_write_the_same_program(tiny_llama, corpus, tmp_path):
         parity=parity,
     )
     cli = RunSummary.read(tmp_path / "cli" / "summary.json")
-    assert result.summary.pte["sha256"] == cli.pte["sha256"]
+    assert result.summary.pte.sha256 == cli.pte.sha256
     assert (tmp_path / "api" / "model.pte").read_bytes() == (tmp_path / "cli" / "model.pte").read_bytes()
-    assert result.summary.metrics["pte"]["ppl"] == pytest.approx(cli.metrics["pte"]["ppl"], rel=1e-6)
+    assert result.summary.metrics["pte"].ppl == pytest.approx(cli.metrics["pte"].ppl, rel=1e-6)

@@ -90,7 +90,7 @@ def test_callback_trains_saves_on_sigterm_and_resumes(tmp_path, tiny_llama, corp
 
     import qharness
     from qharness.api.prepare import QuantizedModel
-    from qharness.cli.lightning import AtomicCheckpointIO
+    from qharness.training.checkpoints import AtomicCheckpointIO
     from qharness.errors import UserError
 
     model, tok = tiny(tiny_llama)

@@ -194,7 +194,7 @@ def run_config(tmp_path, **sections):
     ],
 )
 def test_checkpoint_and_pte_names_stay_in_the_run_directory(tmp_path, override, message):
-    from qharness.cli.precheck import precheck
+    from qharness.api.precheck import precheck
 
     sections = override if isinstance(override, dict) else {}
     extra = override if isinstance(override, list) else []

@@ -13,7 +13,9 @@ from conftest import run_cli, write_config
 
 from qharness.errors import UserError
 from qharness.schema import Distill
-from qharness.training.module import QuantLM, distill_loss, set_fake_quant
+from qharness.training.distillation import distill_loss
+from qharness.training.module import QuantLM
+from qharness.training.prepare import set_fake_quant
 
 
 def test_distill_loss_is_zero_for_identical_logits_and_matches_a_hand_computation():

@@ -37,7 +37,7 @@ def _direct_loglikelihood(model, ids: list[int], n_cont: int) -> float:
 def _adapters(model, tok, max_length=64):
     from qharness.deploy.fastpath.decoder import FastDecoder
     from qharness.evaluation.lm_eval_adapter import BatchedForward, CachedStep, QHarnessLM, hf_backend
-    from qharness.training.module import export_for_training
+    from qharness.training.prepare import export_for_training
 
     graph = export_for_training(model, 3, max_length)  # a fixed [3, T] graph, like the fake-quant one
     decoder = FastDecoder(model, max_length + 1)  # what the .pte runs: a KV cache, last-token logits only
@@ -305,7 +305,10 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus
     saved = json.loads((tmp_path / "eval.json").read_text())["tasks"]["qharness_mc"]["fp"]
     assert saved["acc_mutual_info_stderr"] == mc["acc_mutual_info_stderr"]
     assert f"{acc:.4f} ± {mc['acc_mutual_info_stderr']:.4f}" in format_eval_table(result)
-    row = summary_row({"metrics": {}, "recipe": "xnnpack_fp32", "mode": "ptq", "quantized": False, "eval": result})
+    from qharness.run.summary import RunSummary
+
+    blank = dict(run_dir="x", model="m", recipe="xnnpack_fp32", backend="xnnpack", seq_len=16, eval_blocks=4)
+    row = summary_row(RunSummary(**blank, mode="ptq", quantized=False, eval=result))
     assert row["eval/qharness_mc/acc_mutual_info/fp"] == acc
     assert row["eval/qharness_mc/acc_mutual_info_stderr/fp"] == mc["acc_mutual_info_stderr"]
     from qharness.reporting.render import eval_header

@@ -2,7 +2,7 @@
 field (``UserError``: exit 2), never a traceback, a hang or a silent success.
 
 The default run drives the same functions the CLI calls, in-process and derandomized (the pre-check of a run
-config, ``qharness.cli.precheck.precheck``; the text-source loader, ``load_texts``); the ``slow`` run sends more
+config, ``qharness.api.precheck.precheck``; the text-source loader, ``load_texts``); the ``slow`` run sends more
 cases through the real ``python -m qharness fit CONFIG``. Each example is one distinct bad input.
 """
 
@@ -26,7 +26,7 @@ from conftest import ROOT, write_config
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from qharness.cli.precheck import precheck
+from qharness.api.precheck import precheck
 from qharness.errors import UserError
 from qharness.recipes.registry import _FIELDS as KNOWN_RECIPE_FIELDS
 

@@ -151,7 +151,7 @@ def test_a_recipe_that_quantizes_inside_the_adapter_path_is_refused(tiny_llama, 
 
 
 def test_a_checkpoint_restores_the_adapters_and_a_mismatched_one_is_refused(tiny_llama, tmp_path):
-    from qharness.cli.lightning import read_checkpoint
+    from qharness.training.checkpoints import read_checkpoint
 
     m = _build(tiny_llama, "xnnpack_int8_dynamic", lora={"rank": 4})
     _train(m, 2)

@@ -145,7 +145,8 @@ def test_trained_graph_weights_load_into_a_fresh_model(tiny_mixtral):
     expert by expert, as ``qharness export`` and deployment load it (``hf_weights`` -> ``load_weights_into``)."""
     from qharness.recipes.registry import load_recipe
     from qharness.sources.models import load_model_and_tokenizer
-    from qharness.training.module import hf_weights, load_weights_into, prepare_for_training
+    from qharness.training.prepare import prepare_for_training
+    from qharness.training.weights import hf_weights, load_weights_into
 
     model, _ = load_model_and_tokenizer(str(tiny_mixtral))
     graph = prepare_for_training(model, load_recipe("xnnpack_int8_dynamic"), 1, 8, is_qat=True)

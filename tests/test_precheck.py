@@ -1,4 +1,4 @@
-"""Fast validation (qharness/cli/precheck.py): a bad run config fails with one error line before torch loads,
+"""Fast validation (qharness/api/precheck.py): a bad run config fails with one error line before torch loads,
 and every config the full CLI accepts passes it."""
 
 import os
@@ -11,7 +11,7 @@ import pytest
 import yaml
 from conftest import ROOT, run_cli, write_config
 
-from qharness.cli.precheck import merged_config, precheck
+from qharness.api.precheck import merged_config, precheck
 from qharness.errors import UserError
 
 
@@ -207,7 +207,7 @@ def test_strategy_and_accelerator_named_before_the_model_loads(monkeypatch):
     """What needs Lightning's registries or the machine: checked in preflight, before any model or data loads."""
     from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 
-    from qharness.cli.lightning import check_strategy_and_accelerator
+    from qharness.api.lightning_cli import check_strategy_and_accelerator
 
     with pytest.raises(UserError, match="trainer.strategy 'foo' is not a Lightning strategy. fix: use auto, ddp"):
         check_strategy_and_accelerator("foo", "auto")

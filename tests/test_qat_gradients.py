@@ -9,7 +9,7 @@ import torch.nn.functional as F
 def test_qat_prepared_model_passes_gradients_to_every_weight(recipe, tiny_llama):
     from qharness.recipes.registry import load_recipe
     from qharness.sources.models import load_model_and_tokenizer
-    from qharness.training.module import prepare_for_training
+    from qharness.training.prepare import prepare_for_training
 
     model, _ = load_model_and_tokenizer(str(tiny_llama))
     prepared = prepare_for_training(model, load_recipe(recipe), 2, 16, is_qat=True)

@@ -48,14 +48,14 @@ def run_recipe(recipe, mode, model_dir, data, run_dir, steps=4):
 def test_recipe_numerics(recipe, mode, tiny_llama, corpus, tmp_path):
     summary = run_recipe(recipe, mode, tiny_llama, corpus, tmp_path)
     assert (tmp_path / "model.pte").is_file()
-    m = summary["metrics"]
+    m = summary.metrics
     if not load_recipe(recipe).runs_here:
-        assert summary["parity"]["passed"] is None and "pte" not in m
+        assert summary.parity.passed is None and "pte" not in m
         return
-    assert summary["parity"]["passed"], summary["parity"]
-    assert abs(m["pte"]["ppl"] - m["converted"]["ppl"]) / m["converted"]["ppl"] < 0.02
+    assert summary.parity.passed, summary.parity
+    assert abs(m["pte"].ppl - m["converted"].ppl) / m["converted"].ppl < 0.02
     if mode == "qat":  # what was trained is what ships: fake-quant vs .pte perplexity within 1%
-        assert abs(m["fake_quant"]["ppl"] - m["pte"]["ppl"]) / m["pte"]["ppl"] < 0.01
+        assert abs(m["fake_quant"].ppl - m["pte"].ppl) / m["pte"].ppl < 0.01
 
 
 def test_the_fast_subset_names_recipes_and_modes_that_exist():
@@ -70,7 +70,7 @@ def test_8da4w_with_4bit_embeddings_qat(tiny_llama, corpus, tmp_path):
     recipe.write_text("base: xnnpack_8da4w\ndescription: 8da4w + 4-bit embeddings\nquantizer:\n  embedding_bits: 4\n")
     summary = run_recipe(str(recipe), "qat", tiny_llama, corpus, tmp_path / "emb4")
     plain = run_recipe("xnnpack_8da4w", "ptq", tiny_llama, corpus, tmp_path / "plain")
-    m = summary["metrics"]
-    assert summary["parity"]["passed"], summary["parity"]
-    assert abs(m["fake_quant"]["ppl"] - m["pte"]["ppl"]) / m["pte"]["ppl"] < 0.01
-    assert summary["pte"]["size_bytes"] < 0.8 * plain["pte"]["size_bytes"]
+    m = summary.metrics
+    assert summary.parity.passed, summary.parity
+    assert abs(m["fake_quant"].ppl - m["pte"].ppl) / m["pte"].ppl < 0.01
+    assert summary.pte.size_bytes < 0.8 * plain.pte.size_bytes

@@ -11,6 +11,7 @@ from qharness.reporting.metric import resolve_metric
 from qharness.reporting.ranking import best_under, pareto_front
 from qharness.reporting.report import write_report
 from qharness.reporting.rows import summary_row
+from qharness.run.summary import RunSummary
 
 # name: (recipe, mode, quantized, .pte ppl, decode ms/token, .pte MB, parity passed, toy/acc of the .pte)
 RUNS = {
@@ -209,7 +210,7 @@ def test_report_of_a_directory_without_runs_is_a_clear_error(tmp_path):
 
 def test_summary_row_of_a_real_summary_layout():
     s = summary("x", "xnnpack_int8_dynamic", "qat", True, 98.6, 1.25, 2.27, True, 0.47)
-    row = summary_row(s)
+    row = summary_row(RunSummary.from_dict(s))
     assert row["run"] == "x" and row["decode_ms_per_token"] == pytest.approx(1.25) and row["decode_tok_s"] == 800.0
     assert row["eval/toy/acc/pte"] == 0.47 and row["eval/toy/acc/fp"] == 0.5
     assert row["eval/toy/acc_stderr/pte"] == 0.01  # lm-eval's standard error travels with its metric (table, wandb row)
@@ -217,9 +218,8 @@ def test_summary_row_of_a_real_summary_layout():
         row["latency_source"] == "own bench (1 process)" and row["ppl_pte_lo"] is None
     )  # no block losses: no interval
     del s["quantized"]  # an older summary: the recipe says whether it quantizes (RunSummary reads it)
-    from qharness.run.summary import RunSummary
 
     def row_of(d):
-        return summary_row(RunSummary.from_dict(d).to_dict())
+        return summary_row(RunSummary.from_dict(d))
 
     assert row_of(s)["mode"] == "qat" and row_of({**s, "recipe": "xnnpack_fp32", "mode": "ptq"})["mode"] == "fp"

@@ -3,6 +3,7 @@
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -43,7 +44,7 @@ def test_the_pte_is_found_in_the_run_directory_wherever_the_run_was_started(tmp_
     (run / "model.pte").write_bytes(b"pte")
     s = _summary(pte={"path": "runs/x/model.pte", "size_bytes": 3})
     monkeypatch.chdir(tmp_path)
-    assert not (tmp_path / s.pte["path"]).exists() and s.pte_file(run).read_bytes() == b"pte"
+    assert not (tmp_path / s.pte.path).exists() and s.pte_file(run).read_bytes() == b"pte"
     assert _summary(pte={}).pte_file(run) == run
 
 
@@ -96,3 +97,38 @@ def test_atomic_writes_follow_the_umask(tmp_path):
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "a.json").st_mode) == 0o640
     assert json.loads((tmp_path / "a.json").read_text()) == {"a": 1}
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_a_summary_written_before_the_sections_were_typed_reads_as_typed_sections(tmp_path):
+    """tests/data/summary_v4_qat.json: a QAT run's summary.json as the writer before typed sections wrote it (schema 4,
+    learned scales, the fake-quant gate, the benchmark); read into the typed sections, printed, and written back as
+    the very same JSON."""
+    from qharness.run.summary import FakeQuantAgreement, Parity, PteInfo, Score
+    from qharness.run.table import format_table
+
+    path = DATA / "summary_v4_qat.json"
+    s = RunSummary.read(path)
+    assert isinstance(s.pte, PteInfo) and s.pte.size_bytes == 205824 and s.pte.kv_cache == "fp32"
+    assert isinstance(s.parity, Parity) and s.passed is True and s.parity.learned_scales.exact == 15
+    assert isinstance(s.parity.fake_quant, FakeQuantAgreement) and s.parity.fake_quant.gated
+    assert (
+        isinstance(s.metrics["pte"], Score)
+        and s.metrics["pte"].vs_fp.ci[0] < 1
+        and s.layers.counts == {"8da4w-g32": 15}
+    )
+    assert s.timings.lower_s > 0 and s.bench["pte"]["decode_tok_s"]
+    table = format_table(s)
+    assert ".pte vs trained fake-quant PASSED" in table and "0.21 MB" in table
+    s.write(tmp_path / "summary.json")
+    assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(path.read_text())
+
+
+def test_a_section_field_this_qharness_does_not_know_is_one_line_naming_the_version(tmp_path):
+    data = json.loads((DATA / "summary_v4_qat.json").read_text())
+    data["parity"]["from_the_future"] = 1
+    write_json_atomic(tmp_path / "s.json", data)
+    with pytest.raises(UserError, match=r"schema_version 4\): parity has unknown field\(s\) from_the_future"):
+        RunSummary.read(tmp_path / "s.json")

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from qharness.cli.precheck import check_config
+from qharness.api.precheck import check_config
 from qharness.errors import UserError
 from qharness.schema import RunConfig
 from qharness.schema import run as run_module
@@ -48,7 +48,7 @@ def _words(text: str) -> str:
 def test_schema_imports_without_torch():
     """The schema, the pre-check and the reference load neither torch, Lightning nor transformers (fresh process)."""
     code = (
-        "import sys, qharness.schema, qharness.schema.reference, qharness.cli.precheck\n"
+        "import sys, qharness.schema, qharness.schema.reference, qharness.api.precheck\n"
         "heavy = [m for m in ('torch', 'lightning', 'transformers', 'executorch') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
         "qharness.schema.RunConfig().validate('fit')\n"
@@ -84,7 +84,7 @@ LINKED = {f"{section}.{name}" for section, name in run_module.LINKED}
 
 def _help(monkeypatch, *args: str) -> str:
     """``qharness fit ARGS`` help text as the CLI prints it (in-process: the same parser, without a process start)."""
-    from qharness.cli.lightning import run_lightning_cli
+    from qharness.api.lightning_cli import run_lightning_cli
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     out = io.StringIO()

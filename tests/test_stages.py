@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from qharness.sources.models import load_model_and_tokenizer
-from qharness.training.module import QuantLM, export_for_training
+from qharness.training.module import QuantLM
+from qharness.training.prepare import export_for_training
 
 
 @pytest.fixture(scope="module")

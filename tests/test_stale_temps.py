@@ -146,7 +146,7 @@ def test_checkpoints_are_written_beside_themselves_and_renamed(tmp_path, monkeyp
 
     import torch
 
-    from qharness.cli.lightning import AtomicCheckpointIO
+    from qharness.training.checkpoints import AtomicCheckpointIO
 
     elsewhere = tmp_path / "tmpdir"
     elsewhere.mkdir()

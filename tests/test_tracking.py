@@ -7,6 +7,7 @@ from wandb_offline import config, history, offline_run, tables
 
 from qharness.reporting.rows import summary_row
 from qharness.reporting.tracking import wandb_logged_in, wandb_mode
+from qharness.run.summary import RunSummary
 
 
 def test_fit_logs_config_curves_and_the_final_row_offline(fitted):
@@ -17,7 +18,7 @@ def test_fit_logs_config_curves_and_the_final_row_offline(fitted):
     (logged,) = tables(run, "final_row")
     assert len(logged["data"]) == 1
     row = dict(zip(logged["columns"], logged["data"][0]))
-    expected = summary_row(summary)
+    expected = summary_row(RunSummary.from_dict(summary))
     assert row.keys() == expected.keys()
     for key in (
         "model",

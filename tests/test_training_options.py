@@ -9,7 +9,8 @@ from qharness.errors import UserError
 from qharness.recipes.registry import load_recipe
 from qharness.schema.run import check_precision
 from qharness.sources.models import load_model_and_tokenizer
-from qharness.training.module import QuantLM, export_for_training, set_fake_quant
+from qharness.training.module import QuantLM
+from qharness.training.prepare import export_for_training, set_fake_quant
 
 
 class FakeTrainer:
@@ -277,7 +278,7 @@ def test_sigterm_mid_accumulation_keeps_the_last_step_boundary_checkpoint(tmp_pa
 
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from qharness.cli.lightning import SaveOnSigterm
+    from qharness.training.checkpoints import SaveOnSigterm
 
     saved = []
 

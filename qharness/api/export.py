@@ -7,7 +7,7 @@ objects built here from your model and data, so the program is the one ``qharnes
 Example::
 
     result = qharness.export(qm, "out/", calibration=train_text, validation=val_text)
-    result.pte_path, result.size_bytes, result.parity["passed"], result.coverage, result.summary.metrics["pte"]["ppl"]
+    result.pte_path, result.size_bytes, result.parity.passed, result.coverage, result.summary.metrics["pte"].ppl
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,7 +23,7 @@ from qharness.api.prepare import QuantizedModel, calibrate, check_causal_lm, con
 from qharness.api.recipes import Recipe, load_recipe
 from qharness.config import ExportConfig, ParityConfig
 from qharness.errors import UserError
-from qharness.run.summary import RunSummary
+from qharness.run.summary import Parity, RunSummary
 
 __all__ = ["ExportResult", "export"]
 
@@ -38,7 +37,7 @@ class ExportResult:
     Args:
         pte_path: The ``.pte`` (``<out_dir>/model.pte``; the tokenizer is in ``<out_dir>/tokenizer``).
         size_bytes: Its size.
-        parity: The parity gate: ``passed`` (True; a failed gate raises ``ParityError``, None where the backend cannot
+        parity: The parity gate (``Parity``): ``passed`` (True; a failed gate raises ``ParityError``, None where the backend cannot
             run here), ``max_abs_diff``, ``argmax_agreement``, ``ppl_rel_diff``, ``reasons``, ...
         coverage: The quantized fraction of the linear weights' bytes (0 for an FP recipe; None if not measured).
         summary: The typed run summary (``summary.json``): metrics per model (fp, fake_quant, converted, pte),
@@ -47,7 +46,7 @@ class ExportResult:
 
     pte_path: Path
     size_bytes: int
-    parity: dict[str, Any]
+    parity: Parity
     coverage: float | None
     summary: RunSummary
 
@@ -80,11 +79,11 @@ def export(
     Example::
 
         result = qharness.export(qm, "out/", calibration=train_text, validation=val_text)
-        assert result.parity["passed"]
+        assert result.parity.passed
         plain = qharness.export(fp_model, "out_ptq/", recipe="xnnpack_8da4w", tokenizer=tok,
                                 calibration=train_text, validation=val_text, seq_len=64)
     """
-    from qharness.io import check_output_dir
+    from qharness.io.names import check_output_dir
 
     parity_cfg = _parity_config(parity)  # default: ParityConfig's, its prompts cut to seq_len (below)
     if not isinstance(model, QuantizedModel):  # plain PTQ: prepare + calibrate, as qharness calibrate
@@ -168,7 +167,7 @@ def _parity_config(parity: ParityConfig | dict | None) -> ParityConfig:
 
 
 def check_lengths(seq_len: int, batch_size: int, max_seq_len: int, parity: ParityConfig, context: int | None) -> None:
-    """The cross-section rules of a run config, on the API's values (``cli/precheck.check_across_sections`` and
+    """The cross-section rules of a run config, on the API's values (``api/precheck.check_across_sections`` and
     ``run/pipeline.check_export_config`` hold them for the CLI)."""
     from qharness.run.pipeline import check_export_config
 
@@ -190,7 +189,7 @@ def _deploy(qm: QuantizedModel, tokenizer, x, y, calib, out_dir: Path, export_cf
     """``deploy_and_check`` on the ``Trained``/``HeldOut`` of ``qm`` (the CLI's ``run/from_lightning`` builds the same
     from a ``QuantLM``), then the typed result."""
     from qharness.run.pipeline import HeldOut, Trained, deploy_and_check
-    from qharness.training.module import load_weights_into
+    from qharness.training.weights import load_weights_into
 
     qat = qm.graph is not None
     was_training = qm.training
@@ -209,15 +208,14 @@ def _deploy(qm: QuantizedModel, tokenizer, x, y, calib, out_dir: Path, export_cf
     )
     held = HeldOut(x=x, y=y, batch_size=qm.batch_size, calibration=calib, texts=lambda: [])
     try:
-        deploy_and_check(trained, held, out_dir, export_cfg, parity_cfg)
+        summary = deploy_and_check(trained, held, out_dir, export_cfg, parity_cfg)
     finally:
         if was_training:
             qm.train(True)
-    summary = RunSummary.read(out_dir / "summary.json")
-    pte_path = Path(summary.pte["path"])
+    pte_path = Path(summary.pte.path)
     return ExportResult(
         pte_path=pte_path,
-        size_bytes=int(summary.pte["size_bytes"]),
+        size_bytes=int(summary.pte.size_bytes),
         parity=summary.parity,
         coverage=(summary.coverage or {}).get("fraction"),
         summary=summary,

@@ -121,7 +121,7 @@ class QuantizationCallback(Callback):
             )
         from qharness.api.prepare import check_causal_lm, prepare
         from qharness.api.recipes import load_recipe
-        from qharness.training.model_args import check_precision
+        from qharness.schema.run import check_precision
 
         check_causal_lm(model, what=f"{type(pl_module).__name__}.{self.attr}")
         recipe = load_recipe(self.recipe)
@@ -150,7 +150,7 @@ class QuantizationCallback(Callback):
         """Checkpoints written atomically (``AtomicCheckpointIO``), unless the user chose a checkpoint plugin."""
         from lightning.pytorch.plugins import TorchCheckpointIO
 
-        from qharness.cli.lightning import AtomicCheckpointIO
+        from qharness.training.checkpoints import AtomicCheckpointIO
 
         strategy = trainer.strategy
         current = getattr(strategy, "_checkpoint_io", None)
@@ -169,7 +169,7 @@ class QuantizationCallback(Callback):
         """SIGTERM (a scheduler's pre-emption): ``last.ckpt`` saved at the batch boundary (``SaveOnSigterm``)."""
         if not self.save_on_sigterm:
             return
-        from qharness.cli.lightning import SaveOnSigterm
+        from qharness.training.checkpoints import SaveOnSigterm
 
         SaveOnSigterm(self.checkpoint_dir(trainer) / "last.ckpt").on_exception(trainer, pl_module, exception)
 

@@ -147,7 +147,8 @@ class QuantizedModel(torch.nn.Module):
     def rebuilt_on_cpu(self) -> torch.nn.Module:
         """The same preparation of the FP copy, on CPU, with this graph's trained state (weights and observers; the
         preparation is deterministic, as the CLI's ``QuantLM.rebuild_on``), in evaluation mode."""
-        from qharness.training.module import QuantLM, prepare_for_training
+        from qharness.training.module import QuantLM
+        from qharness.training.prepare import prepare_for_training
 
         graph = prepare_for_training(
             copy.deepcopy(self.fp_model), self.recipe, self.batch_size, self.seq_len, is_qat=True
@@ -251,7 +252,7 @@ def prepare(
     if mode == "ptq":  # the FP model itself: nothing trains it
         return QuantizedModel(None, model.cpu(), recipe, mode, tokenizer, batch_size, seq_len)
     fp_model = copy.deepcopy(model).to("cpu").eval()
-    from qharness.training.module import prepare_for_training
+    from qharness.training.prepare import prepare_for_training
 
     graph = prepare_for_training(model, recipe, batch_size, seq_len, is_qat=True)
     return QuantizedModel(graph, fp_model, recipe, mode, tokenizer, batch_size, seq_len)

@@ -25,28 +25,7 @@ import types
 import typing
 from collections.abc import Callable
 
-from qharness.errors import UserError
-
-MAX_MESSAGE = 300  # characters of a parser's message kept in the one error line
-
-
-def usage_error(message: str, prog: str, takes_config: bool = True) -> UserError:
-    """A command-line parser's refusal (argparse, jsonargparse) as one ``UserError`` line with a fix, instead of a
-    usage dump; ``prog`` is the command (``qharness fit``); ``takes_config``: a run-config command (its fix for an
-    unknown argument says where the config goes)."""
-    text = " ".join(message.split())
-    text = text if len(text) <= MAX_MESSAGE else text[:MAX_MESSAGE] + " ..."
-    command = " ".join(["qharness", *prog.split()[1:]]) if prog.split() else "qharness"
-    missing = re.search(r"argument (\S+?)(?:/\S+)?: expected (?:one|at least one) argument", text)
-    if missing:
-        fix = f"give {missing.group(1)} a value (`{command} --help` lists each option's values)"
-    elif "unrecognized arguments" in text.lower() and not takes_config:
-        fix = f"`{command} --help` lists its options"
-    elif "unrecognized arguments" in text.lower():
-        fix = f"the config goes first, as a path (`{command} CONFIG.yaml`), then --section.field value pairs; `{command} --help` lists them"
-    else:
-        fix = f"`{command} --help` lists every option with its type"
-    return UserError(f"{command}: {text}", fix=fix)
+from qharness.errors import usage_error
 
 
 class _Parser(argparse.ArgumentParser):

@@ -240,12 +240,11 @@ def report(
         max_size_mb: size budget: .pte MB (1 MB = 1e6 bytes).
         no_wandb: do not log the report to wandb.
     """
-    from qharness.reporting.report import write_report
+    from qharness.api.jobs import report as write_report
 
-    for name, v in (("max_latency_ms", max_latency_ms), ("max_size_mb", max_size_mb)):
-        if v is not None and not v > 0:
-            raise UserError(f"--{name} must be positive (got {v})")
-    result = write_report(runs_dir, out, metric, max_latency_ms, max_size_mb, wandb=not no_wandb)
+    result = write_report(
+        runs_dir, out=out, metric=metric, max_latency_ms=max_latency_ms, max_size_mb=max_size_mb, wandb=not no_wandb
+    )
     print(result["text"])
     print(f"table: {result['paths']['markdown']} and {result['paths']['csv']}")
     print(f"Pareto plot: {result['paths']['png']}")
@@ -265,27 +264,15 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False, jobs: int 
         jobs: runs at a time, each with its share of the cores (default: the config's jobs, else 1); their output then
             goes to each run's sweep.log.
     """
-    from qharness.cli.precheck import check_config
+    from qharness.api.jobs import sweep as run_sweep
     from qharness.progress import format_seconds
-    from qharness.sweep.plan import plan
-    from qharness.sweep.resume import is_done
-    from qharness.sweep.scheduler import run_sweep
-    from qharness.sweep.spec import load_sweep
 
-    runs = plan(load_sweep(config))
-    for run in runs:  # every run's own config checked before any run starts: one line now, not after the others ran
-        try:
-            check_config(run.config, subcommand=run.subcommand)
-        except UserError as e:
-            raise UserError(f"sweep {config}: run {run.name}: {e.what}", fix=e.fix) from e
+    result = run_sweep(config, force=force, dry_run=dry_run, jobs=jobs)
     if dry_run:
-        for run in runs:
-            done = is_done(run) and not force
-            print(
-                f"{run.name:<32} qharness {run.subcommand} {run.config_path}  {'(finished: skipped)' if done else ''}"
-            )
+        for run in result["runs"]:
+            skipped = "(finished: skipped)" if run["state"] == "finished" else ""
+            print(f"{run['name']:<32} qharness {run['subcommand']} {run['config']}  {skipped}")
         return
-    result = run_sweep(config, force=force, jobs=jobs)
     rep = result["report"]
     print()
     if rep is not None:

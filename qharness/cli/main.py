@@ -43,7 +43,8 @@ SUBCOMMANDS = {
     "sweep": "run the FP baseline and recipes x modes (PTQ, QAT) from one sweep config, then the report",
 }
 
-# Run-config subcommands go through LightningCLI (cli/lightning.py); the plain ones are the functions of cli/commands.py.
+# Run-config subcommands go through LightningCLI (api/jobs.run_argv, api/lightning_cli.py); the plain ones are the
+# functions of cli/commands.py.
 LIGHTNING = ("fit", "calibrate", "validate", "test", "export", "evaluate", "sensitivity", "autotune")
 PLAIN = ("recipes", "generate", "bench", "profile", "report", "sweep")
 
@@ -78,32 +79,6 @@ def rewrite_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def _option(argv: list[str], name: str):
-    """The last value given to ``--name VALUE`` or ``--name=VALUE`` (None if absent)."""
-    value = None
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(name + "="):
-            value = a[len(name) + 1 :]
-    return value
-
-
-def check_tasks_early(argv: list[str], run) -> None:
-    """lm-eval task names (and whether their data can be reached) checked before Lightning is even imported, so a
-    typo or an offline machine fails in a second or two: ``eval.tasks`` of the pre-check's ``RunConfig`` (``run``;
-    None: it could not read the config, and preflight checks them), or evaluate's ``--tasks a,b``."""
-    if argv[0] not in ("fit", "calibrate", "export", "evaluate") or run is None:
-        return
-    if argv[0] != "evaluate" and not run.eval.enabled:
-        return
-    given = _option(argv, "--tasks") if argv[0] == "evaluate" else None
-    tasks = [t.strip() for t in given.strip("[]").split(",") if t.strip()] if given else run.eval.tasks
-    from qharness.evaluation.tasks import check_tasks
-
-    check_tasks([str(t) for t in tasks], run.eval.include_path)
-
-
 def _fail(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -133,14 +108,10 @@ def main(argv: list[str] | None = None) -> None:
             call(getattr(commands, argv[0]), argv[1:], prog=f"qharness {argv[0]}")
             return
         argv = rewrite_argv(argv)
-        from qharness.cli.precheck import precheck
-
-        run = precheck(argv)  # the config's own errors in about a second, before torch loads
-        check_tasks_early(argv, run)
-        from qharness.cli.lightning import run_lightning_cli
+        from qharness.api.jobs import run_argv
 
         try:
-            run_lightning_cli(argv)
+            run_argv(argv)  # the config checked before torch loads, then LightningCLI
         except SystemExit as e:  # Lightning stops on SIGTERM with SIGTERMException (a SystemExit of code None)
             if type(e).__name__ == "SIGTERMException":
                 print(

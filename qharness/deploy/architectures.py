@@ -1,7 +1,7 @@
 """Which HF architectures qharness trains and deploys, checked before any long work.
 
 qharness needs a decoder-only causal LM that ``torch.export`` traces in two forms: the logits-only
-training graph (``module.export_for_training``, exported when ``fit`` starts) and transformers'
+training graph (``prepare.export_for_training``, exported when ``fit`` starts) and transformers'
 static-KV-cache export (``lower.export_static_cache``, run after training). Nothing in qharness is
 written per architecture; ``check_architecture`` reads ``config.json``, rules out what cannot work
 (encoder-decoders, no causal-LM class, recurrent state instead of a KV cache) and, given the run's recipe,

@@ -32,7 +32,7 @@ def collect(runs_dir: str | Path, skipped: list[str] | None = None) -> list[dict
         if "wandb" in path.relative_to(runs_dir).parts:
             continue
         try:
-            summary = RunSummary.read(path).to_dict()
+            summary = RunSummary.read(path)
             run = str(path.parent.relative_to(runs_dir)) if path.parent != runs_dir else runs_dir.name
             rows.append(checked_row(summary_row(summary, run=run) | noise_of(summary)))
         except Exception as e:  # noqa: BLE001  a summary of wrong types (written by hand or another tool)

@@ -6,7 +6,7 @@ import re
 
 from qharness.checks.stats import is_stderr, stderr_name
 from qharness.errors import UserError
-from qharness.reporting.rows import STAGES, noise_of, summary_row
+from qharness.reporting.rows import STAGES, row_columns
 
 LOWER_IS_BETTER = re.compile(r"(ppl|perplexity|loss|bits_per_byte|bpb|error|latency|_ms|size|rss|diff)", re.IGNORECASE)
 
@@ -44,7 +44,7 @@ def check_metric(metric, tasks: list[str], where: str = "report.metric") -> None
     the metric itself is checked for qharness's offline tasks, whose metrics are known beforehand)."""
     from qharness.evaluation.tasks import offline_metrics
 
-    fixed = set(summary_row({"mode": "ptq", "quantized": True})) | set(noise_of({}))
+    fixed = row_columns()
     if isinstance(metric, str) and (metric == "ppl" or (metric in fixed and not metric.startswith("_"))):
         return
     parts = metric.removeprefix("eval/").split("/") if isinstance(metric, str) else []

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from qharness.config import WandbConfig
 from qharness.errors import UserError
+from qharness.run.summary import RunSummary
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def run_config(
     return out
 
 
-def log_final_row(loggers, summary: dict) -> dict | None:
+def log_final_row(loggers, summary: RunSummary) -> dict | None:
     """Log the run's final row (``summary_row(summary)``) to every ``WandbLogger`` in ``loggers``, then finish
     its wandb run so the offline files are complete. Returns the row (None: no WandbLogger)."""
     from lightning.pytorch.loggers import WandbLogger

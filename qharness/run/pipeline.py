@@ -1,7 +1,7 @@
 """The tail of every run: deploy (export -> quantize -> lower -> ``.pte``), parity gate, summary.
 
 Stages take plain inputs (``Trained``, ``HeldOut``: models, recipe, tensors, tokenizer); Lightning's side
-(``qharness.cli.lightning``) builds them from the LightningModule and the DataModule.
+(``qharness.api.lightning_cli``) builds them from the LightningModule and the DataModule.
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from qharness.checks.parity import (
 )
 from qharness.checks.stats import with_intervals
 from qharness.config import BenchConfig, EvalConfig, ExportConfig, ParityConfig
-from qharness.deploy.coverage import format_coverage
 from qharness.deploy.fastpath.twin import all_logits_twin
 from qharness.errors import ParityError, UserError
 from qharness.io.atomic import atomic_dir, write_bytes_atomic
 from qharness.progress import stage
-from qharness.run.summary import RunSummary
+from qharness.run.summary import LayerPlan, Parity, PteInfo, RunSummary, Score, Timings, typed
+from qharness.run.table import format_table
 from qharness.schema.run import check_max_seq_len
 from qharness.upstream import process
 
@@ -156,144 +156,239 @@ def deploy_and_check(
     parity_cfg: ParityConfig,
     bench_cfg: BenchConfig = BenchConfig(enabled=False),
     eval_cfg: EvalConfig = EvalConfig(enabled=False),
-) -> dict:
+) -> RunSummary:
     """Write the ``.pte``, the tokenizer and ``summary.json`` into ``run_dir``; raise ParityError on failure.
 
     The ``.pte`` is written as ``<name>.pending.pte`` and takes its final name only once the parity gate passed
     (a failed one is kept as ``<name>.FAILED_PARITY.pte``). A ``.pte`` that passed is benchmarked (``bench_cfg``)
     against the eager FP model, then the FP, fake-quant and ``.pte`` models are evaluated with lm-eval
-    (``eval_cfg``; ``eval.json``, summary ``eval``).
+    (``eval_cfg``; ``eval.json``, summary ``eval``). Stages: ``score_trained`` -> ``export_and_quantize`` ->
+    ``lower_and_write`` -> ``check_parity`` -> ``write_summary`` -> ``bench_run`` -> ``evaluate_run``.
 
     Example::
 
-        summary = deploy_and_check(module.trained(), held_out(dm, parity_cfg, calib_cfg), Path("runs/x"),
+        summary = deploy_and_check(trained(module), held_out(dm, parity_cfg, calib_cfg), Path("runs/x"),
                                    ExportConfig(), ParityConfig())
+        summary.pte.size_bytes, summary.parity.passed
     """
-    from qharness.deploy.deployed import export_path, fallback_reason, graph_coverage, kv_cache_dtype, quantized_layers
-    from qharness.deploy.lower import layer_counts, lower_to_pte, runner_metadata
-    from qharness.runtime.bench import bench, format_bench
-    from qharness.runtime.pte import PteModel
+    from qharness.deploy.lower import runner_metadata
 
     process.map_large_allocations_separately()  # freed weight-sized temporaries leave RSS (see qharness/upstream/process.py)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    recipe, fp_model, tokenizer = trained.recipe, trained.fp_model, trained.tokenizer
-    timings = {}
-    text_config = fp_model.config.get_text_config()
+    text_config = trained.fp_model.config.get_text_config()
     check_export_config(export_cfg, data.seq_len, getattr(text_config, "max_position_embeddings", None))
+    tokenizer = trained.tokenizer
     metadata = runner_metadata(
-        export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, eos_ids(fp_model, tokenizer)
+        export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, eos_ids(trained.fp_model, tokenizer)
     )
-
+    timings = Timings()
     t = time.perf_counter()
     trained = with_gptq(trained, data.calibration)
     if trained.mode == "ptq" and trained.weight_qparams is not None:
-        timings["gptq_s"] = time.perf_counter() - t
+        timings.gptq_s = time.perf_counter() - t
+    scores = score_trained(trained, data)
     keep_fp = eval_cfg.enabled  # lm-eval scores the FP model after the .pte is written
+    fp_model = trained.fp_model
+    deployed = export_and_quantize(trained, data, export_cfg, keep_fp, timings)
+    if not keep_fp:  # the deployed graph holds the weights it uses; the FP copies of quantized ones go
+        fp_model = trained.fp_model = None
+    lowered = lower_and_write(deployed, trained, metadata, export_cfg, run_dir, timings)
+    checked = check_parity(trained, lowered, data, parity_cfg, scores, timings)
+    summary = write_summary(trained, data, lowered, checked, run_dir, export_cfg, timings)
+    if summary.parity.reasons:
+        raise ParityError(f"parity gate failed for {summary.pte.path}: " + "; ".join(summary.parity.reasons))
+    if bench_cfg.enabled and trained.recipe.runs_here:
+        bench_run(summary, trained, bench_cfg, run_dir)
+    if eval_cfg.enabled:
+        pte_path = Path(summary.pte.path) if trained.recipe.runs_here else None
+        summary.eval = evaluate_run(trained, data, fp_model, checked.reference, pte_path, run_dir, eval_cfg)
+        summary.write(run_dir / "summary.json")
+    return summary
+
+
+@dataclass
+class Lowered:
+    """What lowering hands the checks: the converted graph, the program's bytes and the file they wait in for the
+    gate (``<name>.pending.pte``)."""
+
+    deployed: torch.fx.GraphModule
+    pte_bytes: bytes
+    pending: Path
+
+
+@dataclass
+class Checked:
+    """What the checks hand the summary: every model's scores, the gate's figures and the reference (the converted
+    graph with its constants folded, which lm-eval scores later)."""
+
+    metrics: dict[str, Score]
+    parity: Parity
+    reference: torch.fx.GraphModule
+
+
+def score_trained(trained: Trained, data: HeldOut) -> dict[str, dict]:
+    """The FP model's (and QAT: the trained fake-quant graph's) scores on the validation blocks; a NaN/inf loss stops
+    the run before anything is exported."""
     vx, vy = data.x, data.y
-    metrics = {
+    fp_model = trained.fp_model
+    scores = {
         "fp": score_batched(
             lambda x: fp_model(input_ids=x).logits, vx, vy, data.batch_size, desc="scoring the FP model"
         )
     }
-    if not math.isfinite(metrics["fp"]["loss"]):
+    if not math.isfinite(scores["fp"]["loss"]):
         raise UserError(
-            f"the FP model {trained.checkpoint} gives a {metrics['fp']['loss']} validation loss (stage: scoring the FP "
+            f"the FP model {trained.checkpoint} gives a {scores['fp']['loss']} validation loss (stage: scoring the FP "
             "model); nothing was exported",
             fix="use a model whose weights are finite and small enough not to overflow (check model.checkpoint)",
         )
     if trained.fake_quant is not None:  # QAT: the trained fake-quant graph
-        metrics["fake_quant"] = score_batched(
+        scores["fake_quant"] = score_batched(
             trained.fake_quant, vx, vy, data.batch_size, desc="scoring the fake-quant model"
         )
-        if not math.isfinite(metrics["fake_quant"]["loss"]):
+        if not math.isfinite(scores["fake_quant"]["loss"]):
             raise FloatingPointError(
-                f"the trained fake-quant model gives a {metrics['fake_quant']['loss']} validation loss (stage: scoring "
+                f"the trained fake-quant model gives a {scores['fake_quant']['loss']} validation loss (stage: scoring "
                 "the fake-quant model); nothing was exported. fix: lower model.lr or check the data, and train again"
             )
+    return scores
+
+
+def export_and_quantize(
+    trained: Trained, data: HeldOut, export_cfg: ExportConfig, keep_fp: bool, timings: Timings
+) -> torch.fx.GraphModule:
+    """The converted static-KV-cache graph (``deploy_graph``), timed; the FP model is copied only when lm-eval
+    scores it later (``keep_fp``) and the trained weights or torchao would change it in place."""
+    recipe = trained.recipe
     t = time.perf_counter()
     with stage(f"static-KV-cache export + quantization ({recipe.name})"):
-        # no copy of the FP model unless lm-eval scores it later and the trained weights or torchao would change it in place
         deployed = deploy_graph(
             trained,
             data.calibration,
             export_cfg.max_seq_len,
             copy_fp=keep_fp and (trained.load_trained is not None or recipe.kind == "source"),
         )
-    if not keep_fp:
-        fp_model = trained.fp_model = (
-            None  # the deployed graph holds the weights it uses; the FP copies of quantized ones go
-        )
-    timings["export_quantize_s"] = time.perf_counter() - t
+    timings.export_quantize_s = time.perf_counter() - t
+    return deployed
+
+
+def lower_and_write(
+    deployed: torch.fx.GraphModule,
+    trained: Trained,
+    metadata: dict,
+    export_cfg: ExportConfig,
+    run_dir: Path,
+    timings: Timings,
+) -> Lowered:
+    """Lower ``deployed`` to ExecuTorch with the runner's ``metadata``, write it as ``<name>.pending.pte`` (not the
+    name anyone ships) and the tokenizer beside it."""
+    from qharness.deploy.lower import lower_to_pte
+
+    recipe, tokenizer = trained.recipe, trained.tokenizer
     t = time.perf_counter()
     with stage(f"lowering to ExecuTorch ({recipe.name}, {recipe.backend})"):
         pte_bytes = lower_to_pte(deployed, recipe, export_cfg.max_seq_len, metadata)
-    timings["lower_s"] = time.perf_counter() - t
+    timings.lower_s = time.perf_counter() - t
     final = run_dir / export_cfg.filename
-    pending = write_bytes_atomic(final.with_name(final.stem + ".pending.pte"), pte_bytes)  # not the name anyone ships
+    pending = write_bytes_atomic(final.with_name(final.stem + ".pending.pte"), pte_bytes)
     with atomic_dir(run_dir / "tokenizer") as tokenizer_dir:
         tokenizer.save_pretrained(tokenizer_dir)
+    return Lowered(deployed, pte_bytes, pending)
 
+
+def check_parity(
+    trained: Trained, lowered: Lowered, data: HeldOut, cfg: ParityConfig, scores: dict[str, dict], timings: Timings
+) -> Checked:
+    """Score the converted model and (where the backend runs here) the ``.pte`` on the validation blocks, and gate
+    the ``.pte``'s decoding against the converted model's (``gate_pte``)."""
     t = time.perf_counter()
-    reference = fold_constants(deployed)  # the same outputs, the weight math done once
-    scorer = all_logits_twin(
-        reference
-    )  # the same weights and ops (and KV cache), every position's logits: one call per block
+    reference = fold_constants(lowered.deployed)  # the same outputs, the weight math done once
+    scorer = all_logits_twin(reference)  # the same weights and ops (and KV cache), every position's logits
+    scores = dict(scores)
+    scores["converted"] = score_deployed(
+        lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)),
+        data.x,
+        data.y,
+        desc="scoring the converted model",
+    )
+    reasons = non_finite_scores(scores, "converted")  # NaN passes no gate, run here or not
+    if trained.recipe.runs_here:
+        figures = gate_pte(trained, lowered, reference, data, cfg, scores, reasons)
+    else:
+        figures = {
+            "passed": False if reasons else None,
+            "skipped": f"the {trained.recipe.backend} backend cannot run on this machine (recipe runs_here: false)",
+            "reasons": reasons,
+        }
+        log.warning("parity gate skipped: %s", figures["skipped"])
+    timings.parity_s = time.perf_counter() - t
+    metrics = with_intervals(scores)  # every model scored on the same blocks: paired against FP
+    return Checked(typed(dict[str, Score], metrics, "metrics"), typed(Parity, figures, "parity"), reference)
+
+
+def gate_pte(
+    trained: Trained,
+    lowered: Lowered,
+    reference: torch.fx.GraphModule,
+    data: HeldOut,
+    cfg: ParityConfig,
+    scores: dict[str, dict],
+    reasons: list[str],
+) -> dict:
+    """The parity gate of a ``.pte`` that runs here: its scores (added to ``scores``), its decoding against the
+    converted model's, (QAT) against the trained fake-quant graph, and whether learned scales reached it exactly."""
+    from qharness.runtime.pte import PteModel
 
     def ref(tokens, start):  # called as the .pte is: last-token logits on the fast path (decode parity)
         return reference(tokens, torch.tensor([start], dtype=torch.long))
 
-    metrics["converted"] = score_deployed(
-        lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)),
-        vx,
-        vy,
-        desc="scoring the converted model",
+    pte = PteModel(lowered.pending)
+    scores["pte"] = score_deployed(pte, data.x, data.y, desc="scoring the .pte")
+    reasons = reasons + non_finite_scores(scores, "pte")
+    prompts = data.x[: cfg.prompts, : cfg.prompt_len]
+    figures = compare_decoding(
+        pte, ref, prompts, cfg.decode_steps, desc="parity: .pte vs converted decoding", tie_margin=cfg.tie_margin
     )
-    reasons = non_finite_scores(metrics, "converted")  # NaN passes no gate, run here or not
-    if recipe.runs_here:
-        pte = PteModel(pending)
-        metrics["pte"] = score_deployed(pte, vx, vy, desc="scoring the .pte")
-        reasons += non_finite_scores(metrics, "pte")
-        prompts = vx[: parity_cfg.prompts, : parity_cfg.prompt_len]
-        figures = compare_decoding(
-            pte,
-            ref,
-            prompts,
-            parity_cfg.decode_steps,
-            desc="parity: .pte vs converted decoding",
-            tie_margin=parity_cfg.tie_margin,
-        )
-        figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - metrics["converted"]["ppl"]) / metrics["converted"]["ppl"]
-        reasons += gate(figures, parity_cfg)
-        if trained.fake_quant is not None:
-            figures["fake_quant"] = against_fake_quant(trained, pte, data, metrics, parity_cfg)
-            if figures["fake_quant"]["gated"]:
-                reasons += [f".pte vs trained fake-quant: {r}" for r in figures["fake_quant"]["reasons"]]
-        if trained.weight_qparams is not None:
-            figures["learned_scales"] = carried = learned_scales_carried(deployed, trained.weight_qparams)
-            if carried["exact"] != carried["weights"]:
-                reasons.append(
-                    f"only {carried['exact']} of {carried['weights']} learned weight scales reached the program exactly"
-                )
-        figures["passed"] = not reasons
-        figures["reasons"] = reasons
-        del pte
-    else:
-        figures = {
-            "passed": False if reasons else None,
-            "skipped": f"the {recipe.backend} backend cannot run on this machine (recipe runs_here: false)",
-            "reasons": reasons,
-        }
-        log.warning("parity gate skipped: %s", figures["skipped"])
-    timings["parity_s"] = time.perf_counter() - t
-    metrics = with_intervals(metrics)  # every model scored on the same blocks vx: paired against FP
-    failed = final.with_name(final.stem + ".FAILED_PARITY.pte")
-    pte_path = failed if reasons else final  # a failed one is kept for inspection, under a name no one ships by mistake
-    os.replace(pending, pte_path)
-    if not reasons:
-        failed.unlink(missing_ok=True)  # a stale failure from an earlier export of this run
+    figures["ppl_rel_diff"] = abs(scores["pte"]["ppl"] - scores["converted"]["ppl"]) / scores["converted"]["ppl"]
+    reasons += gate(figures, cfg)
+    if trained.fake_quant is not None:
+        figures["fake_quant"] = against_fake_quant(trained, pte, data, scores, cfg)
+        if figures["fake_quant"]["gated"]:
+            reasons += [f".pte vs trained fake-quant: {r}" for r in figures["fake_quant"]["reasons"]]
+    if trained.weight_qparams is not None:
+        figures["learned_scales"] = carried = learned_scales_carried(lowered.deployed, trained.weight_qparams)
+        if carried["exact"] != carried["weights"]:
+            reasons.append(
+                f"only {carried['exact']} of {carried['weights']} learned weight scales reached the program exactly"
+            )
+    figures["passed"] = not reasons
+    figures["reasons"] = reasons
+    return figures
 
-    layers, rules = quantized_layers(deployed), [rule.raw for rule in recipe.layers]
+
+def write_summary(
+    trained: Trained,
+    data: HeldOut,
+    lowered: Lowered,
+    checked: Checked,
+    run_dir: Path,
+    export_cfg: ExportConfig,
+    timings: Timings,
+) -> RunSummary:
+    """Give the ``.pte`` its final name (``<name>.FAILED_PARITY.pte`` when the gate failed: kept for inspection,
+    under a name no one ships by mistake), write ``summary.json`` (keeping earlier evaluations) and print the table."""
+    from qharness.deploy.deployed import export_path, fallback_reason, graph_coverage, kv_cache_dtype, quantized_layers
+    from qharness.deploy.lower import layer_counts
+
+    recipe, deployed = trained.recipe, lowered.deployed
+    final = run_dir / export_cfg.filename
+    failed = final.with_name(final.stem + ".FAILED_PARITY.pte")
+    pte_path = failed if checked.parity.reasons else final
+    os.replace(lowered.pending, pte_path)
+    if not checked.parity.reasons:
+        failed.unlink(missing_ok=True)  # a stale failure from an earlier export of this run
+    layers = quantized_layers(deployed)
     summary = RunSummary(
         run_dir=str(run_dir),
         model=trained.checkpoint,
@@ -302,46 +397,46 @@ def deploy_and_check(
         mode=trained.mode,
         quantized=recipe.quantized,
         seq_len=data.seq_len,
-        eval_blocks=len(vx),
-        val_blocks=validation_blocks_id(vx, vy),
+        eval_blocks=len(data.x),
+        val_blocks=validation_blocks_id(data.x, data.y),
         distill=trained.distill,
         lora=trained.lora,
-        metrics=metrics,
-        parity=figures,
-        pte={
-            "path": str(pte_path),
-            "size_bytes": pte_path.stat().st_size,
-            "max_seq_len": export_cfg.max_seq_len,
-            "export_path": export_path(deployed),
-            "fallback_reason": fallback_reason(deployed),
-            "kv_cache": kv_cache_dtype(deployed),
-            "sha256": hashlib.sha256(pte_bytes).hexdigest(),
-        },
-        layers=None if layers is None else {"schemes": layers, "counts": layer_counts(layers), "rules": rules},
+        metrics=checked.metrics,
+        parity=checked.parity,
+        pte=PteInfo(
+            path=str(pte_path),
+            size_bytes=pte_path.stat().st_size,
+            max_seq_len=export_cfg.max_seq_len,
+            export_path=export_path(deployed),
+            fallback_reason=fallback_reason(deployed),
+            kv_cache=kv_cache_dtype(deployed),
+            sha256=hashlib.sha256(lowered.pte_bytes).hexdigest(),
+        ),
+        layers=None
+        if layers is None
+        else LayerPlan(layers, layer_counts(layers), [rule.raw for rule in recipe.layers]),
         coverage=graph_coverage(deployed),
         timings=timings,
     )
     summary.evaluations = earlier_evaluations(run_dir / "summary.json")
     summary.write(run_dir / "summary.json")
-    print(format_table(summary.to_dict()))
-    if reasons:
-        raise ParityError(f"parity gate failed for {pte_path}: " + "; ".join(reasons))
-    if bench_cfg.enabled and recipe.runs_here:
-        summary.bench = bench(
-            pte_path,
-            trained.model_dir if bench_cfg.eager else None,
-            bench_cfg.prompt_len,
-            bench_cfg.decode_tokens,
-            bench_cfg.reps,
-        )
-        summary.write(run_dir / "summary.json")
-        print(format_bench(summary.bench))
-    if eval_cfg.enabled:
-        summary.eval = evaluate_run(
-            trained, data, fp_model, reference, pte_path if recipe.runs_here else None, run_dir, eval_cfg
-        )
-        summary.write(run_dir / "summary.json")
-    return summary.to_dict()
+    print(format_table(summary))
+    return summary
+
+
+def bench_run(summary: RunSummary, trained: Trained, cfg: BenchConfig, run_dir: Path) -> None:
+    """Benchmark the ``.pte`` (and, with ``bench.eager``, the eager FP model in a fresh process) into ``summary``."""
+    from qharness.runtime.bench import bench, format_bench
+
+    summary.bench = bench(
+        Path(summary.pte.path),
+        trained.model_dir if cfg.eager else None,
+        cfg.prompt_len,
+        cfg.decode_tokens,
+        cfg.reps,
+    )
+    summary.write(run_dir / "summary.json")
+    print(format_bench(summary.bench))
 
 
 def non_finite_scores(metrics: dict, key: str) -> list[str]:
@@ -412,67 +507,3 @@ def earlier_evaluations(path: Path) -> list[dict]:
         return RunSummary.read(path).evaluations
     except UserError:  # an unreadable summary is replaced; its evaluations' own files stay beside it
         return []
-
-
-def format_table(summary: dict) -> str:
-    m, p = summary["metrics"], summary["parity"]
-    rows = [("model", "val loss", "val ppl", "95% interval", "vs FP [95%, paired]")]
-    for key, label in (
-        ("fp", "FP (before)"),
-        ("fake_quant", "fake-quant (trained)"),
-        ("converted", "converted (PyTorch)"),
-        ("pte", ".pte (ExecuTorch)"),
-    ):
-        if key in m:
-            ci, vs = m[key].get("ppl_ci"), m[key].get("vs_fp")
-            rows.append(
-                (
-                    label,
-                    _num(m[key]["loss"], ".4f"),
-                    _num(m[key]["ppl"], ".3f"),
-                    f"[{_num(ci[0], '.3f')}, {_num(ci[1], '.3f')}]" if ci else "-",
-                    f"{_num(vs['ppl_ratio'], '+.2%', -1)} [{_num(vs['ci'][0], '+.2%', -1)}, {_num(vs['ci'][1], '+.2%', -1)}]"
-                    if vs and vs.get("ci") and vs.get("ppl_ratio") is not None
-                    else "-",
-                )
-            )
-    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = [
-        f"{summary['recipe']} ({summary['mode']}) on {summary['eval_blocks']} validation blocks of {summary['seq_len']} tokens"
-    ]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows]
-    size = f".pte: {summary['pte']['path']} ({summary['pte']['size_bytes'] / 1e6:.2f} MB); parity "
-    if "skipped" in p:
-        verdict = f"SKIPPED: {p['skipped']}" if p["passed"] is None else "FAILED: " + "; ".join(p.get("reasons", []))
-        lines.append(size + verdict)
-    else:
-        lines.append(
-            size + f"{'PASSED' if p['passed'] else 'FAILED'}: max|Δlogit|={_num(p['max_abs_diff'], '.4g')}, "
-            f"argmax agreement={_decided(p)}, ppl diff={_num(p['ppl_rel_diff'], '.2%')}"
-        )
-        fq = p.get("fake_quant")
-        if fq:
-            verdict = ("PASSED" if fq["passed"] else "FAILED") if fq["gated"] else "reported"
-            lines.append(
-                f".pte vs trained fake-quant {verdict}: argmax agreement={_decided(fq)}, ppl diff={_num(fq['ppl_rel_diff'], '.2%')}"
-            )
-    coverage = format_coverage(summary.get("coverage"))
-    if coverage:
-        lines.append(coverage)
-    if summary.get("layers"):
-        lines.append("layers: " + ", ".join(f"{n} x {scheme}" for scheme, n in summary["layers"]["counts"].items()))
-    return "\n".join(lines)
-
-
-def _num(value, fmt: str, add: float = 0) -> str:
-    """``value + add`` formatted; a NaN/inf (None once written to JSON) as ``nan``."""
-    return "nan" if value is None or not math.isfinite(value) else format(value + add, fmt)
-
-
-def _decided(parity: dict) -> str:
-    """``0.981 (12/160 near ties)``: the gated agreement, over the positions that are not near ties."""
-    if "near_ties" not in parity:  # a summary written before near ties were counted
-        return f"{parity['argmax_agreement']:.3f}"
-    decided = parity["argmax_agreement_decided"]
-    value = "n/a" if decided is None else f"{decided:.3f}"
-    return f"{value} ({parity['near_ties']}/{parity['positions']} near ties)"

@@ -2,10 +2,15 @@
 wandb tracking and later commands. Every writer merges into the file (a later command never drops an earlier
 command's results); every reader goes through ``RunSummary.read``.
 
+Its sections are typed (``Score``, ``Parity``, ``PteInfo``, ``LayerPlan``, ``Timings``); the records other stages own
+and format themselves stay plain data: ``coverage`` (``deploy/coverage.py``), ``bench``/``bench_joint``
+(``runtime/bench.py``), ``eval``/``evaluations`` (lm-eval's table, ``evaluation/harness.py``). On disk it is the same
+JSON as before the sections were typed (schema 4): every earlier summary reads; a newer one is refused in one line.
+
 Example::
 
     s = RunSummary.read("runs/qat_xnnpack/summary.json")
-    s.kind, s.metrics["pte"]["ppl"], s.pte["size_bytes"]
+    s.kind, s.metrics["pte"].ppl, s.pte.size_bytes, s.parity.passed
     RunSummary.update("runs/qat_xnnpack/summary.json", bench=result)   # read, set the section, write atomically
 """
 
@@ -13,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +30,141 @@ from qharness.io.atomic import to_jsonable, write_json_atomic
 SCHEMA_VERSION = 4  # 1: the unversioned summaries written before this type existed; 2: before ``layers``; 3: before
 # ``coverage`` (all read)
 MODES = ("qat", "ptq")
+# a section field written as null when unset (``to_dict``): what the writer always recorded; other unset fields
+# are left out, as they were before the sections were typed (a parity gate's ``skipped``, ``fake_quant``, ...)
+KEEP_NONE = {"keep_none": True}
+
+
+def _kept() -> Any:
+    return field(default=None, metadata=KEEP_NONE)
+
+
+@dataclass
+class VsFp:
+    """A model's perplexity against the FP model's on the same blocks: ``ppl_ratio`` and its paired 95% ``ci``."""
+
+    ppl_ratio: float | None = None
+    ci: list[float] | None = None
+
+
+@dataclass
+class Score:
+    """One model scored on the validation blocks (``checks/parity.py`` scoring, ``checks/stats.with_intervals``).
+
+    Args:
+        loss: Mean token loss (None: NaN/inf, as JSON writes it).
+        ppl: Perplexity.
+        loss_se: Standard error of the per-block mean losses.
+        n_blocks: Blocks scored.
+        ppl_ci: 95% interval of the perplexity ``[lo, hi]`` (None below two blocks).
+        vs_fp: Against the FP model on the same blocks (None for the FP model itself).
+        block_losses: Mean loss of each block, in block order (the report pairs runs by them).
+    """
+
+    loss: float | None = _kept()
+    ppl: float | None = _kept()
+    loss_se: float | None = _kept()
+    n_blocks: int | None = _kept()
+    ppl_ci: list[float] | None = _kept()
+    vs_fp: VsFp | None = None
+    block_losses: list[float] | None = None
+
+
+@dataclass
+class Agreement:
+    """Logits of the ``.pte`` against a reference over compared positions (``checks/parity.py``), and the verdict.
+
+    Args:
+        max_abs_diff: Largest absolute logit difference.
+        argmax_agreement: Fraction of positions whose top-1 tokens agree.
+        positions: Positions compared.
+        tie_margin: The top-1/top-2 logit gap at or under which a position is a near tie.
+        near_ties: Positions that are near ties.
+        argmax_agreement_decided: Agreement over the positions that are not near ties (None: all are).
+        non_finite_positions: Positions with NaN/inf logits.
+        ppl_rel_diff: Relative perplexity difference of the two models.
+        passed: The verdict (None: not run here).
+        reasons: Why it failed (empty when it passed).
+    """
+
+    max_abs_diff: float | None = None
+    argmax_agreement: float | None = None
+    positions: int | None = None
+    tie_margin: float | None = None
+    near_ties: int | None = None
+    argmax_agreement_decided: float | None = _kept()
+    non_finite_positions: int | None = None
+    ppl_rel_diff: float | None = None
+    passed: bool | None = None
+    reasons: list[str] = field(default_factory=list)
+
+
+@dataclass
+class FakeQuantAgreement(Agreement):
+    """QAT: the ``.pte`` against the trained fake-quant graph; ``gated``: the verdict counts (learned scales)."""
+
+    gated: bool = False
+
+
+@dataclass
+class LearnedScales:
+    """Learned weight scales: how many the run trained (``weights``) and how many reached the program ``exact``."""
+
+    weights: int = 0
+    exact: int = 0
+
+
+@dataclass
+class Parity(Agreement):
+    """The parity gate: the ``.pte``'s decoding against the converted model's (``Agreement``), with what else it
+    checked: ``fake_quant`` (QAT), ``learned_scales``; ``skipped``: why it did not run here (``passed`` None)."""
+
+    skipped: str | None = None
+    fake_quant: FakeQuantAgreement | None = None
+    learned_scales: LearnedScales | None = None
+
+
+@dataclass
+class PteInfo:
+    """The ``.pte`` a run wrote.
+
+    Args:
+        path: As the run was given it (``RunSummary.pte_file`` finds it in the run directory).
+        size_bytes: File size.
+        max_seq_len: Its static KV cache's length.
+        export_path: How it was exported (the fast path, or HF's static cache).
+        fallback_reason: Why the fast path was not taken (None: it was).
+        kv_cache: ``fp32`` or ``int8``.
+        sha256: Digest of its bytes (later evaluations name the program they scored by it).
+    """
+
+    path: str | None = _kept()
+    size_bytes: int | None = _kept()
+    max_seq_len: int | None = _kept()
+    export_path: str | None = _kept()
+    fallback_reason: str | None = _kept()
+    kv_cache: str | None = _kept()
+    sha256: str | None = _kept()
+
+
+@dataclass
+class LayerPlan:
+    """Source-level recipes: each module's scheme in the ``.pte`` (``schemes``), ``counts`` per scheme and the
+    recipe's ``rules`` as written (``recipes/layers.py``)."""
+
+    schemes: dict[str, str] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    rules: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class Timings:
+    """Seconds per deploy stage (None: the stage did not run)."""
+
+    gptq_s: float | None = None
+    export_quantize_s: float | None = None
+    lower_s: float | None = None
+    parity_s: float | None = None
 
 
 @dataclass
@@ -71,12 +213,12 @@ class RunSummary:
     val_blocks: str | None = None
     distill: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)
-    parity: dict[str, Any] = field(default_factory=dict)
-    pte: dict[str, Any] = field(default_factory=dict)
-    layers: dict[str, Any] | None = None
+    metrics: dict[str, Score] = field(default_factory=dict)
+    parity: Parity = field(default_factory=Parity)
+    pte: PteInfo = field(default_factory=PteInfo)
+    layers: LayerPlan | None = None
     coverage: dict[str, Any] | None = None
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: Timings = field(default_factory=Timings)
     bench: dict[str, Any] | None = None
     bench_joint: dict[str, Any] | None = None
     eval: dict[str, Any] | None = None
@@ -86,6 +228,9 @@ class RunSummary:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is not one of {MODES}")
+        for f in dataclasses.fields(self):  # sections given as plain data (JSON, a caller's dict) become their types
+            if f.name in _TYPED:
+                setattr(self, f.name, typed(_hints(RunSummary)[f.name], getattr(self, f.name), f.name))
 
     @property
     def kind(self) -> str:
@@ -95,15 +240,16 @@ class RunSummary:
     @property
     def passed(self) -> bool | None:
         """The parity verdict: True, False, or None (not run here)."""
-        return self.parity.get("passed")
+        return self.parity.passed
 
     def pte_file(self, run_dir: str | Path) -> Path:
         """The run's ``.pte`` in ``run_dir``: ``pte.path`` is recorded as the run was given it (relative to the
         directory it was started from), the file is in the run directory wherever that now is."""
-        return Path(run_dir) / Path(self.pte.get("path", "")).name
+        return Path(run_dir) / Path(self.pte.path or "").name
 
     def to_dict(self) -> dict:
-        return to_jsonable(dataclasses.asdict(self))
+        """As JSON data, the same as before the sections were typed (``KEEP_NONE``)."""
+        return to_jsonable({f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)})
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "summary") -> RunSummary:
@@ -134,8 +280,10 @@ class RunSummary:
         data["schema_version"] = SCHEMA_VERSION
         try:
             return cls(**data)
-        except ValueError as e:
-            raise UserError(f"{where}: {e}") from e
+        except (TypeError, ValueError) as e:
+            raise UserError(
+                f"{where} (schema_version {version}): {e}", fix="was it written by another tool or a newer qharness?"
+            ) from e
 
     @classmethod
     def read(cls, path: str | Path) -> RunSummary:
@@ -164,3 +312,51 @@ class RunSummary:
                 raise KeyError(f"RunSummary has no field {name!r}")
         summary.write(path)
         return summary
+
+
+_TYPED = ("metrics", "parity", "pte", "layers", "timings")
+
+
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _plain(value):
+    """A section as JSON data: a dataclass's fields (unset ones only where ``KEEP_NONE``); dicts and lists of them."""
+    if dataclasses.is_dataclass(value):
+        return {
+            f.name: _plain(v)
+            for f in dataclasses.fields(value)
+            if (v := getattr(value, f.name)) is not None or f.metadata.get("keep_none")
+        }
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
+
+
+def typed(hint, value, where: str):
+    """``value`` (plain JSON data) as ``hint`` says: dataclasses from dicts (an unknown key is a ``TypeError`` naming
+    ``where``), ``X | None``, ``dict[str, X]`` and ``list[X]`` of them; anything else as it is."""
+    if value is None or hint is Any:
+        return value
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return typed(inner[0], value, where) if len(inner) == 1 else value
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):
+            return value
+        if not isinstance(value, dict):
+            raise TypeError(f"{where} is not a JSON object")
+        hints, names = _hints(hint), {f.name for f in dataclasses.fields(hint)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise TypeError(f"{where} has unknown field(s) {', '.join(unknown)}")
+        return hint(**{k: typed(hints[k], v, f"{where}.{k}") for k, v in value.items()})
+    if origin is dict and isinstance(value, dict):
+        return {k: typed(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if origin is list and isinstance(value, list):
+        return [typed(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return value

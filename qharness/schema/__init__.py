@@ -4,7 +4,7 @@
 (``DataConfig``), ``trainer`` and ``checkpoint`` (the Lightning fields qharness reads), and ``deploy``, ``parity``,
 ``calibration``, ``bench``, ``eval``, ``wandb`` (``qharness.config``). Derived from it: the CLI's ``--model.*`` and
 ``--data.*`` options and their ``--help`` (``QuantLM`` and ``TextDataModule`` take their fields from the dataclasses),
-the check before torch loads (``cli/precheck.py``), the Python API's configs, and ``docs/config-reference.md``
+the check before torch loads (``api/precheck.py``), the Python API's configs, and ``docs/config-reference.md``
 (``python -m qharness.schema.reference``).
 
 Adding a field: declare it, with its default and an ``Args:`` line, in its section's dataclass (and a rule in that

@@ -1,8 +1,8 @@
 """``RunConfig``: every section of a run config (what ``qharness fit CONFIG.yaml`` reads) and the rules across them.
 
 Each section checks its own fields when it is built (``validate()``); ``RunConfig.validate`` runs them and then every
-rule that needs two sections, each written once here. The CLI runs it before torch loads (``cli/precheck.py``) and
-again on the parsed config (``cli/lightning.py:preflight``); the Python API builds configs from these classes.
+rule that needs two sections, each written once here. The CLI runs it before torch loads (``api/precheck.py``) and
+again on the parsed config (``api/lightning_cli.py:preflight``); the Python API builds configs from these classes.
 
 Example::
 

@@ -1,6 +1,6 @@
 """Per-decoder-layer training graphs: the units that FSDP shards and activation checkpointing recomputes.
 
-The whole-model export (``module.export_for_training``) is one flat graph: no module boundary is left to shard or
+The whole-model export (``prepare.export_for_training``) is one flat graph: no module boundary is left to shard or
 to recompute. ``layerwise`` keeps the HF model's outer loop eager (embedding, rotary tables, mask, final norm) and
 replaces each decoder layer (and the output head, tied or not) by its own exported, recipe-prepared graph, called with the
 tensors the layer was exported with. Deployment is unchanged: it takes the trained weights by their HF names

@@ -1,4 +1,6 @@
-"""The LightningCLI behind ``qharness fit|validate|test|export``: typed config groups and hooks.
+"""The LightningCLI behind run configs (``qharness fit|calibrate|validate|test|export|evaluate|sensitivity|autotune``
+and ``qharness.api.run_job``): typed config groups and hooks; the jobs themselves are ``run/workflows.py`` and
+``run/tuning.py``, which ``QTrainer``'s methods call.
 
 Config groups: ``model`` (QuantLM), ``data`` (TextDataModule), ``trainer`` (Lightning), ``checkpoint``
 (ModelCheckpoint, written to ``<trainer.default_root_dir>/checkpoints``), ``deploy`` (ExportConfig),
@@ -11,20 +13,16 @@ row to the wandb run.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import sys
-import time
 from pathlib import Path
 
-import torch
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
+from lightning.pytorch.plugins import CheckpointIO
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from qharness.cli.args import usage_error
 from qharness.config import (
     BenchConfig,
     CalibrationConfig,
@@ -33,104 +31,24 @@ from qharness.config import (
     ParityConfig,
 )
 from qharness.data.datamodule import TextDataModule
-from qharness.errors import UserError
-from qharness.io.atomic import torch_save_atomic
+from qharness.errors import UserError, usage_error
 from qharness.io.locks import hold_run_lock
 from qharness.progress import lightning_progress_bar
-from qharness.schema import CheckpointConfig, ModelConfig, RunConfig, TrainerConfig
+from qharness.run import tuning, workflows
+from qharness.run.summary import RunSummary
+from qharness.run.workflows import RunSettings
+from qharness.schema import CheckpointConfig, RunConfig, TrainerConfig
 from qharness.schema.fields import field_docs
 from qharness.training import sharding  # noqa: F401  (registers --trainer.strategy fsdp_layers)
-from qharness.training.module import QuantLM, check_finite_state
-
-log = logging.getLogger("qharness")
-
-
-def checkpoint_dir(run_dir: str | os.PathLike) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def resolve_ckpt(ckpt_path: str | None, run_dir: str) -> str | None:
-    """``last`` -> ``<run_dir>/checkpoints/last.ckpt``; a missing file is a clear error."""
-    if ckpt_path is None:
-        return None
-    path = Path(checkpoint_dir(run_dir)) / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist", fix="train first (qharness fit) or pass --ckpt_path PATH")
-    return str(path)
-
-
-def read_checkpoint(ckpt_path: str, model_cfg) -> dict:
-    """Load a checkpoint (``weights_only=True``) and check it was trained for this model, recipe and mode
-    (``model_cfg``: the ``model`` config group, or a module's ``hparams``)."""
-    try:
-        ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise UserError(
-            f"checkpoint {ckpt_path} cannot be read ({type(e).__name__})",
-            fix="pass a Lightning .ckpt written by qharness",
-        ) from e
-    saved = ckpt.get("hyper_parameters", {}) if isinstance(ckpt, dict) else {}
-    if "state_dict" not in ckpt or not saved:
-        raise UserError(f"checkpoint {ckpt_path} is not a qharness training checkpoint")
-    for key in ("checkpoint", "recipe", "mode"):
-        if key in saved and saved[key] != model_cfg[key]:
-            raise UserError(
-                f"checkpoint {ckpt_path} was trained with model.{key}={saved[key]!r}, this config has {model_cfg[key]!r}",
-                fix="use the config the checkpoint was trained with",
-            )
-    if _lora(saved.get("lora")) != _lora(model_cfg.get("lora")):  # adapters are part of the trained state
-        raise UserError(
-            f"checkpoint {ckpt_path} was trained with model.lora={saved.get('lora')!r}, this config has "
-            f"{_lora(model_cfg.get('lora'))!r}",
-            fix="use the model.lora the checkpoint was trained with",
-        )
-    check_finite_state(ckpt["state_dict"], f"checkpoint {ckpt_path}")
-    return ckpt
-
-
-# the data settings that decide a resumed run's batches (``ResumableShuffle``): they must be the checkpoint's
-RESUME_DATA = ("seq_len", "batch_size")
-
-
-def check_resume_data(ckpt: dict, ckpt_path: str, data_cfg) -> None:
-    """Resuming training (``fit --ckpt_path``) from ``ckpt``: ``data.seq_len``/``data.batch_size`` must be the ones it
-    was trained with (Lightning stores them as ``datamodule_hyper_parameters``), else one line before training; a
-    checkpoint without them is resumed with a warning that they cannot be checked."""
-    saved = ckpt.get("datamodule_hyper_parameters")
-    if not isinstance(saved, dict) or not all(k in saved for k in RESUME_DATA):
-        log.warning(
-            "checkpoint %s does not record its data layout (data.%s): resuming without checking it",
-            ckpt_path,
-            ", data.".join(RESUME_DATA),
-        )
-        return
-    for key in RESUME_DATA:
-        if saved[key] != data_cfg[key]:
-            raise UserError(
-                f"checkpoint {ckpt_path} was trained with data.{key}={saved[key]!r}, this config has {data_cfg[key]!r}"
-                " (a resumed run must see the batches it was trained on)",
-                fix=f"resume with data.{key}: {saved[key]!r}, or start a new run (another trainer.default_root_dir, "
-                "no --ckpt_path)",
-            )
-
-
-def _lora(value) -> dict | None:
-    """``model.lora`` as plain data (a config group, a dict, a ``LoRA`` or None), for comparing."""
-    from qharness.schema.model import LoRA
-
-    if value is None:
-        return None
-    if hasattr(value, "as_dict"):
-        value = value.as_dict()
-    return (value if isinstance(value, LoRA) else LoRA(**dict(value))).record()
-
-
-def load_checkpoint(module: QuantLM, dm: TextDataModule, ckpt_path: str) -> None:
-    """Rebuild the prepared graph and load trained weights/observer state (``weights_only=True``)."""
-    ckpt = read_checkpoint(ckpt_path, module.hparams)
-    module.build(dm.batch_size, dm.seq_len)
-    module.load_trained_state(ckpt["state_dict"], f"checkpoint {ckpt_path}")
-    module.steps_trained = ckpt.get("global_step")
+from qharness.training.checkpoints import (
+    AtomicCheckpointIO,
+    SaveOnSigterm,
+    check_resume_data,
+    checkpoint_dir,
+    read_checkpoint,
+    resolve_ckpt,
+)
+from qharness.training.module import QuantLM
 
 
 def check_strategy_and_accelerator(strategy, accelerator) -> None:
@@ -239,92 +157,54 @@ def _context(model_dir: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def init_args(module: QuantLM) -> dict:
-    """The arguments ``module`` was made with (its hyperparameters, without what Lightning adds)."""
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    return {k: v for k, v in module.hparams.items() if k in names}
-
-
-class SaveOnSigterm(Callback):
-    """On SIGTERM (a scheduler's pre-emption), save ``last.ckpt`` at the batch boundary where Lightning stops,
-    so nothing since the last periodic checkpoint is lost; ``--ckpt_path last`` resumes from it."""
-
-    def __init__(self, path: Path):
-        self.path = path
-
-    def on_exception(self, trainer, pl_module, exception) -> None:
-        if isinstance(exception, SIGTERMException) and trainer.global_step > 0:
-            if trainer.fit_loop.epoch_loop.batch_progress.current.completed % trainer.accumulate_grad_batches:
-                # mid gradient accumulation: a checkpoint here would resume out of step; keep the last one
-                log.warning("SIGTERM during gradient accumulation: keeping the last step-boundary checkpoint")
-                return
-            trainer.save_checkpoint(self.path, weights_only=False)  # the full state (optimizer, loops): resumable
-
-
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """Checkpoints written as every qharness output is (``qharness.io.atomic.torch_save_atomic``): under a temporary name
-    beside ``last.ckpt``, fsynced, then renamed. Lightning's own writer stages the file in the system temp dir and
-    copies it over the old one when that is another device, so a full disk there truncated the last good checkpoint;
-    here a failed write leaves it whole and ends in one ``DiskFullError`` line."""
-
-    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        if storage_options is not None or "://" in str(path):  # remote storage: Lightning's fsspec writer
-            return super().save_checkpoint(checkpoint, path, storage_options)
-        torch_save_atomic(checkpoint, path)
-
-
 class QTrainer(Trainer):
-    """Lightning's Trainer plus ``export`` and ``calibrate``. The CLI hands it the export, parity and bench configs."""
+    """Lightning's Trainer plus the run config's jobs after training (``run/workflows.py``, ``run/tuning.py``): each
+    method is its subcommand (LightningCLI calls it with the module and the datamodule). The CLI hands it the
+    deploy, parity, calibration, bench and eval configs."""
 
     export_config: ExportConfig = ExportConfig()
     parity_config: ParityConfig = ParityConfig()
     calibration_config: CalibrationConfig = CalibrationConfig()
     bench_config: BenchConfig = BenchConfig()
     eval_config: EvalConfig = EvalConfig()
+    summary: RunSummary | None = None  # the last summary this trainer's jobs wrote
 
-    def deploy(self, model: QuantLM, datamodule: TextDataModule) -> dict:
-        """``deploy_and_check``, then the run's final row to wandb (a failed parity gate's row too)."""
+    def settings(self) -> RunSettings:
+        """The run directory and the sections the jobs read."""
+        return RunSettings(
+            Path(self.default_root_dir),
+            self.export_config,
+            self.parity_config,
+            self.calibration_config,
+            self.bench_config,
+            self.eval_config,
+        )
 
-        from qharness.errors import ParityError
+    def log_summary(self, summary: RunSummary) -> None:
+        """Keep ``summary`` and log the run's final row to wandb (a failed parity gate's row too)."""
         from qharness.reporting.tracking import log_final_row
-        from qharness.run.from_lightning import held_out, trained
-        from qharness.run.pipeline import deploy_and_check
 
-        run_dir = Path(self.default_root_dir)
-        if model.hparams.mode == "qat" and model.steps_trained == 0:
-            raise UserError(
-                "the QAT run trained 0 steps (e.g. trainer.limit_train_batches gave no batches): its .pte would be "
-                "labelled QAT without any quantization-aware training; nothing was exported",
-                fix="train at least one step (trainer.max_steps, trainer.limit_train_batches), or use qharness calibrate "
-                "with model.mode: ptq",
-            )
-        try:
-            summary = deploy_and_check(
-                trained(model),
-                held_out(datamodule, self.parity_config, self.calibration_config, self.eval_config),
-                run_dir,
-                self.export_config,
-                self.parity_config,
-                self.bench_config,
-                self.eval_config,
-            )
-        except ParityError:
-            from qharness.run.summary import RunSummary
-
-            log_final_row(self.loggers, RunSummary.read(run_dir / "summary.json").to_dict())
-            raise
+        self.summary = summary
         log_final_row(self.loggers, summary)
-        return summary
 
-    def export(self, model: QuantLM, datamodule: TextDataModule, ckpt_path: str = "last") -> dict:
+    def train_tuned(self, model: QuantLM, datamodule: TextDataModule) -> None:
+        """QAT autotune: fit ``model``, keep the finished run as ``last.ckpt``, gather its graph (as ``after_fit``)."""
+        self.fit(model, datamodule)
+        model.steps_trained = self.global_step
+        self.save_checkpoint(Path(checkpoint_dir(self.default_root_dir)) / "last.ckpt", weights_only=False)
+        model.gather()
+
+    def deploy(self, model: QuantLM, datamodule: TextDataModule) -> RunSummary:
+        """``.pte``, parity gate, benchmark and evaluation of the trained or calibrated module; writes summary.json."""
+        return workflows.deploy(model, datamodule, self.settings(), self.log_summary)
+
+    def export(self, model: QuantLM, datamodule: TextDataModule, ckpt_path: str = "last") -> RunSummary:
         """Export a trained checkpoint to ``.pte`` (static KV cache), run the parity gate, write summary.json.
 
         Args:
             ckpt_path: Checkpoint to export: ``last`` (the run's latest) or a path.
         """
-        datamodule.setup("fit")
-        load_checkpoint(model, datamodule, resolve_ckpt(ckpt_path, self.default_root_dir))
-        return self.deploy(model, datamodule)
+        return workflows.export(model, datamodule, self.settings(), ckpt_path, self.log_summary)
 
     def evaluate(
         self,
@@ -349,43 +229,7 @@ class QTrainer(Trainer):
             num_fewshot: Few-shot examples (overrides eval.num_fewshot).
             models: Comma-separated models among fp, fake_quant, converted, pte (overrides eval.models).
         """
-
-        from qharness.checks.parity import fold_constants
-        from qharness.run.from_lightning import held_out, trained
-        from qharness.run.pipeline import deploy_graph, evaluate_run, with_gptq
-
-        cfg = self.eval_config
-        run_dir = Path(self.default_root_dir)
-        pte_path = Path(pte) if pte else run_dir / self.export_config.filename
-        if "pte" in cfg.models:
-            from qharness.runtime.pte import PteModel
-
-            if not pte_path.is_file():
-                raise UserError(
-                    f"no .pte at {pte_path}", fix="run qharness export (or fit/calibrate) first, or pass --pte PATH"
-                )
-            PteModel(pte_path)  # a corrupt file fails here, before the other models are evaluated
-        datamodule.setup("fit")
-        qat = model.hparams.mode == "qat"
-        if qat and ("fake_quant" in cfg.models or "converted" in cfg.models):
-            load_checkpoint(model, datamodule, resolve_ckpt(ckpt_path or "last", self.default_root_dir))
-        run, data = trained(model), held_out(datamodule, self.parity_config, self.calibration_config, cfg)
-        converted = None
-        if "converted" in cfg.models or (not qat and "fake_quant" in cfg.models):
-            run = with_gptq(run, data.calibration)  # PTQ by GPTQ: the deployed weights are GPTQ's, as at export
-            converted = fold_constants(deploy_graph(run, data.calibration, self.export_config.max_seq_len))
-        # beside the run's own eval.json, never over it: each evaluation has its own file and summary entry
-        filename = time.strftime("eval-%Y%m%d-%H%M%S.json", time.gmtime())
-        result = evaluate_run(
-            run, data, run.fp_model, converted, pte_path if "pte" in cfg.models else None, run_dir, cfg, filename
-        )
-        summary_path = run_dir / "summary.json"
-        if summary_path.is_file():
-            from qharness.run.summary import RunSummary
-
-            sha = RunSummary.read(summary_path).pte.get("sha256") if "pte" in cfg.models else None
-            RunSummary.update(summary_path, evaluations=[{**result, "file": filename, "pte_sha256": sha}])
-        return result
+        return workflows.evaluate(model, datamodule, self.settings(), pte, ckpt_path)  # options: in eval_config
 
     def sensitivity(
         self,
@@ -405,27 +249,7 @@ class QTrainer(Trainer):
             against: ``fp``: each unit quantized alone, the rest FP; ``recipe``: each unit changed alone in the
                 recipe's quantized model (``fp`` = leaving it alone in floating point).
         """
-        from qharness.evaluation.sensitivity import check_options
-        from qharness.run.from_lightning import held_out
-
-        names = check_options(model.recipe, candidates, unit, against)
-        datamodule.setup("fit")
-        data = held_out(datamodule, self.parity_config, self.calibration_config)
-        fp_model, _ = model.load_fp()
-        return self._sensitivity_table(model, fp_model, data, names, unit, against)
-
-    def _sensitivity_table(self, model: QuantLM, fp_model, data, names: list[str], unit: str, against: str) -> dict:
-        """Measure the sensitivity table of ``fp_model`` on the held-out ``data``, record which model and blocks it
-        was measured on, write sensitivity.json/.md/.png into the run directory and print the table."""
-        from qharness.evaluation.sensitivity import format_table, measure, write_outputs
-        from qharness.run.pipeline import validation_blocks_id
-
-        result = measure(fp_model, model.recipe, data.x, data.y, data.batch_size, names, unit, against)
-        result.update(model=model.hparams.checkpoint, val_blocks=validation_blocks_id(data.x, data.y))
-        paths = write_outputs(result, Path(self.default_root_dir))
-        print(format_table(result))
-        print(f"written: {paths['json']}, {paths['table']}, {paths['png']}")
-        return result
+        return tuning.sensitivity(model, datamodule, self.settings(), candidates, unit, against)
 
     def autotune(
         self,
@@ -448,110 +272,28 @@ class QTrainer(Trainer):
             candidates: Comma-separated schemes besides fp (default: 8da8w-pc, 8da4w-pc, 8da4w-g<recipe group size>).
             unit: ``layer`` (one rule per linear) or ``block`` (one per decoder block; other layers alone).
         """
-        import json
-
-        from qharness.evaluation import autotune as at
-        from qharness.evaluation.sensitivity import check_options, scheme_recipe, unit_sizes
-        from qharness.run.from_lightning import held_out
-        from qharness.run.pipeline import validation_blocks_id
-
-        budget = at.check_budget(max_size_mb)
-        names = check_options(model.recipe, candidates, unit, "fp")
-        run_dir = Path(self.default_root_dir)
-        scheme = scheme_recipe(model.recipe, "fp")
-        datamodule.setup("fit")
-        data = held_out(datamodule, self.parity_config, self.calibration_config)
-        fp_model, _ = model.load_fp()
-        settings, seq = scheme.settings, self.export_config.max_seq_len
-        sizes = {"units": unit_sizes(fp_model, model.recipe, names, unit)}
-        rest = at.rest_bytes(fp_model, sizes, seq, settings.embedding_bits, settings.group_size)
-        at.check_fits(sizes, budget, rest)  # before any measuring: a budget nothing fits fails now
-        val = validation_blocks_id(data.x, data.y)
-        path = Path(sensitivity) if sensitivity else run_dir / "sensitivity.json"
-        table = None
-        if path.is_file():
-            table = json.loads(path.read_text())
-            why = at.table_matches(table, model.hparams.checkpoint, len(data.x), data.seq_len, val, unit)
-            if why and sensitivity:
-                raise UserError(
-                    f"--sensitivity {path} does not fit this config: {why}",
-                    fix="leave --sensitivity out (autotune measures the table), or measure it with this config",
-                )
-            print(f"[autotune] {path}: " + (f"not reused ({why}); measuring again" if why else "reused"), flush=True)
-            table = None if why else table
-        elif sensitivity:
-            raise UserError(f"--sensitivity {path} does not exist", fix="run qharness sensitivity CONFIG first")
-        if table is None:
-            table = self._sensitivity_table(model, fp_model, data, names, unit, "fp")
-        del fp_model
         command = "qharness " + " ".join(sys.argv[1:])
-        recipe_path = run_dir / at.RECIPE_FILE
-        base = model.hparams.recipe if scheme is model.recipe else scheme.name
-        base = str(Path(base).resolve()) if Path(base).suffix in (".yaml", ".yml") else base
-        correction, plan, summary = 0, None, None
-        for attempt in (1, 2):
-            plan = at.choose(table, budget, rest + correction)
-            at.check_not_all_fp(plan)
-            print(at.format_plan(plan, table), flush=True)
-            at.write_recipe(plan, recipe_path, base, command)
-            print(f"[autotune] recipe written: {recipe_path}", flush=True)
-            tuned = QuantLM(**{**init_args(model), "recipe": str(recipe_path)})
-            if tuned.hparams.mode == "qat":
-                self.fit(tuned, datamodule)
-                tuned.steps_trained = self.global_step
-                self.save_checkpoint(Path(checkpoint_dir(run_dir)) / "last.ckpt", weights_only=False)
-                tuned.gather()
-            summary = self.deploy(tuned, datamodule)
-            measured = summary["pte"]["size_bytes"]
-            print(
-                f"[autotune] .pte size: predicted {plan.predicted_bytes:,} bytes, measured {measured:,} "
-                f"({(measured - plan.predicted_bytes) / plan.predicted_bytes:+.2%}); budget {budget:,}",
-                flush=True,
-            )
-            if measured <= budget or attempt == 2 or tuned.hparams.mode == "qat":
-                break
-            correction = measured - plan.predicted_bytes
-            print(f"[autotune] over the budget: planning again with the rest corrected by {correction:+,} bytes")
-        ppl = summary["metrics"]["pte"]["ppl"]
-        record = {
-            **plan.to_dict(),
-            "command": command,
-            "recipe": str(recipe_path),
-            "sensitivity": str(path) if sensitivity or (run_dir / "sensitivity.json").is_file() else None,
-            "measured_size_bytes": measured,
-            "measured_ppl_pte": ppl,
-            "rest_correction_bytes": correction,
-            "within_budget": measured <= budget,
-        }
-        from qharness.io.atomic import write_json_atomic
-
-        write_json_atomic(run_dir / at.PLAN_FILE, record)
-        print(
-            f"[autotune] .pte ppl {ppl:.3f} (predicted {plan.predicted_ppl:.3f}); plan: {run_dir / at.PLAN_FILE}; "
-            f"run it again: qharness {'fit' if model.hparams.mode == 'qat' else 'calibrate'} CONFIG --model.recipe {recipe_path}"
+        return tuning.autotune(
+            model,
+            datamodule,
+            self.settings(),
+            max_size_mb,
+            sensitivity,
+            candidates,
+            unit,
+            self.train_tuned,
+            self.log_summary,
+            command,
         )
-        if measured > budget:
-            raise UserError(
-                f"the .pte is {measured:,} bytes, over --max_size_mb {budget / 1e6:g} (predicted {plan.predicted_bytes:,})",
-                fix=f"lower --max_size_mb by about {(measured - budget) / 1e6:.3f}, or edit {recipe_path} and run it "
-                "with qharness calibrate",
-            )
-        return record
 
-    def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> dict:
+    def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> RunSummary:
         """PTQ: calibrate the recipe's observers (``calibration.*``: blocks of training or other data), convert,
         export, lower and check the ``.pte``; writes summary.json. Needs ``model.mode: ptq``."""
-        if model.hparams.mode != "ptq":
-            raise UserError(
-                f"calibrate needs model.mode: ptq (got {model.hparams.mode!r})",
-                fix="set --model.mode ptq, or use qharness fit for QAT",
-            )
-        datamodule.setup("fit")
-        return self.deploy(model, datamodule)
+        return workflows.calibrate(model, datamodule, self.settings(), self.log_summary)
 
 
 class QArgumentParser(LightningArgumentParser):
-    """Lightning's parser, refusing in one line with a fix (``cli.args.usage_error``) instead of a usage dump."""
+    """Lightning's parser, refusing in one line with a fix (``errors.usage_error``) instead of a usage dump."""
 
     def error(self, message: str, ex: Exception | None = None):
         if not self.exit_on_error:  # a refusal jsonargparse catches itself (an inner parser, a union member)
@@ -728,9 +470,19 @@ class QHarnessCLI(LightningCLI):
             cfg["weights_only"] = True
 
 
-def run_lightning_cli(argv: list[str]) -> None:
+def run_lightning_cli(argv: list[str]) -> QHarnessCLI:
+    """Run ``argv`` (``[subcommand, --config, PATH, --field, value, ...]``) and return the CLI (its ``trainer``'s
+    ``summary``: the run's summary when it deployed). ``sys.argv`` is the command's while it runs."""
+    saved = sys.argv
     sys.argv = [sys.argv[0], *argv]  # LightningCLI reads sys.argv (passing args= as well makes it warn)
-    QHarnessCLI(
+    try:
+        return _cli()
+    finally:
+        sys.argv = saved
+
+
+def _cli() -> QHarnessCLI:
+    return QHarnessCLI(
         QuantLM,
         TextDataModule,
         trainer_class=QTrainer,
