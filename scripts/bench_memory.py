@@ -98,7 +98,6 @@ def worker(args) -> None:
     from qharness.schema.model import LoRA
     from qharness.training import sharding
     from qharness.training.layerwise import set_checkpointing
-    from qharness.schema import LoRA
     from qharness.training.prepare import prepare_for_training
     from qharness.upstream.process import map_large_allocations_separately
 

@@ -90,8 +90,8 @@ def test_callback_trains_saves_on_sigterm_and_resumes(tmp_path, tiny_llama, corp
 
     import qharness
     from qharness.api.prepare import QuantizedModel
-    from qharness.training.checkpoints import AtomicCheckpointIO
     from qharness.errors import UserError
+    from qharness.training.checkpoints import AtomicCheckpointIO
 
     model, tok = tiny(tiny_llama)
     train, val = loaders(tok, corpus)

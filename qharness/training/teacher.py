@@ -15,8 +15,8 @@ def load_teacher(source: str, trust_remote_code: bool = False):
 
         teacher = load_teacher("runs/fp32_finetune-qat")   # the fine-tuned FP model, an HF causal LM
     """
-    from qharness.sources.models import load_model_and_tokenizer, resolve_checkpoint
     from qharness.schema.model import teacher_run_checkpoint
+    from qharness.sources.models import load_model_and_tokenizer, resolve_checkpoint
 
     ckpt_path = teacher_run_checkpoint(source)
     if ckpt_path is None:
