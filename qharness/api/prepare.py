@@ -55,7 +55,7 @@ class QuantizedModel(torch.nn.Module):
         super().__init__()
         from qharness.training.module import QuantLM
 
-        lm = QuantLM(recipe=recipe, mode=mode)  # the CLI's module, for its mode switches and trained weights
+        lm = QuantLM(recipe=recipe.source or recipe.name, mode=mode)  # the CLI's module, for its mode switches and trained weights
         lm.graph = graph
         self._lm = [lm]  # in a list: not a submodule (its graph is this module's own)
         self._fp = [fp_model]  # not a submodule: no optimizer sees the FP weights, .to() leaves them on CPU
@@ -154,7 +154,7 @@ class QuantizedModel(torch.nn.Module):
             copy.deepcopy(self.fp_model), self.recipe, self.batch_size, self.seq_len, is_qat=True
         )
         graph.load_state_dict({k: v.detach().cpu() for k, v in self.graph.state_dict().items()})
-        lm = QuantLM(recipe=self.recipe, mode=self.mode)
+        lm = QuantLM(recipe=self.recipe.source or self.recipe.name, mode=self.mode)
         lm.graph = graph
         lm.to_eval()
         return graph

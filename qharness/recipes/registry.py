@@ -48,6 +48,8 @@ class Recipe:
     layers: tuple[LayerRule, ...] = ()  # per-layer settings (recipes/layers.py); first match wins, else ``settings``
     # hadamard: a rotation of the residual stream folded into the FP weights (recipes/rotation.py)
     rotation: str | None = None
+    # the name or path it was loaded from (``load_recipe(recipe.source)`` reads it again; not part of equality)
+    source: str = field(default="", compare=False)
 
     @property
     def quantized(self) -> bool:
@@ -237,6 +239,7 @@ def load_recipe(name_or_path: str) -> Recipe:
         kv_cache=kv_cache,
         layers=layers,
         rotation=rotation,
+        source=name_or_path,
     )
 
 
