@@ -24,7 +24,7 @@ MOE = dict(num_experts_per_tok=2, intermediate_size=64)
 MLA = dict(
     NO_GQA,
     q_lora_rank=32,
-    kv_lora_rank=16,
+    kv_lora_rank=32,  # a multiple of 8da4w's group size (32): kv_b_proj quantized too
     qk_nope_head_dim=16,
     qk_rope_head_dim=8,
     v_head_dim=8,
