@@ -69,13 +69,20 @@ HEAD_STD = 0.25
 
 @pytest.fixture(scope="session")
 def family_dir(tmp_path_factory, corpus):
+    """The family's tiny model and tokenizer, saved with a runner-safe output head (``conftest.runner_safe_head``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     made = {}
 
     def get(name):
         if name not in made:
             model_type, config, *_ = FAMILIES[name]
             out = tmp_path_factory.mktemp(name)
-            made[name] = make_tiny_hf(out, model_type, corpus.read_text()[:200_000], layers=2, **config)
+            make_tiny_hf(out, model_type, corpus.read_text()[:200_000], layers=2, **config)
+            model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+            runner_safe_head(model, tokenizer, std=HEAD_STD)  # saved with it: the CLI runs deploy the same model
+            model.save_pretrained(out)
+            made[name] = out
         return made[name]
 
     return get
@@ -99,7 +106,6 @@ def deploy(source, recipe_name: str, run_dir, text: str, monkeypatch) -> tuple[d
     from qharness.sources.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(str(source))
-    runner_safe_head(model, tokenizer, std=HEAD_STD)
     graphs = []
     real = pipeline.deploy_graph
     monkeypatch.setattr(pipeline, "deploy_graph", lambda *a, **k: graphs.append(real(*a, **k)) or graphs[-1])
