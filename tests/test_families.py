@@ -5,8 +5,9 @@ coverage, and no float ``linear``/``addmm``/``matmul`` against a weight in the c
 expected for the family, parity passed, and ExecuTorch's own LLM runner (``TextLLMRunner``) generating from the
 ``.pte`` what qharness's greedy loop generates.
 
-Default suite: each family with one recipe, in process (a few seconds to ~25 s each); ``-m slow``: the other recipe,
-and every family through ``qharness calibrate``. Two families also go through the CLI in the default suite.
+Default suite: each family with one recipe, in process (about 20 CPU-seconds each, mostly lowering), and GPT-NeoX
+through ``qharness calibrate`` (test_moe.py runs Mixtral's); ``-m slow``: the other recipe, and every family through
+``qharness calibrate``.
 """
 
 from __future__ import annotations
