@@ -52,7 +52,7 @@ FAMILIES = {
     # MoE saved with one tensor per expert and projection (w1/w2/w3): 4 attention + router + 4 experts x 3
     "mixtral": ("mixtral", dict(MOE, num_local_experts=4), 2 * 17 + 1, "fast", INT8),
     # MoE saved as batched 3-D expert tensors
-    "qwen3_moe": ("qwen3_moe", dict(MOE, num_experts=4, moe_intermediate_size=32), 2 * 17 + 1, "fast", W4),
+    "qwen3_moe": ("qwen3_moe", dict(MOE, num_experts=4, moe_intermediate_size=32), 2 * 17 + 1, "fast", INT8),
     # multi-head latent attention (5 projections), a dense layer (3) then an MoE one (router, 4 x 3, shared expert 3)
     "deepseek_v3": ("deepseek_v3", MLA, 5 + 3 + 5 + 1 + 12 + 3 + 1, "fast", INT8),
     # every layer windowed, the window (8) shorter than the cache
