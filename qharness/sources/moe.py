@@ -103,11 +103,13 @@ def convertible(experts: nn.Module) -> bool:
 
 
 def unconverted_experts(model: nn.Module) -> dict[str, str]:
-    """``{module name: why}`` of the modules of ``model`` holding batched 3-D expert weights that ``rewrite_moe``
-    leaves alone (not ``convertible``): no linear-based quantizer sees those weights."""
+    """``{module name: why}`` of the experts modules of ``model`` (named ``experts`` or of an ``*Experts`` class)
+    holding batched 3-D expert weights that ``rewrite_moe`` leaves alone (not ``convertible``): no linear-based
+    quantizer sees those weights."""
     found = {}
     for name, m in model.named_modules():
-        if not isinstance(m, LinearExperts) and any(p.dim() == 3 for p in m.parameters(recurse=False)):
+        is_experts = name.rsplit(".", 1)[-1] == "experts" or "Experts" in type(m).__name__
+        if is_experts and not isinstance(m, LinearExperts) and any(p.dim() == 3 for p in m.parameters(recurse=False)):
             found[name] = f"{type(m).__name__}: {_not_convertible(m)}"
     return found
 
