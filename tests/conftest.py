@@ -97,6 +97,23 @@ def make_tiny_hf(
     return out
 
 
+def runner_safe_head(model, tokenizer, seed: int = 0, std: float = 1.0) -> None:
+    """Give ``model`` (in place) a random untied output head (normal, ``std``) whose rows for EOS and for tokens that
+    are not valid UTF-8 on their own are zero, so greedy decoding varies and never picks them: ExecuTorch's
+    ``TextLLMRunner`` Python ``token_callback`` raises UnicodeDecodeError on such pieces (tied random embeddings just
+    repeat the last token)."""
+    import torch
+
+    head = model.get_output_embeddings()
+    torch.manual_seed(seed)
+    head.weight = torch.nn.Parameter(torch.randn_like(head.weight) * std)
+    model.config.get_text_config().tie_word_embeddings = False
+    model.config.tie_word_embeddings = False
+    never = [i for i in range(len(tokenizer)) if "\ufffd" in tokenizer.decode([i])] + [tokenizer.eos_token_id]
+    with torch.no_grad():
+        head.weight[never] = 0
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, corpus) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama"), corpus.read_text()[:200_000])

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import run_cli, runner_safe_head
 
 PROMPT = "To be, or not to be"
 
@@ -23,21 +23,15 @@ def fit_run(fitted):
 def varied_run(tmp_path_factory, tiny_llama):
     """A .pte (int8 dynamic) + tokenizer whose greedy text varies, through the lowering functions directly.
 
-    The tiny Llama gets a random untied ``lm_head`` (tied random embeddings just repeat the last token)
-    whose rows for EOS and for tokens that are not valid UTF-8 on their own are zero, so greedy decoding
-    never picks them: TextLLMRunner's Python ``token_callback`` raises UnicodeDecodeError on such pieces.
+    The tiny Llama gets a random untied ``lm_head`` whose greedy text varies and that TextLLMRunner's Python
+    ``token_callback`` can decode (``conftest.runner_safe_head``).
     """
     from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.recipes.registry import load_recipe
     from qharness.sources.models import load_model_and_tokenizer
 
     model, tok = load_model_and_tokenizer(str(tiny_llama))
-    torch.manual_seed(0)
-    model.lm_head.weight = torch.nn.Parameter(torch.randn_like(model.lm_head.weight))
-    model.config.tie_word_embeddings = False
-    never = [i for i in range(len(tok)) if "\ufffd" in tok.decode([i])] + [tok.eos_token_id]
-    with torch.no_grad():
-        model.lm_head.weight[never] = 0
+    runner_safe_head(model, tok)
     recipe = load_recipe("xnnpack_int8_dynamic")
     calibration = torch.randint(0, len(tok), (1, 16))
     graph = quantize_for_deploy(model, recipe, 64, lambda g: g(calibration, torch.tensor([0])))

@@ -255,3 +255,34 @@ def test_other_families_calibrate_end_to_end(tmp_path, corpus, model_type):
     result = run_cli("calibrate", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
     check_run(tmp_path / "run")
+
+
+def test_experts_moe_py_does_not_rewrite_stop_a_quantizing_recipe_before_work(tmp_path, monkeypatch):
+    """gpt-oss's experts (a clamped gate of their own, gate and up interleaved) stay batched 3-D weights: the
+    architecture check stops a quantizing recipe naming them and why, before any work (before: 'would leave 2 of 11
+    linear projections ... model.layers.0.mlp.router.weight', the experts, most of the bytes, counted nowhere)."""
+    from transformers import AutoConfig
+
+    from qharness.deploy.architectures import check_architecture
+    from qharness.errors import UserError
+    from qharness.recipes.registry import load_recipe
+
+    monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
+    AutoConfig.for_model(
+        "gpt_oss",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_local_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+    ).save_pretrained(tmp_path / "gpt_oss")
+    with pytest.raises(UserError) as e:
+        check_architecture(str(tmp_path / "gpt_oss"), recipe=load_recipe("xnnpack_int8_dynamic"), max_seq_len=32)
+    message = str(e.value)
+    assert "recipe 'xnnpack_int8_dynamic' would leave the MoE experts of GptOssForCausalLM in floating point" in message
+    assert "model.layers.0.mlp.experts (GptOssExperts: its own gate (GptOssExperts._apply_gate)" in message
+    assert "\n" not in message

@@ -164,6 +164,7 @@ def check_deploy(config, recipe, max_seq_len: int, what: str, trust_remote_code:
                 raise ProbeFailed("building") from e
             arch = type(model).__name__
             normalize_model(model)
+            _check_experts(model, recipe, what, arch)
             with stage(f"checking that {arch} deploys with {recipe.name} (a one-layer copy, once)"):
                 _deploy(model, probe_recipe, max_seq_len)
     except ProbeFailed as failed:
@@ -175,6 +176,24 @@ def check_deploy(config, recipe, max_seq_len: int, what: str, trust_remote_code:
             fix="use another recipe (qharness recipes) or a model family that deploys with it (Llama, Qwen2/3, "
             "Mistral, ...); found now, before training, instead of after it",
         ) from e
+
+
+def _check_experts(model, recipe, what: str, arch: str) -> None:
+    """``UserError`` when a quantizing ``recipe`` would leave MoE experts float: batched 3-D expert weights that
+    ``sources/moe.py`` does not rewrite into per-expert ``nn.Linear`` layers (the only form a quantizer takes)."""
+    from qharness.sources.moe import unconverted_experts
+
+    left = unconverted_experts(model)
+    if not left or not recipe.quantized:
+        return
+    name, why = next(iter(left.items()))
+    raise UserError(
+        f"{what}: recipe {recipe.name!r} would leave the MoE experts of {arch} in floating point: {name} ({why}) "
+        "holds batched 3-D expert weights that qharness/sources/moe.py does not rewrite into per-expert nn.Linear "
+        "layers, the only form a quantizer takes",
+        fix="use an MoE family whose experts qharness rewrites (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Granite-MoE, "
+        "DeepSeek-V3)",
+    )
 
 
 def check_architecture(

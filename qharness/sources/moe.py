@@ -102,6 +102,32 @@ def convertible(experts: nn.Module) -> bool:
     )
 
 
+def unconverted_experts(model: nn.Module) -> dict[str, str]:
+    """``{module name: why}`` of the experts modules of ``model`` (named ``experts`` or of an ``*Experts`` class)
+    holding batched 3-D expert weights that ``rewrite_moe`` leaves alone (not ``convertible``): no linear-based
+    quantizer sees those weights."""
+    found = {}
+    for name, m in model.named_modules():
+        is_experts = name.rsplit(".", 1)[-1] == "experts" or "Experts" in type(m).__name__
+        if is_experts and not isinstance(m, LinearExperts) and any(p.dim() == 3 for p in m.parameters(recurse=False)):
+            found[name] = f"{type(m).__name__}: {_not_convertible(m)}"
+    return found
+
+
+def _not_convertible(experts: nn.Module) -> str:
+    """What of ``experts`` ``LinearExperts`` does not reproduce (the first condition of ``convertible`` it fails)."""
+    if not hasattr(experts, "is_transposed"):
+        return "its own forward, not transformers' batched-experts implementation"
+    gated = getattr(experts, "has_gate", False)
+    if not hasattr(experts, "act_fn") or (gated and not _default_gate(experts)):
+        return f"its own gate ({type(experts).__name__}._apply_gate), not act(gate) * up"
+    if gated and not getattr(experts, "is_concatenated", True):
+        return "gate and up interleaved in one tensor"
+    if getattr(experts, "has_post_expert_norm", False):
+        return "a norm after each expert"
+    return "expert weights of another layout"
+
+
 def linear_experts(experts: nn.Module) -> LinearExperts:
     """``experts`` (a ``convertible`` batched-experts module) as a ``LinearExperts`` holding copies of its weights;
     ``experts`` itself, its weights moved to the ``meta`` device, is kept as the template ``batched_experts`` fills."""

@@ -1,0 +1,185 @@
+"""The family matrix (issue #36): one tiny random model (hidden 64, 2 layers, saved with ``save_pretrained`` with its
+tokenizer) per attention / MLP / projection pattern, deployed as a run deploys it (``pipeline.deploy_and_check``
+on the model ``load_model_and_tokenizer`` gives): every projection quantized as the recipe says (the summary's
+coverage, and no float ``linear``/``addmm``/``matmul`` against a weight in the converted graph), the export path
+expected for the family, parity passed, and ExecuTorch's own LLM runner (``TextLLMRunner``) generating from the
+``.pte`` what qharness's greedy loop generates.
+
+Default suite: each family with one recipe, in process (about 20 CPU-seconds each, mostly lowering), and GPT-NeoX
+through ``qharness calibrate`` (test_moe.py runs Mixtral's); ``-m slow``: the other recipe, and every family through
+``qharness calibrate``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import make_tiny_hf, run_cli, runner_safe_head, tiny_run_config
+from test_coverage import float_weight_matmuls
+
+INT8, W4 = "xnnpack_int8_dynamic", "xnnpack_8da4w"
+NO_GQA = dict(head_dim=None, num_key_value_heads=None)  # families that derive their head sizes
+MOE = dict(num_experts_per_tok=2, intermediate_size=64)
+MLA = dict(
+    NO_GQA,
+    q_lora_rank=32,
+    kv_lora_rank=32,  # a multiple of 8da4w's group size (32): kv_b_proj quantized too
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=8,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+)
+
+# name: (model_type, config, linear weights the deploy must quantize (2 layers + the output head), export path,
+#        the default suite's recipe); the pattern each one stands for in the comment
+FAMILIES = {
+    # fused q/k/v and gate/up projections
+    "phi3": ("phi3", {}, 2 * 4 + 1, "fast", W4),
+    # fused q/k/v, attention and MLP in parallel from the same input (use_parallel_residual)
+    "gpt_neox": ("gpt_neox", dict(NO_GQA, use_parallel_residual=True), 2 * 4 + 1, "fast", INT8),
+    # Conv1D projections: aten.addmm until normalized
+    "gpt2": ("gpt2", NO_GQA, 2 * 4 + 1, "fast", INT8),
+    # input @ weight.T through aten.matmul until normalized; parallel attention/MLP; attention outside
+    # transformers' AttentionInterface, so the generic static cache
+    "falcon": ("falcon", dict(NO_GQA, num_kv_heads=2, new_decoder_architecture=True), 2 * 4 + 1, "generic", INT8),
+    # MoE saved with one tensor per expert and projection (w1/w2/w3): 4 attention + router + 4 experts x 3
+    "mixtral": ("mixtral", dict(MOE, num_local_experts=4), 2 * 17 + 1, "fast", INT8),
+    # MoE saved as batched 3-D expert tensors
+    "qwen3_moe": ("qwen3_moe", dict(MOE, num_experts=4, moe_intermediate_size=32), 2 * 17 + 1, "fast", INT8),
+    # multi-head latent attention (5 projections), a dense layer (3) then an MoE one (router, 4 x 3, shared expert 3)
+    "deepseek_v3": ("deepseek_v3", MLA, 5 + 3 + 5 + 1 + 12 + 3 + 1, "fast", INT8),
+    # every layer windowed, the window (8) shorter than the cache
+    "mistral_window": ("mistral", dict(sliding_window=8), 2 * 7 + 1, "fast", W4),
+    # attention and final logit soft-capping, alternating window/full layers
+    "gemma2": ("gemma2", dict(sliding_window=8), 2 * 7 + 1, "fast", INT8),
+}
+OTHER = {INT8: W4, W4: INT8}
+CLI_DEFAULT = ("gpt_neox",)  # the family the default suite also runs through `qharness calibrate` (test_moe: Mixtral)
+PROMPT = "def main():"
+# the runner-safe head's scale: logits of about a trained model's spread (std ~2 over a hidden state of unit scale);
+# N(0, 1) rows give logits of std ~8 and perplexities near 1e10, where int8's rounding moves the perplexity by >2%
+HEAD_STD = 0.25
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory, corpus):
+    """The family's tiny model and tokenizer, saved with a runner-safe output head (``conftest.runner_safe_head``)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    made = {}
+
+    def get(name):
+        if name not in made:
+            model_type, config, *_ = FAMILIES[name]
+            out = tmp_path_factory.mktemp(name)
+            make_tiny_hf(out, model_type, corpus.read_text()[:200_000], layers=2, **config)
+            model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+            runner_safe_head(model, tokenizer, std=HEAD_STD)  # saved with it: the CLI runs deploy the same model
+            model.save_pretrained(out)
+            made[name] = out
+        return made[name]
+
+    return get
+
+
+def held_out(tokenizer, text: str, seq_len: int = 16):
+    """4 validation blocks (batches of 2) and 2 calibration blocks of ``text``, as ``run.from_lightning.held_out``
+    hands them to the pipeline."""
+    from qharness.run.pipeline import HeldOut
+
+    ids = torch.tensor(tokenizer(text[:20_000])["input_ids"][: 6 * (seq_len + 1)]).view(6, seq_len + 1)
+    return HeldOut(x=ids[:4, :-1], y=ids[:4, 1:], batch_size=2, calibration=ids[4:, :-1], texts=lambda: [])
+
+
+def deploy(source, recipe_name: str, run_dir, text: str, monkeypatch) -> tuple[dict, torch.fx.GraphModule]:
+    """PTQ deploy of the model at ``source`` through ``deploy_and_check`` (what ``qharness calibrate`` runs after
+    calibration): its summary and the converted graph the ``.pte`` was lowered from."""
+    from qharness.config import ExportConfig, ParityConfig
+    from qharness.recipes.registry import load_recipe
+    from qharness.run import pipeline
+    from qharness.sources.models import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer(str(source))
+    graphs = []
+    real = pipeline.deploy_graph
+    monkeypatch.setattr(pipeline, "deploy_graph", lambda *a, **k: graphs.append(real(*a, **k)) or graphs[-1])
+    trained = pipeline.Trained(model, tokenizer, load_recipe(recipe_name), "ptq", str(source), str(source))
+    parity = ParityConfig(eval_blocks=4, prompts=1, prompt_len=8, decode_steps=3)
+    summary = pipeline.deploy_and_check(
+        trained, held_out(tokenizer, text), run_dir, ExportConfig(max_seq_len=32), parity
+    )
+    return summary, graphs[0]
+
+
+def check_coverage(summary: dict, expected_weights: int) -> None:
+    """Every linear weight of the model counted, and quantized by the recipe: none float, 100% of the bytes; parity
+    passed."""
+    cov = summary["coverage"]
+    assert cov["weights"] == cov["quantized"] == expected_weights, cov
+    assert cov["float"] == {} and cov["fraction"] == 1.0, cov
+    parity = summary["parity"]
+    assert summary["quantized"] and parity["passed"], parity
+    assert parity["near_ties"] < parity["positions"], parity  # the argmax agreement counted some decided positions
+
+
+def check_runner(run_dir, new_tokens: int = 8) -> None:
+    """ExecuTorch's LLM runner generates ``new_tokens`` tokens from the run's ``.pte`` and tokenizer, the same text
+    as qharness's greedy loop (``runtime/generate.py``) over the same program."""
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    from qharness.runtime.generate import generate, load_tokenizer
+    from qharness.runtime.pte import PteModel
+
+    pte, tokenizer = run_dir / "model.pte", run_dir / "tokenizer"
+    ours = generate(PteModel(pte), load_tokenizer(tokenizer), PROMPT, max_new_tokens=new_tokens, temperature=0)
+    pieces, stats = [], []
+    config = GenerationConfig(echo=False, max_new_tokens=new_tokens, temperature=0.0, num_bos=1)
+    TextLLMRunner(str(pte), str(tokenizer)).generate(
+        PROMPT, config, token_callback=pieces.append, stats_callback=stats.append
+    )
+    assert len(ours["new_tokens"]) == new_tokens and len(set(ours["new_tokens"])) > 1, ours
+    assert "".join(pieces) == ours["text"] and stats[0].num_prompt_tokens == ours["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    "name, recipe",
+    [
+        pytest.param(name, recipe, marks=() if recipe == default else pytest.mark.slow, id=f"{name}-{recipe}")
+        for name, (*_, default) in FAMILIES.items()
+        for recipe in (default, OTHER[default])
+    ],
+)
+def test_family_deploys_fully_quantized_passes_parity_and_runs_in_the_runner(
+    name, recipe, family_dir, corpus, tmp_path, monkeypatch
+):
+    _, _, weights, path, _ = FAMILIES[name]
+    summary, graph = deploy(family_dir(name), recipe, tmp_path / "run", corpus.read_text(), monkeypatch)
+    check_coverage(summary, weights)
+    assert float_weight_matmuls(graph) == []  # counted apart from coverage.py: no projection reads a float weight
+    assert summary["pte"]["export_path"] == path, summary["pte"]["fallback_reason"]
+    check_runner(tmp_path / "run")
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=() if name in CLI_DEFAULT else pytest.mark.slow) for name in FAMILIES]
+)
+def test_family_through_calibrate(name, family_dir, corpus, tmp_path):
+    """``qharness calibrate`` with the family's recipe, as a user runs it (the architecture check's deploy probe, PTQ,
+    deploy): coverage and parity in ``summary.json``, the runner generates from the ``.pte``."""
+    _, _, weights, path, recipe = FAMILIES[name]
+    cfg = tiny_run_config(tmp_path, family_dir(name), corpus, model={"mode": "ptq", "recipe": recipe})
+    result = run_cli("calibrate", "--config", cfg)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    check_coverage(summary, weights)
+    assert summary["pte"]["export_path"] == path, summary["pte"]["fallback_reason"]
+    assert f"quantized: 100.0% of linear weight bytes ({weights} of {weights} weights)" in result.stdout
+    gen = run_cli("generate", "--pte", tmp_path / "run" / "model.pte", "--prompt", PROMPT, "--max_new_tokens", "6")
+    assert gen.returncode == 0 and gen.stdout.startswith(PROMPT), gen.stderr[-2000:]
