@@ -55,7 +55,9 @@ class QuantizedModel(torch.nn.Module):
         super().__init__()
         from qharness.training.module import QuantLM
 
-        lm = QuantLM(recipe=recipe.source or recipe.name, mode=mode)  # the CLI's module, for its mode switches and trained weights
+        lm = QuantLM(
+            recipe=recipe.source or recipe.name, mode=mode
+        )  # the CLI's module, for its mode switches and trained weights
         lm.graph = graph
         self._lm = [lm]  # in a list: not a submodule (its graph is this module's own)
         self._fp = [fp_model]  # not a submodule: no optimizer sees the FP weights, .to() leaves them on CPU
