@@ -236,6 +236,22 @@ def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: floa
     return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
 
 
+IGNORE = -100  # a target that is not scored (chat data: prompts, example boundaries); cross_entropy's ignore_index
+
+
+def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits[..., vocab]`` against ``y`` over the targets that count (not -100); 0 when none
+    does (a block of chat data that is all prompt), where the mean would be NaN.
+
+    Example::
+
+        token_loss(logits, torch.full_like(y, -100))   # tensor(0.)
+    """
+    flat = y.flatten()
+    total = F.cross_entropy(logits.flatten(0, 1), flat, ignore_index=IGNORE, reduction="sum")
+    return total / (flat != IGNORE).sum().clamp(min=1)
+
+
 class QuantLM(L.LightningModule):
     def __init__(self, **fields):
         """A causal LM trained with quantization-aware training (or calibrated) for one backend recipe.
@@ -513,7 +529,7 @@ class QuantLM(L.LightningModule):
     def loss(self, batch) -> torch.Tensor:
         """Cross-entropy of the graph's next-token predictions (validation and test; training without distill)."""
         x, y = batch
-        return F.cross_entropy(self.forward_checked(x).flatten(0, 1), y.flatten())
+        return token_loss(self.forward_checked(x), y)
 
     def forward_checked(self, x: torch.Tensor) -> torch.Tensor:
         """``graph(x)``; activations that overflowed to NaN/inf stop the run with one line naming the step: torchao's
@@ -550,8 +566,11 @@ class QuantLM(L.LightningModule):
                 f"{tuple(logits.shape)}",
                 fix="distill from a model with the student's vocabulary (tokenizer)",
             )
-        ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        kl = distill_loss(logits, target, d.temperature)
+        ce = token_loss(logits, y)
+        keep = y.flatten() != IGNORE  # chat data: the teacher is matched where the labels are trained
+        if not keep.all():
+            logits, target = logits.flatten(0, -2)[keep], target.flatten(0, -2)[keep]
+        kl = distill_loss(logits, target, d.temperature) if len(logits) else logits.sum() * 0.0
         loss = d.kl_weight * kl + (ce if d.hard_loss else 0.0)
         return {"loss": loss, "ce": ce.detach(), "kl": kl.detach()}
 
@@ -581,6 +600,8 @@ class QuantLM(L.LightningModule):
             )
 
     def validation_step(self, batch, batch_idx):
+        if not (batch[1] != IGNORE).any():
+            return  # chat data: a batch without a trained target has no loss to average in
         loss = self.loss(batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(
