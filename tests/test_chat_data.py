@@ -239,11 +239,7 @@ def test_bad_records_through_the_cli(tmp_path, tiny_llama, corpus):
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert f"error: {path}:3: messages[1] has no 'role'" in last and "fix:" in last
-    assert "Traceback" not in result.stderr
-    cfg = write_config(tmp_path / "run2.yaml", tiny_llama, path, tmp_path / "run2", data={"format": "chat"})
-    result = run_cli("fit", "--config", cfg)
-    assert result.returncode == 2
-    assert "error: the tokenizer has no chat template" in result.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in result.stderr and "training" not in result.stderr.lower()
 
 
 def make_tiny_chat_llama(out, style: str = "chatml"):
@@ -273,10 +269,11 @@ def test_qat_fit_on_conversations_exports_a_pte_that_stops_at_end_of_turn(tmp_pa
 
     model = make_tiny_chat_llama(tmp_path / "model")
     path = write_jsonl(tmp_path / "chats.jsonl", conversations(200))
-    cfg = write_config(tmp_path / "run.yaml", model, path, tmp_path / "run")
+    cfg = write_config(tmp_path / "run.yaml", model, path, tmp_path / "run", data={"seq_len": 48})
     result = run_cli("fit", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data: 200 chat examples" in result.stderr and "trained (answers)" in result.stderr
+    assert "truncated to their first 49 tokens" in result.stderr  # two-round conversations exceed seq_len + 1
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["parity"]["passed"] is True
     from transformers import AutoTokenizer
