@@ -183,6 +183,20 @@ def test_masked_targets_do_not_count_in_the_loss_or_the_scores():
     assert len(score_batched(lambda _: logits, x, none, batch_size=2)["block_losses"]) == 1
 
 
+def test_distillation_matches_the_teacher_on_trained_positions_only():
+    from qharness.training.module import distill_loss
+
+    torch.manual_seed(0)
+    student, teacher = torch.randn(2, 5, 7), torch.randn(2, 5, 7)
+    y = torch.randint(0, 7, (2, 5))
+    assert distill_loss(student, teacher, 2.0, y) == distill_loss(student, teacher, 2.0)  # text: every position
+    y[0, 1:] = IGNORE
+    keep = y != IGNORE
+    expected = distill_loss(student[keep], teacher[keep], 2.0)
+    assert torch.allclose(distill_loss(student, teacher, 2.0, y), expected)
+    assert distill_loss(student, teacher, 2.0, torch.full_like(y, IGNORE)).item() == 0.0
+
+
 def test_datamodule_detects_chat_and_keeps_text(tmp_path, tiny_llama):
     path = write_jsonl(tmp_path / "c.jsonl", conversations(60))
     template = tmp_path / "chatml.jinja"

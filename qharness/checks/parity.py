@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from qharness.progress import bar
+from qharness.sources.example_cache import IGNORE
 
 StepFn = Callable[[torch.Tensor, int], torch.Tensor]
-IGNORE = -100  # a target that is not scored (chat data: prompts and example boundaries); cross_entropy's ignore_index
 
 
 def perplexity(losses_sum: float, count: int, block_losses: list[float] | None = None) -> dict:

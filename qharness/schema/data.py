@@ -32,7 +32,8 @@ class DataConfig:
             ``role``/``content`` turns), ``instruction`` (``prompt_field``/``completion_field`` pairs, or alpaca
             ``instruction``/``input``/``output``: one user turn and the answer), or ``auto``: chat or instruction when
             the records of a .json/.jsonl source carry those fields, else text. Chat and instruction records are
-            rendered with the tokenizer's chat template (or ``chat_template``).
+            rendered with the tokenizer's chat template (or ``chat_template``). ``calibration.source`` is read in
+            the same format.
         messages_field: Chat format: the column holding the list of ``{"role", "content"}`` turns.
         prompt_field: Instruction format: the column holding the prompt (alpaca files use ``instruction``/``input``).
         completion_field: Instruction format: the column holding the answer (alpaca files use ``output``).

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from qharness.errors import UserError
 from qharness.schema.model import LoRA, ModelConfig, check_layer_units
+from qharness.sources.example_cache import IGNORE
 from qharness.upstream import imports
 
 
@@ -224,21 +225,6 @@ def set_fake_quant(graph: torch.nn.Module, enabled: bool) -> None:
             (m.enable_fake_quant if enabled else m.disable_fake_quant)()
 
 
-def distill_loss(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, averaged over token positions.
-
-    ``student``/``teacher``: logits ``[..., vocab]`` (computed in float32). Example::
-
-        distill_loss(s, s, 2.0)  # 0: identical distributions
-    """
-    s = F.log_softmax(student.float().flatten(0, -2) / temperature, dim=-1)
-    t = F.log_softmax(teacher.float().flatten(0, -2) / temperature, dim=-1)
-    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
-
-
-IGNORE = -100  # a target that is not scored (chat data: prompts, example boundaries); cross_entropy's ignore_index
-
-
 def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy of ``logits[..., vocab]`` against ``y`` over the targets that count (not -100); 0 when none
     does (a block of chat data that is all prompt), where the mean would be NaN.
@@ -250,6 +236,28 @@ def token_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     flat = y.flatten()
     total = F.cross_entropy(logits.flatten(0, 1), flat, ignore_index=IGNORE, reduction="sum")
     return total / (flat != IGNORE).sum().clamp(min=1)
+
+
+def distill_loss(
+    student: torch.Tensor, teacher: torch.Tensor, temperature: float, y: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``T^2 * KL(softmax(teacher/T) || softmax(student/T))``, averaged over token positions; with the targets ``y``
+    only over the positions whose target is trained (not -100: chat data's answers), 0 when there is none.
+
+    ``student``/``teacher``: logits ``[..., vocab]`` (computed in float32). Example::
+
+        distill_loss(s, s, 2.0)  # 0: identical distributions
+    """
+    student, teacher = student.flatten(0, -2), teacher.flatten(0, -2)
+    if y is not None:
+        keep = y.flatten() != IGNORE
+        if not keep.all():
+            student, teacher = student[keep], teacher[keep]
+        if not len(student):
+            return student.sum() * 0.0
+    s = F.log_softmax(student.float() / temperature, dim=-1)
+    t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    return F.kl_div(s, t, log_target=True, reduction="batchmean") * temperature**2
 
 
 class QuantLM(L.LightningModule):
@@ -567,10 +575,7 @@ class QuantLM(L.LightningModule):
                 fix="distill from a model with the student's vocabulary (tokenizer)",
             )
         ce = token_loss(logits, y)
-        keep = y.flatten() != IGNORE  # chat data: the teacher is matched where the labels are trained
-        if not keep.all():
-            logits, target = logits.flatten(0, -2)[keep], target.flatten(0, -2)[keep]
-        kl = distill_loss(logits, target, d.temperature) if len(logits) else logits.sum() * 0.0
+        kl = distill_loss(logits, target, d.temperature, y)  # chat data: the teacher matched on the answers only
         loss = d.kl_weight * kl + (ce if d.hard_loss else 0.0)
         return {"loss": loss, "ce": ce.detach(), "kl": kl.detach()}
 
