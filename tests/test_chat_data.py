@@ -139,6 +139,12 @@ def test_packing_has_no_target_across_example_boundaries(tmp_path):
     trained = [t for r in records for t, keep in zip(*render(tok, r["messages"])) if keep]
     assert answer_targets[answer_targets != IGNORE].tolist() == trained == answers[answer_targets != IGNORE].tolist()
     assert answer_counts["trained_tokens"] == len(trained)
+    # both are cached: a second run (or DDP rank) maps them without rendering again
+    from qharness.sources.token_cache import stats
+
+    builds = stats["builds"]
+    again, again_targets, _ = example_stream(path, fmt, tok)
+    assert stats["builds"] == builds and torch.equal(again, tokens) and torch.equal(again_targets, targets)
 
 
 def test_long_examples_truncated_or_dropped(tmp_path):
