@@ -23,6 +23,7 @@ from qharness.errors import UserError
 from qharness.progress import stage as progress_stage
 from qharness.schema.data import DataConfig
 from qharness.sources.chat import ChatFormat, detect, end_of_turn_ids, load_template
+from qharness.sources.chat_demo import EMBEDDED_CHAT, embedded_chat_file
 from qharness.sources.example_cache import describe, example_stream
 from qharness.sources.token_cache import token_stream
 
@@ -164,6 +165,8 @@ class TextDataModule(L.LightningDataModule):
         """``(tokens, targets)`` of a source in this data's format: plain text (targets None: the tokens themselves)
         or chat/instruction examples (targets -100 where nothing is trained; the data line printed)."""
         tokenizer = self.load_tokenizer()
+        if source == EMBEDDED_CHAT:  # the offline instruction dataset, written once into the cache
+            source = str(embedded_chat_file())
         fmt = self.chat_format(source, field)
         if fmt is None:
             return token_stream(source, text_field, tokenizer, field=field), None

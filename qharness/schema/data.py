@@ -19,8 +19,9 @@ class DataConfig:
     """Language-modelling data packed into fixed-length blocks.
 
     Args:
-        source: ``embedded`` (text shipped with Python: documentation topics and stdlib sources), a local
-            .txt/.json/.jsonl/.parquet/.csv file or directory, or a hub dataset id (online only).
+        source: ``embedded`` (text shipped with Python: documentation topics and stdlib sources),
+            ``embedded-chat`` (question/answer pairs built from the stdlib's docstrings: instruction data, offline),
+            a local .txt/.json/.jsonl/.parquet/.csv file or directory, or a hub dataset id (online only).
         text_field: Column holding the text (json/parquet/csv/hub sources).
         tokenizer: Where the tokenizer comes from; linked to ``model.checkpoint`` (you rarely set it).
         seq_len: Tokens per block: the sequence length the model is trained and evaluated on.
@@ -38,7 +39,7 @@ class DataConfig:
         prompt_field: Instruction format: the column holding the prompt (alpaca files use ``instruction``/``input``).
         completion_field: Instruction format: the column holding the answer (alpaca files use ``output``).
         chat_template: Chat/instruction: a Jinja chat template (a file path or the template text) used when the
-            tokenizer has none (it overrides the tokenizer's when given).
+            tokenizer has none (it overrides the tokenizer's when given); ``embedded``: the embedded model's.
         train_on: Chat/instruction: ``answers`` (loss on the assistant/completion tokens only) or ``all`` (every token
             of each example). Never across example boundaries.
         long_examples: Chat/instruction: an example longer than seq_len + 1 tokens is ``truncate``d to its first

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qharness.errors import UserError
+from qharness.sources.chat_demo import TEMPLATE
 from qharness.sources.text import _kind, local_files
 
 ROLES = ("system", "user", "assistant")
@@ -67,9 +68,12 @@ class ChatFormat:
 
 
 def load_template(value: str | None, setting: str = "data.chat_template") -> str | None:
-    """``data.chat_template``: a file's text, or the template text itself (it holds ``{{`` or ``{%``)."""
+    """``data.chat_template``: a file's text, the template text itself (it holds ``{{`` or ``{%``), or ``embedded``:
+    the embedded model's template (``sources.chat_demo.TEMPLATE``)."""
     if value is None:
         return None
+    if value == "embedded":
+        return TEMPLATE
     path = Path(value).expanduser()
     if "{{" not in value and "{%" not in value:
         if not path.is_file():
