@@ -301,3 +301,24 @@ def test_qat_fit_on_conversations_exports_a_pte_that_stops_at_end_of_turn(tmp_pa
     tok = AutoTokenizer.from_pretrained(model)
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     assert eot in PteModel(tmp_path / "run" / "model.pte").metadata()["get_eos_ids"]
+
+
+def test_embedded_chat_is_an_offline_instruction_dataset_with_its_template(tmp_path):
+    from qharness.sources.chat_demo import EMBEDDED_CHAT, TEMPLATE, embedded_chat_file, embedded_instructions
+    from qharness.sources.tokenizer import EOS, train_bpe_tokenizer
+
+    records = embedded_instructions()
+    assert len(records) > 200 and records == embedded_instructions()  # deterministic
+    assert all(r["prompt"].strip() and r["completion"].strip() for r in records)
+    path = embedded_chat_file()
+    assert path == embedded_chat_file() and [json.loads(line) for line in path.read_text().splitlines()] == records
+    tok = train_bpe_tokenizer([" ".join(r["prompt"] + " " + r["completion"] for r in records[:50])], 300)
+    dm = TextDataModule(source=EMBEDDED_CHAT, chat_template="embedded", seq_len=64, batch_size=2)
+    dm.tokenizer = tok
+    tokens, targets = dm.tokens_of(EMBEDDED_CHAT, "text")
+    assert dm.format.kind == "instruction" and dm.format.template == TEMPLATE
+    assert dm.counts["examples"] == len(records)
+    first = to_messages(records[0], "r", dm.format)
+    ids, trained = render(tok, first, TEMPLATE)
+    assert tok.decode([i for i, t in zip(ids, trained) if t]) == records[0]["completion"] + EOS
+    assert end_of_turn_ids(tok, TEMPLATE) == [tok.eos_token_id]  # the runner stops at an answer's EOS
