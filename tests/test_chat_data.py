@@ -11,7 +11,7 @@ import torch
 from qharness.data.datamodule import TextDataModule, pack
 from qharness.errors import UserError
 from qharness.sources.chat import ChatFormat, end_of_turn_ids, render, to_messages
-from qharness.sources.example_cache import IGNORE, example_stream
+from qharness.sources.example_cache import IGNORE, describe, example_stream
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -159,6 +159,11 @@ def test_long_examples_truncated_or_dropped(tmp_path):
     tokens, _, counts = example_stream(path, ChatFormat(kind="chat", max_tokens=limit, long_examples="drop"), tok)
     assert counts["dropped"] == sum(n > limit for n in lengths) and counts["examples"] == 8 - counts["dropped"]
     assert len(tokens) == sum(n for n in lengths if n <= limit)
+    first = next(i for i, n in enumerate(lengths) if n > limit)
+    line = describe(counts, ChatFormat(kind="chat", max_tokens=limit, long_examples="drop"))
+    assert (
+        f"{counts['dropped']} dropped (longer than {limit} tokens; {path}:{first + 1}: {lengths[first]} tokens)" in line
+    )
     with pytest.raises(UserError, match=r"every record is longer than data.seq_len \+ 1 = 5 tokens .*c.jsonl:1"):
         example_stream(path, ChatFormat(kind="chat", max_tokens=5, long_examples="drop"), tok)
 

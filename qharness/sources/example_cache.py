@@ -78,6 +78,7 @@ def _write_examples(files: list[Path], fmt: ChatFormat, tokenizer, ft, fy) -> di
             if fmt.long_examples == "drop":
                 n["dropped"] += 1
                 longest = longest or (where, len(ids))
+                n.setdefault("first_dropped", f"{where}: {len(ids)} tokens")
                 continue
             n["truncated"] += 1
             ids, trained = ids[: fmt.max_tokens], trained[: fmt.max_tokens]
@@ -115,5 +116,5 @@ def describe(counts: dict, fmt: ChatFormat) -> str:
     if counts["truncated"]:
         line += f", {counts['truncated']:,} truncated to their first {fmt.max_tokens} tokens"
     if counts["dropped"]:
-        line += f", {counts['dropped']:,} dropped (longer than {fmt.max_tokens} tokens)"
+        line += f", {counts['dropped']:,} dropped (longer than {fmt.max_tokens} tokens; {counts.get('first_dropped', '')})"
     return line
