@@ -221,6 +221,9 @@ def test_datamodule_detects_chat_and_keeps_text(tmp_path, tiny_llama):
     plain = TextDataModule(source=text, tokenizer=str(tiny_llama), seq_len=16, batch_size=2)
     plain.setup()
     assert plain.format is None and not (plain.train_y == IGNORE).any()
+    assert torch.equal(plain.val_tokens, torch.cat([plain.val_x.flatten(), plain.val_y[-1, -1:]]))  # lm-eval's text
+    scored = dm.val_y.flatten() != IGNORE  # chat: the text unmasked, the targets its tokens where trained
+    assert not (dm.val_tokens == IGNORE).any() and torch.equal(dm.val_tokens[1:][scored], dm.val_y.flatten()[scored])
 
 
 def _error(records, tmp_path, tok=None, **fmt) -> str:
