@@ -5,6 +5,10 @@ memory-mapped token cache (``qharness.sources.token_cache``: bounded memory for 
 The token stream is cut into non-overlapping blocks of ``seq_len`` inputs (targets are the next tokens; the blocks
 are views of the map); the last ``val_fraction`` of the stream is the validation split.
 
+Chat and instruction records (``data.format``) are rendered with the chat template into examples that are packed the
+same way (``qharness.sources.example_cache``); their targets are -100 wherever nothing is trained (prompts, the first
+token of each example), which the loss and the scores skip. Split, resume and DDP sharding index blocks as for text.
+
 Example::
 
     dm = TextDataModule(source="../shared/data/tinyshakespeare/input.txt", seq_len=64, batch_size=8)
