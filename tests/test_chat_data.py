@@ -94,6 +94,13 @@ def test_loss_mask_covers_exactly_the_assistant_tokens(style):
     assert all_ids == ids and all(all_trained)
 
 
+def test_a_slow_tokenizer_gives_the_same_mask_piece_by_piece(monkeypatch):
+    tok = chat_tokenizer("llama3")
+    fast = render(tok, CONVERSATION)
+    monkeypatch.setattr(type(tok), "is_fast", property(lambda self: False))
+    assert render(tok, CONVERSATION) == fast
+
+
 def test_generation_markers_give_the_same_mask_as_prefix_renders():
     tok = chat_tokenizer("chatml")
     assert render(tok, CONVERSATION, template=CHATML_GENERATION) == render(tok, CONVERSATION)

@@ -261,13 +261,27 @@ def render(
         out = _render_generation(tokenizer, messages, template, where)
     else:
         text, spans = answer_spans(tokenizer, messages, template, where)
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = enc["input_ids"]
-        trained = [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]]
-        out = ids, trained
+        out = _tokens_in_spans(tokenizer, text, spans)
     if train_on == "all":
         return out[0], [True] * len(out[0])
     return out
+
+
+def _tokens_in_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    """The tokens of ``text`` and whether each starts inside a span: the whole text tokenized with offsets (a fast
+    tokenizer), else piece by piece between the span ends (a slow one)."""
+    if getattr(tokenizer, "is_fast", False):
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return enc["input_ids"], [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]]
+    ids, trained, at = [], [], 0
+    for a, b in [*spans, (len(text), len(text))]:
+        for piece, inside in ((text[at:a], False), (text[a:b], True)):
+            if piece:
+                piece_ids = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                ids += piece_ids
+                trained += [inside] * len(piece_ids)
+        at = b
+    return ids, trained
 
 
 def _render_generation(tokenizer, messages, template, where):
