@@ -263,6 +263,20 @@ def test_bad_records_name_the_record_and_field(tmp_path):
         example_stream(str(tmp_path / "bad.jsonl"), ChatFormat(kind="chat", max_tokens=500), chat_tokenizer("chatml"))
 
 
+def test_bad_templates_and_sources_are_one_line(tmp_path, tiny_llama):
+    from qharness.sources.chat import load_template
+
+    with pytest.raises(UserError, match="data.chat_template 'chat.jinja' is neither a file nor a Jinja template"):
+        load_template("chat.jinja")
+    (tmp_path / "chat.jinja").write_text(CHATML)
+    assert load_template(str(tmp_path / "chat.jinja")) == CHATML == load_template(CHATML)
+    text = tmp_path / "notes.txt"
+    text.write_text("plain text " * 100)
+    dm = TextDataModule(source=str(text), tokenizer=str(tiny_llama), format="chat", chat_template=CHATML)
+    with pytest.raises(UserError, match=r"notes.txt is not a .json/.jsonl .* file of chat or instruction records"):
+        dm.setup()
+
+
 def test_bad_records_through_the_cli(tmp_path, tiny_llama, corpus):
     from conftest import run_cli, write_config
 
