@@ -311,6 +311,30 @@ def make_tiny_chat_llama(out, style: str = "chatml"):
     return out
 
 
+@pytest.mark.slow
+def test_qat_fit_on_an_alpaca_file_with_a_llama3_template(tmp_path):
+    """The alpaca mapping and the Llama-3 template end to end (the fast tests check both in-process)."""
+    from conftest import run_cli, write_config
+
+    from qharness.runtime.pte import PteModel
+
+    model = make_tiny_chat_llama(tmp_path / "model", "llama3")
+    records = [
+        {"instruction": f"Add {i} and {i % 7}.", "input": "" if i % 2 else "Show the sum.", "output": f"{i + i % 7}"}
+        for i in range(300)
+    ]
+    path = write_jsonl(tmp_path / "alpaca.jsonl", records)
+    cfg = write_config(tmp_path / "run.yaml", model, path, tmp_path / "run", data={"seq_len": 48})
+    result = run_cli("fit", "--config", cfg)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "data: 300 instruction examples" in result.stderr
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["parity"]["passed"] is True
+    from transformers import AutoTokenizer
+
+    eot = AutoTokenizer.from_pretrained(model).convert_tokens_to_ids("<|eot_id|>")
+    assert eot in PteModel(tmp_path / "run" / "model.pte").metadata()["get_eos_ids"]
+
+
 def test_qat_fit_on_conversations_exports_a_pte_that_stops_at_end_of_turn(tmp_path):
     from conftest import run_cli, write_config
 
