@@ -101,9 +101,15 @@ def test_a_slow_tokenizer_gives_the_same_mask_piece_by_piece(monkeypatch):
     assert render(tok, CONVERSATION) == fast
 
 
-def test_generation_markers_give_the_same_mask_as_prefix_renders():
+def test_generation_markers_give_the_same_mask_as_prefix_renders(monkeypatch):
+    import qharness.sources.chat as chat
+
     tok = chat_tokenizer("chatml")
-    assert render(tok, CONVERSATION, template=CHATML_GENERATION) == render(tok, CONVERSATION)
+    expected = render(tok, CONVERSATION)
+    monkeypatch.setattr(chat, "answer_spans", None)  # a marked template is not rendered by prefixes
+    assert render(tok, CONVERSATION, template=CHATML_GENERATION) == expected
+    trimmed = CHATML_GENERATION.replace("{% generation %}", "{%- generation -%}")
+    assert render(tok, CONVERSATION, template=trimmed) == expected
 
 
 def test_alpaca_and_prompt_completion_map_onto_the_same_rendering():

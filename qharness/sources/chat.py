@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from qharness.sources.chat_demo import TEMPLATE
 from qharness.sources.text import _kind, local_files
 
 ROLES = ("system", "user", "assistant")
+_GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")  # a template that marks its answers itself
 ALPACA = ("instruction", "input", "output")
 _RECORD_SUFFIXES = ".json/.jsonl (optionally .gz/.bz2/.xz)"
 
@@ -257,7 +259,7 @@ def render(
     token; every token with ``train_on="all"``)."""
     if template is None:
         template = tokenizer.chat_template
-    if "{% generation %}" in template or "{%- generation %}" in template:
+    if _GENERATION.search(template):
         out = _render_generation(tokenizer, messages, template, where)
     else:
         text, spans = answer_spans(tokenizer, messages, template, where)
