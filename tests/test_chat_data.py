@@ -260,6 +260,13 @@ def test_bad_records_name_the_record_and_field(tmp_path):
     broken = "{% for m in messages %}{{ m['content'] }}{{ raise_exception('no system turns') }}{% endfor %}"
     msg = _error([good], tmp_path, template=broken)
     assert "the chat template does not render" in msg and "bad.jsonl:1" in msg and "no system turns" in msg
+    counted = "{{ messages | length }} turns\n" + CHATML  # a prefix renders differently from the whole
+    msg = _error([good], tmp_path, template=counted)
+    assert "bad.jsonl:1: the chat template renders the turns before messages[2] differently" in msg
+    assert "data.train_on: all" in msg
+    path = write_jsonl(tmp_path / "ok.jsonl", [good])
+    fmt = ChatFormat(kind="chat", max_tokens=500, template=counted, train_on="all")
+    assert example_stream(path, fmt, chat_tokenizer("chatml"))[2]["examples"] == 1  # the fix it names works
     tok = chat_tokenizer("chatml")
     tok.chat_template = None
     msg = _error([good], tmp_path, tok=tok)

@@ -244,8 +244,8 @@ def answer_spans(
         start = len(head)
         if not text.startswith(head) or not text.startswith(done) or start > len(done.rstrip()):
             raise UserError(
-                f"the chat template renders the turns before {where}'s turn {i} differently from the whole "
-                "conversation, so its answer tokens cannot be told apart",
+                f"{where}: the chat template renders the turns before messages[{i}] differently from the whole "
+                "conversation, so the answer's tokens cannot be told apart",
                 fix="give a template with {% generation %} markers in data.chat_template, or data.train_on: all",
             )
         spans.append((start, len(done.rstrip())))
@@ -259,14 +259,13 @@ def render(
     token; every token with ``train_on="all"``)."""
     if template is None:
         template = tokenizer.chat_template
-    if _GENERATION.search(template):
-        out = _render_generation(tokenizer, messages, template, where)
-    else:
-        text, spans = answer_spans(tokenizer, messages, template, where)
-        out = _tokens_in_spans(tokenizer, text, spans)
     if train_on == "all":
-        return out[0], [True] * len(out[0])
-    return out
+        ids, _ = _tokens_in_spans(tokenizer, _render_text(tokenizer, messages, template, where), [])
+        return ids, [True] * len(ids)
+    if _GENERATION.search(template):
+        return _render_generation(tokenizer, messages, template, where)
+    text, spans = answer_spans(tokenizer, messages, template, where)
+    return _tokens_in_spans(tokenizer, text, spans)
 
 
 def _tokens_in_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
