@@ -116,5 +116,6 @@ def describe(counts: dict, fmt: ChatFormat) -> str:
     if counts["truncated"]:
         line += f", {counts['truncated']:,} truncated to their first {fmt.max_tokens} tokens"
     if counts["dropped"]:
-        line += f", {counts['dropped']:,} dropped (longer than {fmt.max_tokens} tokens; {counts.get('first_dropped', '')})"
+        first = counts.get("first_dropped", "")
+        line += f", {counts['dropped']:,} dropped (longer than {fmt.max_tokens} tokens; {first})"
     return line
