@@ -13,7 +13,7 @@ from conftest import run_cli, write_config
 
 from qharness.errors import UserError
 from qharness.schema import Distill
-from qharness.training.distillation import distill_loss
+from qharness.training.losses import distill_loss
 from qharness.training.module import QuantLM
 from qharness.training.prepare import set_fake_quant
 

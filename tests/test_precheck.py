@@ -117,7 +117,9 @@ def test_bad_config_fails_before_torch(name, tmp_path):
 
 
 def test_shipped_and_test_configs_pass(tmp_path):
-    shipped = [ROOT / "configs" / name for name in ("qat_xnnpack.yaml", "ptq_xnnpack.yaml", "qat_fsdp.yaml")]
+    shipped = [
+        ROOT / "configs" / name for name in ("qat_xnnpack.yaml", "ptq_xnnpack.yaml", "qat_fsdp.yaml", "qat_chat.yaml")
+    ]
     for config in [*shipped, _good(tmp_path)]:
         for sub in ("fit", "calibrate", "validate", "test", "export", "evaluate", "sensitivity"):
             precheck([sub, "--config", str(config), "--trainer.max_steps", "5", "--model.lr=1e-3"])

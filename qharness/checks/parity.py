@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from qharness.progress import bar
+from qharness.sources.example_cache import IGNORE
 
 StepFn = Callable[[torch.Tensor, int], torch.Tensor]
 
@@ -127,15 +128,18 @@ def _maybe_bar(iterable, desc: str | None, total: int, unit: str):
 
 def score_deployed(step: StepFn, x: torch.Tensor, y: torch.Tensor, desc: str | None = None) -> dict:
     """Validation loss/perplexity of a cache model over every position of each block (``block_logits``;
-    ``desc``: progress bar), with the mean loss of each block (``block_losses``)."""
+    ``desc``: progress bar), with the mean loss of each block (``block_losses``). Targets of -100 (chat data: prompts,
+    example boundaries) are not scored; a block without a scored target has no block loss."""
     total, count, blocks = 0.0, 0, []
     with torch.no_grad():
         for xi, yi in _maybe_bar(zip(x, y), desc, len(x), "block"):
             logits = block_logits(step, xi)
-            loss = F.cross_entropy(logits.float(), yi, reduction="sum").item()
+            loss = F.cross_entropy(logits.float(), yi, ignore_index=IGNORE, reduction="sum").item()
+            n = int((yi != IGNORE).sum())
             total += loss
-            count += yi.numel()
-            blocks.append(loss / yi.numel())
+            count += n
+            if n:
+                blocks.append(loss / n)
     return perplexity(total, count, blocks)
 
 
@@ -147,17 +151,24 @@ def score_batched(
     desc: str | None = None,
 ) -> dict:
     """Validation loss/perplexity of a no-cache model taking ``[batch_size, seq_len]`` batches (``desc``: progress bar),
-    with the mean loss of each block (``block_losses``, the order of ``x``)."""
+    with the mean loss of each block (``block_losses``, the order of ``x``). Targets of -100 are not scored, as in
+    ``score_deployed``."""
     total, count, blocks = 0.0, 0, []
     starts = range(0, len(x) - batch_size + 1, batch_size)
     with torch.no_grad():
         for i in _maybe_bar(starts, desc, len(starts), "batch"):
             logits = forward(x[i : i + batch_size])
             yb = y[i : i + batch_size]
-            losses = F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="none").view(yb.shape)
+            losses = F.cross_entropy(
+                logits.flatten(0, 1).float(), yb.flatten(), ignore_index=IGNORE, reduction="none"
+            ).view(yb.shape)
+            scored = yb != IGNORE
             total += losses.sum().item()
-            count += yb.numel()
-            blocks += losses.mean(1).tolist()
+            count += int(scored.sum())
+            if scored.all():
+                blocks += losses.mean(1).tolist()
+            else:
+                blocks += [(b[m].mean().item()) for b, m in zip(losses, scored) if m.any()]
     return perplexity(total, count, blocks)
 
 

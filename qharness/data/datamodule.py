@@ -5,6 +5,10 @@ memory-mapped token cache (``qharness.sources.token_cache``: bounded memory for 
 The token stream is cut into non-overlapping blocks of ``seq_len`` inputs (targets are the next tokens; the blocks
 are views of the map); the last ``val_fraction`` of the stream is the validation split.
 
+Chat and instruction records (``data.format``) are rendered with the chat template into examples that are packed the
+same way (``qharness.sources.example_cache``); their targets are -100 wherever nothing is trained (prompts, the first
+token of each example), which the loss and the scores skip. Split, resume and DDP sharding index blocks as for text.
+
 Example::
 
     dm = TextDataModule(source="../shared/data/tinyshakespeare/input.txt", seq_len=64, batch_size=8)
@@ -13,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import lightning as L
 import torch
@@ -21,14 +26,18 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from qharness.errors import UserError
 from qharness.progress import stage as progress_stage
 from qharness.schema.data import DataConfig
+from qharness.sources.chat import ChatFormat, detect, end_of_turn_ids, load_template
+from qharness.sources.chat_demo import EMBEDDED_CHAT, embedded_chat_file
+from qharness.sources.example_cache import describe, example_stream
 from qharness.sources.token_cache import token_stream
 
 
-def pack(stream: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Non-overlapping blocks: inputs ``[n, seq_len]`` and next-token targets ``[n, seq_len]``."""
+def pack(stream: torch.Tensor, seq_len: int, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-overlapping blocks: inputs ``[n, seq_len]`` and next-token targets ``[n, seq_len]`` (taken from ``targets``,
+    aligned with ``stream``, when given: chat data, whose untrained targets are -100)."""
     n = (len(stream) - 1) // seq_len
     x = stream[: n * seq_len].view(n, seq_len)
-    y = stream[1 : n * seq_len + 1].view(n, seq_len)
+    y = (stream if targets is None else targets)[1 : n * seq_len + 1].view(n, seq_len)
     return x, y
 
 
@@ -94,7 +103,10 @@ class TextDataModule(L.LightningDataModule):
         self.source, self.text_field, self.tokenizer_source = config.source, config.text_field, config.tokenizer
         self.seq_len, self.batch_size, self.val_fraction = config.seq_len, config.batch_size, config.val_fraction
         self.seed, self.trust_remote_code = config.seed, config.trust_remote_code
-        self.train_x = self.train_y = self.val_x = self.val_y = None
+        self.config = config
+        self.format: ChatFormat | None = None  # set up: the chat/instruction format of data.source (None: text)
+        self.counts: dict | None = None  # set up, chat/instruction: examples, tokens, trained tokens, ...
+        self.train_x = self.train_y = self.val_x = self.val_y = self.val_tokens = None
         self.tokenizer = None
 
     def load_tokenizer(self):
@@ -115,13 +127,15 @@ class TextDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.train_x is not None:
             return
-        tokenizer = self.load_tokenizer()
+        self.load_tokenizer()
         with progress_stage(f"reading and tokenizing data.source {self.source}"):
-            stream = token_stream(self.source, self.text_field, tokenizer)  # memory-mapped token cache
+            stream, targets = self.tokens_of(self.source, self.text_field)  # memory-mapped token cache
         n_val = int(len(stream) * self.val_fraction)
-        train, val = stream[: len(stream) - n_val], stream[len(stream) - n_val :]
-        self.train_x, self.train_y = pack(train, self.seq_len)
-        self.val_x, self.val_y = pack(val, self.seq_len)
+        cut = len(stream) - n_val
+        train_t, val_t = (None, None) if targets is None else (targets[:cut], targets[cut:])
+        self.train_x, self.train_y = pack(stream[:cut], self.seq_len, train_t)
+        self.val_x, self.val_y = pack(stream[cut:], self.seq_len, val_t)
+        self.val_tokens = stream[cut:][: len(self.val_x) * self.seq_len + 1]  # the validation text, unmasked
         for name, x in (("training", self.train_x), ("validation", self.val_x)):
             if len(x) < self.batch_size:
                 raise UserError(
@@ -129,6 +143,48 @@ class TextDataModule(L.LightningDataModule):
                     f"fewer than one batch (batch_size={self.batch_size})",
                     fix="use more text, a smaller seq_len/batch_size, or another val_fraction",
                 )
+
+    def chat_format(self, source: str, field: str = "data.source") -> ChatFormat | None:
+        """The chat/instruction format of ``source`` under ``data.format`` (``auto``: detected from its records),
+        None for plain text."""
+        c = self.config
+        kind = c.format
+        if kind == "auto":
+            kind = detect(source, c.messages_field, c.prompt_field, c.completion_field)
+        if kind == "text":
+            return None
+        return ChatFormat(
+            kind=kind,
+            max_tokens=self.seq_len + 1,
+            messages_field=c.messages_field,
+            prompt_field=c.prompt_field,
+            completion_field=c.completion_field,
+            template=load_template(c.chat_template),
+            train_on=c.train_on,
+            long_examples=c.long_examples,
+            field=field,
+        )
+
+    def tokens_of(self, source: str, text_field: str, field: str = "data.source"):
+        """``(tokens, targets)`` of a source in this data's format: plain text (targets None: the tokens themselves)
+        or chat/instruction examples (targets -100 where nothing is trained; the data line printed)."""
+        tokenizer = self.load_tokenizer()
+        if source == EMBEDDED_CHAT:  # the offline instruction dataset, written once into the cache
+            source = str(embedded_chat_file())
+        fmt = self.chat_format(source, field)
+        if fmt is None:
+            return token_stream(source, text_field, tokenizer, field=field), None
+        tokens, targets, counts = example_stream(source, fmt, tokenizer)
+        if field == "data.source":
+            self.format, self.counts = fmt, counts
+        print(f"[qharness] {describe(counts, fmt)}", file=sys.stderr, flush=True)
+        return tokens, targets
+
+    def end_of_turn_ids(self) -> list[int]:
+        """Chat/instruction data: the template's end-of-turn tokens (the ``.pte`` stops at them); text: none."""
+        if self.format is None:
+            return []
+        return end_of_turn_ids(self.load_tokenizer(), self.format.template)
 
     def train_dataloader(self) -> DataLoader:
         step, accumulate, rank, world = 0, 1, 0, 1

@@ -13,8 +13,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
-
 from qharness.checks.stats import is_stderr, stderr_name
 from qharness.config import MODEL_KINDS, EvalConfig, check_eval_lengths
 from qharness.errors import UserError
@@ -53,7 +51,7 @@ def max_length(cfg: EvalConfig, seq_len: int) -> int:
 
 def heldout_texts(dm) -> list[str]:
     """The run's validation text (the end of the token stream that training never saw), as documents."""
-    stream = torch.cat([dm.val_x.flatten(), dm.val_y[-1, -1:]]).tolist()
+    stream = dm.val_tokens.tolist()  # the inputs and the last target, unmasked (chat data masks targets)
     eos = dm.tokenizer.eos_token_id
     docs, cur = [], []
     for t in stream:

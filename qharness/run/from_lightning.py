@@ -48,4 +48,5 @@ def held_out(dm, parity_cfg: ParityConfig, calib_cfg: CalibrationConfig, eval_cf
         batch_size=dm.batch_size,
         calibration=calibration_blocks(calib_cfg, dm),
         texts=lambda: eval_texts(cfg, dm),
+        end_of_turn=dm.end_of_turn_ids(),
     )

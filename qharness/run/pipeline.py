@@ -61,11 +61,13 @@ def validation_blocks_id(x: torch.Tensor, y: torch.Tensor) -> str:
     return digest.hexdigest()[:16]
 
 
-def eos_ids(model, tokenizer) -> list[int]:
-    """EOS ids of the tokenizer and of the model's generation config (an id or a list)."""
+def eos_ids(model, tokenizer, end_of_turn: list[int] = ()) -> list[int]:
+    """EOS ids of the tokenizer and of the model's generation config (an id or a list), and ``end_of_turn``: a chat
+    template's end-of-turn tokens (``<|im_end|>``, ``<|eot_id|>``) when the run trained on chat/instruction data, so
+    the runner stops at the end of an answer."""
     config_eos = getattr(model.generation_config, "eos_token_id", None)
     ids = config_eos if isinstance(config_eos, list) else [config_eos]
-    return sorted({i for i in [*ids, tokenizer.eos_token_id] if i is not None})
+    return sorted({i for i in [*ids, tokenizer.eos_token_id, *end_of_turn] if i is not None})
 
 
 @dataclass
@@ -112,6 +114,7 @@ class HeldOut:
     batch_size: int
     calibration: torch.Tensor
     texts: Callable[[], list[str]]
+    end_of_turn: list[int] = dataclasses.field(default_factory=list)  # chat data: the template's end-of-turn ids
 
     @property
     def seq_len(self) -> int:
@@ -180,7 +183,10 @@ def deploy_and_check(
     check_export_config(export_cfg, data.seq_len, getattr(text_config, "max_position_embeddings", None))
     tokenizer = trained.tokenizer
     metadata = runner_metadata(
-        export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, eos_ids(trained.fp_model, tokenizer)
+        export_cfg.max_seq_len,
+        text_config.vocab_size,
+        tokenizer.bos_token_id,
+        eos_ids(trained.fp_model, tokenizer, data.end_of_turn),
     )
     timings = Timings()
     t = time.perf_counter()

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from qharness.config import check_source
 from qharness.errors import UserError
@@ -18,8 +19,9 @@ class DataConfig:
     """Language-modelling data packed into fixed-length blocks.
 
     Args:
-        source: ``embedded`` (text shipped with Python: documentation topics and stdlib sources), a local
-            .txt/.json/.jsonl/.parquet/.csv file or directory, or a hub dataset id (online only).
+        source: ``embedded`` (text shipped with Python: documentation topics and stdlib sources),
+            ``embedded-chat`` (question/answer pairs built from the stdlib's docstrings: instruction data, offline),
+            a local .txt/.json/.jsonl/.parquet/.csv file or directory, or a hub dataset id (online only).
         text_field: Column holding the text (json/parquet/csv/hub sources).
         tokenizer: Where the tokenizer comes from; linked to ``model.checkpoint`` (you rarely set it).
         seq_len: Tokens per block: the sequence length the model is trained and evaluated on.
@@ -27,6 +29,21 @@ class DataConfig:
         val_fraction: Fraction of the token stream (its end) held out for validation and parity checks.
         seed: Seed of the training-batch shuffle.
         trust_remote_code: Allow the tokenizer's own code from the hub (off by default; only for sources you trust).
+        format: ``text`` (language modelling on ``text_field``), ``chat`` (records with a ``messages_field`` list of
+            ``role``/``content`` turns), ``instruction`` (``prompt_field``/``completion_field`` pairs, or alpaca
+            ``instruction``/``input``/``output``: one user turn and the answer), or ``auto``: chat or instruction when
+            the records of a .json/.jsonl source carry those fields, else text. Chat and instruction records are
+            rendered with the tokenizer's chat template (or ``chat_template``). ``calibration.source`` is read in
+            the same format.
+        messages_field: Chat format: the column holding the list of ``{"role", "content"}`` turns.
+        prompt_field: Instruction format: the column holding the prompt (alpaca files use ``instruction``/``input``).
+        completion_field: Instruction format: the column holding the answer (alpaca files use ``output``).
+        chat_template: Chat/instruction: a Jinja chat template (a file path or the template text) used when the
+            tokenizer has none (it overrides the tokenizer's when given); ``embedded``: the embedded model's.
+        train_on: Chat/instruction: ``answers`` (loss on the assistant/completion tokens only) or ``all`` (every token
+            of each example). Never across example boundaries.
+        long_examples: Chat/instruction: an example longer than seq_len + 1 tokens is ``truncate``d to its first
+            seq_len + 1 tokens, or ``drop``ped (counted and reported).
     """
 
     source: str = "embedded"
@@ -37,6 +54,13 @@ class DataConfig:
     val_fraction: float = 0.1
     seed: int = 1234
     trust_remote_code: bool = False
+    format: Literal["auto", "text", "chat", "instruction"] = "auto"
+    messages_field: str = "messages"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    chat_template: str | None = None
+    train_on: Literal["answers", "all"] = "answers"
+    long_examples: Literal["truncate", "drop"] = "truncate"
 
     def __post_init__(self):
         self.validate()
@@ -58,9 +82,17 @@ class DataConfig:
             raise UserError(
                 f"data.val_fraction must lie in (0, 1) (got {self.val_fraction})", fix="e.g. data.val_fraction: 0.1"
             )
-        for name, example in (("text_field", "text"), ("tokenizer", "embedded")):
+        for name, example in (
+            ("text_field", "text"),
+            ("tokenizer", "embedded"),
+            ("messages_field", "messages"),
+            ("prompt_field", "prompt"),
+            ("completion_field", "completion"),
+        ):
             if not getattr(self, name).strip():
                 raise UserError(f"data.{name} is empty", fix=f"e.g. data.{name}: {example}")
+        if self.chat_template is not None and not self.chat_template.strip():
+            raise UserError("data.chat_template is empty", fix="give a Jinja template (file or text), or leave it null")
         check_source(
             "data", self.source, allow_null=False, fix="give an existing file or directory, or a hub dataset id"
         )

@@ -61,15 +61,20 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 def cache_key(source: str, text_field: str, split: str, tokenizer, piece_chars: int, field: str = "data.source") -> str:
     """The cache's name: changes when a file of the source changes (path, size, mtime), or the tokenizer/settings."""
+    blob = json.dumps(
+        [FORMAT, source_id(source, split, field), text_field, piece_chars, tokenizer_fingerprint(tokenizer)]
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def source_id(source: str, split: str, field: str) -> list:
+    """What identifies a source's content: each local file's path, size and mtime; a hub id and split."""
     files = local_files(source, field)
     if source == EMBEDDED:
-        what = ["embedded", sys.version, str(Path(os.__file__).parent)]
-    elif files is None:
-        what = ["hub", source, split]
-    else:
-        what = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-    blob = json.dumps([FORMAT, what, text_field, piece_chars, tokenizer_fingerprint(tokenizer)])
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+        return ["embedded", sys.version, str(Path(os.__file__).parent)]
+    if files is None:
+        return ["hub", source, split]
+    return [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
 
 
 def _clean_cut(tokenizer, left: str, right: str) -> bool:
@@ -139,7 +144,7 @@ def _token_arrays(source: str, text_field: str, split: str, tokenizer, piece_cha
         yield flush()
 
 
-def _open(path: Path) -> torch.Tensor:
+def open_tokens(path: Path) -> torch.Tensor:
     n = path.stat().st_size // 8
     if n == 0:
         return torch.zeros(0, dtype=torch.long)
@@ -162,14 +167,14 @@ def token_stream(
     key = cache_key(source, text_field, split, tokenizer, piece_chars, field)
     path = root / f"{key}.i64"
     if path.is_file():
-        return _open(path)
+        return open_tokens(path)
     # another rank or run building the same cache: wait for it (saying whom for; a stopped one is given up on)
     with hold_lock(root / f"{key}.lock", f"tokenizing data.source {source} into the token cache"):
         if not path.is_file():
             for stale in root.glob(f".{key}.i64.*.tmp"):  # a killed build's (we hold the lock)
                 stale.unlink(missing_ok=True)
             _build(path, source, text_field, split, tokenizer, piece_chars, chunk_bytes, field)
-    return _open(path)
+    return open_tokens(path)
 
 
 def _build(path: Path, source, text_field, split, tokenizer, piece_chars, chunk_bytes, field) -> None:

@@ -16,7 +16,6 @@ from qharness.config import CalibrationConfig
 from qharness.data.datamodule import pack
 from qharness.errors import UserError
 from qharness.progress import stage
-from qharness.sources.token_cache import token_stream
 from qharness.upstream import imports
 
 
@@ -33,15 +32,14 @@ class Calibrator(L.LightningModule):
 
 
 def calibration_blocks(cfg: CalibrationConfig, dm) -> torch.Tensor:
-    """``[blocks, seq_len]`` token blocks: the training split of ``data``, or ``calibration.source``."""
+    """``[blocks, seq_len]`` token blocks: the training split of ``data``, or ``calibration.source`` (read in the data's
+    format: chat/instruction records are rendered as in training)."""
     if cfg.blocks < 1:
         raise UserError(f"calibration.blocks must be positive (got {cfg.blocks})")
     if cfg.source is None:
         x = dm.train_x
     else:
-        x, _ = pack(
-            token_stream(cfg.source, cfg.text_field, dm.load_tokenizer(), field="calibration.source"), dm.seq_len
-        )
+        x, _ = pack(dm.tokens_of(cfg.source, cfg.text_field, field="calibration.source")[0], dm.seq_len)
         if len(x) == 0:
             raise UserError(
                 f"calibration.source {cfg.source} holds less than one block of data.seq_len={dm.seq_len} tokens"

@@ -1,7 +1,7 @@
 """The LightningModule that trains (QAT) or calibrates (PTQ) a PT2E-prepared exported graph.
 
 The graph comes from ``training/prepare.py`` (``export_for_training`` -> ``prepare_for_training``); the teacher of
-distillation from ``training/teacher.py``, its loss from ``training/distillation.py``; weights go back into the HF
+distillation from ``training/teacher.py``, its loss from ``training/losses.py``; weights go back into the HF
 model through ``training/weights.py``.
 
 Exported graphs ignore ``.train()/.eval()``; the validation/test hooks below switch them with
@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from qharness.errors import UserError
 from qharness.schema.model import ModelConfig, check_layer_units
-from qharness.training.distillation import distill_loss
+from qharness.sources.example_cache import IGNORE
+from qharness.training.losses import distill_loss, token_loss
 from qharness.training.prepare import LogitsOnly, prepare_for_training, set_fake_quant, set_static_observers
 from qharness.training.teacher import load_teacher
 from qharness.training.weights import hf_weights, load_weights_into
@@ -303,7 +304,7 @@ class QuantLM(L.LightningModule):
     def loss(self, batch) -> torch.Tensor:
         """Cross-entropy of the graph's next-token predictions (validation and test; training without distill)."""
         x, y = batch
-        return F.cross_entropy(self.forward_checked(x).flatten(0, 1), y.flatten())
+        return token_loss(self.forward_checked(x), y)
 
     def forward_checked(self, x: torch.Tensor) -> torch.Tensor:
         """``graph(x)``; activations that overflowed to NaN/inf stop the run with one line naming the step: torchao's
@@ -340,8 +341,8 @@ class QuantLM(L.LightningModule):
                 f"{tuple(logits.shape)}",
                 fix="distill from a model with the student's vocabulary (tokenizer)",
             )
-        ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        kl = distill_loss(logits, target, d.temperature)
+        ce = token_loss(logits, y)
+        kl = distill_loss(logits, target, d.temperature, y)  # chat data: the teacher matched on the answers only
         loss = d.kl_weight * kl + (ce if d.hard_loss else 0.0)
         return {"loss": loss, "ce": ce.detach(), "kl": kl.detach()}
 
@@ -371,6 +372,8 @@ class QuantLM(L.LightningModule):
             )
 
     def validation_step(self, batch, batch_idx):
+        if not (batch[1] != IGNORE).any():
+            return  # chat data: a batch without a trained target has no loss to average in
         loss = self.loss(batch)
         if not torch.isfinite(loss):
             raise FloatingPointError(
