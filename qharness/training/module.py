@@ -15,7 +15,6 @@ import math
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 
 from qharness.errors import UserError
 from qharness.schema.model import ModelConfig, check_layer_units
