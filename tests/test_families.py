@@ -92,7 +92,7 @@ def family_dir(tmp_path_factory, corpus):
 def held_out(tokenizer, text: str, seq_len: int = 16):
     """4 validation blocks (batches of 2) and 2 calibration blocks of ``text``, as ``run.from_lightning.held_out``
     hands them to the pipeline."""
-    from qharness.run.pipeline import HeldOut
+    from qharness.run.trained import HeldOut
 
     ids = torch.tensor(tokenizer(text[:20_000])["input_ids"][: 6 * (seq_len + 1)]).view(6, seq_len + 1)
     return HeldOut(x=ids[:4, :-1], y=ids[:4, 1:], batch_size=2, calibration=ids[4:, :-1], texts=lambda: [])
@@ -103,18 +103,16 @@ def deploy(source, recipe_name: str, run_dir, text: str, monkeypatch) -> tuple[d
     calibration): its summary and the converted graph the ``.pte`` was lowered from."""
     from qharness.config import ExportConfig, ParityConfig
     from qharness.recipes.registry import load_recipe
-    from qharness.run import pipeline
+    from qharness.run import pipeline, stages, trained
     from qharness.sources.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(str(source))
     graphs = []
-    real = pipeline.deploy_graph
-    monkeypatch.setattr(pipeline, "deploy_graph", lambda *a, **k: graphs.append(real(*a, **k)) or graphs[-1])
-    trained = pipeline.Trained(model, tokenizer, load_recipe(recipe_name), "ptq", str(source), str(source))
+    real = trained.deploy_graph
+    monkeypatch.setattr(stages, "deploy_graph", lambda *a, **k: graphs.append(real(*a, **k)) or graphs[-1])
+    run = trained.Trained(model, tokenizer, load_recipe(recipe_name), "ptq", str(source), str(source))
     parity = ParityConfig(eval_blocks=4, prompts=1, prompt_len=8, decode_steps=3)
-    summary = pipeline.deploy_and_check(
-        trained, held_out(tokenizer, text), run_dir, ExportConfig(max_seq_len=32), parity
-    )
+    summary = pipeline.deploy_and_check(run, held_out(tokenizer, text), run_dir, ExportConfig(max_seq_len=32), parity)
     return summary, graphs[0]
 
 

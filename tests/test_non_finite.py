@@ -54,7 +54,7 @@ def test_nan_logits_are_counted_and_fail_the_gate():
 
 # --- the pipeline -------------------------------------------------------------------------------------------------
 def _held_out(vocab):
-    from qharness.run.pipeline import HeldOut
+    from qharness.run.trained import HeldOut
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, vocab, (4, 16), generator=g)
@@ -63,7 +63,7 @@ def _held_out(vocab):
 
 def _trained(model, tokenizer, recipe="xnnpack_fp32"):
     from qharness.recipes.registry import load_recipe
-    from qharness.run.pipeline import Trained
+    from qharness.run.trained import Trained
 
     return Trained(model.eval(), tokenizer, load_recipe(recipe), "ptq", "test", "test")
 
@@ -90,9 +90,10 @@ def test_a_nan_pte_fails_the_gate_and_is_not_published(tmp_path, tiny_llama, mon
     name, and the summary table prints instead of ending in a TypeError (NaN is null in summary.json)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import qharness.run.gate as gate
     import qharness.run.pipeline as pipeline
 
-    real = pipeline.score_deployed
+    real = gate.score_deployed
 
     def score(step, x, y, desc=None):
         out = real(step, x, y, desc)
@@ -100,7 +101,7 @@ def test_a_nan_pte_fails_the_gate_and_is_not_published(tmp_path, tiny_llama, mon
             out = {**out, "loss": float("nan"), "ppl": float("nan")}
         return out
 
-    monkeypatch.setattr(pipeline, "score_deployed", score)
+    monkeypatch.setattr(gate, "score_deployed", score)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     trained = _trained(model, AutoTokenizer.from_pretrained(tiny_llama))
     with pytest.raises(ParityError, match=r"the \.pte's validation loss is nan \(stage: scoring the \.pte\)"):

@@ -79,7 +79,7 @@ def test_both_scoring_functions_return_the_same_block_losses_in_block_order():
 
 
 def test_validation_blocks_id_names_the_exact_tokens():
-    from qharness.run.pipeline import validation_blocks_id
+    from qharness.run.results import validation_blocks_id
 
     x = torch.arange(24).view(3, 8)
     y = x + 1

@@ -188,7 +188,8 @@ def check_lengths(seq_len: int, batch_size: int, max_seq_len: int, parity: Parit
 def _deploy(qm: QuantizedModel, tokenizer, x, y, calib, out_dir: Path, export_cfg, parity_cfg) -> ExportResult:
     """``deploy_and_check`` on the ``Trained``/``HeldOut`` of ``qm`` (the CLI's ``run/from_lightning`` builds the same
     from a ``QuantLM``), then the typed result."""
-    from qharness.run.pipeline import HeldOut, Trained, deploy_and_check
+    from qharness.run.pipeline import deploy_and_check
+    from qharness.run.trained import HeldOut, Trained
     from qharness.training.weights import load_weights_into
 
     qat = qm.graph is not None

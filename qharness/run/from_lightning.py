@@ -8,7 +8,7 @@ Example::
 from __future__ import annotations
 
 from qharness.config import CalibrationConfig, EvalConfig, ParityConfig
-from qharness.run.pipeline import HeldOut, Trained
+from qharness.run.trained import HeldOut, Trained
 
 
 def trained(module) -> Trained:

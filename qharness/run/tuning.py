@@ -18,8 +18,9 @@ from qharness.data.datamodule import TextDataModule
 from qharness.errors import UserError
 from qharness.io.atomic import write_json_atomic
 from qharness.run.from_lightning import held_out
-from qharness.run.pipeline import HeldOut, validation_blocks_id
+from qharness.run.results import validation_blocks_id
 from qharness.run.summary import RunSummary
+from qharness.run.trained import HeldOut
 from qharness.run.workflows import OnSummary, RunSettings, deploy
 from qharness.training.checkpoints import init_args
 from qharness.training.module import QuantLM

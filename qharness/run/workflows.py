@@ -113,7 +113,8 @@ def evaluate(
     ``.pte`` (default: ``deploy.filename`` in the run directory). Writes ``eval-<UTC time>.json`` and appends the
     result to summary.json's ``evaluations`` (the run's own ``eval`` stays); returns lm-eval's table."""
     from qharness.checks.parity import fold_constants
-    from qharness.run.pipeline import deploy_graph, evaluate_run, with_gptq
+    from qharness.run.results import evaluate_run
+    from qharness.run.trained import deploy_graph, with_gptq
 
     cfg, run_dir = settings.eval, Path(settings.run_dir)
     pte_path = Path(pte) if pte else run_dir / settings.deploy.filename

@@ -1,0 +1,130 @@
+"""The parity stage: the converted model and the ``.pte`` scored on the validation blocks, and the ``.pte``'s
+decoding gated against the converted model's (and, QAT, against the trained fake-quant graph)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from qharness.checks.parity import (
+    compare_blocks,
+    compare_decoding,
+    fold_constants,
+    gate,
+    learned_scales_carried,
+    score_deployed,
+)
+from qharness.checks.stats import with_intervals
+from qharness.config import ParityConfig
+from qharness.deploy.fastpath.twin import all_logits_twin
+from qharness.progress import stage
+from qharness.run.stages import Lowered
+from qharness.run.summary import Parity, Score, Timings, typed
+from qharness.run.trained import HeldOut, Trained
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Checked:
+    """What the checks hand the summary: every model's scores, the gate's figures and the reference (the converted
+    graph with its constants folded, which lm-eval scores later)."""
+
+    metrics: dict[str, Score]
+    parity: Parity
+    reference: torch.fx.GraphModule
+
+
+def check_parity(
+    trained: Trained, lowered: Lowered, data: HeldOut, cfg: ParityConfig, scores: dict[str, dict], timings: Timings
+) -> Checked:
+    """Score the converted model and (where the backend runs here) the ``.pte`` on the validation blocks, and gate
+    the ``.pte``'s decoding against the converted model's (``gate_pte``)."""
+    t = time.perf_counter()
+    reference = fold_constants(lowered.deployed)  # the same outputs, the weight math done once
+    scorer = all_logits_twin(reference)  # the same weights and ops (and KV cache), every position's logits
+    scores = dict(scores)
+    scores["converted"] = score_deployed(
+        lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)),
+        data.x,
+        data.y,
+        desc="scoring the converted model",
+    )
+    reasons = non_finite_scores(scores, "converted")  # NaN passes no gate, run here or not
+    if trained.recipe.runs_here:
+        figures = gate_pte(trained, lowered, reference, data, cfg, scores, reasons)
+    else:
+        figures = {
+            "passed": False if reasons else None,
+            "skipped": f"the {trained.recipe.backend} backend cannot run on this machine (recipe runs_here: false)",
+            "reasons": reasons,
+        }
+        log.warning("parity gate skipped: %s", figures["skipped"])
+    timings.parity_s = time.perf_counter() - t
+    metrics = with_intervals(scores)  # every model scored on the same blocks: paired against FP
+    return Checked(typed(dict[str, Score], metrics, "metrics"), typed(Parity, figures, "parity"), reference)
+
+
+def gate_pte(
+    trained: Trained,
+    lowered: Lowered,
+    reference: torch.fx.GraphModule,
+    data: HeldOut,
+    cfg: ParityConfig,
+    scores: dict[str, dict],
+    reasons: list[str],
+) -> dict:
+    """The parity gate of a ``.pte`` that runs here: its scores (added to ``scores``), its decoding against the
+    converted model's, (QAT) against the trained fake-quant graph, and whether learned scales reached it exactly."""
+    from qharness.runtime.pte import PteModel
+
+    def ref(tokens, start):  # called as the .pte is: last-token logits on the fast path (decode parity)
+        return reference(tokens, torch.tensor([start], dtype=torch.long))
+
+    pte = PteModel(lowered.pending)
+    scores["pte"] = score_deployed(pte, data.x, data.y, desc="scoring the .pte")
+    reasons = reasons + non_finite_scores(scores, "pte")
+    prompts = data.x[: cfg.prompts, : cfg.prompt_len]
+    figures = compare_decoding(
+        pte, ref, prompts, cfg.decode_steps, desc="parity: .pte vs converted decoding", tie_margin=cfg.tie_margin
+    )
+    figures["ppl_rel_diff"] = abs(scores["pte"]["ppl"] - scores["converted"]["ppl"]) / scores["converted"]["ppl"]
+    reasons += gate(figures, cfg)
+    if trained.fake_quant is not None:
+        figures["fake_quant"] = against_fake_quant(trained, pte, data, scores, cfg)
+        if figures["fake_quant"]["gated"]:
+            reasons += [f".pte vs trained fake-quant: {r}" for r in figures["fake_quant"]["reasons"]]
+    if trained.weight_qparams is not None:
+        figures["learned_scales"] = carried = learned_scales_carried(lowered.deployed, trained.weight_qparams)
+        if carried["exact"] != carried["weights"]:
+            reasons.append(
+                f"only {carried['exact']} of {carried['weights']} learned weight scales reached the program exactly"
+            )
+    figures["passed"] = not reasons
+    figures["reasons"] = reasons
+    return figures
+
+
+def non_finite_scores(metrics: dict, key: str) -> list[str]:
+    """The gate's reason when model ``key``'s validation loss is NaN/inf (empty otherwise)."""
+    names = {"converted": "the converted model", "pte": "the .pte"}
+    loss = metrics[key]["loss"]
+    return [] if math.isfinite(loss) else [f"{names[key]}'s validation loss is {loss} (stage: scoring {names[key]})"]
+
+
+def against_fake_quant(trained: Trained, pte, data: HeldOut, metrics: dict, cfg: ParityConfig) -> dict:
+    """The ``.pte`` against the trained fake-quant graph (QAT): ``compare_blocks`` over the first batch of validation
+    blocks and the perplexity difference over all of them; ``gated`` (the verdict counts) when the run deploys
+    learned scales, whose whole point is that the ``.pte`` is the trained model."""
+    with stage(".pte vs trained fake-quant"):
+        figures = compare_blocks(pte, trained.fake_quant, data.x[: data.batch_size], tie_margin=cfg.tie_margin)
+    ref = metrics["fake_quant"]["ppl"]
+    figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - ref) / ref
+    figures["reasons"] = gate(figures, cfg, prefix="fake_quant_")
+    figures["passed"] = not figures["reasons"]
+    figures["gated"] = trained.weight_qparams is not None
+    return figures

@@ -1,0 +1,149 @@
+"""What a run writes once the gate has judged the ``.pte``: its final name and ``summary.json`` (``write_summary``),
+the benchmark (``bench_run``) and lm-eval (``evaluate_run``)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from qharness.config import BenchConfig, EvalConfig, ExportConfig
+from qharness.errors import UserError
+from qharness.run.gate import Checked
+from qharness.run.stages import Lowered
+from qharness.run.summary import LayerPlan, PteInfo, RunSummary, Timings
+from qharness.run.table import format_table
+from qharness.run.trained import HeldOut, Trained
+
+
+def validation_blocks_id(x: torch.Tensor, y: torch.Tensor) -> str:
+    """A digest of the scored validation blocks: runs with the same one were scored on the very same tokens
+    (same data, seq_len and eval_blocks), so their per-block losses pair up (``qharness report``)."""
+    digest = hashlib.sha256()
+    for t in (x, y):
+        digest.update(str(tuple(t.shape)).encode())
+        digest.update(t.to(torch.int64).contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def write_summary(
+    trained: Trained,
+    data: HeldOut,
+    lowered: Lowered,
+    checked: Checked,
+    run_dir: Path,
+    export_cfg: ExportConfig,
+    timings: Timings,
+) -> RunSummary:
+    """Give the ``.pte`` its final name (``<name>.FAILED_PARITY.pte`` when the gate failed: kept for inspection,
+    under a name no one ships by mistake), write ``summary.json`` (keeping earlier evaluations) and print the table."""
+    from qharness.deploy.deployed import export_path, fallback_reason, graph_coverage, kv_cache_dtype, quantized_layers
+    from qharness.deploy.lower import layer_counts
+
+    recipe, deployed = trained.recipe, lowered.deployed
+    final = run_dir / export_cfg.filename
+    failed = final.with_name(final.stem + ".FAILED_PARITY.pte")
+    pte_path = failed if checked.parity.reasons else final
+    os.replace(lowered.pending, pte_path)
+    if not checked.parity.reasons:
+        failed.unlink(missing_ok=True)  # a stale failure from an earlier export of this run
+    layers = quantized_layers(deployed)
+    summary = RunSummary(
+        run_dir=str(run_dir),
+        model=trained.checkpoint,
+        recipe=recipe.name,
+        backend=recipe.backend,
+        mode=trained.mode,
+        quantized=recipe.quantized,
+        seq_len=data.seq_len,
+        eval_blocks=len(data.x),
+        val_blocks=validation_blocks_id(data.x, data.y),
+        distill=trained.distill,
+        lora=trained.lora,
+        metrics=checked.metrics,
+        parity=checked.parity,
+        pte=PteInfo(
+            path=str(pte_path),
+            size_bytes=pte_path.stat().st_size,
+            max_seq_len=export_cfg.max_seq_len,
+            export_path=export_path(deployed),
+            fallback_reason=fallback_reason(deployed),
+            kv_cache=kv_cache_dtype(deployed),
+            sha256=hashlib.sha256(lowered.pte_bytes).hexdigest(),
+        ),
+        layers=None
+        if layers is None
+        else LayerPlan(layers, layer_counts(layers), [rule.raw for rule in recipe.layers]),
+        coverage=graph_coverage(deployed),
+        timings=timings,
+    )
+    summary.evaluations = earlier_evaluations(run_dir / "summary.json")
+    summary.write(run_dir / "summary.json")
+    print(format_table(summary))
+    return summary
+
+
+def bench_run(summary: RunSummary, trained: Trained, cfg: BenchConfig, run_dir: Path) -> None:
+    """Benchmark the ``.pte`` (and, with ``bench.eager``, the eager FP model in a fresh process) into ``summary``."""
+    from qharness.runtime.bench import bench, format_bench
+
+    summary.bench = bench(
+        Path(summary.pte.path),
+        trained.model_dir if cfg.eager else None,
+        cfg.prompt_len,
+        cfg.decode_tokens,
+        cfg.reps,
+    )
+    summary.write(run_dir / "summary.json")
+    print(format_bench(summary.bench))
+
+
+def evaluate_run(
+    trained: Trained,
+    data: HeldOut,
+    fp_model,
+    converted,
+    pte_path,
+    run_dir: Path,
+    cfg: EvalConfig,
+    filename: str = "eval.json",
+) -> dict:
+    """lm-eval of what a run has: the FP model, the QAT graph (``trained.fake_quant``), the converted model and the
+    ``.pte``; prints the table and writes ``run_dir/<filename>``."""
+    from qharness.evaluation.harness import evaluate_models, format_eval_table, max_length
+    from qharness.evaluation.lm_eval_adapter import BatchedForward, converted_backend, hf_backend, pte_backend
+
+    length = max_length(cfg, data.seq_len)
+    backends = {"fp": lambda: hf_backend(fp_model, length, data.batch_size)}
+    if trained.fake_quant is not None:
+        backends["fake_quant"] = lambda: BatchedForward(
+            trained.fake_quant, length, data.batch_size, shape=(data.batch_size, data.seq_len)
+        )
+    if converted is not None:
+        backends["converted"] = lambda: converted_backend(converted, length)
+    if pte_path is not None:
+        backends["pte"] = lambda: pte_backend(pte_path, length)
+    result = evaluate_models(
+        backends,
+        trained.tokenizer,
+        cfg,
+        data.texts(),
+        run_dir,
+        {"max_length": length, "pte": str(pte_path) if pte_path else None},
+        filename,
+    )
+    print(format_eval_table(result))
+    return result
+
+
+def earlier_evaluations(path: Path) -> list[dict]:
+    """The ``evaluations`` (later ``qharness evaluate`` results, each in its own file and naming the ``.pte`` it
+    scored by ``pte_sha256``) of the summary a re-export replaces: a new program never drops them."""
+    if not path.is_file():
+        return []
+    try:
+        return RunSummary.read(path).evaluations
+    except UserError:  # an unreadable summary is replaced; its evaluations' own files stay beside it
+        return []
