@@ -209,7 +209,7 @@ def test_strategy_and_accelerator_named_before_the_model_loads(monkeypatch):
     """What needs Lightning's registries or the machine: checked in preflight, before any model or data loads."""
     from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 
-    from qharness.api.lightning_cli import check_strategy_and_accelerator
+    from qharness.api.preflight import check_strategy_and_accelerator
 
     with pytest.raises(UserError, match="trainer.strategy 'foo' is not a Lightning strategy. fix: use auto, ddp"):
         check_strategy_and_accelerator("foo", "auto")

@@ -2,7 +2,7 @@
 
 Each section checks its own fields when it is built (``validate()``); ``RunConfig.validate`` runs them and then every
 rule that needs two sections, each written once here. The CLI runs it before torch loads (``api/precheck.py``) and
-again on the parsed config (``api/lightning_cli.py:preflight``); the Python API builds configs from these classes.
+again on the parsed config (``api/preflight.py:preflight``); the Python API builds configs from these classes.
 
 Example::
 
