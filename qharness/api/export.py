@@ -86,6 +86,23 @@ def export(
     from qharness.io.names import check_output_dir
 
     parity_cfg = _parity_config(parity)  # default: ParityConfig's, its prompts cut to seq_len (below)
+    qm, calibration = _quantized_model(model, recipe, tokenizer, calibration, seq_len, batch_size)
+    tokenizer = _tokenizer(qm, tokenizer)
+    if parity is None and parity_cfg.prompt_len > qm.seq_len:
+        parity_cfg = ParityConfig(prompt_len=qm.seq_len)
+    x, y = _validation(qm, validation, tokenizer, parity_cfg)
+    calib = _calibration(qm, calibration, tokenizer)
+    export_cfg = _export_config(qm, max_seq_len, parity_cfg)
+    out_dir = check_output_dir(out_dir, "out_dir")
+    return _deploy(qm, tokenizer, x, y, calib, Path(out_dir), export_cfg, parity_cfg)
+
+
+def _quantized_model(
+    model: torch.nn.Module, recipe, tokenizer, calibration: Data | None, seq_len: int, batch_size: int
+) -> tuple[QuantizedModel, Data | None]:
+    """``model`` as a ``QuantizedModel`` and the calibration data still to use: a plain FP model is prepared and
+    calibrated on ``calibration`` (plain PTQ, as ``qharness calibrate``; nothing left to use); a prepared one keeps its
+    recipe (another ``recipe`` is refused)."""
     if not isinstance(model, QuantizedModel):  # plain PTQ: prepare + calibrate, as qharness calibrate
         if recipe is None:
             raise UserError(
@@ -106,27 +123,35 @@ def export(
             tokenizer=tokenizer,
             check_architecture=False,  # the deployment below is the check
         )
-        model = calibrate(prepared, [blocks])
-        calibration = None
-    elif recipe is not None and load_recipe(recipe).name != model.recipe.name:
+        return calibrate(prepared, [blocks]), None
+    if recipe is not None and load_recipe(recipe).name != model.recipe.name:
         raise UserError(
             f"export got recipe={load_recipe(recipe).name!r} for a model prepared with {model.recipe.name!r}",
             fix="leave recipe out (the prepared model's is used)",
         )
-    qm: QuantizedModel = model
+    return model, calibration
+
+
+def _tokenizer(qm: QuantizedModel, tokenizer):
+    """The transformers tokenizer written beside the ``.pte``: ``tokenizer`` or the prepared model's."""
     tokenizer = tokenizer if tokenizer is not None else qm.tokenizer
     if tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
         raise UserError(
             "export needs the model's transformers tokenizer (it is written beside the .pte for the runner)",
             fix="pass tokenizer= to qharness.prepare or to export",
         )
+    return tokenizer
+
+
+def _validation(
+    qm: QuantizedModel, validation: Data | None, tokenizer, parity_cfg: ParityConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The validation blocks ``x``, ``y`` scored and gated on: whole batches, up to ``parity.eval_blocks``."""
     if validation is None:
         raise UserError(
             "export needs validation data (the parity gate scores the .pte on it)",
             fix="pass validation= held-out text (or [n, seq_len + 1] token blocks)",
         )
-    if parity is None and parity_cfg.prompt_len > qm.seq_len:
-        parity_cfg = ParityConfig(prompt_len=qm.seq_len)
     x, y = validation_blocks(validation, tokenizer, qm.seq_len)
     n = min(parity_cfg.eval_blocks, len(x)) // qm.batch_size * qm.batch_size
     if n == 0:
@@ -134,15 +159,24 @@ def export(
             f"validation holds {len(x)} block(s) of {qm.seq_len} tokens, fewer than one batch of {qm.batch_size}",
             fix=f"give at least {qm.batch_size * (qm.seq_len + 1)} tokens of validation text",
         )
+    return x[:n], y[:n]
+
+
+def _calibration(qm: QuantizedModel, calibration: Data | None, tokenizer) -> torch.Tensor:
+    """The deploy graph's calibration blocks: ``calibration`` cut into blocks, else what ``calibrate`` gave."""
     if calibration is not None:
-        calib = calibration_blocks(calibration, tokenizer, qm.seq_len)
-    elif qm.calibration is not None:
-        calib = qm.calibration
-    else:
-        raise UserError(
-            "export needs calibration data for the deploy graph's ranges",
-            fix="pass calibration= (training text or [m, seq_len] token blocks), or qharness.calibrate a PTQ model first",
-        )
+        return calibration_blocks(calibration, tokenizer, qm.seq_len)
+    if qm.calibration is not None:
+        return qm.calibration
+    raise UserError(
+        "export needs calibration data for the deploy graph's ranges",
+        fix="pass calibration= (training text or [m, seq_len] token blocks), or qharness.calibrate a PTQ model first",
+    )
+
+
+def _export_config(qm: QuantizedModel, max_seq_len: int | None, parity_cfg: ParityConfig) -> ExportConfig:
+    """The static KV cache's length (default 256 or the model's context), checked against the blocks and the parity
+    prompts; a QAT model that trained no step is refused."""
     context = context_of(qm.fp_model)
     export_cfg = ExportConfig(max_seq_len=max_seq_len or min(DEFAULT_MAX_SEQ_LEN, context or DEFAULT_MAX_SEQ_LEN))
     check_lengths(qm.seq_len, qm.batch_size, export_cfg.max_seq_len, parity_cfg, context)
@@ -151,8 +185,7 @@ def export(
             "the QAT model trained 0 steps: its .pte would be labelled QAT without any quantization-aware training",
             fix="train it first (a loop of qm(x, labels=x).loss.backward()), or use mode='ptq' and qharness.calibrate",
         )
-    out_dir = check_output_dir(out_dir, "out_dir")
-    return _deploy(qm, tokenizer, x[:n], y[:n], calib, Path(out_dir), export_cfg, parity_cfg)
+    return export_cfg
 
 
 def _parity_config(parity: ParityConfig | dict | None) -> ParityConfig:
