@@ -222,19 +222,13 @@ def measure(
     import torch
 
     from qharness.checks.parity import score_batched
-    from qharness.checks.stats import loss_interval, paired_ratio
+    from qharness.checks.stats import loss_interval
     from qharness.progress import bar
 
     t0 = time.perf_counter()
     recipe = scheme_recipe(recipe, against)
     quantizers, linears, units = _units(fp_model, recipe, candidates, unit)
-    names = [n for members in units.values() for n in members]
-
-    model, schemes = fp_model, {n: FP for n in names}
-    if against == "recipe":
-        model = copy.deepcopy(fp_model)
-        applied = recipe.make_quantizer(is_qat=False).convert(model)
-        schemes = {n: applied.get(n, FP) for n in names}
+    model, schemes = _baseline(fp_model, recipe, [n for members in units.values() for n in members], against)
     swap = _Swapper(model)
 
     def score(desc=None):
@@ -247,29 +241,7 @@ def measure(
     for u, c in bar(jobs, f"sensitivity ({unit} x precision)", unit="model") if progress else jobs:
         members = {n: linears[n] for n in units[u]}
         new = dict(members) if quantizers[c] is None else _quantized_copies(members, quantizers[c])
-        if new is None:
-            results[u][c] = {"applicable": False}
-            continue
-        old = swap.put(new)
-        try:
-            scored = score()
-        finally:
-            swap.put(old)
-        r = paired_ratio(scored["block_losses"], base["block_losses"])
-        lo, hi = r["ci"] or (None, None)
-        results[u][c] = {
-            "applicable": True,
-            "ppl": scored["ppl"],
-            "ppl_ratio": r["ppl_ratio"],
-            "ci": r["ci"],
-            "significant": lo is not None and (lo > 1 or hi < 1),
-        }
-    for u in units:  # the baseline's own scheme: no change, ratio 1
-        for c in candidates:
-            if c not in results[u]:
-                results[u][c] = {"applicable": True, "ppl": base["ppl"], "ppl_ratio": 1.0, "ci": [1.0, 1.0]}
-                results[u][c]["baseline"] = True
-                results[u][c]["significant"] = False
+        results[u][c] = {"applicable": False} if new is None else _changed(swap, new, score, base)
     return {
         "schema_version": SCHEMA_VERSION,
         "recipe": recipe.name,
@@ -282,22 +254,67 @@ def measure(
             **loss_interval(base["block_losses"]),
             "schemes": schemes,
         },
-        "units": [
-            {
-                "name": u,
-                "layers": members,
-                "params": sum(linears[n].weight.numel() for n in members),
-                "weight_bytes": {
-                    c: sum(weight_bytes(linears[n], c) for n in members) for c in dict.fromkeys([*candidates, FP])
-                },
-                "results": {c: results[u][c] for c in candidates},
-            }
-            for u, members in units.items()
-        ],
+        "units": [_unit_record(u, members, linears, candidates, results[u], base) for u, members in units.items()],
         "eval_blocks": len(x),
         "seq_len": int(x.shape[1]),
         "evaluations": len(jobs) + 1,
         "wall_s": time.perf_counter() - t0,
+    }
+
+
+def _baseline(fp_model, recipe, names: list[str], against: str):
+    """The model every change is made in and each layer's scheme there: ``fp``: ``fp_model`` itself, every layer FP;
+    ``recipe``: a copy quantized by the (scheme) recipe."""
+    if against != "recipe":
+        return fp_model, {n: FP for n in names}
+    model = copy.deepcopy(fp_model)
+    applied = recipe.make_quantizer(is_qat=False).convert(model)
+    return model, {n: applied.get(n, FP) for n in names}
+
+
+def _changed(swap: _Swapper, new: dict, score, base: dict) -> dict:
+    """One cell: the model scored with ``new`` modules put in (and taken out again), paired against ``base``."""
+    from qharness.checks.stats import paired_ratio
+
+    old = swap.put(new)
+    try:
+        scored = score()
+    finally:
+        swap.put(old)
+    r = paired_ratio(scored["block_losses"], base["block_losses"])
+    lo, hi = r["ci"] or (None, None)
+    return {
+        "applicable": True,
+        "ppl": scored["ppl"],
+        "ppl_ratio": r["ppl_ratio"],
+        "ci": r["ci"],
+        "significant": lo is not None and (lo > 1 or hi < 1),
+    }
+
+
+def _unchanged(base: dict) -> dict:
+    """The cell of a unit already at that scheme in the baseline: no change, ratio 1."""
+    return {
+        "applicable": True,
+        "ppl": base["ppl"],
+        "ppl_ratio": 1.0,
+        "ci": [1.0, 1.0],
+        "baseline": True,
+        "significant": False,
+    }
+
+
+def _unit_record(u: str, members: list[str], linears: dict, candidates: list[str], results: dict, base: dict) -> dict:
+    """A unit's entry of the result: its layers, parameters, weight bytes per scheme and a cell per candidate (the
+    baseline's own scheme: no change, ratio 1)."""
+    return {
+        "name": u,
+        "layers": members,
+        "params": sum(linears[n].weight.numel() for n in members),
+        "weight_bytes": {
+            c: sum(weight_bytes(linears[n], c) for n in members) for c in dict.fromkeys([*candidates, FP])
+        },
+        "results": {c: results[c] if c in results else _unchanged(base) for c in candidates},
     }
 
 
