@@ -1,12 +1,15 @@
 """The LightningModule that trains (QAT) or calibrates (PTQ) a PT2E-prepared exported graph.
 
 The graph comes from ``training/prepare.py`` (``export_for_training`` -> ``prepare_for_training``); the teacher of
-distillation from ``training/teacher.py``, its loss from ``training/losses.py``; weights go back into the HF
-model through ``training/weights.py``.
+distillation from ``training/teacher.py``, its loss from ``training/losses.py``, the optimizer and schedule from
+``training/optim.py``; weights go back into the HF model through ``training/weights.py``.
 
 Exported graphs ignore ``.train()/.eval()``; the validation/test hooks below switch them with
 ``move_exported_model_to_train/eval`` and freeze static observers so validation never moves
 quantization ranges (dynamic-activation fake-quants keep observing: that *is* dynamic quantization).
+
+Why ~400 lines: one class that Lightning drives, its hooks and the accessors deployment reads (``trained_weights``,
+``learned_qparams``, ``lora_summary``) all methods of it; the work they call lives in the modules above.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from qharness.errors import UserError
 from qharness.schema.model import ModelConfig, check_layer_units
 from qharness.sources.example_cache import IGNORE
 from qharness.training.losses import distill_loss, token_loss
+from qharness.training.optim import adamw_with_schedule
 from qharness.training.prepare import LogitsOnly, prepare_for_training, set_fake_quant, set_static_observers
 from qharness.training.teacher import load_teacher
 from qharness.training.weights import hf_weights, load_weights_into
@@ -392,28 +396,8 @@ class QuantLM(L.LightningModule):
     on_test_epoch_end = on_validation_epoch_end
 
     def configure_optimizers(self):
-        """AdamW with the warm-up + cosine schedule; learned quantization scales (fake quantizers' parameters, e.g.
-        ``activation_post_process_3.scale`` or ``...q_proj.weight_fake_quantizer.scale``) get no weight decay."""
-        from qharness.recipes.learned_scales import quantization_parameter_names
-
-        scales = quantization_parameter_names(self.graph)
-        params = [(n, p) for n, p in self.graph.named_parameters() if p.requires_grad]
-        decayed = [n.startswith("model.") and n not in scales for n, _ in params]
-        groups = [
-            {"params": [p for (_, p), d in zip(params, decayed) if d], "weight_decay": self.hparams.weight_decay},
-            {"params": [p for (_, p), d in zip(params, decayed) if not d], "weight_decay": 0.0},
-        ]
-        opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=self.hparams.lr)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warm, floor = self.hparams.warmup_steps, self.hparams.min_lr_ratio
-
-        def schedule(step: int) -> float:
-            if step < warm:
-                return (step + 1) / warm
-            progress = min(1.0, (step - warm) / max(1, total - warm))
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        return {
-            "optimizer": opt,
-            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, schedule), "interval": "step"},
-        }
+        """AdamW with the warm-up + cosine schedule; learned quantization scales get no weight decay
+        (``training/optim.py``)."""
+        hp = self.hparams
+        total = int(self.trainer.estimated_stepping_batches)
+        return adamw_with_schedule(self.graph, hp.lr, hp.weight_decay, hp.warmup_steps, hp.min_lr_ratio, total)
