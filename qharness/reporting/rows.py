@@ -89,11 +89,11 @@ def latency_figures(summary: RunSummary) -> dict:
     timed round-robin in one session) when the summary has one, else the run's own ``bench`` (min/max over
     repetitions inside one process: weak evidence of the noise)."""
     joint = summary.bench_joint
-    if joint is not None:
+    if joint is not None and joint.decode_ms_per_token is not None:
         out = {"latency_source": f"joint ({joint.processes} processes)"}
         for key in ("decode_ms_per_token", "decode_tok_s", "prefill_tok_s"):
             d = getattr(joint, key)
-            out |= {key: d.median, f"{key}_lo": d.min, f"{key}_hi": d.max}
+            out |= {key: d and d.median, f"{key}_lo": d and d.min, f"{key}_hi": d and d.max}
         return out
     own = summary.bench.pte if summary.bench and summary.bench.pte else ModelBench()
     out = {"latency_source": "own bench (1 process)" if own.decode_tok_s is not None else None}
@@ -111,7 +111,7 @@ def noise_of(summary: RunSummary) -> dict:
     their standard errors, the validation blocks' id, the ``.pte``'s sha256, the per-process decode timings."""
     m = summary.metrics
     joint = summary.bench_joint
-    samples = joint.decode_ms_per_token.per_process if joint else None
+    samples = joint.decode_ms_per_token.per_process if joint and joint.decode_ms_per_token else None
     return {
         "_blocks": {k: m[k].block_losses for k in STAGES if k in m and isinstance(m[k].block_losses, list)},
         "_loss_se": {k: m[k].loss_se for k in STAGES if k in m and _number(m[k].loss_se)},

@@ -80,12 +80,12 @@ class Bench:
 class JointEntry:
     """One program's part of a joint benchmark (``joint.interleaved``: fresh processes, round-robin): how it ran
     (``processes`` per program, ``order``, load average before and after, ``threads``) and the ``spread`` of its
-    process medians."""
+    process medians (None: not recorded; the report then falls back to the run's own ``bench``)."""
 
     processes: int
-    order: str
-    load_avg_1m: list[float]
-    threads: int
-    decode_tok_s: Spread
-    prefill_tok_s: Spread
-    decode_ms_per_token: Spread
+    order: str | None = None
+    load_avg_1m: list[float] | None = None
+    threads: int | None = None
+    decode_tok_s: Spread | None = None
+    prefill_tok_s: Spread | None = None
+    decode_ms_per_token: Spread | None = None
