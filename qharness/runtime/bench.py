@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from qharness.config import check_lengths
@@ -74,9 +75,9 @@ def bench(
         with stage(
             f"benchmarking the {'.pte' if kind == 'pte' else 'eager FP model'} ({reps} reps + warm-up, {args['threads']} threads, fresh process)"
         ):
-            m = measure_in_fresh_process(kind=kind, path=path, **args)
-        fraction = m["decode_tok_s"]["median"] * m["weight_bytes"] / (machine["bandwidth_gb_s"] * 1e9)
-        measured[kind] = ModelBench.from_json(m | {"bandwidth_fraction": fraction})
+            m = ModelBench.from_json(measure_in_fresh_process(kind=kind, path=path, **args))
+        fraction = m.decode_tok_s.median * m.weight_bytes / (machine["bandwidth_gb_s"] * 1e9)
+        measured[kind] = replace(m, bandwidth_fraction=fraction)
     ratios = None
     if model_dir:
         p, e = measured["pte"], measured["eager"]
