@@ -245,11 +245,11 @@ def main() -> None:
             {
                 "stage": ".pte benchmark (own processes)",
                 "wall_s": time.perf_counter() - t,
-                "rss_start_mb": b["pte"]["base_rss_mb"],
-                "peak_rss_mb": b["pte"]["peak_rss_mb"],
+                "rss_start_mb": b.pte.base_rss_mb,
+                "peak_rss_mb": b.pte.peak_rss_mb,
             }
         )
-        result["bench"] = b
+        result["bench"] = b  # a runtime.bench_record.Bench
 
     fp32_mb = result["fp32_bytes"] / 2**20
     print(
@@ -268,10 +268,10 @@ def main() -> None:
     peak = max(r["peak_rss_mb"] for r in rows)
     print(f".pte: {result['pte_path']} ({result['pte_bytes'] / 1e6:.1f} MB), export path: {result['export_path']}")
     if "bench" in result:
-        p = result["bench"]["pte"]
+        p, eager = result["bench"].pte, result["bench"].eager
         print(
-            f".pte decode {p['decode_tok_s']['median']:.1f} tok/s, prefill {p['prefill_tok_s']['median']:.1f} tok/s "
-            f"(eager FP32: decode {result['bench']['eager']['decode_tok_s']['median']:.1f} tok/s)"
+            f".pte decode {p.decode_tok_s.median:.1f} tok/s, prefill {p.prefill_tok_s.median:.1f} tok/s "
+            f"(eager FP32: decode {eager.decode_tok_s.median:.1f} tok/s)"
         )
     max_s, max_ratio = TARGETS[args.shape]
     ok1, ok2 = export_lower <= max_s, peak <= max_ratio * fp32_mb

@@ -51,6 +51,37 @@ def test_spread_is_median_min_max_of_the_process_medians():
         spread([])
 
 
+def test_pte_bench_returns_typed_positive_figures_that_the_summary_keeps(tiny_pte, tmp_path):
+    """``qharness.Pte.bench`` (the API's ``qharness bench``): one fresh process, a typed ``Bench`` whose figures are
+    positive and consistent, no eager model; ``RunSummary.update`` keeps it and reads it back equal."""
+    import math
+
+    import qharness
+    from qharness.errors import UserError
+    from qharness.run.summary import RunSummary
+    from qharness.runtime.bench import format_bench
+    from qharness.runtime.bench_record import Bench, MedianRange, ModelBench
+    from qharness.runtime.pte import PteModel
+
+    pte = qharness.Pte(PteModel(tiny_pte), tokenizer=None)  # the tiny .pte has no tokenizer/; bench needs none
+    r = pte.bench(prompt_len=4, decode_tokens=4, reps=1, threads=1)
+    assert isinstance(r, Bench) and isinstance(r.pte, ModelBench) and r.eager is None and r.pte_vs_eager is None
+    assert (r.prompt_len, r.decode_tokens, r.reps, r.threads, r.vocab_size) == (4, 4, 1, 1, 128)
+    for name in ("load_s", "prefill_tok_s", "decode_tok_s", "decode_tok_per_cpu_s"):
+        m = getattr(r.pte, name)
+        assert isinstance(m, MedianRange) and 0 < m.min <= m.median <= m.max < math.inf, name
+    assert r.pte.size_bytes == tiny_pte.stat().st_size and 0 < r.pte.weight_bytes < r.pte.size_bytes
+    assert 0 < r.pte.base_rss_mb <= r.pte.peak_rss_mb and r.pte.bandwidth_fraction > 0 and r.bandwidth_gb_s > 0
+    table = format_bench(r)
+    assert ".pte (ExecuTorch)" in table and "eager" not in table and "1 threads" in table
+    blank = dict(model="m", recipe="xnnpack_fp32", backend="xnnpack", mode="ptq", quantized=False, seq_len=8)
+    RunSummary(run_dir=str(tmp_path), eval_blocks=1, **blank).write(tmp_path / "summary.json")
+    assert RunSummary.update(tmp_path / "summary.json", bench=r).bench == r
+    assert RunSummary.read(tmp_path / "summary.json").bench == r
+    with pytest.raises(UserError, match="bench reps must be >= 1"):
+        pte.bench(reps=0)
+
+
 def test_pair_ratios_pair_process_k_of_a_with_process_k_of_b():
     r = pair_ratios([2.0, 3.0, 8.0], [1.0, 3.0, 2.0])
     assert r["per_process"] == [2.0, 1.0, 4.0] and (r["median"], r["min"], r["max"]) == (2.0, 1.0, 4.0)
@@ -90,7 +121,7 @@ def test_bench_cli_times_two_programs_round_robin_and_writes_bench_joint(tiny_pt
                 "quantized": False,
                 "seq_len": 32,
                 "eval_blocks": 8,
-                "bench": {"kept": 1},
+                "bench": {"reps": 7},
             }
         )
     )
@@ -127,7 +158,7 @@ def test_bench_cli_times_two_programs_round_robin_and_writes_bench_joint(tiny_pt
             round(x, 9) for x in p["decode_ms_per_token"]["per_process"]
         ]
     summary = json.loads((tmp_path / "a" / "summary.json").read_text())
-    assert summary["bench"] == {"kept": 1} and summary["recipe"] == "xnnpack_fp32"  # merged, not replaced
+    assert summary["bench"] == {"reps": 7} and summary["recipe"] == "xnnpack_fp32"  # merged, not replaced
     assert set(summary["bench_joint"]) == {
         "processes",
         "order",

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import make_tiny_hf, make_tiny_llama, run_cli, write_config
 
+from qharness.deploy.coverage_record import FloatWeight, RuleCoverage
 from qharness.errors import UserError
 
 # model_type and the config of each family's tiny copy (2 layers; GPT-2 and Falcon derive their head sizes)
@@ -96,11 +97,8 @@ def test_deploy_quantizes_every_projection(name, recipe_name, family):
     graph = quantize_for_deploy(model, load_recipe(recipe_name), 32, lambda g: g(x, torch.tensor([0])))
     assert float_weight_matmuls(graph) == []
     cov = graph_coverage(graph)
-    assert cov["weights"] == cov["quantized"] == PROJECTIONS[name] and cov["float"] == {} and cov["fraction"] == 1.0
-    assert cov["rules"] == [
-        {"rule": "recipe", "weights": cov["weights"], "bytes": cov["bytes"], "quantized": cov["weights"]}
-        | {"quantized_bytes": cov["bytes"]}
-    ]
+    assert cov.weights == cov.quantized == PROJECTIONS[name] and cov.float == {} and cov.fraction == 1.0
+    assert cov.rules == [RuleCoverage("recipe", cov.weights, cov.bytes, cov.weights, cov.bytes)]
 
 
 def test_a_projection_left_float_stops_the_deploy_with_its_name(family):
@@ -127,22 +125,21 @@ def test_the_fp_recipe_and_a_recipe_rule_keep_layers_float_without_failing(famil
     x = torch.randint(0, 300, (1, 8))
     model, _ = load_model_and_tokenizer(str(family("llama")))
     cov = graph_coverage(quantize_for_deploy(model, load_recipe("xnnpack_fp32"), 32, lambda g: None))
-    assert cov["fraction"] == 0.0 and cov["quantized"] == 0 and len(cov["float"]) == 15
-    assert {(f["why"], f["failure"]) for f in cov["float"].values()} == {
-        ("fp recipe: the recipe quantizes nothing", False)
-    }
+    assert cov.fraction == 0.0 and cov.quantized == 0 and len(cov.float) == 15
+    assert {(f.why, f.failure) for f in cov.float.values()} == {("fp recipe: the recipe quantizes nothing", False)}
 
     recipe = tmp_path / "keep_head.yaml"
     recipe.write_text('base: xnnpack_8da4w\nlayers:\n  - {match: "lm_head", quant: fp}\n')
     model, _ = load_model_and_tokenizer(str(family("llama")))
     cov = graph_coverage(quantize_for_deploy(model, load_recipe(str(recipe)), 32, lambda g: g(x, torch.tensor([0]))))
     head = model.lm_head.weight.numel() * 4
-    assert cov["float"] == {
-        "lm_head": {"rule": "layers[0] (match 'lm_head')", "why": "recipe rule", "failure": False, "op": "linear"}
-        | {"bytes": head}
+    assert cov.float == {
+        "lm_head": FloatWeight(
+            rule="layers[0] (match 'lm_head')", why="recipe rule", failure=False, op="linear", bytes=head
+        )
     }
-    assert cov["quantized"] == 14 and cov["fraction"] == pytest.approx(1 - head / cov["bytes"])
-    assert [(r["rule"], r["weights"], r["quantized"]) for r in cov["rules"]] == [
+    assert cov.quantized == 14 and cov.fraction == pytest.approx(1 - head / cov.bytes)
+    assert [(r.rule, r.weights, r.quantized) for r in cov.rules] == [
         ("recipe", 14, 14),
         ("layers[0] (match 'lm_head')", 1, 0),
     ]

@@ -100,7 +100,7 @@ def held_out(tokenizer, text: str, seq_len: int = 16):
 
 def deploy(source, recipe_name: str, run_dir, text: str, monkeypatch) -> tuple[dict, torch.fx.GraphModule]:
     """PTQ deploy of the model at ``source`` through ``deploy_and_check`` (what ``qharness calibrate`` runs after
-    calibration): its summary and the converted graph the ``.pte`` was lowered from."""
+    calibration): its summary (as summary.json holds it) and the converted graph the ``.pte`` was lowered from."""
     from qharness.config import ExportConfig, ParityConfig
     from qharness.recipes.registry import load_recipe
     from qharness.run import pipeline, stages, trained
@@ -113,7 +113,7 @@ def deploy(source, recipe_name: str, run_dir, text: str, monkeypatch) -> tuple[d
     run = trained.Trained(model, tokenizer, load_recipe(recipe_name), "ptq", str(source), str(source))
     parity = ParityConfig(eval_blocks=4, prompts=1, prompt_len=8, decode_steps=3)
     summary = pipeline.deploy_and_check(run, held_out(tokenizer, text), run_dir, ExportConfig(max_seq_len=32), parity)
-    return summary, graphs[0]
+    return summary.to_dict(), graphs[0]
 
 
 def check_coverage(summary: dict, expected_weights: int) -> None:

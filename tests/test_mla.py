@@ -85,8 +85,8 @@ def test_deploy_graph_quantizes_every_mla_projection():
     assert left == [], left
     assert not any("kv_b_proj" in name for name, _ in graph.named_parameters())
     coverage = graph_coverage(graph)
-    assert coverage["fraction"] == 1.0 and coverage["float"] == {}, coverage
-    assert "model.layers.0.self_attn.kv_b_proj" not in coverage["unused"], coverage
+    assert coverage.fraction == 1.0 and coverage.float == {}, coverage
+    assert "model.layers.0.self_attn.kv_b_proj" not in coverage.unused, coverage
 
 
 def test_source_recipe_quantizes_every_mla_projection_and_the_router():
@@ -103,7 +103,7 @@ def test_source_recipe_quantizes_every_mla_projection_and_the_router():
     assert export_path(graph) == "fast"
     assert quantized_layers(graph)["model.layers.1.mlp.gate.proj"] == "8da4w-g32"
     coverage = graph_coverage(graph)
-    assert coverage["fraction"] == 1.0 and coverage["float"] == {}, coverage
+    assert coverage.fraction == 1.0 and coverage.float == {}, coverage
 
 
 def test_calibrate_cli_deploys_deepseek_v3(tmp_path, corpus):

@@ -52,7 +52,7 @@ def summary(name, recipe, mode, quantized, ppl, ms, mb, passed, acc):
         },
         "pte": {"path": f"runs/s/{name}/model.pte", "size_bytes": int(mb * 1e6), "max_seq_len": 256},
         # of the linear weight bytes (deploy/coverage.py); int4-ptq's recipe keeps one layer float
-        "coverage": {"fraction": 0.0 if not quantized else 0.969 if name == "int4-ptq" else 1.0},
+        "coverage": coverage(0.0 if not quantized else 0.969 if name == "int4-ptq" else 1.0),
         "eval": {
             "tasks": {
                 "toy": {
@@ -67,12 +67,23 @@ def summary(name, recipe, mode, quantized, ppl, ms, mb, passed, acc):
         out["bench"] = {
             "pte": {
                 "decode_tok_s": {"median": tok_s, "min": 0.98 * tok_s, "max": 1.02 * tok_s},
-                "prefill_tok_s": {"median": 5000.0},
+                "prefill_tok_s": {"median": 5000.0, "min": 4900.0, "max": 5100.0},
                 "bandwidth_fraction": 0.1,
                 "peak_rss_mb": 300.0,
             }
         }
     return out
+
+
+def coverage(fraction: float) -> dict:
+    """A coverage record (``deploy/coverage_record.Coverage``) quantizing ``fraction`` of 1000 bytes of weights."""
+    return {
+        "weights": 16,
+        "bytes": 1000,
+        "quantized": 16,
+        "quantized_bytes": round(1000 * fraction),
+        "fraction": fraction,
+    }
 
 
 @pytest.fixture

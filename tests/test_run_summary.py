@@ -51,11 +51,12 @@ def test_the_pte_is_found_in_the_run_directory_wherever_the_run_was_started(tmp_
 def test_update_merges_and_appends_evaluations(tmp_path):
     path = tmp_path / "summary.json"
     _summary(eval={"tasks": {"qharness_ppl": {}}}).write(path)
-    RunSummary.update(path, bench={"pte": {"decode_tok_s": {"median": 5.0}}})
+    RunSummary.update(path, bench={"pte": {"decode_tok_s": {"median": 5.0, "min": 4.0, "max": 6.0}}})
     RunSummary.update(path, evaluations=[{"tasks": {"qharness_mc": {}}}])
     s = RunSummary.read(path)
     assert s.eval == {"tasks": {"qharness_ppl": {}}}  # the run's own table survives
-    assert s.bench["pte"]["decode_tok_s"]["median"] == 5.0 and s.evaluations == [{"tasks": {"qharness_mc": {}}}]
+    assert s.bench.pte.decode_tok_s.median == 5.0 and s.evaluations == [{"tasks": {"qharness_mc": {}}}]
+    assert (path.read_text().count('"min"'), s.bench.eager) == (1, None)  # unmeasured fields stay out of the JSON
     with pytest.raises(KeyError):
         RunSummary.update(path, nonsense=1)
 
@@ -106,8 +107,10 @@ def test_a_summary_written_before_the_sections_were_typed_reads_as_typed_section
     """tests/data/summary_v4_qat.json: a QAT run's summary.json as the writer before typed sections wrote it (schema 4,
     learned scales, the fake-quant gate, the benchmark); read into the typed sections, printed, and written back as
     the very same JSON."""
+    from qharness.deploy.coverage_record import Coverage
     from qharness.run.summary import FakeQuantAgreement, Parity, PteInfo, Score
     from qharness.run.table import format_table
+    from qharness.runtime.bench_record import Bench
 
     path = DATA / "summary_v4_qat.json"
     s = RunSummary.read(path)
@@ -119,7 +122,9 @@ def test_a_summary_written_before_the_sections_were_typed_reads_as_typed_section
         and s.metrics["pte"].vs_fp.ci[0] < 1
         and s.layers.counts == {"8da4w-g32": 15}
     )
-    assert s.timings.lower_s > 0 and s.bench["pte"]["decode_tok_s"]
+    assert s.timings.lower_s > 0 and s.bench.pte.decode_tok_s.median > s.bench.eager.decode_tok_s.median > 0
+    assert isinstance(s.bench, Bench) and s.bench.pte_vs_eager.decode_speedup > 1 and s.bench_joint is None
+    assert isinstance(s.coverage, Coverage) and s.coverage.fraction == 1.0 and s.coverage.rules[0].rule == "recipe"
     table = format_table(s)
     assert ".pte vs trained fake-quant PASSED" in table and "0.21 MB" in table
     s.write(tmp_path / "summary.json")
@@ -131,4 +136,49 @@ def test_a_section_field_this_qharness_does_not_know_is_one_line_naming_the_vers
     data["parity"]["from_the_future"] = 1
     write_json_atomic(tmp_path / "s.json", data)
     with pytest.raises(UserError, match=r"schema_version 4\): parity has unknown field\(s\) from_the_future"):
+        RunSummary.read(tmp_path / "s.json")
+
+
+def test_coverage_bench_and_joint_sections_read_typed_and_write_back_the_same_json(tmp_path):
+    """tests/data/summary_v4_ptq_joint.json: written by the writer before coverage/bench/bench_joint were typed (a
+    float weight kept by a recipe rule, a .pte-only benchmark, a joint benchmark entry, lm-eval tables): read as
+    typed records, shown by the table and the report row, written back as the very same JSON."""
+    from qharness.deploy.coverage_record import Coverage, FloatWeight
+    from qharness.reporting.rows import noise_of, summary_row
+    from qharness.run.table import format_table
+    from qharness.runtime.bench_record import Bench, JointEntry, Spread
+
+    path = DATA / "summary_v4_ptq_joint.json"
+    s = RunSummary.read(path)
+    assert (
+        isinstance(s.coverage, Coverage) and s.coverage.quantized == 15 and s.coverage.unused == ["model.unused_proj"]
+    )
+    assert s.coverage.float["lm_head"] == FloatWeight(
+        "layers[0] (match 'lm_head')", "recipe rule", False, "linear", 49152
+    )
+    assert s.coverage.failures() == {} and [r.quantized for r in s.coverage.rules] == [15, 0]
+    assert isinstance(s.bench, Bench) and s.bench.eager is None and s.bench.pte_vs_eager is None
+    assert isinstance(s.bench_joint, JointEntry) and isinstance(s.bench_joint.decode_ms_per_token, Spread)
+    assert s.eval["tasks"]["qharness_ppl"]["pte"]["word_perplexity,none"] == 12.5  # task-keyed: plain data
+    assert "quantized: 88.9% of linear weight bytes (15 of 16 weights; float: lm_head (recipe rule))" in format_table(s)
+    row, noise = summary_row(s), noise_of(s)
+    assert row["latency_source"] == "joint (3 processes)" and row["quantized_fraction"] == s.coverage.fraction
+    assert (row["decode_ms_per_token"], row["decode_ms_per_token_lo"], row["decode_ms_per_token_hi"]) == (
+        10.0,
+        8.0,
+        12.5,
+    )
+    assert row["peak_rss_mb"] == s.bench.pte.peak_rss_mb and row["decode_speedup_vs_eager"] is None
+    assert row["eval/qharness_mc/acc/pte"] == 0.5 and noise["_decode_ms_samples"] == [10.0, 8.0, 12.5]
+    s.write(tmp_path / "summary.json")
+    assert (tmp_path / "summary.json").read_bytes() == path.read_bytes()
+
+
+@pytest.mark.parametrize("section", ["coverage", "bench", "bench_joint"])
+def test_a_benchmark_or_coverage_field_this_qharness_does_not_know_is_one_line(tmp_path, section):
+    data = json.loads((DATA / "summary_v4_ptq_joint.json").read_text())
+    inner = {"coverage": data["coverage"]["float"]["lm_head"], "bench": data["bench"]["pte"]}
+    inner.get(section, data[section])["from_the_future"] = 1
+    write_json_atomic(tmp_path / "s.json", data)
+    with pytest.raises(UserError, match=r"schema_version 4\): [a-z_.]+ has unknown field\(s\) from_the_future"):
         RunSummary.read(tmp_path / "s.json")

@@ -86,7 +86,9 @@ class FakeRunner:
                     "prompt_len": 8,
                     "decode_tokens": 4,
                     "reps": 2,
-                    "pte": {"decode_tok_s": {"median": 1000 / MS[name]}},
+                    "pte": {
+                        "decode_tok_s": {"median": 1000 / MS[name], "min": 1000 / MS[name], "max": 1000 / MS[name]}
+                    },
                 }
                 if cfg.get("bench", {}).get("enabled", True)
                 else None,  # bench.enabled: false, as the demo sweep: no benchmark of its own

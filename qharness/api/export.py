@@ -251,6 +251,6 @@ def _deploy(qm: QuantizedModel, tokenizer, x, y, calib, out_dir: Path, export_cf
         pte_path=pte_path,
         size_bytes=int(summary.pte.size_bytes),
         parity=summary.parity,
-        coverage=(summary.coverage or {}).get("fraction"),
+        coverage=summary.coverage.fraction if summary.coverage else None,
         summary=summary,
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from qharness.errors import UserError
+from qharness.runtime.bench_record import Bench
 
 __all__ = ["Pte"]
 
@@ -103,11 +104,11 @@ class Pte:
         self._fits(blocks.shape[1] - 1)
         return score_deployed(self.program, blocks[:, :-1], blocks[:, 1:])["ppl"]
 
-    def bench(self, prompt_len: int = 128, decode_tokens: int = 64, reps: int = 5, threads: int | None = None) -> dict:
+    def bench(self, prompt_len: int = 128, decode_tokens: int = 64, reps: int = 5, threads: int | None = None) -> Bench:
         """``qharness bench`` of this ``.pte`` alone: load time, prefill/decode tokens/s, peak RSS and size, each rep in a
-        fresh process (median and spread). Example::
+        fresh process (median and spread), as ``runtime.bench_record.Bench``. Example::
 
-            r = pte.bench(prompt_len=32, decode_tokens=16, reps=2); r["pte"]["decode_tok_s"]["median"]
+            r = pte.bench(prompt_len=32, decode_tokens=16, reps=2); r.pte.decode_tok_s.median
         """
         from qharness.runtime.bench import bench
 

@@ -13,7 +13,8 @@ ran, and ``Conv1D``-style ones it could not swap) with their weights' bytes, bef
 - anything else is a failure: the op that computes it, where the quantizer did not see a linear layer it takes.
 
 ``check`` raises ``UserError`` naming the failures, so a recipe never ships as quantized with float projections it
-meant to quantize. The record is ``summary.json``'s ``coverage`` (fraction of linear weight bytes quantized).
+meant to quantize. The record is ``summary.json``'s ``coverage`` (``coverage_record.Coverage``: fraction of linear
+weight bytes quantized, per rule, each float weight).
 
 Example::
 
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qharness.deploy.coverage_record import Coverage, FloatWeight, RuleCoverage
 from qharness.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -212,7 +214,7 @@ def _why(name: str, op: str, recipe, quantizer, assignment: dict | None, layers:
     return f"computed by aten.{op}, which the recipe's quantizer did not quantize", True
 
 
-def measure(graph: torch.fx.GraphModule, layers: Inventory, recipe, quantizer, assignment: dict | None) -> dict:
+def measure(graph: torch.fx.GraphModule, layers: Inventory, recipe, quantizer, assignment: dict | None) -> Coverage:
     """The coverage record of a converted deploy graph (``summary.json``'s ``coverage``): totals and the byte
     ``fraction`` quantized, the same per recipe rule (``rules``), each float weight with why (``float``) and the
     linear modules the program never reads (``unused``, counted nowhere)."""
@@ -234,54 +236,48 @@ def measure(graph: torch.fx.GraphModule, layers: Inventory, recipe, quantizer, a
             entry["quantized_bytes"] += size
         else:
             why, failure = _why(name, op, recipe, quantizer, assignment, layers)
-            floats[name] = {"rule": rule, "why": why, "failure": failure, "op": op, "bytes": size}
+            floats[name] = FloatWeight(rule=rule, why=why, failure=failure, op=op, bytes=size)
     total = {k: sum(r[k] for r in rules.values()) for k in ("weights", "bytes", "quantized", "quantized_bytes")}
-    return {
+    return Coverage(
         **total,
-        "fraction": total["quantized_bytes"] / total["bytes"] if total["bytes"] else 0.0,
-        "rules": sorted(rules.values(), key=lambda r: (r["rule"] != DEFAULT_RULE, r["rule"])),
-        "float": floats,
-        "unused": sorted(unused),
-    }
+        fraction=total["quantized_bytes"] / total["bytes"] if total["bytes"] else 0.0,
+        rules=[RuleCoverage(**r) for r in sorted(rules.values(), key=lambda r: (r["rule"] != DEFAULT_RULE, r["rule"]))],
+        float=floats,
+        unused=sorted(unused),
+    )
 
 
-def failures(coverage: dict) -> dict[str, str]:
-    """``{weight name: why}`` of the float weights the recipe meant to quantize."""
-    return {n: f["why"] for n, f in coverage["float"].items() if f["failure"]}
-
-
-def check(coverage: dict, recipe: str, arch: str) -> None:
+def check(coverage: Coverage, recipe: str, arch: str) -> None:
     """``UserError`` naming the projections ``recipe`` meant to quantize and left float; a warning for those its
     settings do not take."""
-    settings = {n: f["why"] for n, f in coverage["float"].items() if f["why"].startswith("recipe settings")}
+    settings = {n: f.why for n, f in coverage.float.items() if f.why.startswith("recipe settings")}
     if settings:
         why = next(iter(settings.values()))
         log.warning("recipe %s keeps %d linear layers float (%s): %s", recipe, len(settings), why, ", ".join(settings))
-    failed = failures(coverage)
+    failed = coverage.failures()
     if not failed:
         return
-    shown = ", ".join(f"{n} (aten.{coverage['float'][n]['op']})" for n in list(failed)[:4])
+    shown = ", ".join(f"{n} (aten.{coverage.float[n].op})" for n in list(failed)[:4])
     more = f", ... ({len(failed)} in all)" if len(failed) > 4 else ""
     raise UserError(
-        f"recipe {recipe!r} would leave {len(failed)} of {coverage['weights']} linear projections of {arch} in floating "
+        f"recipe {recipe!r} would leave {len(failed)} of {coverage.weights} linear projections of {arch} in floating "
         f"point, computed outside an nn.Linear the quantizer takes: {shown}{more}",
         fix="use a model whose projections are nn.Linear layers (qharness swaps transformers' Conv1D and nn.Linear "
         "subclasses that compute a plain linear), or the FP recipe xnnpack_fp32",
     )
 
 
-def format_coverage(coverage: dict | None) -> str | None:
+def format_coverage(coverage: Coverage | None) -> str | None:
     """One line for the run's table: ``quantized: 96.9% of linear weight bytes (13 of 14 weights; float: lm_head
     (recipe rule))``; None without a record (summaries written before coverage was measured)."""
     if not coverage:
         return None
     line = (
-        f"quantized: {coverage['fraction']:.1%} of linear weight bytes "
-        f"({coverage['quantized']} of {coverage['weights']} weights"
+        f"quantized: {coverage.fraction:.1%} of linear weight bytes ({coverage.quantized} of {coverage.weights} weights"
     )
-    floats = coverage["float"]
+    floats = coverage.float
     if floats:
-        whys = list(dict.fromkeys(f["why"] for f in floats.values()))
+        whys = list(dict.fromkeys(f.why for f in floats.values()))
         names = ", ".join(list(floats)[:3]) + (f", ... ({len(floats)} in all)" if len(floats) > 3 else "")
         line += f"; float: {names} ({'; '.join(whys)})"
     return line + ")"

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qharness.deploy.coverage_record import Coverage
+
 META_KEY = "qharness_deploy"  # the one key of graph.meta qharness writes
 
 
@@ -18,13 +20,13 @@ class DeployRecord:
     ``export_path``: ``"fast"`` (``deploy/fastpath``) or ``"generic"`` (HF's static cache); ``fallback_reason``: why
     the generic one (None on the fast path); ``kv_cache``: ``"fp32"`` or ``"int8"`` (``KV_CACHES``); ``layers``:
     ``{module name: scheme}`` of a source-level recipe (None for PT2E and FP recipes); ``coverage``:
-    ``coverage.measure``'s figures."""
+    ``coverage.measure``'s record."""
 
     export_path: str
     fallback_reason: str | None
     kv_cache: str
     layers: dict[str, str] | None = None
-    coverage: dict | None = None
+    coverage: Coverage | None = None
 
 
 def stamp(graph: torch.fx.GraphModule, record: DeployRecord) -> None:
@@ -62,7 +64,7 @@ def quantized_layers(graph: torch.fx.GraphModule) -> dict[str, str] | None:
     return None if record is None else record.layers
 
 
-def graph_coverage(graph: torch.fx.GraphModule) -> dict | None:
+def graph_coverage(graph: torch.fx.GraphModule) -> Coverage | None:
     """How much of the model ``quantize_for_deploy`` quantized (``coverage.measure``: linear weights and bytes,
     per recipe rule, the float ones with why); None for a graph it did not make."""
     record = record_of(graph)

@@ -6,16 +6,13 @@ import math
 from pathlib import Path
 
 from qharness.run.summary import RunSummary
+from qharness.runtime.bench_record import ModelBench
 
 STAGES = ("fp", "fake_quant", "converted", "pte")
 
 
 def _number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _median(d):
-    return d.get("median") if isinstance(d, dict) else d
 
 
 def _metric_name(name: str) -> str:
@@ -31,8 +28,9 @@ def summary_row(summary: RunSummary, run: str | None = None) -> dict:
     scores there.
     """
     m, parity = summary.metrics, summary.parity
-    bench = summary.bench or {}
-    pte_bench = bench.get("pte", {})
+    bench = summary.bench
+    pte_bench = bench.pte if bench and bench.pte else None
+    vs_eager = bench.pte_vs_eager if bench else None
     speed = latency_figures(summary)
     ppl = {k: m[k].ppl if k in m else None for k in STAGES}
     vs_ci = m["pte"].vs_fp.ci if "pte" in m and m["pte"].vs_fp else None
@@ -43,7 +41,7 @@ def summary_row(summary: RunSummary, run: str | None = None) -> dict:
         "backend": summary.backend,
         "mode": summary.kind,
         # of the linear weight bytes, as deployed (deploy/coverage.py); None: a summary from before it was measured
-        "quantized_fraction": (summary.coverage or {}).get("fraction"),
+        "quantized_fraction": summary.coverage.fraction if summary.coverage else None,
         "ppl_fp": ppl["fp"],
         "ppl_fake_quant": ppl["fake_quant"],
         "ppl_converted": ppl["converted"],
@@ -63,11 +61,11 @@ def summary_row(summary: RunSummary, run: str | None = None) -> dict:
         "parity_ppl_rel_diff": parity.ppl_rel_diff,
         "pte_size_mb": summary.pte.size_bytes / 1e6 if summary.pte.size_bytes else None,
         **speed,
-        "bandwidth_fraction": pte_bench.get("bandwidth_fraction"),
-        "peak_rss_mb": pte_bench.get("peak_rss_mb"),
-        "decode_speedup_vs_eager": bench.get("pte_vs_eager", {}).get("decode_speedup"),
-        "bench_load_avg": bench.get("load_avg_1m"),
-        "bench_cpus": bench.get("cpus"),
+        "bandwidth_fraction": pte_bench.bandwidth_fraction if pte_bench else None,
+        "peak_rss_mb": pte_bench.peak_rss_mb if pte_bench else None,
+        "decode_speedup_vs_eager": vs_eager.decode_speedup if vs_eager else None,
+        "bench_load_avg": bench.load_avg_1m if bench else None,
+        "bench_cpus": bench.cpus if bench else None,
     }
     tables = [summary.eval or {}, *(summary.evaluations or [])]
     for task, stages in [item for table in tables for item in sorted((table.get("tasks") or {}).items())]:
@@ -91,25 +89,21 @@ def latency_figures(summary: RunSummary) -> dict:
     timed round-robin in one session) when the summary has one, else the run's own ``bench`` (min/max over
     repetitions inside one process: weak evidence of the noise)."""
     joint = summary.bench_joint
-    if isinstance(joint, dict) and isinstance(joint.get("decode_ms_per_token"), dict):
-        out = {"latency_source": f"joint ({joint.get('processes')} processes)"}
+    if joint is not None and joint.decode_ms_per_token is not None:
+        out = {"latency_source": f"joint ({joint.processes} processes)"}
         for key in ("decode_ms_per_token", "decode_tok_s", "prefill_tok_s"):
-            d = joint.get(key) if isinstance(joint.get(key), dict) else {}
-            out |= {key: d.get("median"), f"{key}_lo": d.get("min"), f"{key}_hi": d.get("max")}
+            d = getattr(joint, key)
+            out |= {key: d and d.median, f"{key}_lo": d and d.min, f"{key}_hi": d and d.max}
         return out
-    own = (summary.bench or {}).get("pte", {})
-    out = {"latency_source": "own bench (1 process)" if own.get("decode_tok_s") is not None else None}
+    own = summary.bench.pte if summary.bench and summary.bench.pte else ModelBench()
+    out = {"latency_source": "own bench (1 process)" if own.decode_tok_s is not None else None}
     for key in ("decode_tok_s", "prefill_tok_s"):
-        d = own.get(key)
-        out |= {key: _median(d), f"{key}_lo": _end(d, "min"), f"{key}_hi": _end(d, "max")}
+        d = getattr(own, key)
+        out |= {key: d and d.median, f"{key}_lo": d and d.min, f"{key}_hi": d and d.max}
     for end, tok_s in (("", "decode_tok_s"), ("_lo", "decode_tok_s_hi"), ("_hi", "decode_tok_s_lo")):
         v = out[tok_s]
         out[f"decode_ms_per_token{end}"] = 1000.0 / v if _number(v) and v > 0 else None
     return out
-
-
-def _end(d, end: str):
-    return d.get(end) if isinstance(d, dict) else None
 
 
 def noise_of(summary: RunSummary) -> dict:
@@ -117,7 +111,7 @@ def noise_of(summary: RunSummary) -> dict:
     their standard errors, the validation blocks' id, the ``.pte``'s sha256, the per-process decode timings."""
     m = summary.metrics
     joint = summary.bench_joint
-    samples = joint.get("decode_ms_per_token", {}).get("per_process") if isinstance(joint, dict) else None
+    samples = joint.decode_ms_per_token.per_process if joint and joint.decode_ms_per_token else None
     return {
         "_blocks": {k: m[k].block_losses for k in STAGES if k in m and isinstance(m[k].block_losses, list)},
         "_loss_se": {k: m[k].loss_se for k in STAGES if k in m and _number(m[k].loss_se)},

@@ -2,15 +2,18 @@
 wandb tracking and later commands. Every writer merges into the file (a later command never drops an earlier
 command's results); every reader goes through ``RunSummary.read``.
 
-Its sections are typed (``Score``, ``Parity``, ``PteInfo``, ``LayerPlan``, ``Timings``); the records other stages own
-and format themselves stay plain data: ``coverage`` (``deploy/coverage.py``), ``bench``/``bench_joint``
-(``runtime/bench.py``), ``eval``/``evaluations`` (lm-eval's table, ``evaluation/harness.py``). On disk it is the same
-JSON as before the sections were typed (schema 4): every earlier summary reads; a newer one is refused in one line.
+Its sections are typed (``Score``, ``Parity``, ``PteInfo``, ``LayerPlan``, ``Timings``, and the records the stages
+that produce them own: ``Coverage`` (``deploy/coverage_record.py``), ``Bench`` and ``JointEntry``
+(``runtime/bench_record.py``)). ``eval``/``evaluations`` (lm-eval's table, ``evaluation/harness.py``) stay plain
+data: their keys are data, not fields (task names, lm-eval's metric names such as ``acc,none``, the stages a run
+scored), which a dataclass would only rename. On disk it is the same JSON as before the sections were typed (schema
+4): every earlier summary reads; a newer one, or a section with a field this qharness does not know, is refused in
+one line naming its schema_version.
 
 Example::
 
     s = RunSummary.read("runs/qat_xnnpack/summary.json")
-    s.kind, s.metrics["pte"].ppl, s.pte.size_bytes, s.parity.passed
+    s.kind, s.metrics["pte"].ppl, s.pte.size_bytes, s.parity.passed, s.coverage.fraction, s.bench.pte.decode_tok_s.median
     RunSummary.update("runs/qat_xnnpack/summary.json", bench=result)   # read, set the section, write atomically
 """
 
@@ -24,8 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qharness.deploy.coverage_record import Coverage
 from qharness.errors import UserError
 from qharness.io.atomic import to_jsonable, write_json_atomic
+from qharness.runtime.bench_record import Bench, JointEntry
 
 SCHEMA_VERSION = 4  # 1: the unversioned summaries written before this type existed; 2: before ``layers``; 3: before
 # ``coverage`` (all read)
@@ -189,16 +194,19 @@ class RunSummary:
         layers: Source-level recipes: the per-layer quantization the ``.pte`` got: ``schemes`` ``{module name: scheme}``
             (``8da4w-g32``, ``8da8w-pc``, ``fp``, ...), ``counts`` per scheme and the recipe's ``rules`` as written
             (``recipes/layers.py``); None for graph-level (PT2E) and FP recipes.
-        coverage: How much of the model the ``.pte`` quantized (``deploy/coverage.py``): ``weights``/``bytes`` (the
-            model's linear weights, float bytes), ``quantized``/``quantized_bytes``, ``fraction`` (of the bytes; 0 for
-            an FP recipe), the same per recipe rule (``rules``: ``recipe`` or ``layers[i] (match ...)``), each float
-            weight with ``why`` (``fp recipe``, ``recipe rule``, ``recipe settings: ...``) and ``unused`` linear modules
-            the program never reads; None in summaries written before it was measured.
+        coverage: How much of the model the ``.pte`` quantized (``Coverage``, ``deploy/coverage.py``): ``weights``/
+            ``bytes`` (the model's linear weights, float bytes), ``quantized``/``quantized_bytes``, ``fraction`` (of
+            the bytes; 0 for an FP recipe), the same per recipe rule (``rules``: ``recipe`` or ``layers[i] (match
+            ...)``), each float weight with ``why`` (``fp recipe``, ``recipe rule``, ``recipe settings: ...``) and
+            ``unused`` linear modules the program never reads; None in summaries written before it was measured.
         timings: Seconds per stage.
-        bench: The run's own benchmark (``qharness bench`` format).
-        bench_joint: The sweep's interleaved benchmark of all candidates (fresh processes, round-robin).
-        eval: The lm-eval table of the run itself (fit/calibrate/export).
-        evaluations: Later ``qharness evaluate`` results, oldest first (never replacing ``eval``).
+        bench: The run's own benchmark (``Bench``, ``runtime/bench.py``; ``qharness bench``).
+        bench_joint: This program's part of the sweep's (or ``qharness bench --pte A --pte B``'s) interleaved benchmark
+            of all candidates (``JointEntry``: fresh processes, round-robin).
+        eval: The lm-eval table of the run itself (fit/calibrate/export): plain data, ``{"tasks": {task: {stage:
+            {metric: value}}}, "chance": {task: {metric: value}}, ...}`` (keys are task and metric names).
+        evaluations: Later ``qharness evaluate`` results, oldest first (never replacing ``eval``), each like ``eval``
+            with the ``file`` it was written to and the ``pte_sha256`` of the program it scored.
         schema_version: ``SCHEMA_VERSION`` of the writer.
     """
 
@@ -217,10 +225,10 @@ class RunSummary:
     parity: Parity = field(default_factory=Parity)
     pte: PteInfo = field(default_factory=PteInfo)
     layers: LayerPlan | None = None
-    coverage: dict[str, Any] | None = None
+    coverage: Coverage | None = None
     timings: Timings = field(default_factory=Timings)
-    bench: dict[str, Any] | None = None
-    bench_joint: dict[str, Any] | None = None
+    bench: Bench | None = None
+    bench_joint: JointEntry | None = None
     eval: dict[str, Any] | None = None
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     schema_version: int = SCHEMA_VERSION
@@ -301,20 +309,21 @@ class RunSummary:
 
     @classmethod
     def update(cls, path: str | Path, **sections) -> RunSummary:
-        """Set ``sections`` (fields) of the summary at ``path`` and write it back; ``evaluations`` entries are appended."""
+        """Set ``sections`` (fields; typed ones as their records or as plain JSON data) of the summary at ``path`` and
+        write it back; ``evaluations`` entries are appended."""
         summary = cls.read(path)
         for name, value in sections.items():
             if name == "evaluations":
                 summary.evaluations.extend(value)
             elif name in {f.name for f in dataclasses.fields(cls)}:
-                setattr(summary, name, value)
+                setattr(summary, name, typed(_hints(cls)[name], value, name) if name in _TYPED else value)
             else:
                 raise KeyError(f"RunSummary has no field {name!r}")
         summary.write(path)
         return summary
 
 
-_TYPED = ("metrics", "parity", "pte", "layers", "timings")
+_TYPED = ("metrics", "parity", "pte", "layers", "coverage", "timings", "bench", "bench_joint")
 
 
 def _hints(cls) -> dict:

@@ -25,11 +25,13 @@ Example::
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from qharness.config import check_lengths
 from qharness.errors import UserError
 from qharness.progress import stage
+from qharness.runtime.bench_record import Bench, ModelBench, PteVsEager
 from qharness.runtime.measure import measure_in_fresh_process, memory_bandwidth
 
 
@@ -54,7 +56,7 @@ def bench(
     decode_tokens: int = 64,
     reps: int = 5,
     threads: int | None = None,
-) -> dict:
+) -> Bench:
     """Measure the ``.pte`` and, when ``model_dir`` is given, the eager FP model it came from (both with ``threads``,
     default: the cores free now)."""
     from qharness.runtime.pte import free_cores
@@ -66,55 +68,56 @@ def bench(
         "reps": reps,
         "threads": threads or free_cores(),
     }
-    result = {**args, "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "bandwidth_gb_s": memory_bandwidth()}
+    machine = {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0], "bandwidth_gb_s": memory_bandwidth()}
     models = {"pte": str(pte_path)} | ({"eager": str(model_dir)} if model_dir else {})
+    measured: dict[str, ModelBench] = {}
     for kind, path in models.items():
         with stage(
             f"benchmarking the {'.pte' if kind == 'pte' else 'eager FP model'} ({reps} reps + warm-up, {args['threads']} threads, fresh process)"
         ):
-            m = measure_in_fresh_process(kind=kind, path=path, **args)
-        m["bandwidth_fraction"] = m["decode_tok_s"]["median"] * m["weight_bytes"] / (result["bandwidth_gb_s"] * 1e9)
-        result[kind] = m
+            m = ModelBench.from_json(measure_in_fresh_process(kind=kind, path=path, **args))
+        fraction = m.decode_tok_s.median * m.weight_bytes / (machine["bandwidth_gb_s"] * 1e9)
+        measured[kind] = replace(m, bandwidth_fraction=fraction)
+    ratios = None
     if model_dir:
-        p, e = result["pte"], result["eager"]
-        result["pte_vs_eager"] = {
-            "prefill_speedup": p["prefill_tok_s"]["median"] / e["prefill_tok_s"]["median"],
-            "decode_speedup": p["decode_tok_s"]["median"] / e["decode_tok_s"]["median"],
-            "size_ratio": p["size_bytes"] / e["size_bytes"],
-            "peak_rss_ratio": p["peak_rss_mb"] / e["peak_rss_mb"],
-        }
-    return result
+        p, e = measured["pte"], measured["eager"]
+        ratios = PteVsEager(
+            prefill_speedup=p.prefill_tok_s.median / e.prefill_tok_s.median,
+            decode_speedup=p.decode_tok_s.median / e.decode_tok_s.median,
+            size_ratio=p.size_bytes / e.size_bytes,
+            peak_rss_ratio=p.peak_rss_mb / e.peak_rss_mb,
+        )
+    return Bench(**args, **machine, pte=measured["pte"], eager=measured.get("eager"), pte_vs_eager=ratios)
 
 
-def format_bench(r: dict) -> str:
+def format_bench(r: Bench) -> str:
     def spread(s, scale=1.0, fmt=".0f"):
-        return f"{s['median'] * scale:{fmt}} ({s['min'] * scale:{fmt}}-{s['max'] * scale:{fmt}})"
+        return f"{s.median * scale:{fmt}} ({s.min * scale:{fmt}}-{s.max * scale:{fmt}})"
 
     rows = [("model", "load ms", "prefill tok/s", "decode tok/s", "peak RSS MB", "size MB", "decode/bw bound")]
-    for kind, label in (("pte", ".pte (ExecuTorch)"), ("eager", "eager FP (PyTorch)")):
-        if kind in r:
-            m = r[kind]
+    for m, label in ((r.pte, ".pte (ExecuTorch)"), (r.eager, "eager FP (PyTorch)")):
+        if m is not None:
             rows.append(
                 (
                     label,
-                    spread(m["load_s"], 1e3, ".1f"),
-                    spread(m["prefill_tok_s"]),
-                    spread(m["decode_tok_s"]),
-                    f"{m['peak_rss_mb']:.0f} (base {m['base_rss_mb']:.0f})",
-                    f"{m['size_bytes'] / 1e6:.2f}",
-                    f"{m['bandwidth_fraction']:.1%}",
+                    spread(m.load_s, 1e3, ".1f"),
+                    spread(m.prefill_tok_s),
+                    spread(m.decode_tok_s),
+                    f"{m.peak_rss_mb:.0f} (base {m.base_rss_mb:.0f})",
+                    f"{m.size_bytes / 1e6:.2f}",
+                    f"{m.bandwidth_fraction:.1%}",
                 )
             )
     width = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [
-        f"bench: prompt {r['prompt_len']} tokens, {r['decode_tokens']} decode steps, {r['reps']} reps "
-        f"(median (min-max)), {r.get('threads', '?')} threads; copy bandwidth {r['bandwidth_gb_s']:.1f} GB/s; load average {r['load_avg_1m']:.1f} on {r['cpus']} CPUs"
+        f"bench: prompt {r.prompt_len} tokens, {r.decode_tokens} decode steps, {r.reps} reps "
+        f"(median (min-max)), {r.threads or '?'} threads; copy bandwidth {r.bandwidth_gb_s:.1f} GB/s; load average {r.load_avg_1m:.1f} on {r.cpus} CPUs"
     ]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in rows]
-    if "pte_vs_eager" in r:
-        x = r["pte_vs_eager"]
+    if r.pte_vs_eager is not None:
+        x = r.pte_vs_eager
         lines.append(
-            f".pte vs eager: prefill x{x['prefill_speedup']:.2f}, decode x{x['decode_speedup']:.2f}, "
-            f"size x{x['size_ratio']:.2f}, peak RSS x{x['peak_rss_ratio']:.2f}"
+            f".pte vs eager: prefill x{x.prefill_speedup:.2f}, decode x{x.decode_speedup:.2f}, "
+            f"size x{x.size_ratio:.2f}, peak RSS x{x.peak_rss_ratio:.2f}"
         )
     return "\n".join(lines)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from qharness.errors import UserError
 from qharness.runtime.bench import pte_vocab
+from qharness.runtime.bench_record import JointEntry, Spread
 from qharness.runtime.measure import measure_in_fresh_process
 from qharness.runtime.spread import format_spread, max_over_min, spread
 
@@ -107,16 +108,17 @@ def bench_jointly(
     return interleaved(programs, prompt_len, decode_tokens, reps, processes, threads, log)
 
 
-def joint_entry(joint: dict, name: str) -> dict:
-    """One program's ``bench_joint`` section for its summary.json (the shape the report reads)."""
+def joint_entry(joint: dict, name: str) -> JointEntry:
+    """One program's ``bench_joint`` section for its summary.json (what the report reads). ``joint`` (all programs,
+    ``interleaved``'s result) stays plain data: it is written whole to ``bench_joint.json`` and keyed by program."""
     p = joint["programs"][name]
-    return {
-        "processes": joint["processes"],
-        "order": joint["order"],
-        "load_avg_1m": joint["load_avg_1m"],
-        "threads": joint["threads"],
-        **{k: p[k] for k in JOINT_KEYS},
-    }
+    return JointEntry(
+        processes=joint["processes"],
+        order=joint["order"],
+        load_avg_1m=joint["load_avg_1m"],
+        threads=joint["threads"],
+        **{k: Spread(**p[k]) for k in JOINT_KEYS},
+    )
 
 
 def format_joint(j: dict) -> str:

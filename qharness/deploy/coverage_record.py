@@ -1,0 +1,51 @@
+"""The coverage record (``summary.json``'s ``coverage``): what ``coverage.measure`` finds, as frozen dataclasses whose
+fields are the JSON keys (``RunSummary`` reads and writes it; no torch here, so the report reads it without torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RuleCoverage:
+    """One recipe rule (``recipe`` or ``layers[i] (match ...)``): its linear weights and their float bytes, and how
+    many of them (and of those bytes) the program quantized."""
+
+    rule: str
+    weights: int
+    bytes: int
+    quantized: int
+    quantized_bytes: int
+
+
+@dataclass(frozen=True)
+class FloatWeight:
+    """A linear weight the program reads in floating point: its rule, ``why`` (``fp recipe``, ``recipe rule``,
+    ``recipe settings: ...``, else the op that computes it), whether that is a ``failure``, the ``op``, its ``bytes``."""
+
+    rule: str
+    why: str
+    failure: bool
+    op: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """How much of the model the ``.pte`` quantized: the model's linear ``weights`` and their float ``bytes``, how
+    many (``quantized``, ``quantized_bytes``) the program quantized, ``fraction`` of the bytes (0 for an FP recipe),
+    the same per recipe rule (``rules``), each float weight by name (``float``) and the linear modules the program
+    never reads (``unused``, counted nowhere)."""
+
+    weights: int
+    bytes: int
+    quantized: int
+    quantized_bytes: int
+    fraction: float
+    rules: list[RuleCoverage] = field(default_factory=list)
+    float: dict[str, FloatWeight] = field(default_factory=dict)
+    unused: list[str] = field(default_factory=list)
+
+    def failures(self) -> dict[str, str]:
+        """``{weight name: why}`` of the float weights the recipe meant to quantize."""
+        return {n: f.why for n, f in self.float.items() if f.failure}
