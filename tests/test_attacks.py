@@ -262,12 +262,12 @@ def test_report_md_text_lines_carry_no_html_or_new_lines(tmp_path):
 @pytest.mark.parametrize(
     "changes, named",
     [
-        ({"metrics.pte": "oops"}, "AttributeError"),
+        ({"metrics.pte": "oops"}, "metrics.pte is not a JSON object"),
         ({"metrics.pte.ppl": "98"}, "TypeError"),
         ({"bench.pte.bandwidth_fraction": "98"}, "bandwidth_fraction is '98', not a number"),
         ({"parity.passed": "yes"}, "parity.passed is 'yes'"),
         ({"recipe": 3}, "recipe is int, not text"),
-        ({"bench.pte.decode_tok_s": [1, 2]}, "not a number"),
+        ({"bench.pte.decode_tok_s": [1, 2]}, "decode_tok_s is not a JSON object"),
         ({"eval.tasks": {"toy": {"pte": {"acc,none": "high"}}}}, None),  # lm-eval's "N/A": left out, run kept
         ({"eval.tasks": {"a/b": {"pte": {"acc,none": 0.5}}}}, "is not a plain name"),
         ({"metrics.pte.block_losses": ["x"]}, "block_losses"),
