@@ -33,6 +33,7 @@ def fresh_python(code: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.fast
 def test_import_qharness_loads_no_torch():
     r = fresh_python("import sys, qharness; print(sorted(qharness.__all__)); print('torch' in sys.modules)")
     assert r.returncode == 0, r.stderr
@@ -59,11 +60,13 @@ def test_help_lists_the_api():
         assert shown in r.stdout, f"{shown!r} missing from help(qharness)"
 
 
+@pytest.mark.fast
 def test_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         qharness.nope  # noqa: B018
 
 
+@pytest.mark.fast
 def test_recipes():
     assert "xnnpack_8da4w" in qharness.list_recipes()
     r = qharness.load_recipe("xnnpack_8da4w")
@@ -72,6 +75,7 @@ def test_recipes():
         qharness.load_recipe("nope")
 
 
+@pytest.mark.fast
 def test_prepare_refuses_bad_input_in_one_line(hf):
     model, tok = hf
     cases = [

@@ -78,6 +78,7 @@ def test_the_api_stages_and_the_cli_calibrate_the_same_program(cli_run, tmp_path
     assert result.summary.metrics["pte"].ppl == pytest.approx(cli.metrics["pte"].ppl)
 
 
+@pytest.mark.fast
 def test_bad_input_through_the_api_is_the_clis_one_line_error_before_any_work(tmp_path, tiny_llama, corpus):
     cfg = yaml.safe_load(_ptq_config(tmp_path, tiny_llama, corpus, "bad").read_text())
     cfg["deploy"]["max_seq_len"] = 8  # not above data.seq_len

@@ -51,6 +51,7 @@ def family_dir(tmp_path_factory, text):
     return get
 
 
+@pytest.mark.fast
 def test_probe_config_keeps_one_layer_of_each_type():
     from transformers import AutoConfig
 
@@ -72,6 +73,7 @@ def _save_config_only(path, model_type, **kwargs):
     return str(path)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "model_type, kwargs, reason",
     [
@@ -87,6 +89,7 @@ def test_unsupported_architecture_is_refused_with_the_reason(tmp_path, model_typ
     assert f"model_type '{model_type}'" in str(e.value)
 
 
+@pytest.mark.fast
 def test_a_failing_trace_is_refused_and_a_success_is_remembered(tmp_path, family_dir, monkeypatch):
     import qharness.deploy.architectures as arch
 

@@ -33,6 +33,7 @@ def sweep_file(tmp_path, runs, **extra):
 # ---------------------------------------------------------------- sweep names and inputs
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["../../victim", "/tmp/victim", "a/b", "..", "x\ny", "tab\there", "rtl\u202eexe"])
 def test_a_sweep_run_name_that_is_not_a_plain_name_is_refused(tmp_path, name):
     path = sweep_file(tmp_path, [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"], "name": name}])
@@ -40,6 +41,7 @@ def test_a_sweep_run_name_that_is_not_a_plain_name_is_refused(tmp_path, name):
         plan(load_sweep(path))
 
 
+@pytest.mark.fast
 def test_a_recipe_path_whose_name_is_not_plain_is_refused(tmp_path):
     recipe = tmp_path / "bad\nname.yaml"
     recipe.write_text((ROOT / "qharness" / "recipes" / "builtin" / "xnnpack_int8_dynamic.yaml").read_text())
@@ -48,18 +50,21 @@ def test_a_recipe_path_whose_name_is_not_plain_is_refused(tmp_path):
         plan(load_sweep(path))
 
 
+@pytest.mark.fast
 def test_a_run_named_like_the_baseline_is_refused_not_dropped(tmp_path):
     path = sweep_file(tmp_path, [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"], "name": "xnnpack_fp32"}])
     with pytest.raises(UserError, match="two runs would be named xnnpack_fp32-ptq"):
         plan(load_sweep(path))
 
 
+@pytest.mark.fast
 def test_mode_and_modes_together_are_refused(tmp_path):
     path = sweep_file(tmp_path, [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"], "mode": "qat"}])
     with pytest.raises(UserError, match=r"runs\[0\] has both mode and modes.*fix: keep one: modes: \['ptq', 'qat'\]"):
         load_sweep(path)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "metric, message",
     [
@@ -78,6 +83,7 @@ def test_a_report_metric_no_run_will_have_is_refused_before_the_runs(tmp_path, m
         plan(load_sweep(path))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "metric", ["ppl", "decode_ms_per_token", "qharness_mc/acc_mutual_info", "qharness_ppl/bits_per_byte/fp"]
 )
@@ -88,6 +94,7 @@ def test_report_metrics_the_runs_will_have_are_accepted(tmp_path, metric):
     assert len(plan(load_sweep(path))) == 2
 
 
+@pytest.mark.fast
 def test_a_task_metric_with_eval_disabled_is_refused(tmp_path):
     path = sweep_file(
         tmp_path,
@@ -99,6 +106,7 @@ def test_a_task_metric_with_eval_disabled_is_refused(tmp_path):
         plan(load_sweep(path))
 
 
+@pytest.mark.fast
 def test_a_sweep_dir_that_is_a_file_is_one_line(tmp_path):
     (tmp_path / "taken").write_text("a file")
     path = sweep_file(
@@ -113,6 +121,7 @@ def test_a_sweep_dir_that_is_a_file_is_one_line(tmp_path):
         load_sweep(path)
 
 
+@pytest.mark.fast
 def test_a_run_directory_linked_out_of_the_sweep_is_refused(tmp_path):
     (tmp_path / "sweep").mkdir()
     (tmp_path / "elsewhere").mkdir()
@@ -182,6 +191,7 @@ def run_config(tmp_path, **sections):
     return path
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -231,6 +241,7 @@ def report_runs(tmp_path, **changes) -> tuple:
     return root
 
 
+@pytest.mark.fast
 def test_report_csv_neutralizes_formulas_and_markdown_escapes_rows_and_html(tmp_path):
     from qharness.reporting.report import write_report
 
@@ -249,6 +260,7 @@ def test_report_csv_neutralizes_formulas_and_markdown_escapes_rows_and_html(tmp_
     assert "x \\| injected \\| row \\|\\n\\| more \\| &lt;script>" in md
 
 
+@pytest.mark.fast
 def test_report_md_text_lines_carry_no_html_or_new_lines(tmp_path):
     from qharness.reporting.report import write_report
 
@@ -259,6 +271,7 @@ def test_report_md_text_lines_carry_no_html_or_new_lines(tmp_path):
     assert "\n# heading" not in md and "r\\n# heading" in md
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "changes, named",
     [
@@ -301,6 +314,7 @@ def test_report_out_that_is_a_file_is_one_line(tmp_path):
 # ---------------------------------------------------------------- planted code in a run directory
 
 
+@pytest.mark.fast
 def test_a_task_yaml_planted_in_the_run_directory_never_runs(tiny_llama, corpus, tmp_path):
     from qharness.config import EvalConfig
     from qharness.evaluation.harness import run_eval
@@ -336,6 +350,7 @@ def test_a_task_yaml_planted_in_the_run_directory_never_runs(tiny_llama, corpus,
 # ---------------------------------------------------------------- sizes the machine cannot hold
 
 
+@pytest.mark.fast
 def test_deploy_memory_is_estimated_from_the_config():
     from transformers import LlamaConfig
 
@@ -399,6 +414,7 @@ name_parts = st.one_of(
 names = st.lists(name_parts, min_size=0, max_size=4).map("".join) | st.text(max_size=300)
 
 
+@pytest.mark.fast
 @more(80)
 @given(name=names)
 def test_a_name_is_refused_in_one_line_or_stays_a_plain_entry_of_its_directory(name, tmp_path_factory):
@@ -418,6 +434,7 @@ def test_a_name_is_refused_in_one_line_or_stays_a_plain_entry_of_its_directory(n
     path.unlink()
 
 
+@pytest.mark.fast
 @more(40)
 @given(name=names, mode=st.sampled_from(["ptq", "qat"]))
 def test_a_sweep_run_name_is_refused_or_its_run_dir_is_inside_the_sweep(name, mode, tmp_path_factory):
@@ -462,6 +479,7 @@ SUMMARY_FIELDS = [
 ]
 
 
+@pytest.mark.fast
 @more(30)
 @given(field=st.sampled_from(SUMMARY_FIELDS), value=json_values, text=names)
 def test_a_summary_field_of_any_type_skips_that_run_or_reports_it_never_the_report(

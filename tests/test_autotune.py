@@ -63,6 +63,7 @@ def _brute_force(table, budget, rest):
     return best
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("budget", [3080, 3300, 3600, 4100, 4800, 9000, 13000])
 def test_the_plan_is_the_exact_least_cost_assignment_that_fits(budget):
     table = _table(COSTS, {u: SIZES for u in COSTS})
@@ -75,18 +76,21 @@ def test_the_plan_is_the_exact_least_cost_assignment_that_fits(budget):
     assert plan.predicted_ppl == pytest.approx(50.0 * math.exp(cost))
 
 
+@pytest.mark.fast
 def test_coarse_resolution_never_exceeds_the_budget():
     table = _table(COSTS, {u: SIZES for u in COSTS})
     for budget in range(3080, 5200, 37):
         assert at.choose(table, budget, 1000, resolution=97).predicted_bytes <= budget
 
 
+@pytest.mark.fast
 def test_the_sensitive_unit_keeps_precision_first():
     plan = at.choose(_table(COSTS, {u: SIZES for u in COSTS}), 1000 + 1040 + 3 * 560, 1000, resolution=1)
     assert plan.schemes == {"a": "8da8w-pc", "b": "8da4w-g32", "c": "8da4w-g32", "d": "8da4w-g32"}
     assert plan.rules[0] == {"match": "a", "weight_bits": 8, "group_size": None}
 
 
+@pytest.mark.fast
 def test_a_scheme_never_costs_less_than_one_storing_more_bytes():
     """A 4-bit cell below its 8-bit cell (noise) is read at the 8-bit cost, so equal costs go to fewer bytes."""
     costs = {"a": {"8da8w-pc": 0.004, "8da4w-g32": -0.001, "8da4w-pc": 0.010}}
@@ -96,6 +100,7 @@ def test_a_scheme_never_costs_less_than_one_storing_more_bytes():
     assert opts["8da4w-pc"][1] == pytest.approx(math.log(1.010))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "budget, message",
     [
@@ -111,18 +116,21 @@ def test_budgets_nothing_fits_or_everything_fits_are_one_line_errors(budget, mes
         assert at.choose(_table(COSTS, {u: SIZES for u in COSTS}), budget, 1000).schemes["d"] == "8da8w-pc"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("value", [None, 0, -1.5, "big", float("inf"), True])
 def test_bad_budgets(value):
     with pytest.raises(UserError, match="max_size_mb"):
         at.check_budget(value)
 
 
+@pytest.mark.fast
 def test_a_table_against_the_recipe_is_refused():
     table = {**_table(COSTS, {u: SIZES for u in COSTS}), "against": "recipe"}
     with pytest.raises(UserError, match="measured --against recipe"):
         at.choose(table, 5000, 1000)
 
 
+@pytest.mark.fast
 def test_the_written_recipe_gives_each_layer_the_planned_scheme(tmp_path):
     """Sizes from the real model (``unit_sizes``); the recipe file read back assigns exactly the plan."""
     from qharness.recipes.registry import load_recipe
@@ -148,6 +156,7 @@ def test_the_written_recipe_gives_each_layer_the_planned_scheme(tmp_path):
             assert assigned[layer] == plan.schemes[u["name"]], layer
 
 
+@pytest.mark.fast
 def test_a_sweep_entry_names_an_autotune_budget(tmp_path):
     spec = {
         "sweep_dir": str(tmp_path / "sweep"),

@@ -42,6 +42,7 @@ def tiny_pte(tmp_path_factory):
     return make_tiny_pte(tmp_path_factory.mktemp("tiny_pte") / "model.pte")
 
 
+@pytest.mark.fast
 def test_spread_is_median_min_max_of_the_process_medians():
     s = spread([5.0, 1.0, 4.0, 2.0, 3.0])
     assert s == {"median": 3.0, "min": 1.0, "max": 5.0, "per_process": [5.0, 1.0, 4.0, 2.0, 3.0]}
@@ -51,6 +52,7 @@ def test_spread_is_median_min_max_of_the_process_medians():
         spread([])
 
 
+@pytest.mark.fast
 def test_pte_bench_returns_typed_positive_figures_that_the_summary_keeps(tiny_pte, tmp_path):
     """``qharness.Pte.bench`` (the API's ``qharness bench``): one fresh process, a typed ``Bench`` whose figures are
     positive and consistent, no eager model; ``RunSummary.update`` keeps it and reads it back equal."""
@@ -82,6 +84,7 @@ def test_pte_bench_returns_typed_positive_figures_that_the_summary_keeps(tiny_pt
         pte.bench(reps=0)
 
 
+@pytest.mark.fast
 def test_pair_ratios_pair_process_k_of_a_with_process_k_of_b():
     r = pair_ratios([2.0, 3.0, 8.0], [1.0, 3.0, 2.0])
     assert r["per_process"] == [2.0, 1.0, 4.0] and (r["median"], r["min"], r["max"]) == (2.0, 1.0, 4.0)
@@ -89,6 +92,7 @@ def test_pair_ratios_pair_process_k_of_a_with_process_k_of_b():
         pair_ratios([1.0], [1.0, 2.0])
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "values, target, higher, expected",
     [

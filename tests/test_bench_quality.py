@@ -11,6 +11,7 @@ bq = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(bq)
 
 
+@pytest.mark.fast
 def test_each_distillation_setting_is_a_run_of_the_learned_scale_twin_taught_by_the_seeds_control(tmp_path):
     runs = bq.variant_runs("xnnpack_8da4w", ["qat_lsq_kdft", "qat_lsq_kdft_kl", "qat_lsq_kdft_t2"], sweep_dir=tmp_path)
     assert [r["name"] for r in runs] == [
@@ -26,6 +27,7 @@ def test_each_distillation_setting_is_a_run_of_the_learned_scale_twin_taught_by_
     assert bq.run_dir(tmp_path, "xnnpack_8da4w", "qat_lsq_kdft_kl") == tmp_path / "xnnpack_8da4w_lsq_kdft_kl-qat"
 
 
+@pytest.mark.fast
 def test_the_selected_variant_recovers_most_against_the_control_over_seeds():
     variants = ["ptq", "qat", "qat_lsq_kdft", "qat_lsq_kdft_kl"]
     per_seed = {  # ppl: PTQ 50, control 46 (4 to recover)

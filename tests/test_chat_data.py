@@ -77,6 +77,7 @@ def write_jsonl(path, records) -> str:
     return str(path)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("style", ["chatml", "llama3"])
 def test_loss_mask_covers_exactly_the_assistant_tokens(style):
     tok = chat_tokenizer(style)
@@ -94,6 +95,7 @@ def test_loss_mask_covers_exactly_the_assistant_tokens(style):
     assert all_ids == ids and all(all_trained)
 
 
+@pytest.mark.fast
 def test_a_slow_tokenizer_gives_the_same_mask_piece_by_piece(monkeypatch):
     tok = chat_tokenizer("llama3")
     fast = render(tok, CONVERSATION)
@@ -101,6 +103,7 @@ def test_a_slow_tokenizer_gives_the_same_mask_piece_by_piece(monkeypatch):
     assert render(tok, CONVERSATION) == fast
 
 
+@pytest.mark.fast
 def test_generation_markers_give_the_same_mask_as_prefix_renders(monkeypatch):
     import qharness.sources.chat as chat
 
@@ -112,6 +115,7 @@ def test_generation_markers_give_the_same_mask_as_prefix_renders(monkeypatch):
     assert render(tok, CONVERSATION, template=trimmed) == expected
 
 
+@pytest.mark.fast
 def test_alpaca_and_prompt_completion_map_onto_the_same_rendering():
     tok = chat_tokenizer("chatml")
     fmt = ChatFormat(kind="instruction", max_tokens=100)
@@ -128,6 +132,7 @@ def test_alpaca_and_prompt_completion_map_onto_the_same_rendering():
     assert to_messages({"q": "Sort this.\n\n3 1 2", "a": "1 2 3"}, "d:1", custom) == pair
 
 
+@pytest.mark.fast
 def test_packing_has_no_target_across_example_boundaries(tmp_path):
     tok = chat_tokenizer("chatml")
     records = conversations(5)
@@ -160,6 +165,7 @@ def test_packing_has_no_target_across_example_boundaries(tmp_path):
     assert stats["builds"] == builds and torch.equal(again, tokens) and torch.equal(again_targets, targets)
 
 
+@pytest.mark.fast
 def test_long_examples_truncated_or_dropped(tmp_path):
     tok = chat_tokenizer("chatml")
     records = conversations(8)
@@ -181,6 +187,7 @@ def test_long_examples_truncated_or_dropped(tmp_path):
         example_stream(path, ChatFormat(kind="chat", max_tokens=5, long_examples="drop"), tok)
 
 
+@pytest.mark.fast
 def test_masked_targets_do_not_count_in_the_loss_or_the_scores():
     from qharness.checks.parity import score_batched, score_deployed
     from qharness.training.module import token_loss
@@ -207,6 +214,7 @@ def test_masked_targets_do_not_count_in_the_loss_or_the_scores():
     assert len(score_batched(lambda _: logits, x, none, batch_size=2)["block_losses"]) == 1
 
 
+@pytest.mark.fast
 def test_distillation_matches_the_teacher_on_trained_positions_only():
     from qharness.training.module import distill_loss
 
@@ -221,6 +229,7 @@ def test_distillation_matches_the_teacher_on_trained_positions_only():
     assert distill_loss(student, teacher, 2.0, torch.full_like(y, IGNORE)).item() == 0.0
 
 
+@pytest.mark.fast
 def test_datamodule_detects_chat_and_keeps_text(tmp_path, tiny_llama):
     path = write_jsonl(tmp_path / "c.jsonl", conversations(60))
     template = tmp_path / "chatml.jinja"
@@ -246,6 +255,7 @@ def _error(records, tmp_path, tok=None, **fmt) -> str:
     return str(e.value)
 
 
+@pytest.mark.fast
 def test_bad_records_name_the_record_and_field(tmp_path):
     good = conversations(1)[0]
     user = {"role": "user", "content": "hi"}
@@ -276,6 +286,7 @@ def test_bad_records_name_the_record_and_field(tmp_path):
         example_stream(str(tmp_path / "bad.jsonl"), ChatFormat(kind="chat", max_tokens=500), chat_tokenizer("chatml"))
 
 
+@pytest.mark.fast
 def test_bad_templates_and_sources_are_one_line(tmp_path, tiny_llama):
     from qharness.sources.chat import load_template
 
@@ -369,6 +380,7 @@ def test_qat_fit_on_conversations_exports_a_pte_that_stops_at_end_of_turn(tmp_pa
     assert eot in PteModel(tmp_path / "run" / "model.pte").metadata()["get_eos_ids"]
 
 
+@pytest.mark.fast
 def test_embedded_chat_is_an_offline_instruction_dataset_with_its_template(tmp_path):
     from qharness.sources.chat_demo import EMBEDDED_CHAT, TEMPLATE, embedded_chat_file, embedded_instructions
     from qharness.sources.tokenizer import EOS, train_bpe_tokenizer

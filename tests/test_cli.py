@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, run_cli
 
 HEAVY = {"torch", "lightning", "executorch", "torchao", "transformers", "datasets", "lm_eval", "wandb"}
@@ -65,6 +66,7 @@ def test_unknown_recipe_is_one_line_exit_2(tmp_path):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.fast
 def test_configs_start_with_the_command_that_runs_them():
     for cfg in (ROOT / "configs").glob("*.yaml"):
         first = cfg.read_text().splitlines()[0]

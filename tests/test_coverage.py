@@ -57,6 +57,7 @@ def float_weight_matmuls(graph: torch.fx.GraphModule) -> list[str]:
     return found
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name, swapped", [("gpt2", "Conv1D"), ("falcon", "FalconLinear")])
 def test_projections_load_as_plain_linear_with_the_same_outputs(name, swapped, family):
     from transformers import AutoModelForCausalLM

@@ -8,6 +8,7 @@ from qharness.errors import UserError
 from qharness.sources.text import tokenize_stream
 
 
+@pytest.mark.fast
 def test_pack_blocks_and_next_token_targets():
     x, y = pack(torch.arange(23), seq_len=5)
     assert x.shape == y.shape == (4, 5)
@@ -15,6 +16,7 @@ def test_pack_blocks_and_next_token_targets():
     assert torch.equal(y[1], torch.tensor([6, 7, 8, 9, 10]))
 
 
+@pytest.mark.fast
 def test_datamodule_split_is_deterministic_and_disjoint(tiny_llama, corpus):
     a = TextDataModule(source=str(corpus), tokenizer=str(tiny_llama), seq_len=32, batch_size=4)
     b = TextDataModule(source=str(corpus), tokenizer=str(tiny_llama), seq_len=32, batch_size=4)
@@ -28,6 +30,7 @@ def test_datamodule_split_is_deterministic_and_disjoint(tiny_llama, corpus):
     assert torch.equal(first_a, first_b)
 
 
+@pytest.mark.fast
 def test_too_small_dataset_is_a_clear_error(tiny_llama, tmp_path):
     small = tmp_path / "small.txt"
     small.write_text("to be or not to be " * 10)
@@ -36,6 +39,7 @@ def test_too_small_dataset_is_a_clear_error(tiny_llama, tmp_path):
         dm.setup()
 
 
+@pytest.mark.fast
 def test_missing_and_empty_files(tiny_llama, tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         TextDataModule(source=str(tmp_path / "nope.txt"), tokenizer=str(tiny_llama)).setup()
@@ -44,6 +48,7 @@ def test_missing_and_empty_files(tiny_llama, tmp_path):
         TextDataModule(source=str(tmp_path / "empty.txt"), tokenizer=str(tiny_llama)).setup()
 
 
+@pytest.mark.fast
 def test_jsonl_source_with_text_field(tiny_llama, tmp_path, corpus):
     import json
 
@@ -57,6 +62,7 @@ def test_jsonl_source_with_text_field(tiny_llama, tmp_path, corpus):
     assert dm.train_x.shape[1] == 16 and len(dm.val_x) >= 2
 
 
+@pytest.mark.fast
 def test_embedded_architecture_pretrains_on_a_given_source_once(corpus, tmp_path, monkeypatch):
     from qharness.sources.embedded import EmbeddedSpec, embedded_dir
 

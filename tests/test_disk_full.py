@@ -57,6 +57,7 @@ def _hidden(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if p.name.startswith("."))
 
 
+@pytest.mark.fast
 def test_a_full_disk_keeps_the_old_pte_and_names_the_path_and_the_space(tmp_path, monkeypatch):
     pte = tmp_path / "model.pte"
     write_bytes_atomic(pte, b"old program")
@@ -71,6 +72,7 @@ def test_a_full_disk_keeps_the_old_pte_and_names_the_path_and_the_space(tmp_path
     assert _hidden(tmp_path) == []  # the temporary file is gone
 
 
+@pytest.mark.fast
 def test_other_write_errors_stay_what_they_are(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
     with pytest.raises(OSError) as info:
@@ -79,6 +81,7 @@ def test_other_write_errors_stay_what_they_are(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.fast
 def test_a_full_disk_keeps_the_old_tokenizer_dir(tmp_path, monkeypatch):
     tok = tmp_path / "tokenizer"
     tok.mkdir()
@@ -98,6 +101,7 @@ def test_a_full_disk_keeps_the_old_tokenizer_dir(tmp_path, monkeypatch):
     assert _hidden(tmp_path) == []
 
 
+@pytest.mark.fast
 def test_a_full_disk_keeps_the_last_checkpoint_loadable(tmp_path, monkeypatch):
     import torch
 
@@ -113,6 +117,7 @@ def test_a_full_disk_keeps_the_last_checkpoint_loadable(tmp_path, monkeypatch):
     assert _hidden(ckpt.parent) == []
 
 
+@pytest.mark.fast
 def test_the_cli_prints_one_line_for_a_full_disk_anywhere(monkeypatch, capsys, tmp_path):
     """A write outside qharness's own helpers (Lightning's CSV log, a library's save) that fills the disk, and a
     ``DiskFullError`` followed by another error while Lightning cleans up: one line, exit 2, no traceback."""

@@ -18,6 +18,7 @@ from qharness.training.module import QuantLM
 from qharness.training.prepare import set_fake_quant
 
 
+@pytest.mark.fast
 def test_distill_loss_is_zero_for_identical_logits_and_matches_a_hand_computation():
     s = torch.tensor([[[1.0, 2.0, 0.5], [0.0, -1.0, 3.0]]])  # [batch 1, 2 positions, vocab 3]
     t = torch.tensor([[[2.0, 0.0, 0.5], [1.0, 1.0, 1.0]]])
@@ -29,6 +30,7 @@ def test_distill_loss_is_zero_for_identical_logits_and_matches_a_hand_computatio
     assert distill_loss(s, t, T).item() > 0
 
 
+@pytest.mark.fast
 def test_distill_settings_are_checked():
     for bad in (dict(temperature=0.0), dict(kl_weight=-1.0), dict(kl_weight=0), dict(temperature=float("nan"))):
         field = next(iter(bad))
@@ -36,6 +38,7 @@ def test_distill_settings_are_checked():
             Distill(**bad)
 
 
+@pytest.mark.fast
 def test_distill_needs_qat(tiny_llama):
     with pytest.raises(UserError, match="model.distill needs model.mode: qat"):
         QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_int8_static", mode="ptq", distill=Distill())

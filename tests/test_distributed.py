@@ -11,6 +11,7 @@ from conftest import ROOT, run_cli, write_config
 from qharness.data.datamodule import ResumableShuffle
 
 
+@pytest.mark.fast
 def test_ddp_ranks_share_each_global_batch_like_one_process_with_a_larger_batch():
     one = list(ResumableShuffle(40, 4, seed=3))  # one process, batch 4
     ranks = [list(ResumableShuffle(40, 2, seed=3, rank=r, world=2)) for r in range(2)]  # two ranks, batch 2 each
@@ -21,6 +22,7 @@ def test_ddp_ranks_share_each_global_batch_like_one_process_with_a_larger_batch(
     assert resumed == ranks[1][7:]
 
 
+@pytest.mark.fast
 def test_too_few_blocks_for_every_rank_is_a_clear_error():
     from qharness.errors import UserError
 

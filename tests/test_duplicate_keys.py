@@ -8,6 +8,7 @@ from qharness.errors import UserError
 from qharness.io.yaml_reader import load_yaml
 
 
+@pytest.mark.fast
 def test_the_loader_refuses_a_key_given_twice_and_keeps_merge_keys():
     with pytest.raises(Exception, match=r"duplicate key 'lr' \(lines 2 and 4\)"):
         load_yaml("model:\n  lr: 1\n  mode: qat\n  lr: 2\n")
@@ -26,6 +27,7 @@ def test_a_run_config_with_a_key_twice_is_one_line_before_torch(tmp_path):
     assert "fix:" in line and "Traceback" not in r.stderr
 
 
+@pytest.mark.fast
 def test_a_recipe_with_a_key_twice_is_refused(tmp_path):
     from qharness.recipes.registry import load_recipe
 
@@ -35,6 +37,7 @@ def test_a_recipe_with_a_key_twice_is_refused(tmp_path):
         load_recipe(str(path))
 
 
+@pytest.mark.fast
 def test_a_sweep_file_with_a_key_twice_is_refused(tmp_path):
     from qharness.sweep.spec import load_sweep
 

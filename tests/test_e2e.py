@@ -27,6 +27,7 @@ def test_fit_writes_a_pte_that_passes_parity(fitted):
     assert (run / "checkpoints" / "last.ckpt").is_file()
 
 
+@pytest.mark.fast
 def test_the_pte_decodes_token_by_token_like_a_full_prefill(fitted):
     from qharness.runtime.pte import PteModel
 
@@ -80,6 +81,7 @@ def test_export_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_llama, corp
     assert "last.ckpt does not exist" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.fast
 def test_gate_names_each_failed_tolerance():
     from qharness.checks.parity import gate
     from qharness.config import ParityConfig

@@ -50,6 +50,7 @@ def _adapters(model, tok, max_length=64):
     }
 
 
+@pytest.mark.fast
 def test_loglikelihood_equals_log_softmax_of_a_direct_forward(fp):
     model, tok = fp
     long_ctx = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 3
@@ -77,6 +78,7 @@ def test_loglikelihood_equals_log_softmax_of_a_direct_forward(fp):
         assert lm.loglikelihood([_req("All:\nSpeak, ", "speak.")])[0][0] == pytest.approx(got[1][0], abs=1e-4)
 
 
+@pytest.mark.fast
 def test_rolling_loglikelihood_matches_a_direct_window_by_window_computation(fp, corpus):
     model, tok = fp
     text = corpus.read_text()[5000:5600]
@@ -121,6 +123,7 @@ def test_generate_until_greedy_stop_sequences_and_seeded_sampling(fp):
     assert runs[0][0] != greedy12  # temperature 1.5 over a random model: sampling leaves the greedy path
 
 
+@pytest.mark.fast
 def test_offline_documents_are_deterministic_and_well_formed(corpus, tmp_path):
     from qharness.evaluation.tasks import build_documents, write_offline_tasks
 
@@ -140,6 +143,7 @@ def test_offline_documents_are_deterministic_and_well_formed(corpus, tmp_path):
         assert cfg["task"] == name and (out / "data" / f"{name}.jsonl").is_file()
 
 
+@pytest.mark.fast
 def test_offline_tasks_run_through_lm_eval(fp, corpus, tmp_path):
     from qharness.config import EvalConfig
     from qharness.evaluation.harness import format_eval_table, run_eval
@@ -254,6 +258,7 @@ def test_standard_task_offline_fails_fast_with_how_to_provide_the_data(fitted):
     print(f"offline wikitext refused in {elapsed:.1f} s")
 
 
+@pytest.mark.fast
 def test_own_task_yaml_through_include_path(fp, tmp_path):
     from qharness.config import EvalConfig
     from qharness.evaluation.harness import run_eval
@@ -280,6 +285,7 @@ def test_own_task_yaml_through_include_path(fp, tmp_path):
     assert result["tasks"]["my_ppl"]["fp"]["word_perplexity"] == pytest.approx(math.exp(-ll / 10), rel=1e-6)
 
 
+@pytest.mark.fast
 def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus, tmp_path):
     from qharness.config import EvalConfig
     from qharness.evaluation.harness import format_eval_table, run_eval
@@ -318,6 +324,7 @@ def test_lm_eval_standard_errors_reach_the_summary_row_and_the_tables(fp, corpus
     assert eval_header([row], "eval/qharness_ppl/word_perplexity/pte") == "qharness_ppl/word_perplexity"  # none stated
 
 
+@pytest.mark.fast
 def test_eval_table_shows_standard_errors_of_filtered_metrics():
     from qharness.evaluation.harness import format_eval_table
 
@@ -341,6 +348,7 @@ def test_eval_table_shows_standard_errors_of_filtered_metrics():
     assert lines[3].split() == ["acc", "-", "0.5000", "0.2500"]  # lm-eval gave no stderr ("N/A"): the value alone
 
 
+@pytest.mark.fast
 def test_documents_stored_one_per_line_give_every_offline_task_documents(corpus, tmp_path):
     """Parquet/JSONL rows are often one long line each: wrapped into lines, they give the three offline tasks their
     documents (they failed the run after a passing deploy with 'too small'); short lines stay as they are."""
@@ -358,6 +366,7 @@ def test_documents_stored_one_per_line_give_every_offline_task_documents(corpus,
     assert build_documents([text], seed=3) == build_documents([text], seed=3)  # deterministic as before
 
 
+@pytest.mark.fast
 def test_evaluation_text_without_usable_lines_names_the_task_and_what_it_needs(tmp_path):
     from qharness.errors import UserError
     from qharness.evaluation.tasks import write_offline_tasks

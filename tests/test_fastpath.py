@@ -46,6 +46,7 @@ def _check_equal_to_hf(model, max_seq_len=48, atol=2e-5):
             assert calls[0] == 25 - k and len(calls) == k  # a prefill, then k - 1 single tokens
 
 
+@pytest.mark.fast
 def test_fast_decoder_equals_the_hf_llama(tiny_llama):
     from qharness.sources.models import load_model_and_tokenizer
 
@@ -95,6 +96,7 @@ FAMILIES = {
 }
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fast_decoder_equals_every_family(family):
     model = _tiny(family, **FAMILIES[family])
@@ -102,6 +104,7 @@ def test_fast_decoder_equals_every_family(family):
     _check_equal_to_hf(model)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "arch, extra",
     [
@@ -151,6 +154,7 @@ def _bloom():
     return BloomForCausalLM(config).eval()
 
 
+@pytest.mark.fast
 def test_unsupported_models_say_why():
     assert fast_support.unsupported_reason(_bloom(), 32) == (
         "BloomForCausalLM: its attention does not use transformers' AttentionInterface"
@@ -159,6 +163,7 @@ def test_unsupported_models_say_why():
     assert "rotary type 'dynamic'" in fast_support.unsupported_reason(dynamic, 32)
 
 
+@pytest.mark.fast
 def test_a_family_whose_forward_ignores_the_cache_is_refused(monkeypatch):
     """The eager check is what proves a family's attention goes through the interfaces: here the cache is skipped."""
     model = _tiny("LlamaForCausalLM")
@@ -173,6 +178,7 @@ def test_a_family_whose_forward_ignores_the_cache_is_refused(monkeypatch):
         fast_attention.register()
 
 
+@pytest.mark.fast
 def test_an_unsupported_architecture_falls_back_to_the_generic_export(caplog):
     from qharness.deploy.deployed import export_path, fallback_reason
     from qharness.deploy.lower import quantize_for_deploy
@@ -272,6 +278,7 @@ def test_lowered_fast_program_has_no_permute_copies(family):
     assert ("llama::custom_sdpa.out" in ops) == (family != "gemma2"), ops
 
 
+@pytest.mark.fast
 def test_fold_constants_computes_weight_math_once_and_keeps_the_cache_state():
     from qharness.checks.parity import fold_constants
 

@@ -209,6 +209,7 @@ def _one_line(message: str, *names: str) -> None:
     assert "Traceback" not in message
 
 
+@pytest.mark.fast
 @FAST
 @given(bad=bad_field(), as_override=st.booleans(), drop=st.sets(st.sampled_from(["bench", "calibration", "wandb"])))
 def test_a_bad_field_value_is_named(bad, as_override, drop):
@@ -308,6 +309,7 @@ def bad_lightning_field(draw):
     return field, draw(st.one_of(wrong))
 
 
+@pytest.mark.fast
 @more(80)
 @given(bad=bad_lightning_field(), as_override=st.booleans())
 def test_a_bad_lightning_field_is_named(bad, as_override):
@@ -323,6 +325,7 @@ def test_a_bad_lightning_field_is_named(bad, as_override):
         _one_line(_precheck_error(tmp, cfg, extra), field)
 
 
+@pytest.mark.fast
 def test_the_lightning_family_covers_typed_fields():
     """The generated family reaches the typed trainer and checkpoint fields qharness reads (ints, bools, optional
     ints) of both groups."""
@@ -341,6 +344,7 @@ KNOWN_TOP = set(SECTIONS) | {"seed_everything", "ckpt_path", "weights_only", "ve
 KNOWN_TOP |= {"num_fewshot", "models"}
 
 
+@pytest.mark.fast
 @FAST
 @given(  # trainer and checkpoint: Lightning's classes, whose other fields its own parser checks after import
     section=st.sampled_from([s for s in SECTIONS if s not in ("trainer", "checkpoint")]),
@@ -364,6 +368,7 @@ def _known(section):
     return set(hints(RunConfig.sections()[section]))
 
 
+@pytest.mark.fast
 @FAST
 @given(
     key=st.one_of(identifiers, texts.filter(bool)).filter(lambda k: k not in KNOWN_TOP),
@@ -385,6 +390,7 @@ def test_unknown_sections_and_sections_that_are_not_mappings(key, section, wrong
 odd_names = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="/\x00"), min_size=1, max_size=20)
 
 
+@pytest.mark.fast
 @FAST
 @given(
     field=st.sampled_from(["data.source", "model.checkpoint", "calibration.source", "trainer.default_root_dir"]),
@@ -461,6 +467,7 @@ def bad_recipes(draw):
     ) else "recipe"
 
 
+@pytest.mark.fast
 @FAST
 @given(recipe=bad_recipes())
 def test_a_bad_recipe_file_is_named(recipe):
@@ -539,6 +546,7 @@ def _load_error(name: str, data: bytes) -> str:
     raise AssertionError(f"{name} {data[:80]!r} loaded as {str(out)[:200]}")
 
 
+@pytest.mark.fast
 @FAST
 @given(bad=bad_data())
 def test_a_bad_data_file_is_refused_in_one_line(bad):
@@ -547,6 +555,7 @@ def test_a_bad_data_file_is_refused_in_one_line(bad):
     assert name in _load_error(name, data) or "data.text_field" in _load_error(name, data)
 
 
+@pytest.mark.fast
 @more(3)
 @given(size=st.sampled_from([3_000_000, 6_000_000]), suffix=st.sampled_from([".txt", ".jsonl"]))
 def test_one_huge_line_loads_whole(size, suffix):

@@ -21,6 +21,7 @@ def _nearest(w, qmin, qmax, group):
     return dequantize(q.to(torch.int8), s)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("bits,group", [(4, 32), (3, 32), (4, 128)])
 def test_gptq_halves_the_output_error_of_round_to_nearest_on_correlated_inputs(bits, group):
     g = torch.Generator().manual_seed(0)
@@ -34,6 +35,7 @@ def test_gptq_halves_the_output_error_of_round_to_nearest_on_correlated_inputs(b
     assert err(dequantize(codes, scales)) < 0.7 * err(_nearest(w, qmin, qmax, group))  # measured: ~0.5
 
 
+@pytest.mark.fast
 def test_a_gptq_layer_is_rounded_onto_its_own_grid_and_inputs_that_never_fire_cost_nothing():
     w = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
     h = torch.eye(64, dtype=torch.float64)
@@ -45,6 +47,7 @@ def test_a_gptq_layer_is_rounded_onto_its_own_grid_and_inputs_that_never_fire_co
     assert torch.allclose(dequantize(codes, scales), near, atol=1e-6)
 
 
+@pytest.mark.fast
 def test_rounding_is_a_checked_recipe_setting():
     assert load_recipe("xnnpack_8da4w_gptq").rounds_with_gptq and not load_recipe("xnnpack_8da4w").rounds_with_gptq
     with pytest.raises(UserError, match="rounding 'optimal' is unknown"):
@@ -53,6 +56,7 @@ def test_rounding_is_a_checked_recipe_setting():
         load_recipe("xnnpack_8da4w").settings.__class__(rounding="gptq", choose_qparams="hqq_scale_only")
 
 
+@pytest.mark.fast
 def test_gptq_weights_and_scales_reach_the_converted_model_exactly(tiny_llama):
     """What the .pte is lowered from: torchao's convert with GPTQ's scales gives back GPTQ's codes, bit for bit,
     for every linear (the tied lm_head untied)."""
@@ -69,6 +73,7 @@ def test_gptq_weights_and_scales_reach_the_converted_model_exactly(tiny_llama):
         assert torch.equal(deployed, w), name
 
 
+@pytest.mark.fast
 def test_qat_starts_from_gptq_weights_and_scales(tiny_llama):
     """QAT warm start (``xnnpack_8da3w_lsq_gptq``): every fake-quantized linear holds GPTQ's weights and its trainable
     scales start at GPTQ's; the tied lm_head trains as its own weight (the embedding stays FP), and the trained
@@ -104,6 +109,7 @@ def test_qat_starts_from_gptq_weights_and_scales(tiny_llama):
     )
 
 
+@pytest.mark.fast
 def test_qat_by_gptq_needs_learned_scales(tmp_path):
     """Plain QAT's min-max fake quantization would re-round GPTQ's weights onto another grid: refused up front."""
     from qharness.schema import ModelConfig

@@ -222,6 +222,7 @@ def _steps_shown(output: str, total: int):
     return re.findall(rf"(\d+)/{total} \[", output)
 
 
+@pytest.mark.fast
 def test_sweep_killed_between_runs_in_training_and_in_the_report(tmp_path, tiny_llama, corpus):
     t0 = time.time()
     sweep_dir = tmp_path / "sweep"

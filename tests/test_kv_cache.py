@@ -24,6 +24,7 @@ def _logits(model, kv_cache, x, max_seq_len=48):
     return torch.cat(parts)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "arch, extra",
     [
@@ -44,6 +45,7 @@ def test_int8_kv_cache_is_close_to_the_float_cache_but_not_equal(arch, extra):
     assert (int8.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
 
 
+@pytest.mark.fast
 def test_exported_int8_kv_graph_equals_the_eager_one_and_stores_int8():
     model = _tiny("LlamaForCausalLM")
     x = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
@@ -60,6 +62,7 @@ def test_exported_int8_kv_graph_equals_the_eager_one_and_stores_int8():
     torch.testing.assert_close(torch.cat(parts), _logits(model, "int8", x), atol=1e-5, rtol=0)
 
 
+@pytest.mark.fast
 def test_recipes_take_kv_cache_and_refuse_unknown_values(tmp_path):
     assert registry.load_recipe("xnnpack_8da4w").kv_cache == "fp32"
     good = tmp_path / "kv8.yaml"

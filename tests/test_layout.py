@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 import qharness
 
 PACKAGE = Path(qharness.__file__).parent
@@ -94,21 +96,25 @@ def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+@pytest.mark.fast
 def test_find_cycle_finds_one():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
 
 
+@pytest.mark.fast
 def test_no_import_cycles():
     assert find_cycle(graph()) is None
 
 
+@pytest.mark.fast
 def test_every_package_is_in_the_flow():
     assert {layer(m) for m in modules()} <= set(FLOW), (
         "a new package: add it to FLOW (and ARCHITECTURE.md) in flow order"
     )
 
 
+@pytest.mark.fast
 def test_packages_import_only_earlier_stages():
     late = []
     for module, deps in graph().items():
@@ -129,6 +135,7 @@ def upstream_imports(path: Path, top: str) -> list[str]:
     return out
 
 
+@pytest.mark.fast
 def test_upstream_imports_finds_both_forms(tmp_path):
     f = tmp_path / "m.py"
     f.write_text(
@@ -137,6 +144,7 @@ def test_upstream_imports_finds_both_forms(tmp_path):
     assert upstream_imports(f, "executorch") == ["1: executorch.exir", "3: executorch.exir.schema"]
 
 
+@pytest.mark.fast
 def test_executorch_is_imported_only_in_the_upstream_package():
     """ExecuTorch moves private modules between releases: every import of it lives in ``qharness/upstream``
     (imports.py names one function per symbol), so a new release is one file to edit."""
@@ -158,3 +166,16 @@ def test_ruff_lint_and_format_are_clean():
     for args in (["check", "qharness", "tests", "scripts"], ["format", "--check", "qharness", "tests", "scripts"]):
         r = subprocess.run([sys.executable, "-m", "ruff", *args], cwd=root, capture_output=True, text=True)
         assert r.returncode == 0, f"ruff {' '.join(args)}:\n{r.stdout[-3000:]}{r.stderr[-1000:]}"
+
+
+@pytest.mark.fast
+def test_the_fast_tier_covers_every_stage():
+    """Every step of the flow has tests in the fast tier (``pytest -m "fast and not slow"``, DEVELOPING.md): some test
+    file with ``@pytest.mark.fast`` tests imports from it. A stage whose fast tests all went (moved, slowed, marked
+    slow) fails here."""
+    known = set(modules())
+    covered = set()
+    for path in (PACKAGE.parent / "tests").glob("test_*.py"):
+        if "@pytest.mark.fast" in path.read_text():
+            covered |= {layer(m) for m in imports_of(path, known)}
+    assert set(FLOW) - covered == set(), "stages without a fast test"

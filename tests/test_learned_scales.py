@@ -78,6 +78,7 @@ def test_scales_start_at_min_max_and_are_parameters_without_weight_decay(tiny_ll
     m.load_into(m.load_fp()[0])  # raises on names the HF model lacks
 
 
+@pytest.mark.fast
 def test_scales_train_and_mode_switches_keep_them(trained):
     m, start, _ = trained
     now = m.learned_qparams()
@@ -126,6 +127,7 @@ def test_the_converted_program_uses_the_trained_scales_exactly(trained):
     assert learned_scales_carried(plain, q) == {"weights": 15, "exact": 0}
 
 
+@pytest.mark.fast
 def test_learned_scales_must_cover_the_deploy_graph_exactly(trained):
     from qharness.deploy.lower import export_deploy
     from qharness.upstream import imports
@@ -162,6 +164,7 @@ def test_learning_restarts_from_min_max_when_fake_quant_turns_on(tiny_llama):
     assert any(scale_param is p for g in opt.param_groups for p in g["params"])  # updated in place: still trained
 
 
+@pytest.mark.fast
 def test_ptq_with_a_learned_scale_recipe_is_refused(tiny_llama, tmp_path):
     recipe = tmp_path / "lsq_any.yaml"
     recipe.write_text(f"base: {RECIPE}\nmodes: [qat, ptq]\n")
@@ -169,6 +172,7 @@ def test_ptq_with_a_learned_scale_recipe_is_refused(tiny_llama, tmp_path):
         QuantLM(checkpoint=str(tiny_llama), recipe=str(recipe), mode="ptq")
 
 
+@pytest.mark.fast
 def test_compare_blocks_and_the_fake_quant_gate():
     from qharness.checks.parity import compare_blocks, gate
     from qharness.config import ParityConfig

@@ -44,6 +44,7 @@ def trained(tiny_llama):
     return m, start
 
 
+@pytest.mark.fast
 def test_scales_start_at_min_max_and_are_parameters_without_weight_decay(tiny_llama):
     m = _build(tiny_llama, weight_decay=0.1)
     q = m.learned_qparams()
@@ -66,6 +67,7 @@ def test_scales_start_at_min_max_and_are_parameters_without_weight_decay(tiny_ll
     m.load_into(m.load_fp()[0])  # raises on names the HF model lacks
 
 
+@pytest.mark.fast
 def test_scales_train_and_mode_switches_keep_them(trained):
     m, start = trained
     now = m.learned_qparams()
@@ -110,6 +112,7 @@ def test_the_converted_program_uses_the_trained_scales_exactly(trained):
     assert learned_scales_carried(plain, q) == {"weights": N_LINEARS, "exact": 0}
 
 
+@pytest.mark.fast
 def test_learned_scales_must_cover_the_deploy_model_exactly(trained):
     m, _ = trained
     q = m.learned_qparams()
@@ -126,6 +129,7 @@ def test_learned_scales_must_cover_the_deploy_model_exactly(trained):
         load_recipe("xnnpack_8da4w").make_quantizer(is_qat=False).convert(m.load_fp()[0], q)
 
 
+@pytest.mark.fast
 def test_a_checkpoint_restores_the_learned_scales(tiny_llama, trained):
     m, _ = trained
     fresh = _build(tiny_llama)
@@ -137,6 +141,7 @@ def test_a_checkpoint_restores_the_learned_scales(tiny_llama, trained):
     assert sum(k.endswith("weight_fake_quantizer.scale") for k in m.state_dict()) == N_LINEARS
 
 
+@pytest.mark.fast
 def test_scales_stay_positive(tiny_llama):
     """An optimizer step may push a scale to zero or below (all-zero weight groups get any sign); the fake quantizer
     and deployment both see it clamped to torchao's floor (a negative scale made the .pte unloadable)."""
@@ -151,6 +156,7 @@ def test_scales_stay_positive(tiny_llama):
     assert m.learned_qparams()[W][0][0, 1].item() == pytest.approx(1e-9)
 
 
+@pytest.mark.fast
 def test_quantized_embeddings_keep_min_max_scales(tiny_llama, tmp_path):
     recipe = tmp_path / "lsq_emb.yaml"
     recipe.write_text(f"base: {RECIPE}\nquantizer:\n  embedding_bits: 4\n")
@@ -167,6 +173,7 @@ def test_quantized_embeddings_keep_min_max_scales(tiny_llama, tmp_path):
     assert torch.equal(fp.get_parameter(table).scale, plain.get_parameter(table).scale)
 
 
+@pytest.mark.fast
 def test_learn_scales_settings_are_checked(tiny_llama, tmp_path):
     r = load_recipe(RECIPE)
     assert r.learns_scales and r.kind == "source" and r.modes == ("qat",)

@@ -47,6 +47,7 @@ def _end(proc):
     proc.wait()
 
 
+@pytest.mark.fast
 def test_a_stopped_holder_is_named_at_once_and_given_up_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("QHARNESS_LOCK_STOPPED_S", "1")
     proc = _holder("lock", tmp_path / "x.lock", STOP_SELF="1")
@@ -87,6 +88,7 @@ def test_a_running_holder_is_waited_for_and_the_wait_is_bounded(tmp_path, monkey
         _end(proc)
 
 
+@pytest.mark.fast
 def test_a_run_directory_held_by_a_stopped_process_says_so(tmp_path):
     proc = _holder("run", tmp_path / "run", STOP_SELF="1")
     try:

@@ -49,6 +49,7 @@ def _with_weights(plain, weights):
     return plain
 
 
+@pytest.mark.fast
 def test_lora_settings_are_checked():
     assert LoRA(targets=["q_proj"]).targets == ("q_proj",) and LoRA(rank=4, alpha=8).scale == 2.0
     assert LoRA().record() == {"rank": 8, "alpha": 16.0, "targets": list(LoRA().targets)}
@@ -65,6 +66,7 @@ def test_lora_settings_are_checked():
             LoRA(**bad)
 
 
+@pytest.mark.fast
 def test_targets_match_names_and_patterns_and_refuse_tied_weights(tiny_llama):
     from transformers import AutoModelForCausalLM
 
@@ -124,6 +126,7 @@ def summary_targets(m):
     return [n[len("model.") : -len(".lora_a")] for n, _ in m.graph.named_parameters() if n.endswith(".lora_a")]
 
 
+@pytest.mark.fast
 def test_the_deployed_weights_are_the_fake_quantized_merged_weights(tiny_llama):
     """torchao 8da4w: ``quantize_`` of the merged weights (deployment) gives exactly the fake quantizer's output during
     training, per layer, bit for bit."""

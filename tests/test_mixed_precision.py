@@ -50,6 +50,7 @@ def _tiny_model():
     return LlamaForCausalLM(config)
 
 
+@pytest.mark.fast
 def test_rules_are_read_as_typed_settings(tmp_path):
     r = _recipe(tmp_path, MIX)
     assert [rule.match for rule in r.layers] == ["lm_head", "model.layers.0.*", "model.layers.1.mlp.*"]
@@ -59,6 +60,7 @@ def test_rules_are_read_as_typed_settings(tmp_path):
     assert r.settings.group_size == 32 and not load_recipe("xnnpack_8da4w").layers
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "layers, message",
     [
@@ -80,6 +82,7 @@ def test_bad_rules_are_one_line_errors_when_read(tmp_path, layers, message):
         _recipe(tmp_path, f"base: xnnpack_8da4w\n{layers}\n")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "base, message",
     [("xnnpack_int8_dynamic", "need a source-level quantizer.*'xnnpack'"), ("xnnpack_fp32", "quantizes nothing")],
@@ -89,6 +92,7 @@ def test_rules_need_a_source_level_recipe(tmp_path, base, message):
         _recipe(tmp_path, f'base: {base}\nlayers: [{{match: "lm_head", quant: fp}}]\n')
 
 
+@pytest.mark.fast
 def test_each_layer_gets_its_rules_scheme(tmp_path):
     """The assignment is what the converted weights are: int8 per channel, int4 per channel or in groups, or FP."""
     import torch
@@ -112,6 +116,7 @@ def test_each_layer_gets_its_rules_scheme(tmp_path):
             assert q.abs().max() > 7, name  # truly 8-bit, not 4-bit values in int8 storage
 
 
+@pytest.mark.fast
 def test_qat_prepare_follows_the_rules(tmp_path):
     """QAT fake-quantizes exactly the assigned layers, with each rule's granularity and bits."""
     import torch
@@ -126,6 +131,7 @@ def test_qat_prepare_follows_the_rules(tmp_path):
     assert type(model.lm_head) is torch.nn.Linear
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "layers, message",
     [
@@ -149,6 +155,7 @@ def test_patterns_are_checked_against_the_model(tmp_path, layers, message):
         assert "fix: patterns are fnmatch globs on module names: model.layers.0.self_attn.q_proj" in str(e.value)
 
 
+@pytest.mark.fast
 def test_embeddings_follow_rules_and_layers_a_group_cannot_split_stay_fp(tmp_path, caplog):
     recipe = _recipe(
         tmp_path,

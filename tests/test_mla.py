@@ -48,6 +48,7 @@ def tiny_deepseek(first_k_dense_replace: int = 1, **overrides):
     return model
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("v_head_dim", [12, 32])  # values narrower, then wider, than the keys (24)
 def test_fast_path_takes_mla(v_head_dim):
     """The fast path's support check (prefill, a second chunk and a decode step against the model's own logits)

@@ -29,6 +29,7 @@ def test_zero_attention_heads_is_one_line_naming_the_field(tmp_path, tiny_llama,
     )
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "fields, named",
     [
@@ -43,6 +44,7 @@ def test_other_impossible_sizes_are_refused(tmp_path, tiny_llama, fields, named)
         check_local_checkpoint(str(_with(tmp_path, tiny_llama, **fields)))
 
 
+@pytest.mark.fast
 def test_unset_sizes_and_per_layer_lists_pass(tmp_path, tiny_llama):
     model = _with(tmp_path, tiny_llama, head_dim=None, intermediate_size=[128, 128])
     assert check_local_checkpoint(str(model)) == str(model)

@@ -48,6 +48,7 @@ def moe_blocks(model) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "experts")]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
 def test_rewrite_reproduces_each_family(model_type):
     """Block outputs on random input and whole-model logits match transformers' own (batched 3-D experts, whose
@@ -71,6 +72,7 @@ def test_rewrite_reproduces_each_family(model_type):
     assert rewrite_moe(model) == 0  # idempotent
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
 def test_restored_model_saves_a_checkpoint_transformers_loads(tmp_path, model_type):
     """``restore_moe`` puts (trained) per-expert weights back into transformers' modules: ``save_pretrained`` then
@@ -96,6 +98,7 @@ def test_restored_model_saves_a_checkpoint_transformers_loads(tmp_path, model_ty
         assert (loaded.eval()(ids).logits - trained).abs().max() < 1e-5
 
 
+@pytest.mark.fast
 def test_rewritten_block_trains_and_exports_to_core_aten():
     """The rewritten block passes gradients to the router (through the routing weights) and exports to core ATen
     with static shapes: no ``histc`` or data-dependent op (``nonzero``, ``index_add``) for ``to_edge`` to refuse."""
@@ -124,6 +127,7 @@ def tiny_mixtral(tmp_path_factory, corpus):
     )
 
 
+@pytest.mark.fast
 def test_loader_rewrites_an_hf_checkpoint(tiny_mixtral):
     """``load_model_and_tokenizer`` (every stage's loader) gives the rewritten model, with the checkpoint's weights:
     the same logits as transformers' own model of that directory."""
@@ -257,6 +261,7 @@ def test_other_families_calibrate_end_to_end(tmp_path, corpus, model_type):
     check_run(tmp_path / "run")
 
 
+@pytest.mark.fast
 def test_experts_moe_py_does_not_rewrite_stop_a_quantizing_recipe_before_work(tmp_path, monkeypatch):
     """gpt-oss's experts (a clamped gate of their own, gate and up interleaved) stay batched 3-D weights: the
     architecture check stops a quantizing recipe naming them and why, before any work (before: 'would leave 2 of 11

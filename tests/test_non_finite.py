@@ -27,6 +27,7 @@ def _nan_model_dir(tmp_path, tiny_llama):
 
 
 # --- the gate -----------------------------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_nan_figures_fail_every_check_of_the_gate():
     cfg = ParityConfig(max_abs_diff=1.0)
     good = {"ppl_rel_diff": 0.0, "argmax_agreement": 1.0, "max_abs_diff": 0.0, "positions": 8}
@@ -37,6 +38,7 @@ def test_nan_figures_fail_every_check_of_the_gate():
     assert gate({**good, "ppl_rel_diff": nan}, cfg, prefix="fake_quant_")
 
 
+@pytest.mark.fast
 def test_nan_logits_are_counted_and_fail_the_gate():
     """Two all-NaN models: argmax of NaN is the same index in both (agreement 1.0), max(0.0, nan) is 0.0, and
     NaN - NaN is NaN: every figure said "identical" before."""
@@ -68,6 +70,7 @@ def _trained(model, tokenizer, recipe="xnnpack_fp32"):
     return Trained(model.eval(), tokenizer, load_recipe(recipe), "ptq", "test", "test")
 
 
+@pytest.mark.fast
 def test_a_nan_fp_model_stops_before_export_naming_the_stage(tmp_path, tiny_llama):
     """The issue's all-NaN model reached the .pte, passed parity and was written as model.pte (load now refuses its
     weights first; this is the pipeline's own check, for a model that overflows to NaN)."""

@@ -56,6 +56,7 @@ def run_installed(site: Path, cwd: Path, *args: str, timeout: int = 600) -> subp
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.fast
 def test_wheel_holds_every_module_and_data_file(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     package = [n for n in _source_files() if n.startswith("qharness/")]
@@ -63,6 +64,7 @@ def test_wheel_holds_every_module_and_data_file(wheel):
     assert [n for n in package if n not in names] == []
 
 
+@pytest.mark.fast
 def test_installed_wheel_lists_every_builtin_recipe_and_task_template(site, tmp_path):
     probe = "import qharness, qharness.evaluation.tasks as t\nprint(qharness.__file__)\n"
     probe += "print(*t.TEMPLATES.glob('*.yaml'))"

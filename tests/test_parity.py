@@ -36,6 +36,7 @@ def _figures(pte, ref, margin):
     return {**figures, "ppl_rel_diff": 0.0}
 
 
+@pytest.mark.fast
 def test_flat_logits_with_tiny_error_pass_though_many_tokens_flip():
     pte, ref = _models(scale=0.01, error=0.04)  # random init: top-2 gaps far below the error
     figures = _figures(pte, ref, ParityConfig().tie_margin)
@@ -46,6 +47,7 @@ def test_flat_logits_with_tiny_error_pass_though_many_tokens_flip():
     assert gate(figures, ParityConfig()) == []
 
 
+@pytest.mark.fast
 def test_real_drift_fails_on_the_decided_positions():
     pte, ref = _models(scale=2.0, error=3.0)  # errors as large as the logits' spread
     figures = _figures(pte, ref, ParityConfig().tie_margin)
@@ -55,6 +57,7 @@ def test_real_drift_fails_on_the_decided_positions():
     assert len(reasons) == 1 and "parity.min_argmax_agreement" in reasons[0] and "parity.tie_margin=0.2" in reasons[0]
 
 
+@pytest.mark.fast
 def test_shuffled_vocabulary_fails():
     _, ref = _models(scale=2.0, error=0.0)
     perm = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(2))
@@ -64,6 +67,7 @@ def test_shuffled_vocabulary_fails():
     assert gate(figures, ParityConfig()) != []
 
 
+@pytest.mark.fast
 def test_small_error_on_spread_logits_passes_and_agrees_everywhere_decided():
     pte, ref = _models(scale=2.0, error=0.09)  # below half the margin: no decided position can flip
     figures = _figures(pte, ref, 0.2)
@@ -71,6 +75,7 @@ def test_small_error_on_spread_logits_passes_and_agrees_everywhere_decided():
     assert gate(figures, ParityConfig()) == []
 
 
+@pytest.mark.fast
 def test_near_ties_are_the_positions_within_the_margin():
     by_pos = torch.zeros(LENGTH, VOCAB)
     by_pos[:, 0] = torch.linspace(0.0, 0.94, LENGTH)  # token 0 leads by 0, 0.02, ..., 0.94
@@ -80,6 +85,7 @@ def test_near_ties_are_the_positions_within_the_margin():
     assert figures["near_ties"] == int((gaps <= 0.3).sum()) and figures["argmax_agreement_decided"] == 1.0
 
 
+@pytest.mark.fast
 def test_all_near_ties_leave_the_judgment_to_perplexity():
     pte, ref = _models(scale=0.001, error=0.01)
     figures = _figures(pte, ref, 0.2)
@@ -88,6 +94,7 @@ def test_all_near_ties_leave_the_judgment_to_perplexity():
     assert "parity.max_ppl_rel_diff" in gate({**figures, "ppl_rel_diff": 0.5}, ParityConfig())[0]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("figures", [{"ppl_rel_diff": 0.0, "argmax_agreement": 0.5, "max_abs_diff": 0.1}])
 def test_figures_without_near_ties_are_judged_on_every_position(figures):
     assert "argmax agreement 0.500 < parity.min_argmax_agreement=0.9" in gate(figures, ParityConfig())[0]

@@ -116,6 +116,7 @@ def test_bad_config_fails_before_torch(name, tmp_path):
     assert not heavy, heavy[:3]
 
 
+@pytest.mark.fast
 def test_shipped_and_test_configs_pass(tmp_path):
     shipped = [
         ROOT / "configs" / name for name in ("qat_xnnpack.yaml", "ptq_xnnpack.yaml", "qat_fsdp.yaml", "qat_chat.yaml")
@@ -125,6 +126,7 @@ def test_shipped_and_test_configs_pass(tmp_path):
             precheck([sub, "--config", str(config), "--trainer.max_steps", "5", "--model.lr=1e-3"])
 
 
+@pytest.mark.fast
 def test_sweep_run_configs_pass(tmp_path):
     from qharness.sweep.plan import plan
     from qharness.sweep.spec import load_sweep
@@ -143,6 +145,7 @@ def test_full_cli_config_passes(tmp_path):
     precheck(["fit", "--config", str(tmp_path / "full.yaml")])
 
 
+@pytest.mark.fast
 def test_overrides_and_what_it_cannot_read(tmp_path):
     cfg, unclear = merged_config(
         ["--config", str(_good(tmp_path)), "--model.lr", "-1", "--data.seq_len=16", "--trainer.callbacks+=X"]
@@ -177,6 +180,7 @@ LIGHTNING_LATE = {
 }
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", list(LIGHTNING_LATE))
 def test_lightning_fields_refused_early(name, tmp_path):
     extra, expected = LIGHTNING_LATE[name]
@@ -195,6 +199,7 @@ def test_trainer_fields_qharness_does_not_read_are_left_to_lightning(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.fast
 def test_good_lightning_values_pass(tmp_path):
     for extra in (
         ["--trainer.devices", "2", "--trainer.num_nodes", "1", "--trainer.max_epochs", "-1"],
@@ -205,6 +210,7 @@ def test_good_lightning_values_pass(tmp_path):
         precheck(["fit", "--config", str(_good(tmp_path)), *extra])
 
 
+@pytest.mark.fast
 def test_strategy_and_accelerator_named_before_the_model_loads(monkeypatch):
     """What needs Lightning's registries or the machine: checked in preflight, before any model or data loads."""
     from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
@@ -245,6 +251,7 @@ def test_cache_that_cannot_be_written_fails_before_torch(tmp_path):
     assert not re.search(r"\|\s+torch(\.|$)", result.stderr, re.M)
 
 
+@pytest.mark.fast
 def test_unwritable_cache_is_named(tmp_path, monkeypatch):
     monkeypatch.setenv("QHARNESS_CACHE", "/proc/qharness_cache")
     with pytest.raises(UserError, match=r"QHARNESS_CACHE=/proc/qharness_cache: /proc is not writable"):

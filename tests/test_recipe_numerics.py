@@ -58,6 +58,7 @@ def test_recipe_numerics(recipe, mode, tiny_llama, corpus, tmp_path):
         assert abs(m["fake_quant"].ppl - m["pte"].ppl) / m["pte"].ppl < 0.01
 
 
+@pytest.mark.fast
 def test_the_fast_subset_names_recipes_and_modes_that_exist():
     """A renamed recipe or a dropped mode would otherwise leave the default suite with no numerics test."""
     assert FAST <= set(CASES), sorted(FAST - set(CASES))

@@ -5,12 +5,14 @@ from qharness.recipes.registry import known_recipes, load_recipe
 from qharness.recipes.xnnpack import XnnpackSettings
 
 
+@pytest.mark.fast
 def test_builtin_recipe_loads():
     r = load_recipe("xnnpack_int8_dynamic")
     assert r.backend == "xnnpack" and r.quantized and set(r.modes) == {"qat", "ptq"}
     assert r.partitioners == ("xnnpack_dynamic_quant", "xnnpack")
 
 
+@pytest.mark.fast
 def test_unknown_recipe_lists_known():
     with pytest.raises(UserError) as e:
         load_recipe("xnnpack_int3")
@@ -19,6 +21,7 @@ def test_unknown_recipe_lists_known():
         assert name in str(e.value)
 
 
+@pytest.mark.fast
 def test_recipe_inherits_and_overrides(tmp_path):
     child = tmp_path / "child.yaml"
     child.write_text("base: xnnpack_int8_dynamic\ndescription: per-tensor child\nquantizer:\n  per_channel: false\n")
@@ -29,6 +32,7 @@ def test_recipe_inherits_and_overrides(tmp_path):
     assert r.partitioners == load_recipe("xnnpack_int8_dynamic").partitioners
 
 
+@pytest.mark.fast
 def test_unknown_field_names_it_and_lists_known(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("base: xnnpack_fp32\npartitioner: [xnnpack]\n")
@@ -36,6 +40,7 @@ def test_unknown_field_names_it_and_lists_known(tmp_path):
         load_recipe(str(bad))
 
 
+@pytest.mark.fast
 def test_unknown_quantizer_setting_is_caught(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("base: xnnpack_int8_dynamic\nquantizer:\n  bits: 4\n")
@@ -43,11 +48,13 @@ def test_unknown_quantizer_setting_is_caught(tmp_path):
         load_recipe(str(bad))  # when the recipe is read, before any model is loaded
 
 
+@pytest.mark.fast
 def test_mode_not_supported(tmp_path):
     with pytest.raises(UserError, match="does not support mode 'qat'"):
         load_recipe("xnnpack_fp32").check_mode("qat")
 
 
+@pytest.mark.fast
 def test_cyclic_base(tmp_path):
     (tmp_path / "a.yaml").write_text(f"base: {tmp_path / 'b.yaml'}\n")
     (tmp_path / "b.yaml").write_text(f"base: {tmp_path / 'a.yaml'}\n")
@@ -55,6 +62,7 @@ def test_cyclic_base(tmp_path):
         load_recipe(str(tmp_path / "a.yaml"))
 
 
+@pytest.mark.fast
 def test_8da4w_hqq_recipe_is_ptq_only_and_lowers_weight_error():
     """HQQ-optimised scales (export_llm's 8da4w default) reconstruct the weights better than min-max scales;
     QAT, which trains against min-max scales, refuses them."""
@@ -77,6 +85,7 @@ def test_8da4w_hqq_recipe_is_ptq_only_and_lowers_weight_error():
     assert 0 < errors["xnnpack_8da4w_hqq"] < errors["xnnpack_8da4w"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "quantizer, message",
     [
@@ -100,6 +109,7 @@ def test_settings_are_typed_and_checked_when_read(tmp_path, quantizer, message):
         load_recipe(str(bad))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "text, message",
     [
@@ -120,6 +130,7 @@ def test_malformed_recipe_files_are_one_line_errors(tmp_path, text, message):
         load_recipe(str(bad))
 
 
+@pytest.mark.fast
 def test_executorch_config_fields_are_the_installed_ones():
     """The list recipes are checked against (without importing ExecuTorch) is ExecutorchBackendConfig's fields."""
     import dataclasses
@@ -131,6 +142,7 @@ def test_executorch_config_fields_are_the_installed_ones():
     assert EXECUTORCH_CONFIG_FIELDS == {f.name for f in dataclasses.fields(ExecutorchBackendConfig)}
 
 
+@pytest.mark.fast
 def test_every_recipe_has_a_kind():
     kinds = {name: load_recipe(name).kind for name in known_recipes()}
     assert (
@@ -139,6 +151,7 @@ def test_every_recipe_has_a_kind():
     assert set(kinds.values()) <= {"fp", "pt2e", "source"}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", known_recipes())
 def test_every_recipe_builds_its_quantizer_and_partitioners(name):
     """Each built-in recipe's quantizer (for each of its modes) and partitioners construct against the installed
@@ -149,6 +162,7 @@ def test_every_recipe_builds_its_quantizer_and_partitioners(name):
     assert len(recipe.make_partitioners()) == len(recipe.partitioners)
 
 
+@pytest.mark.fast
 def test_a_source_recipe_that_selects_no_layer_is_refused():
     """8da4w with a group size dividing no layer would ship an unquantized program labelled quantized."""
     import torch

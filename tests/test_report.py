@@ -110,6 +110,7 @@ def test_pareto_front_and_budget_on_a_hand_computed_example(runs_dir):
     assert best_under(result["rows"], "ppl_pte", True, max_latency_ms=0.6) is None  # only the failed run is that fast
 
 
+@pytest.mark.fast
 def test_the_size_front_ranks_by_pte_size_not_latency(runs_dir):
     """A fast but large program is on the latency front and off the size front (int8-ptq is smaller and better)."""
     write_json_atomic(
@@ -125,6 +126,7 @@ def test_the_size_front_ranks_by_pte_size_not_latency(runs_dir):
     assert "Pareto front by .pte size" in result["text"]
 
 
+@pytest.mark.fast
 def test_higher_is_better_metric_from_lm_eval_results(runs_dir):
     result = write_report(runs_dir, metric="toy/acc", wandb=False)
     assert result["metric"] == "eval/toy/acc/pte" and not result["lower_is_better"]
@@ -140,6 +142,7 @@ def test_higher_is_better_metric_from_lm_eval_results(runs_dir):
         resolve_metric("nope/acc", result["rows"])
 
 
+@pytest.mark.fast
 def test_pareto_front_unit_cases():
     assert pareto_front([(1, 10), (2, 8), (3, 9), (4, 5)], lower_is_better=True) == [0, 1, 3]
     assert pareto_front([(1, 10), (2, 8), (3, 9), (4, 5)], lower_is_better=False) == [0]
@@ -147,6 +150,7 @@ def test_pareto_front_unit_cases():
     assert pareto_front([], lower_is_better=True) == []
 
 
+@pytest.mark.fast
 def test_table_csv_and_png_are_written(runs_dir):
     import matplotlib.pyplot as plt
 
@@ -187,6 +191,7 @@ def test_table_csv_and_png_are_written(runs_dir):
     assert crimson > 200  # the front's line and labels are drawn
 
 
+@pytest.mark.fast
 def test_a_busy_machine_during_benchmarks_is_noted(runs_dir):
     assert "Note:" not in write_report(runs_dir, wandb=False)["text"]
     path = runs_dir / "int8-ptq" / "summary.json"
@@ -219,6 +224,7 @@ def test_report_of_a_directory_without_runs_is_a_clear_error(tmp_path):
     assert r.returncode == 2 and "no summary.json under" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.fast
 def test_summary_row_of_a_real_summary_layout():
     s = summary("x", "xnnpack_int8_dynamic", "qat", True, 98.6, 1.25, 2.27, True, 0.47)
     row = summary_row(RunSummary.from_dict(s))

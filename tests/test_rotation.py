@@ -11,6 +11,7 @@ from qharness.recipes.rotation import random_orthogonal, rotate
 from qharness.training.module import QuantLM
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("n", [64, 96])
 def test_the_rotation_is_orthogonal_and_hadamard_for_powers_of_two(n):
     q = random_orthogonal(n, seed=0)
@@ -26,6 +27,7 @@ def _random_norms(model, seed=0):
             m.weight.data = 0.5 + torch.rand(m.weight.shape, generator=g)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral"])
 def test_a_rotated_model_computes_the_same_logits(tmp_path, corpus, model_type):
     from transformers import AutoModelForCausalLM
@@ -43,6 +45,7 @@ def test_a_rotated_model_computes_the_same_logits(tmp_path, corpus, model_type):
     assert all((m.weight == 1).all() for n, m in model.named_modules() if n.endswith("layernorm") or n == "model.norm")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("model_type", ["gemma", "gemma2"])
 def test_models_whose_layers_do_not_fold_are_refused(tmp_path, corpus, model_type):
     """Gemma's norms scale by 1 + weight (the numeric check catches it); Gemma2 has norms after attention and MLP
@@ -56,6 +59,7 @@ def test_models_whose_layers_do_not_fold_are_refused(tmp_path, corpus, model_typ
         rotate(model)
 
 
+@pytest.mark.fast
 def test_every_load_of_a_rotating_recipe_is_rotated_alike(tiny_llama):
     """QAT trains the rotated weights; deployment loads the FP model again: the same rotation (seeded), so the
     trained weights load into it name by name."""
@@ -67,6 +71,7 @@ def test_every_load_of_a_rotating_recipe_is_rotated_alike(tiny_llama):
     assert not torch.equal(a.model.embed_tokens.weight, plain.model.embed_tokens.weight)
 
 
+@pytest.mark.fast
 def test_a_bad_rotation_fails_when_the_recipe_is_read(tmp_path):
     (tmp_path / "r.yaml").write_text("base: xnnpack_8da4w\nrotation: spin\n")
     with pytest.raises(UserError, match="rotation must be null or one of hadamard"):

@@ -18,6 +18,7 @@ def _holder(run_dir):
     return proc
 
 
+@pytest.mark.fast
 def test_a_directory_in_use_is_refused_and_freed_when_the_holder_dies(tmp_path):
     proc = _holder(tmp_path / "run")
     try:
@@ -45,6 +46,7 @@ def test_the_cli_refuses_a_second_writer_before_any_work(tmp_path, tiny_llama, c
     assert not (tmp_path / "run" / "model.pte").exists()
 
 
+@pytest.mark.fast
 def test_ranks_other_than_zero_share_rank_zeros_lock(tmp_path, monkeypatch):
     proc = _holder(tmp_path / "run")
     try:

@@ -28,6 +28,7 @@ def _summary(**kw):
     return RunSummary(**{**base, **kw})
 
 
+@pytest.mark.fast
 def test_round_trip_and_kind(tmp_path):
     s = _summary()
     s.write(tmp_path / "summary.json")
@@ -36,6 +37,7 @@ def test_round_trip_and_kind(tmp_path):
     assert _summary(quantized=False, recipe="xnnpack_fp32").kind == "fp"
 
 
+@pytest.mark.fast
 def test_the_pte_is_found_in_the_run_directory_wherever_the_run_was_started(tmp_path, monkeypatch):
     """summary.json records pte.path as the run was given it (relative to where it started); a reader in another
     directory, or of a moved run, finds the file in the run directory."""
@@ -48,6 +50,7 @@ def test_the_pte_is_found_in_the_run_directory_wherever_the_run_was_started(tmp_
     assert _summary(pte={}).pte_file(run) == run
 
 
+@pytest.mark.fast
 def test_update_merges_and_appends_evaluations(tmp_path):
     path = tmp_path / "summary.json"
     _summary(eval={"tasks": {"qharness_ppl": {}}}).write(path)
@@ -61,6 +64,7 @@ def test_update_merges_and_appends_evaluations(tmp_path):
         RunSummary.update(path, nonsense=1)
 
 
+@pytest.mark.fast
 def test_version_1_summaries_are_read_and_newer_ones_refused(tmp_path):
     old = _summary().to_dict()
     del old["schema_version"], old["quantized"]
@@ -75,6 +79,7 @@ def test_version_1_summaries_are_read_and_newer_ones_refused(tmp_path):
         RunSummary.read(tmp_path / "v9.json")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "content, message",
     [
@@ -90,6 +95,7 @@ def test_malformed_summaries_are_one_line_errors(tmp_path, content, message):
         RunSummary.read(tmp_path / "s.json")
 
 
+@pytest.mark.fast
 def test_atomic_writes_follow_the_umask(tmp_path):
     old = os.umask(0o027)
     try:
@@ -103,6 +109,7 @@ def test_atomic_writes_follow_the_umask(tmp_path):
 DATA = Path(__file__).parent / "data"
 
 
+@pytest.mark.fast
 def test_a_summary_written_before_the_sections_were_typed_reads_as_typed_sections(tmp_path):
     """tests/data/summary_v4_qat.json: a QAT run's summary.json as the writer before typed sections wrote it (schema 4,
     learned scales, the fake-quant gate, the benchmark); read into the typed sections, printed, and written back as
@@ -131,6 +138,7 @@ def test_a_summary_written_before_the_sections_were_typed_reads_as_typed_section
     assert json.loads((tmp_path / "summary.json").read_text()) == json.loads(path.read_text())
 
 
+@pytest.mark.fast
 def test_a_section_field_this_qharness_does_not_know_is_one_line_naming_the_version(tmp_path):
     data = json.loads((DATA / "summary_v4_qat.json").read_text())
     data["parity"]["from_the_future"] = 1
@@ -139,6 +147,7 @@ def test_a_section_field_this_qharness_does_not_know_is_one_line_naming_the_vers
         RunSummary.read(tmp_path / "s.json")
 
 
+@pytest.mark.fast
 def test_coverage_bench_and_joint_sections_read_typed_and_write_back_the_same_json(tmp_path):
     """tests/data/summary_v4_ptq_joint.json: written by the writer before coverage/bench/bench_joint were typed (a
     float weight kept by a recipe rule, a .pte-only benchmark, a joint benchmark entry, lm-eval tables): read as
@@ -174,6 +183,7 @@ def test_coverage_bench_and_joint_sections_read_typed_and_write_back_the_same_js
     assert (tmp_path / "summary.json").read_bytes() == path.read_bytes()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("section", ["coverage", "bench", "bench_joint"])
 def test_a_benchmark_or_coverage_field_this_qharness_does_not_know_is_one_line(tmp_path, section):
     data = json.loads((DATA / "summary_v4_ptq_joint.json").read_text())

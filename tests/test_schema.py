@@ -57,6 +57,7 @@ def test_schema_imports_without_torch():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@pytest.mark.fast
 def test_every_field_has_a_type_a_default_and_help():
     for section, name, cls in _fields():
         f = {f.name: f for f in dataclasses.fields(cls)}[name]
@@ -93,6 +94,7 @@ def _help(monkeypatch, *args: str) -> str:
     return _words(out.getvalue())
 
 
+@pytest.mark.fast
 def test_every_field_reaches_every_place(monkeypatch):
     """For every field: ``qharness fit --help`` shows it (with its help text, for qharness's own sections), the
     pre-check knows it (its default passes into the ``RunConfig`` it returns; a value of no type it takes is one
@@ -133,6 +135,7 @@ def test_reference_is_current():
     assert PATH.read_text() == reference(), "run: python -m qharness.schema.reference"
 
 
+@pytest.mark.fast
 def test_trainer_fields_are_lightnings():
     """The trainer and checkpoint fields qharness reads are Lightning's own (a renamed one fails here)."""
     import inspect
@@ -145,6 +148,7 @@ def test_trainer_fields_are_lightnings():
         assert ours <= set(inspect.signature(cls).parameters), ours - set(inspect.signature(cls).parameters)
 
 
+@pytest.mark.fast
 def test_run_config_from_yaml_and_validate(tmp_path, monkeypatch):
     run = RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"model.lr": "2e-4", "trainer.max_steps": 7})
     assert run.model.lr == 2e-4 and run.trainer.max_steps == 7
@@ -162,6 +166,7 @@ def test_run_config_from_yaml_and_validate(tmp_path, monkeypatch):
         RunConfig.from_yaml(ROOT / "configs" / "qat_xnnpack.yaml", {"model.lrr": 1})
 
 
+@pytest.mark.fast
 def test_min_lr_ratio_is_where_the_cosine_decay_ends(tmp_path):
     """``model.min_lr_ratio`` (added to ``ModelConfig`` alone): the learning rate the schedule ends at; a value
     outside [0, 1] is one line before torch loads."""

@@ -21,6 +21,7 @@ def _blocks(n=4, seq_len=24, vocab=256):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+@pytest.mark.fast
 def test_sub_4bit_candidates_cost_the_bytes_of_int4_on_xnnpack():
     """XNNPACK stores 2/3-bit values as int4 (upstream/fixes/xnnpack_subbyte.py): no size below 4-bit."""
     linear = torch.nn.Linear(64, 32)
@@ -28,6 +29,7 @@ def test_sub_4bit_candidates_cost_the_bytes_of_int4_on_xnnpack():
     assert weight_bytes(linear, "8da4w-g32") < weight_bytes(linear, "8da8w-pc") < weight_bytes(linear, "fp")
 
 
+@pytest.mark.fast
 def test_candidates_are_the_rules_a_recipe_takes():
     assert candidate_rule("fp") == {"quant": "fp"}
     assert candidate_rule("8da8w-pc") == {"weight_bits": 8, "group_size": None}
@@ -39,6 +41,7 @@ def test_candidates_are_the_rules_a_recipe_takes():
     assert check_options(load_recipe("xnnpack_int8_dynamic"), "8da4w-g32", "layer", "fp") == ["8da4w-g32"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "recipe, candidates, unit, against, message",
     [
@@ -56,6 +59,7 @@ def test_bad_options_are_one_line_errors(recipe, candidates, unit, against, mess
         check_options(load_recipe(recipe), candidates, unit, against)
 
 
+@pytest.mark.fast
 def test_each_figure_is_the_model_that_recipe_rules_would_deploy(tmp_path):
     """A layer's cell is the perplexity of the FP model with only that layer quantized, as a recipe with per-layer
     rules (one layer at the candidate, the rest fp) converts it: computed here independently through the recipe."""
@@ -88,6 +92,7 @@ def test_each_figure_is_the_model_that_recipe_rules_would_deploy(tmp_path):
     assert weight_bytes(model.lm_head, "fp") == 4 * w.numel()
 
 
+@pytest.mark.fast
 def test_against_the_recipe_blocks_start_from_its_own_assignment(tmp_path):
     """Baseline: the recipe's quantized model (its layers: rules too); a unit's own scheme is the baseline cell,
     and fp there means leaving that unit alone in floating point."""

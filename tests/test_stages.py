@@ -19,6 +19,7 @@ def _module(tiny_llama, batch=2, seq=16):
     return m
 
 
+@pytest.mark.fast
 def test_exported_training_graph_matches_eager(fp):
     x = torch.randint(0, fp.config.vocab_size, (2, 16))
     graph = export_for_training(fp, 2, 16)

@@ -33,6 +33,7 @@ def _writer(directory):
     return proc, proc.stdout.readline().split()
 
 
+@pytest.mark.fast
 def test_temps_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
     killed, (dead_file, dead_dir) = _writer(tmp_path)
     killed.kill()  # SIGKILL: no clean-up runs
@@ -58,6 +59,7 @@ def test_temps_of_killed_writers_are_removed_and_live_ones_kept(tmp_path):
     assert remove_stale_temps(tmp_path / "missing") == []
 
 
+@pytest.mark.fast
 def test_atomic_writers_name_their_temporaries_so_they_can_be_found(tmp_path, monkeypatch):
     seen = []
     real_replace = os.replace
@@ -91,6 +93,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.fast
 def test_taking_a_run_directory_cleans_it_and_its_checkpoints(tmp_path):
     from qharness.io.locks import hold_run_lock, release_run_locks
 
@@ -106,6 +109,7 @@ def test_taking_a_run_directory_cleans_it_and_its_checkpoints(tmp_path):
     assert not any(p.exists() for p in stale)
 
 
+@pytest.mark.fast
 def test_the_cache_builder_cleans_temporaries_of_dead_builds(tmp_path):
     """A killed pretraining of the embedded model leaves ``<key>.tmp<pid>`` in the cache; the next build removes it."""
     from qharness.sources.embedded import EmbeddedSpec, pretrain_embedded
@@ -120,6 +124,7 @@ def test_the_cache_builder_cleans_temporaries_of_dead_builds(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["embedded-def"]  # built; the dead build's leftovers gone
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("status", [None, {"config_sha256": "other", "returncode": None}])
 def test_a_sweep_resumes_only_a_started_qat_run_of_the_same_config(tmp_path, status):
     from qharness.sweep.plan import SweepRun
@@ -139,6 +144,7 @@ def test_a_sweep_resumes_only_a_started_qat_run_of_the_same_config(tmp_path, sta
     assert not resumable(run)
 
 
+@pytest.mark.fast
 def test_checkpoints_are_written_beside_themselves_and_renamed(tmp_path, monkeypatch):
     """Lightning's own checkpoint write goes through a temp file in $TMPDIR (left there by a kill, copied rather
     than renamed across file systems); the CLI's ``AtomicCheckpointIO`` writes one beside the checkpoint."""

@@ -97,6 +97,7 @@ class FakeRunner:
         return 0
 
 
+@pytest.mark.fast
 def test_plan_puts_the_baseline_first_with_one_run_dir_each(tmp_path):
     runs = plan(load_sweep(sweep_yaml(tmp_path)))
     assert [(r.name, r.subcommand) for r in runs] == [
@@ -156,6 +157,7 @@ def test_rerun_skips_finished_runs_retries_failed_ones_and_reruns_changed_config
     assert len(fourth.calls) == 4
 
 
+@pytest.mark.fast
 def test_a_stale_summary_does_not_count_as_done(tmp_path):
     path = sweep_yaml(tmp_path)
     run_sweep(path, runner=FakeRunner(), report=False)
@@ -237,6 +239,7 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
     assert calls == []
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "spec, message",
     [
@@ -291,6 +294,7 @@ def test_run_logged_tees_output_and_returns_the_exit_code(tmp_path, capfdbinary)
     assert b"out" in capfdbinary.readouterr().out
 
 
+@pytest.mark.fast
 def test_the_shipped_sweep_covers_fp_ptq_and_qat():
     runs = plan(load_sweep(ROOT / "configs" / "sweep_xnnpack.yaml"))
     assert runs[0].name == "xnnpack_fp32-ptq" and len(runs) >= 5
@@ -317,6 +321,7 @@ def test_a_real_tiny_sweep_and_its_rerun(tmp_path, tiny_llama, corpus):
     assert again.returncode == 0 and again.stdout.count("finished earlier with the same config, skipped") == 2
 
 
+@pytest.mark.fast
 def test_named_variants_of_one_recipe_get_their_own_run_dirs(tmp_path):
     path = tmp_path / "s.yaml"
     distill = {"model": {"distill": {"kl_weight": 1.0}}}
@@ -364,6 +369,7 @@ class SlowRunner(FakeRunner):
         return code
 
 
+@pytest.mark.fast
 def test_jobs_run_runs_side_by_side_and_a_run_waits_for_the_run_it_names(tmp_path):
     """jobs: 2 keeps two runs going at once; a run whose config names another run's directory (here its teacher)
     starts only after that run ended; the records keep the plan's order and a rerun skips them all as before."""
@@ -394,6 +400,7 @@ def test_jobs_run_runs_side_by_side_and_a_run_waits_for_the_run_it_names(tmp_pat
     assert again.calls == []
 
 
+@pytest.mark.fast
 def test_depends_on_finds_a_path_inside_an_earlier_run_dir_only(tmp_path):
     spec = {
         "sweep_dir": str(tmp_path / "sweep"),

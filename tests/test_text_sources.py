@@ -10,6 +10,7 @@ from qharness.errors import UserError
 from qharness.sources.text import load_texts
 
 
+@pytest.mark.fast
 def test_a_folder_of_mixed_and_compressed_files_loads_every_document(tmp_path):
     (tmp_path / "a.txt").write_text("plain text")
     (tmp_path / "sub").mkdir()
@@ -25,11 +26,13 @@ def test_a_folder_of_mixed_and_compressed_files_loads_every_document(tmp_path):
     )
 
 
+@pytest.mark.fast
 def test_utf8_bom_is_dropped(tmp_path):
     (tmp_path / "a.txt").write_bytes("\ufeffhello".encode("utf-8"))
     assert load_texts(str(tmp_path / "a.txt")) == ["hello"]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "name, content, message",
     [
@@ -51,6 +54,7 @@ def test_what_is_not_text_is_one_line_naming_the_file(tmp_path, name, content, m
         load_texts(str(tmp_path / name))
 
 
+@pytest.mark.fast
 def test_a_bad_file_in_a_folder_is_named(tmp_path):
     (tmp_path / "good.txt").write_text("fine")
     (tmp_path / "z_latin1.txt").write_bytes("naïve".encode("latin-1"))
@@ -58,6 +62,7 @@ def test_a_bad_file_in_a_folder_is_named(tmp_path):
         load_texts(str(tmp_path))
 
 
+@pytest.mark.fast
 def test_empty_and_special_files_in_a_folder_are_skipped_with_a_note(tmp_path, capsys):
     """One empty file no longer rejects a whole folder; a FIFO is not read (it would block) nor called empty."""
     import os
@@ -74,6 +79,7 @@ def test_empty_and_special_files_in_a_folder_are_skipped_with_a_note(tmp_path, c
         load_texts(str(tmp_path))
 
 
+@pytest.mark.fast
 def test_a_fifo_is_not_called_empty(tmp_path):
     import os
 
@@ -82,6 +88,7 @@ def test_a_fifo_is_not_called_empty(tmp_path):
         load_texts(str(tmp_path / "pipe.txt"))
 
 
+@pytest.mark.fast
 def test_valid_tables_without_rows_say_so(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -95,6 +102,7 @@ def test_valid_tables_without_rows_say_so(tmp_path):
     assert load_texts(str(tmp_path)) == ["row one"]  # the empty tables beside it are skipped
 
 
+@pytest.mark.fast
 def test_errors_name_the_field_the_source_came_from(tmp_path, monkeypatch):
     """A bare relative path (``calib.txt``) that does not exist is a missing file, not a hub dataset id, and the
     message names the setting it came from, not data.source."""

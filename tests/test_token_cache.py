@@ -39,6 +39,7 @@ def test_same_tokens_and_blocks_as_the_in_memory_path(tiny_llama, tok, corpus):
         assert torch.equal(x, ox) and torch.equal(y, oy) and x.dtype == torch.long
 
 
+@pytest.mark.fast
 def test_a_folder_of_mixed_files_gives_the_in_memory_tokens(tok, tmp_path, corpus):
     text = corpus.read_text()[:30_000]
     (tmp_path / "d").mkdir()
@@ -49,6 +50,7 @@ def test_a_folder_of_mixed_files_gives_the_in_memory_tokens(tok, tmp_path, corpu
     assert torch.equal(token_stream(src, "text", tok), tokenize_stream(load_texts(src), tok))
 
 
+@pytest.mark.fast
 def test_a_long_document_cut_into_pieces_tokenizes_as_a_whole(tok, tmp_path, corpus):
     path = tmp_path / "long.txt"
     path.write_text(corpus.read_text()[:60_000])
@@ -58,6 +60,7 @@ def test_a_long_document_cut_into_pieces_tokenizes_as_a_whole(tok, tmp_path, cor
     assert token_cache.stats["inexact_cuts"] == before
 
 
+@pytest.mark.fast
 def test_second_run_reads_the_cache_and_a_changed_file_is_rebuilt(tok, tmp_path, corpus, monkeypatch):
     path = tmp_path / "c.txt"
     path.write_text(corpus.read_text()[:20_000])
@@ -90,6 +93,7 @@ def test_second_run_reads_the_cache_and_a_changed_file_is_rebuilt(tok, tmp_path,
     assert token_cache.stats["builds"] == builds + 3 and len(changed) > len(first)
 
 
+@pytest.mark.fast
 def test_a_killed_build_leaves_no_cache_and_its_temp_file_is_removed(tok, tmp_path, corpus, monkeypatch):
     path = tmp_path / "k.txt"
     path.write_text(corpus.read_text()[:5_000])
@@ -114,6 +118,7 @@ def test_a_killed_build_leaves_no_cache_and_its_temp_file_is_removed(tok, tmp_pa
 TEXT = "\ufeffhé wörld € 𝄞 naïve\nzwei\n"
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("chunk", [1, 2, 3, 5, 1 << 20])
 def test_multibyte_characters_across_chunk_boundaries(tmp_path, tok, chunk):
     path = tmp_path / "u.txt"
@@ -124,6 +129,7 @@ def test_multibyte_characters_across_chunk_boundaries(tmp_path, tok, chunk):
     )
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -21,6 +21,7 @@ needs_torchtune = pytest.mark.skipif(
 TINY = "torchtune:llama3_2.llama3_2(vocab_size=384, num_layers=1, num_heads=4, num_kv_heads=2, embed_dim=64, max_seq_len=256, intermediate_dim=128{})"
 
 
+@pytest.mark.fast
 def test_spec_syntax():
     assert parse_spec("torchtune:llama3_2.llama3_2_1b") == ("torchtune.models.llama3_2.llama3_2_1b", {})
     assert parse_spec("torchtune:torchtune.models.llama3_2.llama3_2(num_layers=2, norm_eps=1e-6, tokenizer='d')") == (
@@ -38,6 +39,7 @@ def test_spec_syntax():
             parse_spec(bad)
 
 
+@pytest.mark.fast
 @needs_torchtune
 def test_the_nf4_shim_is_still_needed():
     """When this fails, torchao ships ``torchao.dtypes.nf4tensor`` again or torchtune stopped importing it:
@@ -51,6 +53,7 @@ def test_the_nf4_shim_is_still_needed():
     assert any(p.name == "common_utils.py" for p in importers)  # imported by torchtune.modules at import time
 
 
+@pytest.mark.fast
 @needs_torchtune
 def test_builder_becomes_an_hf_llama_with_the_same_logits(tmp_path, monkeypatch):
     monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path))
@@ -75,6 +78,7 @@ def test_builder_becomes_an_hf_llama_with_the_same_logits(tmp_path, monkeypatch)
     assert meta["builder"] == "torchtune.models.llama3_2.llama3_2" and meta["seed"] == 3
 
 
+@pytest.mark.fast
 @needs_torchtune
 def test_non_llama_builder_is_refused(tmp_path, monkeypatch):
     from qharness.sources.models import resolve_checkpoint
@@ -88,6 +92,7 @@ def test_non_llama_builder_is_refused(tmp_path, monkeypatch):
         resolve_checkpoint("torchtune:llama3_2.no_such_builder")
 
 
+@pytest.mark.fast
 @needs_torchtune
 @pytest.mark.parametrize(
     "spec",

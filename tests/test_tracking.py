@@ -10,6 +10,7 @@ from qharness.reporting.tracking import wandb_logged_in, wandb_mode
 from qharness.run.summary import RunSummary
 
 
+@pytest.mark.fast
 def test_fit_logs_config_curves_and_the_final_row_offline(fitted):
     run_dir, _, r = fitted
     assert r.returncode == 0, r.stderr[-3000:]
@@ -73,6 +74,7 @@ def test_fit_logs_config_curves_and_the_final_row_offline(fitted):
     assert list(run_dir.glob("lightning_logs/version_*/metrics.csv"))  # the CSV logs stay
 
 
+@pytest.mark.fast
 def test_wandb_mode_offline_unless_logged_in_or_set(tmp_path):
     netrc = tmp_path / "netrc"
     assert wandb_mode(env={"NETRC": str(netrc)}) == "offline"

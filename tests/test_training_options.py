@@ -60,6 +60,7 @@ def _step(m, x, opt):
     return loss
 
 
+@pytest.mark.fast
 def test_fake_quant_starts_after_n_steps_and_is_off_before(tiny_llama, make):
     fp, _ = load_model_and_tokenizer(str(tiny_llama))
     fp_graph = export_for_training(fp, 2, 16)
@@ -78,6 +79,7 @@ def test_fake_quant_starts_after_n_steps_and_is_off_before(tiny_llama, make):
         torch.testing.assert_close(m.graph(x), fp_graph(x), rtol=0, atol=0)
 
 
+@pytest.mark.fast
 def test_frozen_observers_keep_their_scales_while_weights_train(make):
     m = make(freeze_observers_after_n_steps=2)
     x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -94,6 +96,7 @@ def test_frozen_observers_keep_their_scales_while_weights_train(make):
     assert not moved(history[4], _weight_scales(m))
 
 
+@pytest.mark.fast
 def test_schedule_fields_are_refused_for_source_level_recipes(tiny_llama):
     with pytest.raises(UserError, match="need a PT2E recipe"):
         QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da4w", mode="qat", fake_quant_after_n_steps=10)
@@ -103,6 +106,7 @@ def test_schedule_fields_are_refused_for_source_level_recipes(tiny_llama):
         )
 
 
+@pytest.mark.fast
 def test_precision_policy():
     pt2e, source = load_recipe("xnnpack_int8_dynamic"), load_recipe("xnnpack_8da4w")
     for ok in ("32-true", 32, "bf16-mixed", "16-mixed", None):
@@ -115,6 +119,7 @@ def test_precision_policy():
         check_precision("bf16-mixed", source, "qat")
 
 
+@pytest.mark.fast
 def test_pt2e_qat_graph_trains_under_bf16_autocast(make):
     """What trainer.precision=bf16-mixed does on CPU: the unfused FakeQuantize runs under autocast."""
     m = make()
@@ -145,6 +150,7 @@ def test_torchao_8da4w_now_runs_under_bf16_autocast(tiny_llama):
     assert all(torch.isfinite(p.grad).all() for p in m.graph.parameters() if p.grad is not None)
 
 
+@pytest.mark.fast
 def test_lr_schedule_warms_up_then_decays_to_a_tenth(tiny_llama):
     m = QuantLM(checkpoint=str(tiny_llama), lr=1e-3, warmup_steps=4)
     m.graph = torch.nn.Linear(2, 2)  # the schedule only needs parameters
@@ -159,6 +165,7 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth(tiny_llama):
     assert all(a > b for a, b in zip(lrs[4:], lrs[5:])) and lrs[-1] == pytest.approx(1e-4)  # cosine down to 0.1 * lr
 
 
+@pytest.mark.fast
 def test_resumed_data_with_gradient_accumulation_continues_at_the_next_micro_batch():
     """After k optimizer steps with accumulate_grad_batches=a, training data resumes at micro-batch k*a."""
     from qharness.data.datamodule import TextDataModule
@@ -177,6 +184,7 @@ def test_resumed_data_with_gradient_accumulation_continues_at_the_next_micro_bat
     assert batches() == whole[6:] and len(whole) == 10
 
 
+@pytest.mark.fast
 def test_batches_done_counts_the_short_accumulation_at_the_end_of_each_pass():
     from qharness.data.datamodule import batches_done
 
@@ -184,6 +192,7 @@ def test_batches_done_counts_the_short_accumulation_at_the_end_of_each_pass():
     assert batches_done(7, 2, 10) == 7 * 2 and batches_done(7, 1, 10) == 7
 
 
+@pytest.mark.fast
 def test_validation_before_the_first_training_step_runs(make):
     """Lightning's sanity check validates before any training: static observers that saw nothing stay on."""
     m = make()
@@ -273,6 +282,7 @@ def test_resume_with_gradient_accumulation_ends_where_an_uninterrupted_run_ends(
     assert max_diff(a, b) < 1e-6 < max_diff(a, s3)
 
 
+@pytest.mark.fast
 def test_sigterm_mid_accumulation_keeps_the_last_step_boundary_checkpoint(tmp_path):
     from types import SimpleNamespace
 

@@ -15,6 +15,7 @@ from qharness.reporting.report import write_report
 
 
 # --- numerics -----------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_loss_interval_is_a_t_interval_on_the_mean_block_loss_exponentiated():
     blocks = [4.0, 4.2, 4.4, 4.6]  # mean 4.3, sample sd 0.2582, se 0.1291; t(0.975, 3) = 3.1824
     r = loss_interval(blocks)
@@ -25,6 +26,7 @@ def test_loss_interval_is_a_t_interval_on_the_mean_block_loss_exponentiated():
     assert loss_interval([4.0])["ppl_ci"] is None  # one block: no interval
 
 
+@pytest.mark.fast
 def test_paired_ratio_removes_the_block_to_block_variation_both_models_share():
     rng = random.Random(0)
     fp = [4.6 + rng.gauss(0, 0.3) for _ in range(32)]
@@ -38,6 +40,7 @@ def test_paired_ratio_removes_the_block_to_block_variation_both_models_share():
         paired_ratio(quant, fp[:-1])
 
 
+@pytest.mark.fast
 def test_with_intervals_adds_ci_se_and_vs_fp_and_keeps_old_entries():
     m = with_intervals(
         {
@@ -52,6 +55,7 @@ def test_with_intervals_adds_ci_se_and_vs_fp_and_keeps_old_entries():
     assert list(m["pte"])[-1] == "block_losses"
 
 
+@pytest.mark.fast
 def test_exact_rank_test_and_the_latency_tie_rule():
     assert rank_test_p([1, 2, 3], [4, 5, 6]) == pytest.approx(2 / 20)  # the most extreme of C(6,3) orderings, two-sided
     assert rank_test_p([1, 2, 3, 4], [5, 6, 7, 8]) == pytest.approx(2 / 70)
@@ -62,6 +66,7 @@ def test_exact_rank_test_and_the_latency_tie_rule():
 
 
 # --- scoring ------------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_both_scoring_functions_return_the_same_block_losses_in_block_order():
     from qharness.checks.parity import score_batched, score_deployed
 
@@ -78,6 +83,7 @@ def test_both_scoring_functions_return_the_same_block_losses_in_block_order():
         assert r["loss"] == pytest.approx(sum(direct) / 6, abs=1e-5) and r["ppl"] == pytest.approx(math.exp(r["loss"]))
 
 
+@pytest.mark.fast
 def test_validation_blocks_id_names_the_exact_tokens():
     from qharness.run.results import validation_blocks_id
 
@@ -186,6 +192,7 @@ def rows_of(result):
     return {r["run"]: r for r in result["rows"]}
 
 
+@pytest.mark.fast
 def test_block_losses_inside_the_noise_tie_and_a_clear_difference_wins(sweep):
     rows = rows_of(write_report(sweep, wandb=False))
     ab = compare_accuracy(rows["a"], rows["b"], "ppl_pte", True)
@@ -200,6 +207,7 @@ def test_block_losses_inside_the_noise_tie_and_a_clear_difference_wins(sweep):
     assert rows["a"]["ppl_pte_vs_fp_lo"] < rows["a"]["ppl_pte_vs_fp"] < rows["a"]["ppl_pte_vs_fp_hi"]
 
 
+@pytest.mark.fast
 def test_pareto_front_and_best_under_budget_treat_noise_as_ties(sweep):
     result = write_report(sweep, max_size_mb=2.0, wandb=False)
     assert result["front"] == ["c", "a", "b", "e"]  # d: same ppl as a, slower beyond the noise
@@ -225,6 +233,7 @@ def test_pareto_front_and_best_under_budget_treat_noise_as_ties(sweep):
     assert not any(k.startswith("_") for r in saved["rows"] for k in r)  # block losses stay in the summaries
 
 
+@pytest.mark.fast
 def test_a_clear_accuracy_win_is_named_with_its_interval(sweep):
     result = write_report(sweep, wandb=False)
     assert result["best"]["run"] == "e" and result["best_tied_with"] == []
@@ -272,6 +281,7 @@ def test_the_bench_joint_overlap_rule_and_the_own_bench_fallback(sweep):
     assert "Latency noise: 2 of 5 runs have no joint benchmark" in result["text"]
 
 
+@pytest.mark.fast
 def test_identical_programs_never_appear_different(sweep):
     # the QAT run produced the very .pte of the PTQ run; its own latency measurement happened to be slower
     spec = SWEEP["a"]
@@ -289,6 +299,7 @@ def test_identical_programs_never_appear_different(sweep):
     )
 
 
+@pytest.mark.fast
 def test_runs_on_other_validation_blocks_are_compared_unpaired_and_said_so(sweep):
     path = sweep / "c" / "summary.json"
     s = json.loads(path.read_text())
@@ -301,6 +312,7 @@ def test_runs_on_other_validation_blocks_are_compared_unpaired_and_said_so(sweep
     assert "Accuracy noise: the runs were scored on different validation blocks" in result["text"]
 
 
+@pytest.mark.fast
 def test_the_png_draws_error_bars(sweep):
     import io
 
@@ -325,6 +337,7 @@ def test_the_png_draws_error_bars(sweep):
     assert with_bars > without + 60  # 145 vs 17 pixels when written
 
 
+@pytest.mark.fast
 def test_the_report_says_what_qat_recovers_per_ptq_qat_pair(tmp_path):
     """<name>-ptq / <name>-qat pairs: PTQ's loss against FP, QAT against PTQ (paired), the recovered fraction against
     FP and against the fine-tuned FP control; a PTQ loss inside the noise gets no fraction."""

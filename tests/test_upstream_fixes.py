@@ -23,6 +23,7 @@ def _lifted_dtypes(gm):
     }
 
 
+@pytest.mark.fast
 def test_upstream_xnnpack_still_lifts_int_scalars_as_float():
     """executorch#22062: when this fails, upstream fixed it; drop xnnpack_scalars._lift_scalars_keeping_dtype."""
     gm = xnnpack_scalars.upstream_xnnpack_scalar_lifting()(_graph_with_int_add())
@@ -30,6 +31,7 @@ def test_upstream_xnnpack_still_lifts_int_scalars_as_float():
     assert all(d == torch.float32 for d in _lifted_dtypes(gm).values())
 
 
+@pytest.mark.fast
 def test_our_lifting_keeps_the_node_dtype_and_runs():
     gm = xnnpack_scalars._lift_scalars_keeping_dtype(_graph_with_int_add())
     assert sorted(map(str, _lifted_dtypes(gm).values())) == ["torch.float32", "torch.int64"]
@@ -42,6 +44,7 @@ def _sdpa_inputs(start=5, n=3):
     return torch.randn(1, n, 4, 16), torch.randn(1, 32, 2, 16), torch.randn(1, 32, 2, 16), start, None, 0.0, True, 0.25
 
 
+@pytest.mark.fast
 def test_our_lifting_puts_the_constants_on_the_graph_device():
     """A graph exported on a GPU gets its lifted constants there (else prepare_qat_pt2e: "got devices {cuda:0, cpu}");
     the meta device stands in for CUDA here."""
@@ -49,6 +52,7 @@ def test_our_lifting_puts_the_constants_on_the_graph_device():
     assert {getattr(gm, n).device.type for n in _lifted_dtypes(gm)} == {"meta"}
 
 
+@pytest.mark.fast
 def test_upstream_eager_custom_sdpa_still_logs_on_every_call(capfd):
     """When this fails, ExecuTorch's eager custom_sdpa stopped logging: drop custom_sdpa._custom_sdpa_cpu."""
     custom_sdpa.llm_custom_ops()
@@ -57,6 +61,7 @@ def test_upstream_eager_custom_sdpa_still_logs_on_every_call(capfd):
     assert "No temp allocator provided" in capfd.readouterr().err
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("start, n", [(0, 1), (0, 9), (5, 3), (31, 1)])
 def test_our_eager_custom_sdpa_is_quiet_and_equals_upstream(capfd, start, n):
     custom_sdpa.llm_custom_ops()
@@ -84,6 +89,7 @@ def _quantized_sdpa_inputs(start=5, n=3):
     return (qq, kq, vq, start, None, 0.0, True, 0.25, qz, qs, kz, ks, vz, vs)
 
 
+@pytest.mark.fast
 def test_upstream_eager_custom_quantized_sdpa_still_logs_on_every_call(capfd):
     """When this fails, ExecuTorch's eager custom_quantized_sdpa stopped logging: drop
     custom_sdpa._custom_quantized_sdpa_cpu."""
@@ -93,6 +99,7 @@ def test_upstream_eager_custom_quantized_sdpa_still_logs_on_every_call(capfd):
     assert "No temp allocator provided" in capfd.readouterr().err
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("start, n", [(0, 1), (0, 9), (5, 3), (31, 1)])
 def test_our_eager_custom_quantized_sdpa_is_quiet_and_equals_upstream(capfd, start, n):
     custom_sdpa.llm_custom_ops()
@@ -104,6 +111,7 @@ def test_our_eager_custom_quantized_sdpa_is_quiet_and_equals_upstream(capfd, sta
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.fast
 def test_upstream_vulkan_quantizer_still_lifts_scalars():
     """The Vulkan quantizer shares XNNPACK's scalar lifting (executorch#22062); when this fails, drop
     fixes.vulkan.vulkan_quantizer_cls and use VulkanQuantizer as it is."""
@@ -163,6 +171,7 @@ def test_3bit_weights_as_int4_are_the_same_weights_and_run_on_xnnpack(group):
     assert xnnpack_subbyte.store_as_int4(model) == {}  # nothing left below 4 bits
 
 
+@pytest.mark.fast
 def test_upstream_ruamel_still_makes_its_c_parser_an_extra():
     """pyproject.toml depends on ruamel.yaml.clib because ruamel.yaml 0.19 lists it only under an extra; once it is a
     default requirement again, drop ours."""
@@ -172,6 +181,7 @@ def test_upstream_ruamel_still_makes_its_c_parser_an_extra():
     assert clib and all("extra ==" in r for r in clib), requires("ruamel.yaml")
 
 
+@pytest.mark.fast
 def test_executorch_parses_its_edge_dialect_yaml_with_the_c_parser():
     """ExecuTorch loads edge.yaml with ``YAML(typ="safe")`` at import (every run and benchmark process); with
     ruamel.yaml.clib installed that is the C parser, not the pure-Python one (~1.3 s more per process here)."""
@@ -226,6 +236,7 @@ def test_upstream_intx_tensor_still_lacks_assert_metadata():
     assert "_assert_tensor_metadata" in out.stdout, out.stdout[-2000:] + out.stderr[-2000:]
 
 
+@pytest.mark.fast
 def test_our_assert_metadata_exports_a_quantized_router_with_its_values():
     scope: dict = {}
     exec(_ROUTER_EXPORT, scope)
@@ -264,6 +275,7 @@ def _weight_quantizes(graph):
     return [n for n in graph.graph.nodes if getattr(n.target, "_opname", "") == "quantize_per_channel"]
 
 
+@pytest.mark.fast
 def test_upstream_convert_pt2e_still_leaves_a_weight_quantize():
     """torchao's constant folding still skips the weight's ``quantize_per_channel``; when this fails, retire
     ``torchao_fold``."""
@@ -271,6 +283,7 @@ def test_upstream_convert_pt2e_still_leaves_a_weight_quantize():
     assert len(_weight_quantizes(graph)) == 1
 
 
+@pytest.mark.fast
 def test_our_fold_leaves_an_int8_weight_and_the_same_values():
     from qharness.upstream.fixes import torchao_fold
 

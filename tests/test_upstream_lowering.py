@@ -97,6 +97,7 @@ def test_fast_lowering_writes_the_same_pte_with_less_work(monkeypatch):
         assert n < counts[True][0][key], (key, counts)
 
 
+@pytest.mark.fast
 def test_upstream_node_source_still_deep_copies_provenance():
     """torch.fx.traceback.NodeSource copies the whole from_node chain; provenance.patch shares it (same content)."""
     from torch.fx.traceback import NodeSource
@@ -111,6 +112,7 @@ def test_upstream_node_source_still_deep_copies_provenance():
     assert shared.to_dict() == NodeSource(node, "pass").to_dict()
 
 
+@pytest.mark.fast
 def test_xnnpack_pass_list_is_the_one_the_skip_table_was_read_from():
     """xnnpack_passes.pass_triggers was read from these passes (ExecuTorch 1.5.1); re-read them when this fails."""
     from executorch.backends.xnnpack._passes import XNNPACKPassManager
@@ -138,6 +140,7 @@ def test_xnnpack_pass_list_is_the_one_the_skip_table_was_read_from():
     assert set(xnnpack_passes.pass_triggers()) <= set(names)
 
 
+@pytest.mark.fast
 def test_xnnpack_pattern_passes_need_their_trigger_ops():
     """ConvertToSDPAPass / ConvertToUpsampleBilinear2d only match subgraphs holding every op of one of their
     patterns: a partition without the listed ops holds no pattern."""
@@ -152,6 +155,7 @@ def test_xnnpack_pattern_passes_need_their_trigger_ops():
             assert triggers[pass_name](patching.called_ops(pattern)), pass_name
 
 
+@pytest.mark.fast
 def test_legalize_in_place_matches_upstream_legalize():
     """Same node order, names, users order and name space as torch's legalize_graph, on disordered graphs."""
     import copy
