@@ -40,16 +40,11 @@ def corpus(tmp_path_factory) -> Path:
     return path
 
 
-def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, vocab_size_override: int | None = None) -> Path:
-    """A random-init tiny LlamaForCausalLM + BPE tokenizer saved with save_pretrained
-    (``vocab_size_override``: a model vocabulary that does not fit the tokenizer, for error tests)."""
-    import torch
+def tiny_spec():
+    """The tests' tiny Llama shape: hidden 64, 2 layers, 4 heads (2 KV), context 256."""
+    from qharness.sources.embedded import EmbeddedSpec
 
-    from qharness.sources.embedded import EmbeddedSpec, new_llama
-    from qharness.sources.tokenizer import train_bpe_tokenizer
-
-    tok = train_bpe_tokenizer([text], vocab_size)
-    spec = EmbeddedSpec(
+    return EmbeddedSpec(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -57,6 +52,18 @@ def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, vocab_size_over
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
+
+
+def make_tiny_llama(out: Path, text: str, vocab_size: int = 384, vocab_size_override: int | None = None) -> Path:
+    """A random-init tiny LlamaForCausalLM + BPE tokenizer saved with save_pretrained
+    (``vocab_size_override``: a model vocabulary that does not fit the tokenizer, for error tests)."""
+    import torch
+
+    from qharness.sources.embedded import new_llama
+    from qharness.sources.tokenizer import train_bpe_tokenizer
+
+    tok = train_bpe_tokenizer([text], vocab_size)
+    spec = tiny_spec()
     torch.manual_seed(0)
     model = new_llama(spec, vocab_size_override or len(tok))
     model.save_pretrained(out)

@@ -317,20 +317,14 @@ def test_bad_records_through_the_cli(tmp_path, tiny_llama, corpus):
 
 def make_tiny_chat_llama(out, style: str = "chatml"):
     """A random-init tiny Llama whose tokenizer carries a chat template and its special tokens."""
-    from qharness.sources.embedded import EmbeddedSpec, new_llama
+    from conftest import tiny_spec
+
+    from qharness.sources.embedded import new_llama
 
     text = " ".join(m["content"] for r in conversations(200) for m in r["messages"])
     tok = chat_tokenizer(style, text)
-    spec = EmbeddedSpec(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
     torch.manual_seed(0)
-    new_llama(spec, len(tok)).save_pretrained(out)
+    new_llama(tiny_spec(), len(tok)).save_pretrained(out)
     tok.save_pretrained(out)
     return out
 

@@ -10,13 +10,8 @@ The work is split by job: ``collect.py`` (summaries -> checked rows), ``metric.p
 ``ranking.py`` (comparisons with ties inside the noise, the fronts, the pick), ``render.py`` (Markdown and CSV),
 ``plot.py`` (the PNGs), ``recovery.py`` (what QAT recovers), ``tracking.py`` (wandb); this module chains them.
 
-Differences inside the noise are ties. Accuracy: the paired interval of two runs' per-block losses (same validation
-blocks), else an unpaired one from their standard errors (lm-eval's for task metrics). Latency: per-process ranges
-that overlap, or an exact rank test that finds no difference; without a joint benchmark, each run's own min-max
-over repetitions (weak evidence). A run is dominated only by one better beyond the noise on one axis and not worse
-beyond it on the other; the best run under a budget is picked by accuracy, then latency, beyond the noise, then by
-the smaller ``.pte`` (then the name), and the words say when the data did not decide. Runs whose ``.pte`` failed
-the parity gate are shown but never on the front or picked.
+Differences inside the noise are ties; runs whose ``.pte`` failed the parity gate are shown but never on the front
+or picked (``ranking.py`` says how).
 
 A summary.json is data, never markup: a summary with a field of the wrong type is skipped with a one-line note
 naming it (``checked_row``); text from summaries and directory names is made one line, a CSV cell that would start a
