@@ -80,7 +80,7 @@ print(f"trained to step {trainer.state.global_step}" + (f" (resumed from {last})
 result = qharness.export(
     qmodel, OUT, tokenizer=tokenizer, calibration=train_blocks[:8], validation=val_stream, max_seq_len=64
 )
-print(f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity['passed']}")
+print(f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity.passed}")
 
 pte = qharness.Pte.load(result.pte_path)
 print(pte.generate("def main():", max_new_tokens=16))

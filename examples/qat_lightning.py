@@ -90,5 +90,5 @@ trainer.fit(module, train, val, ckpt_path=resume)  # "last": the weights, observ
 print(f"trained to step {trainer.global_step}" + (" (resumed from last.ckpt)" if resume else ""))
 
 result = quantization.result
-print(f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity['passed']}")
+print(f"{result.pte_path}: {result.size_bytes / 1e6:.2f} MB, parity passed: {result.parity.passed}")
 print(qharness.Pte.load(result.pte_path).generate("def main():", max_new_tokens=16))
