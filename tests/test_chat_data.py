@@ -248,6 +248,21 @@ def test_datamodule_detects_chat_and_keeps_text(tmp_path, tiny_llama):
     assert not (dm.val_tokens == IGNORE).any() and torch.equal(dm.val_tokens[1:][scored], dm.val_y.flatten()[scored])
 
 
+@pytest.mark.fast
+def test_a_split_without_an_answer_token_is_one_line_before_training(tmp_path, tiny_llama):
+    """Conversations whose answers all lie beyond data.seq_len + 1 tokens (truncated away) at the end of the file: the
+    validation split holds only prompt tokens, whose loss would read 0 and perplexity 1 for every model."""
+    long = [{"messages": [{"role": "user", "content": "tell me " * 200}, {"role": "assistant", "content": "no."}]}] * 30
+    path = write_jsonl(tmp_path / "c.jsonl", conversations(40) + long)
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML)
+    dm = TextDataModule(
+        source=path, tokenizer=str(tiny_llama), seq_len=64, batch_size=2, val_fraction=0.3, chat_template=str(template)
+    )
+    with pytest.raises(UserError, match=r"the validation split's \d+ blocks hold no trained target"):
+        dm.setup()
+
+
 def _error(records, tmp_path, tok=None, **fmt) -> str:
     path = write_jsonl(tmp_path / "bad.jsonl", records)
     with pytest.raises(UserError) as e:

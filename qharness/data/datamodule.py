@@ -28,7 +28,7 @@ from qharness.progress import stage as progress_stage
 from qharness.schema.data import DataConfig
 from qharness.sources.chat import ChatFormat, detect, end_of_turn_ids, load_template
 from qharness.sources.chat_demo import EMBEDDED_CHAT, embedded_chat_file
-from qharness.sources.example_cache import describe, example_stream
+from qharness.sources.example_cache import IGNORE, describe, example_stream
 from qharness.sources.token_cache import token_stream
 
 
@@ -136,12 +136,19 @@ class TextDataModule(L.LightningDataModule):
         self.train_x, self.train_y = pack(stream[:cut], self.seq_len, train_t)
         self.val_x, self.val_y = pack(stream[cut:], self.seq_len, val_t)
         self.val_tokens = stream[cut:][: len(self.val_x) * self.seq_len + 1]  # the validation text, unmasked
-        for name, x in (("training", self.train_x), ("validation", self.val_x)):
+        for name, x, y in (("training", self.train_x, self.train_y), ("validation", self.val_x, self.val_y)):
             if len(x) < self.batch_size:
                 raise UserError(
                     f"data.source {self.source}: the {name} split has {len(x)} blocks of seq_len={self.seq_len}, "
                     f"fewer than one batch (batch_size={self.batch_size})",
                     fix="use more text, a smaller seq_len/batch_size, or another val_fraction",
+                )
+            if targets is not None and not bool((y != IGNORE).any()):  # its loss and perplexity would be 0 and 1
+                raise UserError(
+                    f"data.source {self.source}: the {name} split's {len(x)} blocks hold no trained target (only "
+                    "prompts and example boundaries: no answer token reaches it)",
+                    fix="use more examples or another data.val_fraction, put answers within data.seq_len, or set "
+                    "data.train_on: all",
                 )
 
     def chat_format(self, source: str, field: str = "data.source") -> ChatFormat | None:
