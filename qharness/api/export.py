@@ -200,22 +200,14 @@ def _parity_config(parity: ParityConfig | dict | None) -> ParityConfig:
 
 
 def check_lengths(seq_len: int, batch_size: int, max_seq_len: int, parity: ParityConfig, context: int | None) -> None:
-    """The cross-section rules of a run config, on the API's values (``api/precheck.check_across_sections`` and
-    ``run/pipeline.check_export_config`` hold them for the CLI)."""
+    """The cross-section rules of a run config on the API's values: the schema's ``check_across_sections`` (the
+    messages name the config fields: ``data.seq_len`` is ``seq_len`` here) and the model's context
+    (``run/pipeline.check_export_config``), the same functions the CLI runs."""
     from qharness.run.pipeline import check_export_config
+    from qharness.schema.run import check_across_sections
 
+    check_across_sections(seq_len, batch_size, max_seq_len, parity.eval_blocks, parity.prompt_len, parity.decode_steps)
     check_export_config(ExportConfig(max_seq_len=max_seq_len), seq_len, context)
-    if parity.eval_blocks < batch_size:
-        raise UserError(
-            f"parity.eval_blocks={parity.eval_blocks} must be >= batch_size={batch_size}",
-            fix=f"pass parity={{'eval_blocks': {batch_size}}} or more",
-        )
-    if parity.prompt_len > seq_len or parity.prompt_len + parity.decode_steps >= max_seq_len:
-        raise UserError(
-            f"parity.prompt_len={parity.prompt_len} (+ decode_steps={parity.decode_steps}) must fit seq_len={seq_len} "
-            f"and max_seq_len={max_seq_len}",
-            fix="pass parity={'prompt_len': ..., 'decode_steps': ...} that fit, or a longer seq_len/max_seq_len",
-        )
 
 
 def _deploy(qm: QuantizedModel, tokenizer, x, y, calib, out_dir: Path, export_cfg, parity_cfg) -> ExportResult:
