@@ -112,3 +112,18 @@ def test_trained_weights_go_back_into_the_hf_model(tiny_llama, fp):
     for name, p in graph_params.items():
         assert torch.equal(p, hf_params[name[len("model.") :]]), name
         assert not torch.equal(p, fp_params[name[len("model.") :]]), name
+
+
+@pytest.mark.fast
+def test_a_rebuilt_graph_keeps_every_buffer_of_the_trained_state(tiny_llama):
+    """``rebuild_on`` (a graph trained on another device re-exported on CPU for deployment) loads the whole trained
+    state: observer buffers too. A state copied without its module versions reset the observers' ``eps`` (XNNPACK's
+    2**-12) to float32's on load."""
+    a = _module(tiny_llama)
+    before = {k: v.clone() for k, v in a.state_dict().items()}
+    assert any(k.endswith(".eps") for k in before)
+    a.rebuild_on("cpu")
+    after = a.state_dict()
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), k

@@ -151,11 +151,12 @@ class QuantizedModel(torch.nn.Module):
         preparation is deterministic, as the CLI's ``QuantLM.rebuild_on``), in evaluation mode."""
         from qharness.training.module import QuantLM
         from qharness.training.prepare import prepare_for_training
+        from qharness.training.weights import state_on
 
         graph = prepare_for_training(
             copy.deepcopy(self.fp_model), self.recipe, self.batch_size, self.seq_len, is_qat=True
         )
-        graph.load_state_dict({k: v.detach().cpu() for k, v in self.graph.state_dict().items()})
+        graph.load_state_dict(state_on(self.graph.state_dict(), "cpu"))
         lm = QuantLM(recipe=self.recipe.source or self.recipe.name, mode=self.mode)
         lm.graph = graph
         lm.to_eval()

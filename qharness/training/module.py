@@ -26,7 +26,7 @@ from qharness.training.losses import distill_loss, token_loss
 from qharness.training.optim import adamw_with_schedule
 from qharness.training.prepare import LogitsOnly, prepare_for_training, set_fake_quant, set_static_observers
 from qharness.training.teacher import load_teacher
-from qharness.training.weights import hf_weights, load_weights_into
+from qharness.training.weights import hf_weights, load_weights_into, state_on
 from qharness.upstream import imports
 
 
@@ -195,7 +195,7 @@ class QuantLM(L.LightningModule):
 
     def rebuild_on(self, device, state: dict[str, torch.Tensor] | None = None) -> None:
         """Export and prepare the graph again on ``device`` and load ``state`` (default: the current one) into it."""
-        state = {k: v.detach().to(device) for k, v in (self.state_dict() if state is None else state).items()}
+        state = state_on(self.state_dict() if state is None else state, device)
         self.graph = None
         self.build(*self._shape, device=device)
         self.load_state_dict(state)

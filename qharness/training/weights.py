@@ -1,11 +1,29 @@
-"""A trained graph's weights in the HF model: its parameters keyed by HF names, copied into an HF model, and the
-check that a state dict holds no NaN/inf."""
+"""A trained graph's weights in the HF model: its parameters keyed by HF names, copied into an HF model; the
+check that a state dict holds no NaN/inf; a state moved to another device whole (``state_on``)."""
 
 from __future__ import annotations
 
 import torch
 
 from qharness.errors import UserError
+
+
+def state_on(state: dict, device) -> dict:
+    """``state`` (a ``state_dict()``) detached onto ``device``, with its module versions (``_metadata``) kept: loaded
+    without them, torchao's observers take the state for version 1 and reset their ``eps`` buffers (XNNPACK's 2**-12
+    becomes float32's eps).
+
+    Example::
+
+        graph.load_state_dict(state_on(trained.state_dict(), "cpu"))
+    """
+    from collections import OrderedDict
+
+    out = OrderedDict((k, v.detach().to(device)) for k, v in state.items())
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata
+    return out
 
 
 def check_finite_state(state: dict, where: str) -> None:
