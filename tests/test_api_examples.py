@@ -60,3 +60,14 @@ def test_example_runs_verbatim(example, mode, tmp_path):
     r = run_python([str(ROOT / "examples" / example), str(tmp_path / "out")], cwd=tmp_path)
     check_run(tmp_path / "out", r.stdout)
     assert RunSummary.read(tmp_path / "out" / "summary.json").mode == mode
+
+
+@pytest.mark.fast
+def test_the_docs_show_each_example_whole():
+    """docs/python-api.md shows each example script whole (the code a reader pastes is the code the slow tests run
+    verbatim): every example file is one of the page's ``python`` blocks, character for character."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "python-api.md").read_text(), re.S)
+    examples = sorted((ROOT / "examples").glob("*.py"))
+    assert len(examples) == 4
+    for path in examples:
+        assert path.read_text() in blocks, f"{path.name} is not shown whole in docs/python-api.md"
