@@ -35,7 +35,7 @@ class QuantizationCallback(Callback):
     nothing: ``qharness.prepare(model, recipe, mode="ptq", ...)``, ``qharness.calibrate``, ``qharness.export``.)
 
     Args:
-        recipe: A recipe name (``qharness.recipes()`` lists them), a recipe YAML path or a loaded ``Recipe``.
+        recipe: A recipe name (``qharness.list_recipes()`` lists them), a recipe YAML path or a loaded ``Recipe``.
         batch_size: The training batch size: the prepared graph is exported for ``[batch_size, seq_len]``
             ``input_ids`` (use ``drop_last=True`` so every batch has it).
         seq_len: Tokens per training block.
