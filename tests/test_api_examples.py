@@ -16,7 +16,7 @@ from conftest import ROOT
 
 from qharness.run.summary import RunSummary
 
-HEADING = "### From Python"
+HEADING = "## From Python"
 
 
 def readme_python_snippet() -> str:
