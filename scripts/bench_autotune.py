@@ -1,4 +1,4 @@
-"""Autotune benchmark (issue 18, item 4): does a per-layer assignment chosen by ``qharness autotune`` under a size
+"""Autotune benchmark: does a per-layer assignment chosen by ``qharness autotune`` under a size
 budget beat, at equal or smaller ``.pte`` size, the best uniform recipe of that size, beyond the noise?
 
 On the benchmark model of ``bench_quality.py`` (the embedded architecture pretrained on tinyshakespeare), one

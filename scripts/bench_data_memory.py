@@ -1,4 +1,4 @@
-"""Peak memory of data preparation on a large text source (issue 23, item 8).
+"""Peak memory of data preparation on a large text source.
 
 Builds (or takes) a text file of at least ``--size_gb`` GB, then prepares it in a fresh process as a run does
 (``TextDataModule.setup``: stream, tokenize, write the token cache, pack blocks, split) and prints the file size,

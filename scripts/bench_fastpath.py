@@ -156,7 +156,7 @@ def export_theirs(
 ) -> dict:
     """``export_llama(LlmConfig)`` of ExecuTorch's Llama holding ``model``'s weights; returns timings and the path.
 
-    ``fast_lowering``: run it inside ``qharness.lowering.fast_lowering()`` (the same ``.pte``, byte for byte, in a
+    ``fast_lowering``: run it inside ``qharness.upstream.lowering.fast_lowering()`` (the same ``.pte``, byte for byte, in a
     fraction of the time: upstream lowering of a 30-layer model takes tens of minutes here)."""
     import contextlib
 

@@ -1,4 +1,4 @@
-"""int8 KV cache against the float cache (issue 17, item 3): perplexity, logits and decode speed of the same recipe's
+"""int8 KV cache against the float cache: perplexity, logits and decode speed of the same recipe's
 ``.pte`` with ``kv_cache: fp32`` and ``kv_cache: int8``, measured side by side in one run.
 
 Both programs come from one model and one recipe (default ``xnnpack_8da4w``, PTQ) that differ only in the recipe's

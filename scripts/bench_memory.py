@@ -1,5 +1,5 @@
-"""Memory per parameter of QAT (issue 21): DDP vs FSDP per decoder layer, with and without activation checkpointing;
-and LoRA-QAT against full QAT (issue 19, ``--modes ddp,ddp_lora``).
+"""Memory per parameter of QAT: DDP vs FSDP per decoder layer, with and without activation checkpointing;
+and LoRA-QAT against full QAT (``--modes ddp,ddp_lora``).
 
 Each mode runs in its own fresh processes (``--procs`` of them, gloo on CPU, NCCL on CUDA), on a random-init model of
 a real shape (default SmolLM2-135M's), through qharness's own pieces: the recipe's QAT graph

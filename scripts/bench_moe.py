@@ -14,7 +14,7 @@ thread count. Printed: the joint table (median (min-max) over processes) and the
 per round (process k against process k), median (min-max).
 
 Seen here (defaults: 4 layers, hidden 256, 8 experts of width 512, top-2, xnnpack_8da4w, 3 processes, 1 thread), two
-runs on a loaded machine (BENCHMARKS.md 13): decode moe / dense_active 0.44 (0.39-0.45) and 0.50 (0.43-0.63), moe /
+runs on a loaded machine (docs/benchmarks/speed.md, MoE): decode moe / dense_active 0.44 (0.39-0.45) and 0.50 (0.43-0.63), moe /
 dense_total 0.79 (0.48-0.92) and 1.04 (0.76-1.18); .pte 12.6 MB (moe), 7.2 MB (dense_active), 12.5 MB (dense_total).
 
     python scripts/bench_moe.py                                   # about 10 min here (export and lowering most of it)

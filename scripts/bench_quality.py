@@ -22,7 +22,7 @@ project), cached. Per seed, one ``qharness sweep`` runs, each run in its own pro
 Every perplexity is the ``.pte``'s, through the ExecuTorch runtime, on the same held-out blocks (the last 10% of
 the corpus, never trained on). The recovered fraction of a variant is ``(ppl_ptq - ppl_variant) / (ppl_ptq -
 ppl_control)`` with the same seed's fine-tuned FP control (and, printed beside it, against the untrained FP
-model). Printed per recipe and variant: mean ± sd over seeds. Targets (issue 16): the best QAT variant recovers
+model). Printed per recipe and variant: mean ± sd over seeds. Targets: the best QAT variant recovers
 >= 90% against the control, and beats plain QAT by more than the noise (its paired per-seed gain over plain QAT
 has a 95% t-interval above 0). Re-running reuses the cached model and the finished runs (``--force`` redoes them).
 
@@ -35,7 +35,7 @@ the table's best variant, a choice made on the blocks that judge it, which flatt
     python scripts/bench_quality.py --recipes xnnpack_8da4w --seeds 1 2 3 --qat_steps 200
     python scripts/bench_quality.py --recipes xnnpack_int4w_dynamic --variants ptq qat qat_lora   # LoRA-QAT only
     python scripts/bench_quality.py --recipes xnnpack_8da4w --variants ptq qat qat_lsq_kdft qat_lsq_kdft_t2 \
-        qat_lsq_kdft_kl qat_lsq_kdft_w4 --seeds 0 --select_blocks 192   # choose on seed 0 (BENCHMARKS.md 3g)
+        qat_lsq_kdft_kl qat_lsq_kdft_w4 --seeds 0 --select_blocks 192   # choose on seed 0 (docs/benchmarks/quality.md, 3g)
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def verdicts(rows: list[dict], recipes: list[str], chosen: str | None = None) -> list[str]:
-    """Per recipe, the targets of issue 16 for the variant ``chosen`` beforehand (``--chosen``: on other seeds and
+    """Per recipe, the targets for the variant ``chosen`` beforehand (``--chosen``: on other seeds and
     blocks), else for the best variant of this table (chosen on the blocks it is judged on: optimistic)."""
     out = []
     for r in recipes:

@@ -1,4 +1,4 @@
-"""Speed benchmark (issue 9): ``.pte`` decode/prefill per recipe, the bandwidth bound, the export_llm peer,
+"""Speed benchmark: ``.pte`` decode/prefill per recipe, the bandwidth bound, the export_llm peer,
 QAT step cost, calibration throughput and export + lowering time, all measured in one run.
 
 Part 1, deployed speed, on ``--model`` (default ``smollm2-135m``: SmolLM2-135M's shape with random weights,
@@ -282,7 +282,7 @@ def main(argv=None) -> None:
     p.add_argument(
         "--upstream_lowering",
         action="store_true",
-        help="export the peer without qharness.lowering.fast_lowering "
+        help="export the peer without qharness.upstream.lowering.fast_lowering "
         "(the same .pte; upstream lowering of the 135M model took over 10 minutes here)",
     )
     p.add_argument(

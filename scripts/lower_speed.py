@@ -1,4 +1,4 @@
-"""Lowering time, upstream vs qharness (``lowering.fast_lowering``), side by side, and whether the .pte is the same.
+"""Lowering time, upstream vs qharness (``qharness.upstream.lowering.fast_lowering``), side by side, and whether the .pte is the same.
 
 For each model and recipe the deployable graph is built (``quantize_for_deploy``, fixed calibration data)
 and lowered by ``lower_to_pte`` in a fresh process, once with ``QHARNESS_UPSTREAM_LOWERING=1`` (ExecuTorch

@@ -1,4 +1,4 @@
-"""scripts/bench_quality.py's bookkeeping (BENCHMARKS.md 3): the sweep entries of the distillation settings, the
+"""scripts/bench_quality.py's bookkeeping (docs/benchmarks/quality.md): the sweep entries of the distillation settings, the
 recovered fraction, and the choice of a setting on the selection blocks. The sweeps themselves are the benchmark."""
 
 import importlib.util

@@ -147,7 +147,7 @@ def test_fsdp_shards_torchao_source_recipes_eager_decoder_layers_alike(tmp_path,
 
 @pytest.mark.slow
 def test_memory_benchmark_script_measures_each_mode_on_every_process(tmp_path):
-    """scripts/bench_memory.py (BENCHMARKS.md section 7) on a tiny shape: each mode's fresh processes report."""
+    """scripts/bench_memory.py (docs/benchmarks/memory.md) on a tiny shape: each mode's fresh processes report."""
     import subprocess
     import sys
     from pathlib import Path

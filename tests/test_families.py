@@ -1,4 +1,4 @@
-"""The family matrix (issue #36): one tiny random model (hidden 64, 2 layers, saved with ``save_pretrained`` with its
+"""The family matrix: one tiny random model (hidden 64, 2 layers, saved with ``save_pretrained`` with its
 tokenizer) per attention / MLP / projection pattern, deployed as a run deploys it (``pipeline.deploy_and_check``
 on the model ``load_model_and_tokenizer`` gives): every projection quantized as the recipe says (the summary's
 coverage, and no float ``linear``/``addmm``/``matmul`` against a weight in the converted graph), the export path

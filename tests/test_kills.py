@@ -1,4 +1,4 @@
-"""SIGKILL of the real CLI inside every stage, then the same command again (issue #23, "kills everywhere").
+"""SIGKILL of the real CLI inside every stage, then the same command again ("kills everywhere").
 
 Each kill lands at a point chosen from the process's own output: the stage's start line (``[qharness] <stage> ...``)
 or, for training, a periodic checkpoint on disk, plus a seeded random delay that is shorter than the stage, and

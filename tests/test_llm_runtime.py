@@ -70,7 +70,7 @@ def test_text_llm_runner_generates_what_our_greedy_loop_does(request, which, pro
 
     run = request.getfixturevalue(
         which
-    )  # in-process: qharness loaded the kernels; a fresh process: test_readme_runner.py
+    )  # in-process: qharness loaded the kernels; a fresh process: test_runner_snippet.py
     ours = generate(
         PteModel(run / "model.pte"), load_tokenizer(run / "tokenizer"), prompt, max_new_tokens=new_tokens, temperature=0
     )

@@ -64,7 +64,7 @@ def test_the_fast_subset_names_recipes_and_modes_that_exist():
     assert FAST <= set(CASES), sorted(FAST - set(CASES))
 
 
-@pytest.mark.slow  # ~40 s; the default suite lowers and runs 4-bit embeddings in tests/test_readme_runner.py (emb4_run)
+@pytest.mark.slow  # ~40 s; the default suite lowers and runs 4-bit embeddings in tests/test_runner_snippet.py (emb4_run)
 def test_8da4w_with_4bit_embeddings_qat(tiny_llama, corpus, tmp_path):
     """Optional embedding quantization: QAT fake-quantizes the table, the .pte packs it as 4-bit."""
     recipe = tmp_path / "emb4.yaml"

@@ -1,4 +1,4 @@
-"""The streamed token cache (issue 23, item 8): the same tokens and blocks as the in-memory path, reused across
+"""The streamed token cache: the same tokens and blocks as the in-memory path, reused across
 runs, rebuilt when the file changes, UTF-8 read in bounded chunks with the file and byte offset of bad bytes."""
 
 import json

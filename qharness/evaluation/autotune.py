@@ -33,7 +33,7 @@ from qharness.recipes.layers import FP  # the scheme of a layer kept in floating
 RECIPE_FILE = "autotuned.yaml"
 PLAN_FILE = "autotune.json"
 # Program bytes besides the tensors (flatbuffer, delegate headers, per-op metadata, runner methods), fitted to two
-# measured XNNPACK .pte files (BENCHMARKS.md 11): 45.8 KB over 15 linears (tiny test Llama), 84.6 KB over 29.
+# measured XNNPACK .pte files (docs/benchmarks/tools.md, autotune): 45.8 KB over 15 linears (tiny test Llama), 84.6 KB over 29.
 OVERHEAD_BYTES, OVERHEAD_PER_LAYER_BYTES = 4096, 2816
 
 

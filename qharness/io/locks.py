@@ -22,7 +22,7 @@ def held_run_dirs() -> list[str]:
 
 
 # A run waits for another process's cache lock as long as the holder runs: building a 1 GB text's token cache took
-# 24 minutes (BENCHMARKS.md 8), and DDP ranks wait for rank 0's build. QHARNESS_LOCK_WAIT_S bounds the wait when set.
+# 24 minutes (docs/benchmarks/memory.md, data preparation), and DDP ranks wait for rank 0's build. QHARNESS_LOCK_WAIT_S bounds the wait when set.
 LOCK_STOPPED_S = 10.0  # how long it waits for a holder that is stopped (SIGSTOP, Ctrl-Z) (QHARNESS_LOCK_STOPPED_S)
 LOCK_NOTICE_S = 60.0  # how often it says it is still waiting
 

@@ -7,8 +7,8 @@ one at a time through its KV cache. Medians and min/max over the repetitions are
 uncounted warm-up repetition. Every process runs with the same thread count, chosen once per benchmark
 (``runtime.free_cores``: the cores idle right now), for ExecuTorch's threadpool and torch's intra-op threads.
 
-Fresh processes of one program still differ more than repetitions inside one (BENCHMARKS.md, "Timing
-method"), so comparisons of programs use ``interleaved``: ``processes`` fresh processes per program in
+Fresh processes of one program still differ more than repetitions inside one (docs/benchmarks/timing.md), so
+comparisons of programs use ``interleaved``: ``processes`` fresh processes per program in
 round-robin order (A B C A B C ...), reported per program as the median over processes of the per-process
 median and the spread (min, max, max/min) of those process medians (``spread``). Ratios of two programs are
 taken per round (process k of A against process k of B: ``pair_ratios``) and judged with ``verdict``. A measured memory-copy bandwidth gives the bound decode would hit if every

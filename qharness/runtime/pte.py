@@ -11,7 +11,7 @@ Threads: the first ``PteModel`` of a process sizes ExecuTorch's threadpool (whic
 ``runtime_threads()``: ``$QHARNESS_THREADS`` if set, else the CPU cores that are free right now
 (``free_cores``), and lowers torch's intra-op threads to the same number. Both matter on a shared machine:
 a pool with more threads than free cores waits on descheduled workers at every parallel op, and an
-ExecuTorch pool of 1 next to 2 torch threads made every prefill call take ~1 s (BENCHMARKS.md, "Timing method").
+ExecuTorch pool of 1 next to 2 torch threads made every prefill call take ~1 s (docs/benchmarks/timing.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The README's "On-device runner" snippet, run verbatim in a fresh interpreter on .pte files qharness writes,
-and the kernel libraries each kind of program needs (the README's table)."""
+"""The "On-device runner" snippet of docs/tutorials/deploying.md, run verbatim in a fresh interpreter on .pte files
+qharness writes, and the kernel libraries each kind of program needs (that page's table)."""
 
 import json
 import os
@@ -12,15 +12,16 @@ import pytest
 import torch
 from conftest import ROOT, make_tiny_hf
 
+PAGE = "docs/tutorials/deploying.md"
 HEADING = "## On-device runner"
 
 
 def readme_runner_snippet() -> str:
-    """The first ```python block after the README's "On-device runner" heading."""
-    text = (ROOT / "README.md").read_text()
-    assert HEADING in text, f"README.md lost its {HEADING!r} section"
+    """The first ```python block after the "On-device runner" heading of docs/tutorials/deploying.md."""
+    text = (ROOT / PAGE).read_text()
+    assert HEADING in text, f"{PAGE} lost its {HEADING!r} section"
     block = re.search(r"```python\n(.*?)```", text.split(HEADING, 1)[1], re.S)
-    assert block, f"no ```python block under {HEADING!r} in README.md"
+    assert block, f"no ```python block under {HEADING!r} in {PAGE}"
     return block.group(1)
 
 
@@ -38,7 +39,7 @@ def run_code_on(run, tmp_path, code: str) -> subprocess.CompletedProcess:
 
 
 def run_snippet_on(run, tmp_path) -> tuple[str, dict]:
-    """The README snippet, verbatim, on ``run``: (the text it printed, its PyTorchObserver statistics)."""
+    """The snippet, verbatim, on ``run``: (the text it printed, its PyTorchObserver statistics)."""
     r = run_code_on(run, tmp_path, readme_runner_snippet())
     out, err = r.stdout.decode(errors="replace"), r.stderr.decode(errors="replace")
     assert r.returncode == 0, err[-3000:]
@@ -167,7 +168,7 @@ def test_without_the_kernel_imports_the_runner_misses_the_ops_the_readme_names(e
 
 
 def test_kernel_libraries_name_what_each_program_needs(fast_run, emb4_run):
-    """The README table's rows for the fast path and quantized embeddings, read off the programs."""
+    """The page's table's rows for the fast path and quantized embeddings, read off the programs."""
     from qharness.runtime.pte import kernel_libraries
 
     fast, emb4 = kernel_libraries(fast_run / "model.pte"), kernel_libraries(emb4_run / "model.pte")
@@ -181,7 +182,7 @@ def test_kernel_libraries_name_what_each_program_needs(fast_run, emb4_run):
 
 
 def test_kernel_libraries_of_an_int8_kv_cache_program(fast_run, kv8_run):
-    """The README table's int8 KV cache row: quantized attention from custom_ops, per-token quantization of each new
+    """The page's table's int8 KV cache row: quantized attention from custom_ops, per-token quantization of each new
     token's keys and values from quantized_ops_lib; no float custom_sdpa."""
     from qharness.runtime.pte import kernel_libraries
 
