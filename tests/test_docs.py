@@ -74,8 +74,11 @@ def test_the_nav_reaches_the_pages_a_newcomer_looks_for():
                 walk(value) if isinstance(value, list) else titles.setdefault(title, value)
 
     walk(nav)
-    for words, page in (("chat", "tutorials/own-data.md"), ("which recipe", "tutorials/qat-vs-ptq.md"),
-                        ("GPUs", "tutorials/many-devices.md")):
+    for words, page in (
+        ("chat", "tutorials/own-data.md"),
+        ("which recipe", "tutorials/qat-vs-ptq.md"),
+        ("GPUs", "tutorials/many-devices.md"),
+    ):
         assert any(words.lower() in t.lower() and p == page for t, p in titles.items()), (words, titles)
     for page in titles.values():
         assert (ROOT / "docs" / page).is_file(), page
@@ -99,11 +102,14 @@ def test_modules_named_in_docs_and_docstrings_exist():
             else:
                 parts = name.split(".")
                 # qharness.a.b.attr: the longest prefix that is a module or package
-                ok = any(
-                    (ROOT / "/".join(parts[:i])).with_suffix(".py").is_file()
-                    or (ROOT / "/".join(parts[:i]) / "__init__.py").is_file()
-                    for i in range(2, len(parts) + 1)
-                ) or parts[1] in _public_names()
+                ok = (
+                    any(
+                        (ROOT / "/".join(parts[:i])).with_suffix(".py").is_file()
+                        or (ROOT / "/".join(parts[:i]) / "__init__.py").is_file()
+                        for i in range(2, len(parts) + 1)
+                    )
+                    or parts[1] in _public_names()
+                )
             if not ok:
                 bad.append(f"{f.relative_to(ROOT)}: {name}")
     assert not bad, "modules that do not exist:\n" + "\n".join(sorted(bad))

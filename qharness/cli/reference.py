@@ -44,7 +44,9 @@ def run_config_options() -> dict[str, dict[str, str]]:
     for name in LIGHTNING:
         own = {"fit", "validate", "test"}
         if name in own:
-            out[name] = {"--ckpt_path": "Checkpoint to resume from (fit) or score (validate, test): ``last`` or a path."}
+            out[name] = {
+                "--ckpt_path": "Checkpoint to resume from (fit) or score (validate, test): ``last`` or a path."
+            }
             continue
         method = getattr(QTrainer, name)
         _, helps = _doc_args(method)
@@ -163,9 +165,11 @@ def _section_rows(cls, prefix: str, seen: set) -> tuple[list[str], list[tuple[ty
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         inner = [t for t in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(t)]
-        dict_values = [a for a in typing.get_args(tp)[1:2] if dataclasses.is_dataclass(a)] if dict in (
-            typing.get_origin(tp),
-        ) else []
+        dict_values = (
+            [a for a in typing.get_args(tp)[1:2] if dataclasses.is_dataclass(a)]
+            if dict in (typing.get_origin(tp),)
+            else []
+        )
         rows.append(f"| `{prefix}{f.name}` | {type_text(tp)} | {_cell(docs.get(f.name, ''))} |")
         for t in inner + dict_values:
             if t not in seen:
