@@ -76,7 +76,7 @@ def training_memory_floor(config, batch_size: int, seq_len: int) -> int:
     config alone: the fp32 weights with their gradients and AdamW's two moments (16 bytes a parameter), the logits
     and their gradient (``2 x B x T x vocab`` floats) and one layer's attention scores with their softmax
     (``2 x B x heads x T x T`` floats). What a step really takes is more (measured: about 27 bytes a parameter plus
-    the activations, README "Memory per process"); a config past this floor cannot train here at all.
+    the activations, docs/tutorials/many-devices.md, "Memory per device"); a config past this floor cannot train here at all.
 
     Example: vocab 128256, batch 8 x 4096 tokens -> the logits alone are 2 x 8 x 4096 x 128256 x 4 bytes (33.6 GB)."""
     text = config.get_text_config()

@@ -158,8 +158,8 @@ class PteModel:
         return out
 
 
-# The ExecuTorch library that registers each kernel a program calls outside its delegates (README "On-device
-# runner"): prim ops live in the core runtime (kernels/prim_ops/register_prim_ops.cpp), core ATen and dim-order
+# The ExecuTorch library that registers each kernel a program calls outside its delegates (docs/tutorials/deploying.md,
+# "On-device runner"): prim ops live in the core runtime (kernels/prim_ops/register_prim_ops.cpp), core ATen and dim-order
 # ops in optimized_native_cpu_ops_lib (optimized kernels, portable ones for the rest; or portable_ops_lib), the
 # LLM ops in custom_ops (EXECUTORCH_BUILD_KERNELS_LLM), quantized_decomposed ops in quantized_ops_lib.
 PRIM_OPS = {"aten::sym_size.int", "aten::_local_scalar_dense"}
