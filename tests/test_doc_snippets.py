@@ -301,7 +301,7 @@ def test_unmarked_block_runs(block, tmp_path):
 
 def test_the_blocks_run_here_are_the_cheap_ones():
     """The unmarked blocks are the ones this suite can afford: a handful, none that trains."""
-    assert 1 <= len(RUN_HERE) <= 6, [b.where for b in RUN_HERE]
+    assert 1 <= len(RUN_HERE) <= 12, [b.where for b in RUN_HERE]
 
 
 # --- names in the prose ----------------------------------------------------------------------------------------------
