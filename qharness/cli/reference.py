@@ -165,16 +165,13 @@ def _section_rows(cls, prefix: str, seen: set) -> tuple[list[str], list[tuple[ty
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         inner = [t for t in (typing.get_args(tp) or (tp,)) if dataclasses.is_dataclass(t)]
-        dict_values = (
-            [a for a in typing.get_args(tp)[1:2] if dataclasses.is_dataclass(a)]
-            if dict in (typing.get_origin(tp),)
-            else []
-        )
+        origin = typing.get_origin(tp)
+        key = {dict: ".<model>" if f.name == "metrics" else ".<key>", list: "[]"}.get(origin, "")
         rows.append(f"| `{prefix}{f.name}` | {type_text(tp)} | {_cell(docs.get(f.name, ''))} |")
-        for t in inner + dict_values:
+        for t in inner:
             if t not in seen:
                 seen.add(t)
-                nested.append((t, f"{prefix}{f.name}" + (".<model>" if dict_values else "")))
+                nested.append((t, f"{prefix}{f.name}{key}"))
     return rows, nested
 
 
