@@ -185,3 +185,30 @@ def test_plain_text_summaries_and_reports_are_unchanged(tmp_path):
     result = write_report(tmp_path / "runs", wandb=False)
     assert "Answer quality" not in Path(result["paths"]["markdown"]).read_text()
     assert "answers" not in Path(result["paths"]["csv"]).read_text().splitlines()[0]
+
+
+@pytest.mark.fast
+def test_the_report_shows_each_chat_runs_answer_quality_with_intervals(tmp_path):
+    from qharness.checks.answers import Answers
+    from qharness.reporting.report import write_report
+
+    refs = ["call it as f(x)", "return the sum", "a sorted list", "the number of items"]
+    for name, pte_answers in (
+        ("chat-ptq", ["nothing", "return", "a list", "none"]),
+        ("chat-qat", ["call it as f(x)", "return the sum", "a list", "the number"]),
+    ):
+        data = json.loads((DATA / "summary_v4_qat.json").read_text())
+        answers = {"fp": ["call it as f(x)", "return the sum", "a list", "items"], "pte": pte_answers}
+        data["answers"] = Answers("held-out", 4, 0, 48, score_answers(answers, refs))
+        data["mode"] = name.split("-")[1]
+        run = tmp_path / "runs" / name
+        run.mkdir(parents=True)
+        from qharness.run.summary import RunSummary
+
+        RunSummary.from_dict(data).write(run / "summary.json")
+    result = write_report(tmp_path / "runs", wandb=False)
+    md = Path(result["paths"]["markdown"]).read_text()
+    assert "Answer quality through the .pte" in md
+    qat = next(line for line in md.splitlines() if line.startswith("| chat-qat | qat | 4 |"))
+    assert "| 0.500 [" in qat  # exact match 2 of 4, with its interval
+    assert "answers/token_f1/pte" in Path(result["paths"]["csv"]).read_text().splitlines()[0]
