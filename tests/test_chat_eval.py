@@ -152,10 +152,12 @@ def test_a_chat_run_scores_fp_fake_quant_and_pte_answers_on_held_out_conversatio
     )
     result = run_cli("fit", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "answer quality (6 held-out conversations" in result.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     answers = summary["answers"]
-    assert set(answers["models"]) == {"fp", "fake_quant", "pte"} and answers["conversations"] == 6
+    # the first 6 held-out conversations; those whose prompt + 8 new tokens exceed 48 tokens are skipped
+    assert answers["conversations"] >= 2 and answers["conversations"] + answers["skipped"] == 6
+    assert f"answer quality ({answers['conversations']} held-out conversations" in result.stdout
+    assert set(answers["models"]) == {"fp", "fake_quant", "pte"}
     for kind, scores in answers["models"].items():
         for name in ("exact_match", "rouge_l", "token_f1"):
             lo, hi = scores[name]["ci"]
