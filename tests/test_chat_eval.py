@@ -83,15 +83,17 @@ def test_chat_settings_are_checked_as_config_fields():
     ):
         with pytest.raises(UserError, match=name.replace(".", r"\.")):
             RunConfig.from_dict({"eval": fields}).validate()
+    long = {"answers": {"max_new_tokens": 64}}
     with pytest.raises(UserError, match=r"eval\.answers\.max_new_tokens=64 leaves no room"):
-        RunConfig.from_dict({"data": {"seq_len": 64}, "eval": {"answers": {"max_new_tokens": 64}}}).validate()
+        RunConfig.from_dict({"data": {"seq_len": 64, "format": "chat"}, "eval": long}).validate()
+    RunConfig.from_dict({"data": {"seq_len": 64, "format": "text"}, "eval": long}).validate()  # no answers to give
 
 
 def test_a_bad_answers_field_is_one_line_before_torch_loads(tmp_path, tiny_llama, corpus):
     from conftest import run_cli, write_config
 
     cfg = write_config(tmp_path / "run.yaml", tiny_llama, corpus, tmp_path / "run", eval={"enabled": True})
-    result = run_cli("fit", "--config", cfg, "--eval.answers.max_new_tokens", "32")  # data.seq_len is 32
+    result = run_cli("fit", "--config", cfg, "--eval.answers.max_new_tokens", "32", "--data.format", "instruction")
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: eval.answers.max_new_tokens=32 leaves no room")
     assert "Traceback" not in result.stderr

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from qharness.checks.stats import is_stderr, stderr_name
-from qharness.config import MODEL_KINDS, EvalConfig, check_eval_lengths
+from qharness.config import MODEL_KINDS, EvalConfig, check_answer_length, check_eval_lengths
 from qharness.errors import UserError
 from qharness.io.atomic import to_jsonable, write_json_atomic
 
@@ -55,8 +55,10 @@ def check_chat_eval(cfg: EvalConfig, dm) -> None:
                 "eval.chat_template is on but the run has no chat template (plain-text data, and the tokenizer has none)",
                 fix="set eval.chat_template: false (or auto), or train on chat data with data.chat_template",
             )
-    if cfg.answers.enabled and cfg.answers.source is not None:
-        dm.conversations(cfg.answers.source, 1)
+    if cfg.answers.enabled and (chat_data or cfg.answers.source is not None):
+        check_answer_length(cfg.answers.max_new_tokens, max_length(cfg, dm.seq_len))
+        if cfg.answers.source is not None:
+            dm.conversations(cfg.answers.source, 1)
 
 
 def max_length(cfg: EvalConfig, seq_len: int) -> int:
