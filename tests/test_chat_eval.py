@@ -216,3 +216,27 @@ def test_the_report_shows_each_chat_runs_answer_quality_with_intervals(tmp_path)
     qat = next(line for line in md.splitlines() if line.startswith("| chat-qat | qat | 4 |"))
     assert "| 0.500 [" in qat  # exact match 2 of 4, with its interval
     assert "answers/token_f1/pte" in Path(result["paths"]["csv"]).read_text().splitlines()[0]
+
+
+@pytest.mark.fast
+def test_held_out_conversations_are_the_records_inside_the_validation_split(tmp_path):
+    from test_chat_data import chat_tokenizer, conversations, write_jsonl
+
+    from qharness.data.datamodule import TextDataModule
+    from qharness.sources.chat import render
+
+    records = conversations(120)
+    path = write_jsonl(tmp_path / "chats.jsonl", records)
+    tok = chat_tokenizer("chatml", " ".join(m["content"] for r in records for m in r["messages"]))
+    dm = TextDataModule(source=path, seq_len=48, batch_size=2, val_fraction=0.2)
+    dm.tokenizer = tok
+    dm.setup()
+    held = dm.conversations(None, 1000)
+    lines = [int(where.rsplit(":", 1)[1]) for where, _ in held]
+    assert lines == list(range(lines[0], 121)) and 10 < len(lines) < 40  # the last records, in order
+    stream = dm.tokens_of(path, "text")[0].tolist()
+    val_start = len(stream) - int(len(stream) * 0.2)
+    ids = [min(len(render(tok, r["messages"], None, "all")[0]), 49) for r in records]
+    starts = [sum(ids[:i]) for i in range(len(ids))]
+    assert starts[lines[0] - 1] >= val_start > starts[lines[0] - 2]  # the one before starts in the training split
+    assert dm.conversations(None, 3) == held[:3]
