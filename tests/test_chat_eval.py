@@ -240,3 +240,20 @@ def test_held_out_conversations_are_the_records_inside_the_validation_split(tmp_
     starts = [sum(ids[:i]) for i in range(len(ids))]
     assert starts[lines[0] - 1] >= val_start > starts[lines[0] - 2]  # the one before starts in the training split
     assert dm.conversations(None, 3) == held[:3]
+
+
+@pytest.mark.fast
+def test_chat_settings_without_a_template_or_chat_records_fail_before_training(tmp_path, corpus):
+    from test_chat_data import chat_tokenizer
+
+    from qharness.data.datamodule import TextDataModule
+    from qharness.evaluation.harness import check_chat_eval
+
+    dm = TextDataModule(source=str(corpus), seq_len=64, batch_size=2)
+    dm.tokenizer = chat_tokenizer("chatml")
+    dm.tokenizer.chat_template = None  # a plain-text run whose tokenizer has no template
+    check_chat_eval(EvalConfig(), dm)  # auto: off for plain text, no answers to give
+    with pytest.raises(UserError, match=r"eval\.chat_template is on but the run has no chat template"):
+        check_chat_eval(EvalConfig(chat_template=True), dm)
+    with pytest.raises(UserError, match=r"eval\.answers\.source .* holds no chat or instruction records"):
+        check_chat_eval(EvalConfig(answers={"source": str(corpus)}), dm)
