@@ -257,3 +257,21 @@ def test_chat_settings_without_a_template_or_chat_records_fail_before_training(t
         check_chat_eval(EvalConfig(chat_template=True), dm)
     with pytest.raises(UserError, match=r"eval\.answers\.source .* holds no chat or instruction records"):
         check_chat_eval(EvalConfig(answers={"source": str(corpus)}), dm)
+
+
+@pytest.mark.fast
+def test_the_python_api_evaluates_with_the_chat_template(tmp_path, corpus):
+    from test_chat_data import make_tiny_chat_llama
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import qharness
+
+    path = make_tiny_chat_llama(tmp_path / "model")
+    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    texts = [p for p in corpus.read_text()[:60_000].split("\n\n") if len(p) > 200]
+    r = qharness.evaluate(model, tok, tasks=["qharness_mc"], texts=texts, limit=2, max_length=64, chat_template=True)
+    assert r["chat_template"] == {"system_instruction": None, "fewshot_as_multiturn": True}
+    assert "chat_template" not in qharness.evaluate(model, tok, tasks=["qharness_mc"], texts=texts, limit=2)
+    tok.chat_template = None
+    with pytest.raises(UserError, match="no chat template"):
+        qharness.evaluate(model, tok, tasks=["qharness_mc"], texts=texts, limit=2, chat_template=True)
