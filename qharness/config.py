@@ -223,6 +223,16 @@ def check_eval_lengths(length: int, seq_len: int, max_seq_len: int) -> None:
         )
 
 
+def check_answer_length(max_new_tokens: int, length: int) -> None:
+    """``eval.answers.max_new_tokens`` leaves room for a prompt in lm-eval's window (``length`` tokens)."""
+    if max_new_tokens >= length:
+        raise UserError(
+            f"eval.answers.max_new_tokens={max_new_tokens} leaves no room for a prompt in the {length}-token window "
+            "(eval.max_length, null: data.seq_len)",
+            fix=f"set eval.answers.max_new_tokens < {length}",
+        )
+
+
 @dataclass
 class WandbConfig:
     """Weights & Biases logging through Lightning's WandbLogger, into ``<run dir>/wandb`` beside the CSV logs
@@ -256,6 +266,34 @@ class WandbConfig:
             )
 
 
+@dataclass
+class AnswersConfig:
+    """The answer-quality check of a chat/instruction run: greedy answers of the FP model, the fake-quant model and
+    the ``.pte`` to held-out conversations (the last assistant turn is the reference), scored by exact match,
+    ROUGE-L and token F1, and against the FP model's own answer, each with a 95% bootstrap interval over conversations.
+
+    Args:
+        enabled: Run it when the run's data is chat/instruction or ``eval.answers.source`` is given (with ``eval.enabled``).
+        source: Chat or instruction records (a local ``.json``/``.jsonl`` file or directory) to answer; null: the
+            held-out (validation) split of the run's own chat data.
+        limit: Conversations answered (at most; the first ones of the source).
+        max_new_tokens: Tokens each model may generate per answer (prompt + answer fit in ``eval.max_length``).
+    """
+
+    enabled: bool = True
+    source: str | None = None
+    limit: int = 32
+    max_new_tokens: int = 48
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """This section's own rules (``UserError`` naming the field); run when it is built."""
+        at_least("eval.answers", limit=(self.limit, 1), max_new_tokens=(self.max_new_tokens, 1))
+        check_source("eval.answers", self.source)
+
+
 # The models lm-eval can score, and their column names.
 MODEL_KINDS = {"fp": "FP", "fake_quant": "fake-quant", "converted": "converted", "pte": ".pte"}
 
@@ -283,6 +321,12 @@ class EvalConfig:
         include_path: A directory of your own lm-eval task YAMLs (names usable in ``tasks``).
         bootstrap_iters: Bootstrap resamples for the standard errors of non-mean metrics (0: none).
         seed: Seed of the offline documents and of sampled generation.
+        chat_template: Render lm-eval's prompts with the chat template (``true``/``false``; ``auto``: when the
+            run's data is chat/instruction): the run's ``data.chat_template``, else the tokenizer's.
+        system_instruction: With the chat template: a system turn put before every prompt (null: none).
+        fewshot_as_multiturn: With the chat template: few-shot examples as earlier user/assistant turns (else one
+            user turn holding them all).
+        answers: The answer-quality check of chat/instruction runs (greedy answers to held-out conversations).
     """
 
     enabled: bool = True
@@ -296,6 +340,10 @@ class EvalConfig:
     include_path: str | None = None
     bootstrap_iters: int = 100
     seed: int = 1234
+    chat_template: bool | Literal["auto"] = "auto"
+    system_instruction: str | None = None
+    fewshot_as_multiturn: bool = True
+    answers: AnswersConfig = field(default_factory=AnswersConfig)
 
     def __post_init__(self):
         self.validate()
@@ -317,6 +365,21 @@ class EvalConfig:
         check_source("eval", self.source)
         if not self.tasks:
             raise UserError("eval.tasks is empty", fix="name at least one task, or set eval.enabled: false")
+        if self.chat_template not in (True, False, "auto"):
+            raise UserError(
+                f"eval.chat_template must be true, false or auto (got {self.chat_template!r})",
+                fix="e.g. eval.chat_template: auto",
+            )
+        if self.system_instruction is not None and not self.system_instruction.strip():
+            raise UserError("eval.system_instruction is empty", fix="give the instruction's text, or leave it null")
+        if isinstance(self.answers, dict):  # built by a parser that does not know nested sections
+            self.answers = AnswersConfig(**self.answers)
+        self.answers.validate()
+
+    def uses_chat_template(self, chat_data: bool) -> bool:
+        """Whether lm-eval renders prompts with the chat template: ``eval.chat_template``, ``auto`` meaning the run's
+        data is chat/instruction (``chat_data``)."""
+        return chat_data if self.chat_template == "auto" else bool(self.chat_template)
 
 
 def deep_merge(base: dict, update: dict) -> dict:

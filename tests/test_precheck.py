@@ -131,9 +131,10 @@ def test_sweep_run_configs_pass(tmp_path):
     from qharness.sweep.plan import plan
     from qharness.sweep.spec import load_sweep
 
-    for run in plan(load_sweep(ROOT / "configs" / "sweep_xnnpack.yaml")):
-        (tmp_path / "run.yaml").write_text(yaml.safe_dump(run.config))
-        precheck([run.subcommand, "--config", str(tmp_path / "run.yaml")])
+    for sweep in ("sweep_xnnpack.yaml", "sweep_chat.yaml"):
+        for run in plan(load_sweep(ROOT / "configs" / sweep)):
+            (tmp_path / "run.yaml").write_text(yaml.safe_dump(run.config))
+            precheck([run.subcommand, "--config", str(tmp_path / "run.yaml")])
 
 
 def test_full_cli_config_passes(tmp_path):

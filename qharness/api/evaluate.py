@@ -36,6 +36,9 @@ def evaluate(
     texts: str | list[str] | None = None,
     max_length: int | None = None,
     out_dir: str | Path | None = None,
+    chat_template: bool | str = False,
+    system_instruction: str | None = None,
+    fewshot_as_multiturn: bool = True,
 ) -> dict:
     """lm-eval ``tasks`` on ``model``; returns the result ``qharness evaluate`` writes (``tasks`` -> task -> model kind
     (``fp``, ``fake_quant`` or ``pte``) -> metrics, with ``chance`` levels and ``documents`` counts).
@@ -45,6 +48,9 @@ def evaluate(
     task. ``max_length``: tokens the model sees at once (default: a ``QuantizedModel``'s ``seq_len``, a ``.pte``'s KV
     cache - 1, an FP model's context up to 256). ``out_dir``: where ``eval.json`` and the offline tasks are written
     (default: a temporary directory). A PTQ ``QuantizedModel`` computes in FP until export: evaluate its ``Pte``.
+    ``chat_template``: render the prompts with a chat template (as ``eval.chat_template``): True: the tokenizer's, or a
+    template (``embedded``, a file, the Jinja text); ``system_instruction`` and ``fewshot_as_multiturn`` as
+    ``eval.system_instruction`` and ``eval.fewshot_as_multiturn``.
 
     Example::
 
@@ -55,7 +61,14 @@ def evaluate(
     from qharness.evaluation.tasks import OFFLINE_TASKS, check_tasks
 
     cfg = EvalConfig(
-        enabled=True, tasks=list(tasks), limit=limit, num_fewshot=num_fewshot, max_length=max_length, models=["fp"]
+        enabled=True,
+        tasks=list(tasks),
+        limit=limit,
+        num_fewshot=num_fewshot,
+        max_length=max_length,
+        models=["fp"],
+        system_instruction=system_instruction,
+        fewshot_as_multiturn=fewshot_as_multiturn,
     )
     check_tasks(cfg.tasks)
     if any(t in OFFLINE_TASKS for t in cfg.tasks) and not texts:
@@ -65,11 +78,23 @@ def evaluate(
         )
     kind, make_backend, tokenizer = _backend(model, tokenizer, max_length)
     cfg.models = [kind]
+    template = _chat_template(chat_template, tokenizer)
     docs = [texts] if isinstance(texts, str) else list(texts or [])
     from qharness.evaluation.harness import evaluate_models
 
     with tempfile.TemporaryDirectory(prefix="qharness-eval-") as tmp:
-        return evaluate_models({kind: make_backend}, tokenizer, cfg, docs, Path(out_dir or tmp))
+        return evaluate_models({kind: make_backend}, tokenizer, cfg, docs, Path(out_dir or tmp), chat_template=template)
+
+
+def _chat_template(value: bool | str, tokenizer) -> str | None:
+    """``chat_template=``: None (off), the tokenizer's template (True) or the given one; a ``UserError`` without one."""
+    if value is False or value is None:
+        return None
+    from qharness.sources.chat import check_template, load_template
+
+    template = None if value is True else load_template(value, "chat_template")
+    check_template(tokenizer, template, "chat_template=")
+    return template or tokenizer.chat_template
 
 
 def _backend(model, tokenizer, max_length: int | None):

@@ -149,14 +149,20 @@ class QHarnessCLI(LightningCLI):
         self.trainer.eval_config = cfg["eval"]
 
     def _check_eval_text(self) -> None:
-        """The run's own validation text gives the offline eval tasks their documents: checked once the data is
-        read, before training or calibration (``eval.source`` was read in ``preflight``)."""
+        """The run's own validation text gives the offline eval tasks their documents, and the chat settings have
+        their template and conversations: checked once the data is read, before training or calibration
+        (``eval.source`` was read in ``preflight``)."""
         cfg = self.trainer.eval_config
         if cfg.enabled and cfg.source is None:
             from qharness.evaluation.harness import check_eval_text
 
             self.datamodule.setup("fit")
             check_eval_text(cfg, self.datamodule)
+        if cfg.enabled:
+            from qharness.evaluation.harness import check_chat_eval
+
+            self.datamodule.setup("fit")
+            check_chat_eval(cfg, self.datamodule)
 
     def before_fit(self) -> None:
         self._attach_configs()

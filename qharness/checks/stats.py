@@ -1,6 +1,7 @@
 """The noise bands of the harness, in one place: intervals on perplexity over validation blocks (alone and paired
 between two models scored on the same blocks), intervals on a difference of two means with standard errors,
-and the latency tie tests (range overlap, an exact rank test).
+the percentile bootstrap interval of a mean of per-item scores (answer quality over conversations), and the latency
+tie tests (range overlap, an exact rank test).
 
 Perplexity intervals are Student-t intervals on the mean of the per-block mean losses, exponentiated: blocks are
 the unit of resampling (tokens inside a block are not independent). Two models scored on the same blocks are
@@ -76,6 +77,23 @@ def paired_ratio(a: list[float], b: list[float]) -> dict:
         "ci": None if se is None else [_exp(mean - half), _exp(mean + half)],
         "n_blocks": len(a),
     }
+
+
+def bootstrap_interval(
+    values: list[float], iters: int = 1000, seed: int = 0, level: float = LEVEL
+) -> list[float] | None:
+    """Percentile bootstrap interval ``[lo, hi]`` of the mean of ``values`` (per-item scores: one per conversation),
+    resampling the items ``iters`` times with a fixed ``seed`` (None below two items). Bounded scores (exact match
+    is 0 or 1) keep their bounds, which a normal interval would cross."""
+    n = len(values)
+    if n < 2:
+        return None
+    import random
+
+    rng = random.Random(seed)
+    means = sorted(math.fsum(rng.choices(values, k=n)) / n for _ in range(iters))
+    tail = (1 - level) / 2
+    return [means[int(tail * (iters - 1))], means[int(math.ceil((1 - tail) * (iters - 1)))]]
 
 
 def diff_interval(diff: float, se_a: float, se_b: float) -> list[float]:

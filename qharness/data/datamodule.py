@@ -26,7 +26,15 @@ from torch.utils.data import DataLoader, Sampler, TensorDataset
 from qharness.errors import UserError
 from qharness.progress import stage as progress_stage
 from qharness.schema.data import DataConfig
-from qharness.sources.chat import ChatFormat, detect, end_of_turn_ids, load_template
+from qharness.sources.chat import (
+    ChatFormat,
+    check_template,
+    detect,
+    end_of_turn_ids,
+    held_out_conversations,
+    load_template,
+    record_files,
+)
 from qharness.sources.chat_demo import EMBEDDED_CHAT, embedded_chat_file
 from qharness.sources.example_cache import IGNORE, describe, example_stream
 from qharness.sources.token_cache import token_stream
@@ -186,6 +194,27 @@ class TextDataModule(L.LightningDataModule):
             self.format, self.counts = fmt, counts
         print(f"[qharness] {describe(counts, fmt)}", file=sys.stderr, flush=True)
         return tokens, targets
+
+    def conversations(self, source: str | None, limit: int) -> list[tuple[str, list[dict]]]:
+        """Conversations to answer (``eval.answers``): the first ``limit`` records of ``source``, or (None) of the
+        run's own chat data's validation split; none for a plain-text run without a ``source``. Set up first."""
+        if source is None:
+            if self.format is None:
+                return []
+            held = int(self.counts["tokens"] * self.val_fraction)  # the validation split's tokens (``setup``)
+            files = record_files(self._records_source(), self.format.field)
+            return held_out_conversations(files, self.format, self.tokenizer, held, limit)
+        fmt = self.chat_format(source, "eval.answers.source")
+        if fmt is None:
+            raise UserError(
+                f"eval.answers.source {source} holds no chat or instruction records (data.format reads it as text)",
+                fix="give a .json/.jsonl file of chat or instruction records",
+            )
+        check_template(self.load_tokenizer(), fmt.template, "data.chat_template")
+        return held_out_conversations(record_files(source, fmt.field), fmt, self.tokenizer, None, limit)
+
+    def _records_source(self) -> str:
+        return str(embedded_chat_file()) if self.source == EMBEDDED_CHAT else self.source
 
     def end_of_turn_ids(self) -> list[int]:
         """Chat/instruction data: the template's end-of-turn tokens (the ``.pte`` stops at them); text: none."""

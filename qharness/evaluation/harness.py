@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from qharness.checks.stats import is_stderr, stderr_name
-from qharness.config import MODEL_KINDS, EvalConfig, check_eval_lengths
+from qharness.config import MODEL_KINDS, EvalConfig, check_answer_length, check_eval_lengths
 from qharness.errors import UserError
 from qharness.io.atomic import to_jsonable, write_json_atomic
 
@@ -43,6 +43,22 @@ def check_eval_text(cfg: EvalConfig, dm) -> None:
 
     if any(t in OFFLINE_TASKS for t in cfg.tasks):
         offline_documents(eval_texts(cfg, dm), cfg.tasks, _where(cfg), cfg.seed)
+
+
+def check_chat_eval(cfg: EvalConfig, dm) -> None:
+    """``eval.chat_template`` on has a template to render with (the run's ``data.chat_template`` or the tokenizer's),
+    and ``eval.answers.source`` holds chat records; ``dm`` set up. Run before training."""
+    chat_data = dm.format is not None
+    if cfg.uses_chat_template(chat_data) and not (chat_data and dm.format.template is not None):
+        if not getattr(dm.load_tokenizer(), "chat_template", None):
+            raise UserError(
+                "eval.chat_template is on but the run has no chat template (plain-text data, and the tokenizer has none)",
+                fix="set eval.chat_template: false (or auto), or train on chat data with data.chat_template",
+            )
+    if cfg.answers.enabled and (chat_data or cfg.answers.source is not None):
+        check_answer_length(cfg.answers.max_new_tokens, max_length(cfg, dm.seq_len))
+        if cfg.answers.source is not None:
+            dm.conversations(cfg.answers.source, 1)
 
 
 def max_length(cfg: EvalConfig, seq_len: int) -> int:
@@ -160,10 +176,22 @@ def run_eval(
         "seconds": {},
         **(extra or {}),
     }
+    chat = {}  # lm-eval's chat-template settings: only where the models carry a template (plain runs unchanged)
+    if any(getattr(lm, "template", None) is not None for lm in lms.values()):
+        chat = {
+            "apply_chat_template": True,
+            "system_instruction": cfg.system_instruction,
+            "fewshot_as_multiturn": cfg.fewshot_as_multiturn,
+        }
+        result["chat_template"] = {
+            "system_instruction": cfg.system_instruction,
+            "fewshot_as_multiturn": cfg.fewshot_as_multiturn,
+        }
     for kind, lm in lms.items():
         log.info("lm-eval: %s on %s ...", MODEL_KINDS[kind], ", ".join(cfg.tasks))
         t = time.perf_counter()
         res = lm_eval.simple_evaluate(
+            **chat,
             model=lm,
             tasks=list(cfg.tasks),
             num_fewshot=cfg.num_fewshot,
@@ -195,8 +223,10 @@ def evaluate_models(
     run_dir: Path,
     extra: dict | None = None,
     filename: str = "eval.json",
+    chat_template: str | None = None,
 ) -> dict:
-    """Run ``cfg.models`` among the available ``backends`` (``{kind: () -> backend}``, built lazily).
+    """Run ``cfg.models`` among the available ``backends`` (``{kind: () -> backend}``, built lazily); with a
+    ``chat_template`` (``eval.chat_template`` on), lm-eval renders its prompts with it.
 
     A PTQ run has no trained fake-quant graph: the converted model (the quantized PyTorch reference)
     stands in for it. Models that cannot run here (e.g. a Vulkan ``.pte``) are skipped with a warning.
@@ -211,7 +241,7 @@ def evaluate_models(
         if kind not in backends:
             log.warning("eval: %s is not available in this run; skipped", MODEL_KINDS[kind])
             continue
-        lms[kind] = QHarnessLM(backends[kind](), tokenizer, seed=cfg.seed)
+        lms[kind] = QHarnessLM(backends[kind](), tokenizer, seed=cfg.seed, chat_template=chat_template)
     if not lms:
         raise UserError(
             f"eval.models={cfg.models}: none of them is available in this run",

@@ -155,11 +155,13 @@ class QHarnessLM(LM):
     """lm-eval's model interface over a ``BatchedForward`` or ``CachedStep`` backend and an HF tokenizer.
 
     ``prefix_id`` (BOS, else EOS) conditions the first token of a document, as lm-eval's HF model does.
+    ``chat_template`` (a Jinja template; None: the tokenizer's own) renders lm-eval's chat histories when it runs
+    with ``apply_chat_template`` (``apply_chat_template``, ``chat_template``, ``tokenizer_name``).
     """
 
-    def __init__(self, backend, tokenizer, seed: int = 1234):
+    def __init__(self, backend, tokenizer, seed: int = 1234, chat_template: str | None = None):
         super().__init__()
-        self.backend, self.tokenizer = backend, tokenizer
+        self.backend, self.tokenizer, self.template = backend, tokenizer, chat_template
         self.prefix_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
         if self.prefix_id is None:
             raise UserError("the tokenizer has neither a BOS nor an EOS token to start documents with")
@@ -169,6 +171,26 @@ class QHarnessLM(LM):
     @property
     def max_length(self) -> int:
         return self.backend.max_length
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Names the tokenizer in lm-eval's request caches."""
+        return str(getattr(self.tokenizer, "name_or_path", "") or "qharness").replace("/", "__")
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The template chat histories are rendered with: the given one, else the tokenizer's."""
+        return self.template or getattr(self.tokenizer, "chat_template", None)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """lm-eval's chat history (system instruction, few-shot turns, the question) as one prompt string; without
+        ``add_generation_prompt`` the last (assistant) message is continued, as lm-eval's HF model does."""
+        return self.tokenizer.apply_chat_template(
+            chat_history,
+            chat_template=self.chat_template(),
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=not add_generation_prompt,
+        )
 
     def tok_encode(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]

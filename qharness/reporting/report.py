@@ -8,7 +8,8 @@ benchmark ``bench_joint`` when the summary has one, else of the run's own ``qhar
 
 The work is split by job: ``collect.py`` (summaries -> checked rows), ``metric.py`` (``--metric`` -> column),
 ``ranking.py`` (comparisons with ties inside the noise, the fronts, the pick), ``render.py`` (Markdown and CSV),
-``plot.py`` (the PNGs), ``recovery.py`` (what QAT recovers), ``tracking.py`` (wandb); this module chains them.
+``plot.py`` (the PNGs), ``recovery.py`` (what QAT recovers), ``answers.py`` (chat runs' answer quality),
+``tracking.py`` (wandb); this module chains them.
 
 Differences inside the noise are ties; runs whose ``.pte`` failed the parity gate are shown but never on the front
 or picked (``ranking.py`` says how).
@@ -30,6 +31,7 @@ from pathlib import Path
 from qharness.io.atomic import write_bytes_atomic, write_json_atomic
 from qharness.io.names import check_output_dir
 from qharness.io.temps import remove_stale_temps
+from qharness.reporting.answers import answer_lines
 from qharness.reporting.collect import collect
 from qharness.reporting.metric import resolve_metric
 from qharness.reporting.plot import plot_pareto
@@ -74,7 +76,8 @@ def write_report(
     lines = [md, "", INTERVALS_NOTE, ""]
     lines += front_lines(front, ties, size_front, column, lower)
     lines.append(f"Best under {budget_text(max_latency_ms, max_size_mb)}: {choice['text']}")
-    lines += qat_recovery(rows) + noise_notes(rows, column) + load_note(rows) + (notes or []) + skipped
+    lines += qat_recovery(rows) + answer_lines(rows) + noise_notes(rows, column) + load_note(rows) + (notes or [])
+    lines += skipped
     png = plot_pareto(rows, column, lower, front_runs, title, max_latency_ms)
     size_title = f"{runs_dir.name}: {name} vs .pte size"
     size_png = plot_pareto(rows, column, lower, size_runs, size_title, axis="size", max_size_mb=max_size_mb)

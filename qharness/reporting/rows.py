@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from qharness.checks.answers import Answers
 from qharness.run.summary import RunSummary
 from qharness.runtime.bench_record import ModelBench
 
@@ -25,7 +26,7 @@ def summary_row(summary: RunSummary, run: str | None = None) -> dict:
 
     ``eval/<task>/<metric>/<stage>`` columns come from the summary's ``eval`` section (the run's own lm-eval) and
     then its ``evaluations`` (later ``qharness evaluate`` runs, newer last); ``chance/<task>/<metric>`` what guessing
-    scores there.
+    scores there; ``answers/<score>/<model>`` the answer-quality check of a chat run (none in other runs).
     """
     m, parity = summary.metrics, summary.parity
     bench = summary.bench
@@ -80,6 +81,28 @@ def summary_row(summary: RunSummary, run: str | None = None) -> dict:
         for task, metrics in (table.get("chance") or {}).items():
             for name, value in metrics.items():
                 row[f"chance/{task}/{name}"] = float(value)
+    return row | answer_columns(summary.answers)
+
+
+ANSWER_SCORES = ("exact_match", "rouge_l", "token_f1", "fp_exact_match", "fp_token_f1")
+
+
+def answer_columns(answers: Answers | None) -> dict:
+    """The row's ``answers/<score>/<model>`` columns (mean, ``_lo``, ``_hi``) and the private ``_answers`` record;
+    none without a check."""
+    if answers is None:
+        return {}
+    row: dict = {"answers_conversations": answers.conversations, "_answers": answers}
+    for kind, scores in answers.models.items():
+        for name in ANSWER_SCORES:
+            value = getattr(scores, name)
+            if value is not None:
+                lo, hi = value.ci or (None, None)
+                row |= {
+                    f"answers/{name}/{kind}": value.mean,
+                    f"answers/{name}/{kind}_lo": lo,
+                    f"answers/{name}/{kind}_hi": hi,
+                }
     return row
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from qharness.config import BenchConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.errors import ParityError, UserError
 from qharness.run.gate import check_parity
-from qharness.run.results import bench_run, evaluate_run, write_summary
+from qharness.run.results import answer_run, bench_run, evaluate_run, write_summary
 from qharness.run.stages import export_and_quantize, lower_and_write, score_trained
 from qharness.run.summary import RunSummary, Timings
 from qharness.run.trained import HeldOut, Trained, with_gptq
@@ -54,7 +54,8 @@ def deploy_and_check(
     (a failed one is kept as ``<name>.FAILED_PARITY.pte``). A ``.pte`` that passed is benchmarked (``bench_cfg``)
     against the eager FP model, then the FP, fake-quant and ``.pte`` models are evaluated with lm-eval
     (``eval_cfg``; ``eval.json``, summary ``eval``). Stages: ``score_trained`` -> ``export_and_quantize`` ->
-    ``lower_and_write`` -> ``check_parity`` -> ``write_summary`` -> ``bench_run`` -> ``evaluate_run``.
+    ``lower_and_write`` -> ``check_parity`` -> ``write_summary`` -> ``bench_run`` -> ``evaluate_run`` ->
+    ``answer_run`` (chat/instruction runs: greedy answers to held-out conversations, summary ``answers``).
 
     Example::
 
@@ -70,12 +71,8 @@ def deploy_and_check(
     text_config = trained.fp_model.config.get_text_config()
     check_export_config(export_cfg, data.seq_len, getattr(text_config, "max_position_embeddings", None))
     tokenizer = trained.tokenizer
-    metadata = runner_metadata(
-        export_cfg.max_seq_len,
-        text_config.vocab_size,
-        tokenizer.bos_token_id,
-        eos_ids(trained.fp_model, tokenizer, data.end_of_turn),
-    )
+    metadata_eos = eos_ids(trained.fp_model, tokenizer, data.end_of_turn)  # where the runner (and answers) stop
+    metadata = runner_metadata(export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, metadata_eos)
     timings = Timings()
     t = time.perf_counter()
     trained = with_gptq(trained, data.calibration)
@@ -97,5 +94,6 @@ def deploy_and_check(
     if eval_cfg.enabled:
         pte_path = Path(summary.pte.path) if trained.recipe.runs_here else None
         summary.eval = evaluate_run(trained, data, fp_model, checked.reference, pte_path, run_dir, eval_cfg)
+        summary.answers = answer_run(trained, data, fp_model, checked.reference, pte_path, eval_cfg, metadata_eos)
         summary.write(run_dir / "summary.json")
     return summary

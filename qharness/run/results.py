@@ -1,5 +1,5 @@
 """What a run writes once the gate has judged the ``.pte``: its final name and ``summary.json`` (``write_summary``),
-the benchmark (``bench_run``) and lm-eval (``evaluate_run``)."""
+the benchmark (``bench_run``), lm-eval (``evaluate_run``) and the answer-quality check of chat runs (``answer_run``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from qharness.config import BenchConfig, EvalConfig, ExportConfig
+from qharness.checks.answers import Answers, format_answers
+from qharness.config import MODEL_KINDS, BenchConfig, EvalConfig, ExportConfig
 from qharness.errors import UserError
 from qharness.run.gate import Checked
 from qharness.run.stages import Lowered
@@ -113,9 +114,27 @@ def evaluate_run(
     """lm-eval of what a run has: the FP model, the QAT graph (``trained.fake_quant``), the converted model and the
     ``.pte``; prints the table and writes ``run_dir/<filename>``."""
     from qharness.evaluation.harness import evaluate_models, format_eval_table, max_length
-    from qharness.evaluation.lm_eval_adapter import BatchedForward, converted_backend, hf_backend, pte_backend
 
     length = max_length(cfg, data.seq_len)
+    backends = model_backends(trained, data, fp_model, converted, pte_path, length)
+    result = evaluate_models(
+        backends,
+        trained.tokenizer,
+        cfg,
+        data.texts(),
+        run_dir,
+        {"max_length": length, "pte": str(pte_path) if pte_path else None},
+        filename,
+        chat_template(trained, data) if cfg.uses_chat_template(data.chat_data) else None,
+    )
+    print(format_eval_table(result))
+    return result
+
+
+def model_backends(trained: Trained, data: HeldOut, fp_model, converted, pte_path, length: int) -> dict:
+    """``{kind: () -> backend}`` of what a run has, each seeing ``length`` tokens at once (built when called)."""
+    from qharness.evaluation.lm_eval_adapter import BatchedForward, converted_backend, hf_backend, pte_backend
+
     backends = {"fp": lambda: hf_backend(fp_model, length, data.batch_size)}
     if trained.fake_quant is not None:
         backends["fake_quant"] = lambda: BatchedForward(
@@ -125,16 +144,44 @@ def evaluate_run(
         backends["converted"] = lambda: converted_backend(converted, length)
     if pte_path is not None:
         backends["pte"] = lambda: pte_backend(pte_path, length)
-    result = evaluate_models(
-        backends,
+    return backends
+
+
+def chat_template(trained: Trained, data: HeldOut) -> str:
+    """The chat template the run's chat data was rendered with, else the tokenizer's (``UserError`` without one)."""
+    from qharness.sources.chat import check_template
+
+    check_template(trained.tokenizer, data.chat_template, "data.chat_template (eval.chat_template is on)")
+    return data.chat_template or trained.tokenizer.chat_template
+
+
+def answer_run(
+    trained: Trained, data: HeldOut, fp_model, converted, pte_path, cfg: EvalConfig, stop_ids: list[int]
+) -> Answers | None:
+    """The answer-quality check (``eval.answers``) of a chat/instruction run, or of any run given
+    ``eval.answers.source``: prints its table; None when it does not apply or found no conversation."""
+    from qharness.evaluation.answers import answer_check
+    from qharness.evaluation.harness import max_length
+
+    a = cfg.answers
+    if not a.enabled or data.conversations is None or not (data.chat_data or a.source is not None):
+        return None
+    conversations = data.conversations(a.source, a.limit)
+    length = max_length(cfg, data.seq_len)
+    result = answer_check(
+        model_backends(trained, data, fp_model, converted, pte_path, length),
         trained.tokenizer,
-        cfg,
-        data.texts(),
-        run_dir,
-        {"max_length": length, "pte": str(pte_path) if pte_path else None},
-        filename,
+        conversations,
+        chat_template(trained, data),
+        a,
+        length,
+        stop_ids,
+        a.source or "the held-out split of data.source",
+        list(cfg.models),
+        cfg.seed,
     )
-    print(format_eval_table(result))
+    if result is not None:
+        print(format_answers(result, MODEL_KINDS))
     return result
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qharness.checks.answers import Answers
 from qharness.deploy.coverage_record import Coverage
 from qharness.errors import UserError
 from qharness.io.atomic import to_jsonable, write_json_atomic
@@ -38,6 +39,7 @@ MODES = ("qat", "ptq")
 # a section field written as null when unset (``to_dict``): what the writer always recorded; other unset fields
 # are left out, as they were before the sections were typed (a parity gate's ``skipped``, ``fake_quant``, ...)
 KEEP_NONE = {"keep_none": True}
+OMIT_NONE = {"omit_none": True}  # a section added since schema 4 is left out while unset: older summaries read the same
 
 
 def _kept() -> Any:
@@ -207,6 +209,9 @@ class RunSummary:
             {metric: value}}}, "chance": {task: {metric: value}}, ...}`` (keys are task and metric names).
         evaluations: Later ``qharness evaluate`` results, oldest first (never replacing ``eval``), each like ``eval``
             with the ``file`` it was written to and the ``pte_sha256`` of the program it scored.
+        answers: Chat/instruction runs: the answer-quality check (``Answers``, ``checks/answers.py``): greedy
+            answers of each model to held-out conversations, scored (exact match, ROUGE-L, token F1, agreement with
+            the FP model) with 95% bootstrap intervals; absent in other runs.
         schema_version: ``SCHEMA_VERSION`` of the writer.
     """
 
@@ -231,6 +236,7 @@ class RunSummary:
     bench_joint: JointEntry | None = None
     eval: dict[str, Any] | None = None
     evaluations: list[dict[str, Any]] = field(default_factory=list)
+    answers: Answers | None = field(default=None, metadata=OMIT_NONE)
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
@@ -257,7 +263,13 @@ class RunSummary:
 
     def to_dict(self) -> dict:
         """As JSON data, the same as before the sections were typed (``KEEP_NONE``)."""
-        return to_jsonable({f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        return to_jsonable(
+            {
+                f.name: _plain(getattr(self, f.name))
+                for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None or not f.metadata.get("omit_none")
+            }
+        )
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "summary") -> RunSummary:
@@ -323,7 +335,7 @@ class RunSummary:
         return summary
 
 
-_TYPED = ("metrics", "parity", "pte", "layers", "coverage", "timings", "bench", "bench_joint")
+_TYPED = ("metrics", "parity", "pte", "layers", "coverage", "timings", "bench", "bench_joint", "answers")
 
 
 def _hints(cls) -> dict:

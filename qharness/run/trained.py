@@ -58,6 +58,10 @@ class HeldOut:
     calibration: torch.Tensor
     texts: Callable[[], list[str]]
     end_of_turn: list[int] = dataclasses.field(default_factory=list)  # chat data: the template's end-of-turn ids
+    chat_data: bool = False  # the run trained on chat/instruction data
+    chat_template: str | None = None  # chat data: the template it was rendered with (None: the tokenizer's)
+    # ``conversations(source, limit)``: ``(where, turns)`` to answer (``eval.answers``; source None: the held-out split)
+    conversations: Callable[[str | None, int], list] | None = None
 
     @property
     def seq_len(self) -> int:

@@ -23,6 +23,7 @@ from qharness.config import (
     ExportConfig,
     ParityConfig,
     WandbConfig,
+    check_answer_length,
     check_eval_lengths,
     check_lengths,
     deep_merge,
@@ -138,6 +139,9 @@ class RunConfig:
             )
         if readable("data", "deploy", "eval") and (self.eval.enabled or subcommand == "evaluate"):
             check_eval_lengths(self.eval.max_length or d.seq_len, d.seq_len, self.deploy.max_seq_len)
+            a = self.eval.answers
+            if a.enabled and (d.format in ("chat", "instruction") or a.source is not None):  # auto: once data is read
+                check_answer_length(a.max_new_tokens, self.eval.max_length or d.seq_len)
         if readable("deploy", "bench") and self.deploy.enabled and self.bench.enabled:
             check_lengths(self.bench.prompt_len, self.bench.decode_tokens, self.bench.reps, self.deploy.max_seq_len)
         if readable("model", "trainer"):

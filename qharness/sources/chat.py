@@ -316,3 +316,33 @@ def end_of_turn_ids(tokenizer, template: str | None = None) -> list[int]:
     }
     ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
     return sorted({i for i in ids if i in special})
+
+
+def held_out_conversations(
+    files: list[Path], fmt: ChatFormat, tokenizer, held_tokens: int | None, limit: int
+) -> list[tuple[str, list[dict]]]:
+    """``(where, turns)`` of the first ``limit`` records whose whole example lies in the last ``held_tokens`` tokens of
+    the example stream (the validation split, which training never saw), in their order; ``held_tokens`` None: every
+    record (a source of its own). Each example's length is its rendering's, cut or dropped as the stream does."""
+    records = list(iter_records(files))
+    if held_tokens is None:
+        return [(where, to_messages(record, where, fmt)) for where, record in records[:limit]]
+    held, used = [], 0
+    for where, record in reversed(records):
+        messages = to_messages(record, where, fmt)
+        n = len(render(tokenizer, messages, fmt.template, "all", where)[0])
+        if n > fmt.max_tokens:
+            n = 0 if fmt.long_examples == "drop" else fmt.max_tokens
+        used += n
+        if used > held_tokens:
+            break
+        if n:
+            held.append((where, messages))
+    return held[::-1][:limit]
+
+
+def prompt_and_reference(tokenizer, messages: list[dict], template: str | None, where: str) -> tuple[str, str]:
+    """A conversation's prompt (the turns before its last assistant turn, rendered with the generation prompt) and
+    its reference answer (that turn's text)."""
+    last = max(i for i, t in enumerate(messages) if t["role"] == "assistant")
+    return _render_text(tokenizer, messages[:last], template, where, generation=True), messages[last]["content"]
