@@ -49,4 +49,5 @@ def held_out(dm, parity_cfg: ParityConfig, calib_cfg: CalibrationConfig, eval_cf
         calibration=calibration_blocks(calib_cfg, dm),
         texts=lambda: eval_texts(cfg, dm),
         end_of_turn=dm.end_of_turn_ids(),
+        chat_template=dm.format.template if dm.format is not None else None,
     )

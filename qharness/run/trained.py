@@ -58,6 +58,7 @@ class HeldOut:
     calibration: torch.Tensor
     texts: Callable[[], list[str]]
     end_of_turn: list[int] = dataclasses.field(default_factory=list)  # chat data: the template's end-of-turn ids
+    chat_template: str | None = None  # chat data: the template given in data.chat_template (None: the tokenizer's)
 
     @property
     def seq_len(self) -> int:
