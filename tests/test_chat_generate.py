@@ -41,7 +41,7 @@ def chain_model(out, style: str, keep_template: bool = True):
     chain = [start, *tok(ANSWER, add_special_tokens=False)["input_ids"], *end_of_turn_ids(tok)]
     assert len(chain) == len(set(chain)) == 4, chain
     torch.manual_seed(0)
-    model = new_llama(tiny_spec(), len(tok))
+    model = new_llama(tiny_spec(), 304)  # one config for both styles: the second run's architecture check is cached
     embed = model.get_input_embeddings().weight
     with torch.no_grad():
         embed.mul_(50)  # the embedding outweighs the random layers' contributions
@@ -165,8 +165,8 @@ print("RESULT", json.dumps({{"pieces": pieces, "generated": stats[0].num_generat
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     result = json.loads(r.stdout.split("RESULT ", 1)[1])
-    assert "".join(result["pieces"]).replace("<|im_end|>", "") == ANSWER, result
-    assert result["generated"] <= 3, result  # the two answer tokens (and the end-of-turn token), not 20
+    # the runner hands the end-of-turn token's text to the callback, then stops: two tokens generated, not 20
+    assert result == {"pieces": [" plus", " is", "<|im_end|>"], "generated": 2}, result
 
 
 def test_chat_refuses_a_tokenizer_without_template_and_a_template_that_does_not_render(llama3_run, tmp_path):
