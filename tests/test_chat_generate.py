@@ -177,12 +177,10 @@ def test_chat_refuses_a_tokenizer_without_template_and_a_template_that_does_not_
     (bare / "chat_template.jinja").unlink()
     r = run_cli("generate", llama3_run, "--chat", "--tokenizer", bare)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-    assert (
-        r.stderr.strip()
-        .splitlines()[-1]
-        .startswith(
-            "error: the tokenizer has no chat template to render the conversation with. fix: give one in --chat_template"
-        )
+    assert r.stderr.strip().splitlines()[-1] == (
+        "error: the tokenizer has no chat template to render the conversation with. fix: give one in --chat_template "
+        "(a Jinja file or string), or pass a run that trained with a template (the run saves data.chat_template with "
+        "its tokenizer)"
     )
     r = run_cli("generate", llama3_run, "--chat", "--chat_template", "{{ messages | nofilter }}", "--prompt", "Hi")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]

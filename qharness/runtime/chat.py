@@ -25,7 +25,7 @@ from qharness.errors import UserError
 from qharness.runtime.generate import generate_ids, max_context
 from qharness.sources.chat import ROLES, check_template, end_of_turn_ids, generation_prompt, load_template
 
-NO_TEMPLATE_FIX = "pass --chat_template FILE|STRING (Python: chat_template=), or a run trained with data.chat_template"
+OTHER_TEMPLATE = "pass a run that trained with a template (the run saves data.chat_template with its tokenizer)"
 
 
 def load_chat_tokenizer(path: str | Path):
@@ -47,7 +47,7 @@ def chat_template(tokenizer, given: str | None) -> str | None:
     """The template to chat with: ``given`` (a file, the template text, or ``embedded``; None: the tokenizer's own),
     refused in one line when there is none or it does not render a user turn."""
     template = load_template(given, "--chat_template")
-    check_template(tokenizer, template, "--chat_template", NO_TEMPLATE_FIX.split(", ", 1)[1], "the conversation")
+    check_template(tokenizer, template, "--chat_template", OTHER_TEMPLATE, "the conversation")
     generation_prompt(tokenizer, [{"role": "user", "content": "Hello"}], template)
     return template
 
