@@ -2,7 +2,8 @@
 
 The prompt is encoded with the ``tokenizer.json`` written beside the ``.pte`` (its post-processor adds
 BOS, as in training), prefilled in one call, then tokens are sampled one at a time until an EOS id of
-the ``.pte``'s metadata, ``max_new_tokens`` or the end of the KV cache.
+the ``.pte``'s metadata, ``max_new_tokens`` or the end of the KV cache. ``generate_ids`` does the same from token ids,
+with extra stop ids (a chat template's end-of-turn tokens: ``chat.py``) and the KV cache of a previous call reused.
 
 Example::
 
