@@ -339,7 +339,11 @@ CASES = {
     ),
     "generate: a required option missing": (
         lambda t: ["generate", "--pte", str(t.tmp / "none.pte")],
-        "error: qharness generate: the following arguments are required: --prompt. fix: `qharness generate --help`",
+        'error: generate: --prompt is required. fix: pass --prompt "TEXT", or --chat for a conversation',
+    ),
+    "generate: a run directory without a program": (
+        lambda t: ["generate", str(t.tmp), "--chat"],
+        "holds no .pte that passed parity. fix: pass the .pte file itself",
     ),
     "bench: an unknown option": (
         lambda t: ["bench", "--pte", str(t.tmp / "none.pte"), "--repz", "3"],

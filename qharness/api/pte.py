@@ -1,12 +1,14 @@
-"""A ``.pte`` that qharness wrote, as one object: generate text, logits and perplexity of token blocks, benchmark.
+"""A ``.pte`` that qharness wrote, as one object: generate text, chat, logits and perplexity of token blocks, benchmark.
 
 It runs through the same code as the CLI: ``runtime/pte.py`` (the ExecuTorch runtime), ``runtime/generate.py``
-(``qharness generate``'s loop and sampling), ``checks/parity.py`` (scoring), ``runtime/bench.py`` (``qharness bench``).
+(``qharness generate``'s loop and sampling), ``runtime/chat.py`` (``qharness generate --chat``), ``checks/parity.py``
+(scoring), ``runtime/bench.py`` (``qharness bench``).
 
 Example::
 
-    pte = qharness.Pte.load("out/model.pte")            # tokenizer: out/tokenizer/
+    pte = qharness.Pte.load("out/model.pte")            # tokenizer: out/tokenizer/ (or Pte.load("out/"))
     print(pte.generate("def main():", max_new_tokens=32, on_token=lambda s: print(s, end="")))
+    print(pte.chat([{"role": "user", "content": "What does len return?"}]))   # stops at end-of-turn
     pte.perplexity(blocks)                              # blocks: LongTensor [n, L]
 """
 
@@ -27,27 +29,33 @@ class Pte:
     """A loaded ``.pte`` and its tokenizer (``tokenizers.Tokenizer``). Build it with ``Pte.load``.
 
     Attributes: ``path``, ``program`` (the ``runtime.pte.PteModel``: ``program(tokens[1, n], start) -> logits``),
-    ``tokenizer``, ``last`` (the statistics of the last ``generate``: prompt tokens, new token ids, stop reason,
-    prefill/decode tokens per second).
+    ``tokenizer``, ``tokenizer_dir`` (where ``chat`` loads the transformers tokenizer and its chat template from),
+    ``last`` (the statistics of the last ``generate`` or ``chat``: prompt tokens, new token ids, stop reason,
+    prefill/decode tokens per second; ``chat``'s also the turns dropped and the conversation kept).
     """
 
-    def __init__(self, program, tokenizer):
+    def __init__(self, program, tokenizer, tokenizer_dir: str | Path | None = None):
         self.program, self.tokenizer = program, tokenizer
         self.path = Path(program.path)
+        self.tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else None
         self.last: dict | None = None
+        self._chat_tokenizer = None
+        self._cached: list[int] | None = None  # the tokens the program's KV cache holds after the last chat turn
 
     @classmethod
     def load(cls, path: str | Path, tokenizer: str | Path | None = None) -> Pte:
-        """Load ``path`` with the tokenizer directory ``tokenizer`` (default: ``tokenizer/`` beside the ``.pte``, as
-        ``qharness generate``); a missing or foreign file is one ``UserError`` line. Example::
+        """Load ``path`` (a ``.pte``, or a run directory: its ``model.pte``) with the tokenizer directory ``tokenizer``
+        (default: ``tokenizer/`` beside the ``.pte``, as ``qharness generate``); a missing or foreign file is one
+        ``UserError`` line. Example::
 
         pte = qharness.Pte.load("runs/qat_xnnpack/model.pte")
         """
         from qharness.runtime.generate import load_tokenizer
-        from qharness.runtime.pte import PteModel
+        from qharness.runtime.pte import PteModel, program_in
 
-        program = PteModel(path)
-        return cls(program, load_tokenizer(tokenizer or Path(path).parent / "tokenizer"))
+        program = PteModel(program_in(path))
+        tokenizer_dir = Path(tokenizer) if tokenizer else program.path.parent / "tokenizer"
+        return cls(program, load_tokenizer(tokenizer_dir), tokenizer_dir)
 
     def metadata(self) -> dict:
         """The runner metadata: ``get_max_context_len``, ``get_vocab_size``, ``get_eos_ids``, ..."""
@@ -72,10 +80,71 @@ class Pte:
         """
         from qharness.runtime.generate import generate
 
+        self._cached = None
         self.last = generate(
             self.program, self.tokenizer, prompt, max_new_tokens, temperature, top_k, seed, on_text=on_token or _ignore
         )
         return self.last["text"]
+
+    def chat(
+        self,
+        messages: str | list[dict],
+        system: str | None = None,
+        chat_template: str | None = None,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        on_token: Callable[[str], None] | None = None,
+    ) -> str:
+        """The assistant's answer to ``messages`` (``{"role", "content"}`` turns ending with a user turn; a text is one
+        user turn), as ``qharness generate --chat`` answers: rendered with ``chat_template`` (a file, the template
+        text, or ``embedded``; default: the tokenizer's, which a run saves with its ``data.chat_template``), ``system``
+        put first when no turn is a system turn, decoded until the template's end-of-turn token or an EOS id of the
+        ``.pte`` (or ``max_new_tokens``, or the end of the KV cache). A conversation too long for the KV cache loses
+        its oldest exchanges first (``runtime/chat.py`` states the rule); ``last["conversation"]`` holds the turns kept
+        and the answer: pass it back with the next user turn to go on. Successive turns of one conversation reuse the
+        KV cache of the tokens they share. Example::
+
+            answer = pte.chat([{"role": "user", "content": "What does len return?"}], system="Answer briefly.")
+            history = [*pte.last["conversation"], {"role": "user", "content": "And sorted?"}]
+            pte.chat(history, on_token=lambda s: print(s, end="", flush=True))
+        """
+        from qharness.runtime.chat import chat_template as template_of
+        from qharness.runtime.chat import chat_turn, conversation
+
+        turns = conversation(messages, system)
+        tokenizer = self.chat_tokenizer()
+        template = template_of(tokenizer, chat_template)
+        cached, self._cached = self._cached, None  # a failed turn leaves the cache unknown
+        self.last = chat_turn(
+            self.program,
+            self.tokenizer,
+            tokenizer,
+            turns,
+            template,
+            max_new_tokens,
+            temperature,
+            top_k,
+            seed,
+            on_text=on_token or _ignore,
+            cached=cached,
+        )
+        self._cached = self.last["cached"]
+        return self.last["text"]
+
+    def chat_tokenizer(self):
+        """The transformers tokenizer of ``tokenizer_dir``, which renders the chat template (loaded once)."""
+        from qharness.runtime.chat import load_chat_tokenizer
+
+        if self._chat_tokenizer is None:
+            if self.tokenizer_dir is None:
+                raise UserError(
+                    f"{self.path}: no tokenizer directory to chat with",
+                    fix="load it with Pte.load(path, tokenizer=DIR)",
+                )
+            self._chat_tokenizer = load_chat_tokenizer(self.tokenizer_dir)
+        return self._chat_tokenizer
 
     def logits(self, tokens) -> torch.Tensor:
         """``logits[n, vocab]`` of every position of ``tokens`` (a list of ids or a 1-D / ``[1, n]`` tensor), from a
@@ -86,6 +155,7 @@ class Pte:
         from qharness.checks.parity import block_logits
 
         block = _block(tokens)
+        self._cached = None
         with torch.no_grad():
             return block_logits(self.program, block).float()
 
@@ -102,6 +172,7 @@ class Pte:
             raise UserError(f"perplexity takes [n, L] token blocks (got {got})", fix="pass a 2-D LongTensor, L >= 2")
         blocks = blocks.to(torch.long)
         self._fits(blocks.shape[1] - 1)
+        self._cached = None
         return score_deployed(self.program, blocks[:, :-1], blocks[:, 1:])["ppl"]
 
     def bench(self, prompt_len: int = 128, decode_tokens: int = 64, reps: int = 5, threads: int | None = None) -> Bench:

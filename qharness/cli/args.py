@@ -1,6 +1,6 @@
 """One grammar for the plain subcommands: a function's signature and docstring are its command line (litgpt's way).
 
-Positional-or-keyword parameters without a default are positional arguments; keyword-only ones without a default
+Positional-or-keyword parameters are positional arguments (optional with a default); keyword-only ones without a default
 are required ``--options``; ``bool`` with a ``False`` default is a flag; ``list[str]`` is an option given once per
 value (``--pte a --pte b``); ``X | None`` takes an ``X``. Help text comes from the docstring's ``Args:`` section.
 
@@ -69,8 +69,9 @@ def parser_for(fn: Callable, prog: str) -> argparse.ArgumentParser:
     for name, param in inspect.signature(fn).parameters.items():
         t, help_ = _base(hints.get(name, str)), helps.get(name)
         required = param.default is inspect.Parameter.empty
-        if param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD and required:
-            p.add_argument(name, type=t, help=help_)
+        if param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
+            optional = {} if required else {"nargs": "?", "default": param.default}
+            p.add_argument(name, type=t, help=help_, **optional)
         elif t is bool:
             p.add_argument(f"--{name}", action="store_true", help=help_)
         elif typing.get_origin(t) is list:

@@ -27,51 +27,110 @@ def recipes() -> None:
 
 
 def generate(
+    path: str | None = None,
     *,
-    pte: str,
-    prompt: str,
-    max_new_tokens: int = 64,
+    pte: str | None = None,
+    prompt: str | None = None,
+    chat: bool = False,
+    chat_template: str | None = None,
+    system: str | None = None,
+    max_new_tokens: int | None = None,
     temperature: float = 0.8,
     top_k: int = 0,
     seed: int | None = None,
     tokenizer: str | None = None,
 ) -> None:
-    """Stream text from a .pte (our decode loop over the ExecuTorch runtime), with prefill/decode tokens/s on stderr.
+    """Stream text from a .pte (our decode loop over the ExecuTorch runtime), with prefill/decode tokens/s on stderr;
+    --chat: answers in the chat template, each stopping at end-of-turn, one turn (--prompt) or a conversation read
+    from stdin (a user turn per line; an empty line, /exit or EOF ends it).
 
     Args:
-        pte: the .pte file.
-        prompt: text to continue.
-        max_new_tokens: tokens to generate.
+        path: the .pte file or a run directory (its model.pte); or --pte.
+        pte: the .pte file (or a run directory).
+        prompt: text to continue (--chat: the user turn; without it, --chat reads turns from stdin).
+        chat: render the prompt with the chat template and stop at its end-of-turn token.
+        chat_template: --chat: a template file or the template text (default: the tokenizer's, which a run saves
+            with its data.chat_template).
+        system: --chat: the system turn.
+        max_new_tokens: tokens to generate (default 64; --chat: 256 per answer).
         temperature: 0: greedy.
         top_k: sample among the k most likely tokens (0: all).
         seed: fixed seed: the same text every run.
         tokenizer: directory with tokenizer.json (default: tokenizer/ beside the .pte).
     """
+    from qharness.api.pte import Pte
+
+    if (path is None) == (pte is None):
+        raise UserError(
+            "generate takes one program: " + ("both PATH and --pte given" if path else "no PATH or --pte"),
+            fix="pass qharness generate RUN_DIR_or_PTE (or --pte PATH)",
+        )
+    if not chat and (prompt is None or chat_template is not None or system is not None):
+        what = "--prompt is required" if prompt is None else "--chat_template and --system need --chat"
+        raise UserError(f"generate: {what}", fix='pass --prompt "TEXT", or --chat for a conversation')
+    max_new_tokens = max_new_tokens if max_new_tokens is not None else 256 if chat else 64
     check_generate_args(max_new_tokens, temperature, top_k)
-    from qharness.runtime.generate import generate as run_generate
-    from qharness.runtime.generate import load_tokenizer
-    from qharness.runtime.pte import PteModel
-
-    program = PteModel(pte)  # a missing or foreign program is named first: the tokenizer's place follows from it
-    tok = load_tokenizer(tokenizer or Path(pte).parent / "tokenizer")
-
-    def stream(piece: str) -> None:
-        print(piece, end="", flush=True)
-
-    stream(prompt)
-    out = run_generate(program, tok, prompt, max_new_tokens, temperature, top_k, seed, on_text=stream)
+    program = Pte.load(path or pte, tokenizer)  # a missing or foreign program is named first: the tokenizer's follows
+    sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed, on_token=_stream)
+    if chat:
+        _chat(program, prompt, chat_template, system, sampling)
+        return
+    _stream(prompt)
+    program.generate(prompt, **sampling)
     print()
-    print(
-        f"[{out['prompt_tokens']} prompt tokens, {len(out['new_tokens'])} generated] prefill {out['prefill_tok_s']:.1f} tok/s, "
-        f"decode {out['decode_tok_s']:.1f} tok/s",
-        file=sys.stderr,
-    )
-    if out["stopped"] == "context":
+    _report(program.last)
+    if program.last["stopped"] == "context":
+        out = program.last
         print(
             f"[stopped before {max_new_tokens} new tokens: the .pte's KV cache holds {out['context']} tokens, "
             f"{out['prompt_tokens']} of them the prompt; export with a larger deploy.max_seq_len for more]",
             file=sys.stderr,
         )
+
+
+def _stream(piece: str) -> None:
+    print(piece, end="", flush=True)
+
+
+def _report(out: dict) -> None:
+    """The statistics line of a generation, on stderr."""
+    prefilled = f" ({out['prefilled_tokens']} prefilled)" if out["prefilled_tokens"] != out["prompt_tokens"] else ""
+    print(
+        f"[{out['prompt_tokens']} prompt tokens{prefilled}, {len(out['new_tokens'])} generated] "
+        f"prefill {out['prefill_tok_s']:.1f} tok/s, decode {out['decode_tok_s']:.1f} tok/s",
+        file=sys.stderr,
+    )
+
+
+def _chat(program, prompt: str | None, template: str | None, system: str | None, sampling: dict) -> None:
+    """``generate --chat``: one answer to ``prompt``, or a conversation of the user turns read from stdin."""
+    from qharness.runtime.chat import chat_template
+
+    chat_template(program.chat_tokenizer(), template)  # no template, or one that does not render: before any input
+    history = [{"role": "system", "content": system}] if system is not None else []
+    interactive = prompt is None
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+            line = sys.stdin.readline()
+            prompt = line.rstrip("\n")
+            if not line or not prompt.strip() or prompt.strip() == "/exit":
+                return
+        program.chat([*history, {"role": "user", "content": prompt}], chat_template=template, **sampling)
+        print()
+        out = program.last
+        if out["dropped"]:
+            print(
+                f"[dropped the oldest {out['dropped']} turns: the conversation outgrew the .pte's KV cache of "
+                f"{out['context']} tokens (the oldest exchanges go first, the system turn stays)]",
+                file=sys.stderr,
+            )
+        _report(out)
+        stop = {"eos": "end of turn (or EOS)", "context": "the KV cache is full", "max_new_tokens": "max_new_tokens"}
+        print(f"[stopped: {stop[out['stopped']]}]", file=sys.stderr)
+        if not interactive:
+            return
+        history = out["conversation"]
 
 
 def check_bench_counts(**counts: int | None) -> None:

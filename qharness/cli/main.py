@@ -9,6 +9,7 @@
     qharness autotune CONFIG --max_size_mb 2.0      # per-layer precision under a size budget -> autotuned.yaml, .pte
     qharness recipes                                # the known backend recipes
     qharness generate --pte runs/x/model.pte --prompt "To be" [--temperature 0]
+    qharness generate runs/x --chat [--prompt "Hi"] [--system TEXT]   # chat template, stops at end-of-turn
     qharness bench --pte runs/x/model.pte          # latency/memory/size vs the eager FP model
     qharness bench --pte a/model.pte --pte b/model.pte [--processes 5]   # joint: round-robin fresh processes
     qharness profile --pte a/model.pte [--pte b/model.pte]   # where the time goes, operator by operator (ETDump)
@@ -36,7 +37,7 @@ SUBCOMMANDS = {
     "sensitivity": "per-layer quantization cost: held-out perplexity change per layer x precision (table, heat map, JSON)",
     "autotune": "per-layer precision under a .pte size budget (--max_size_mb): writes autotuned.yaml, runs and checks it",
     "recipes": "list the backend recipes",
-    "generate": "stream text from a .pte (--pte PATH --prompt TEXT), with tokens/s",
+    "generate": "stream text from a .pte (--pte PATH --prompt TEXT; RUN_DIR --chat: a conversation), with tokens/s",
     "bench": "load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model",
     "profile": "where a .pte's prefill and decode time goes, operator by operator (ExecuTorch ETDump), side by side",
     "report": "accuracy vs latency of every run under a directory: table, Pareto plot, best under a budget",

@@ -84,7 +84,7 @@ def deploy_and_check(
     deployed = export_and_quantize(trained, data, export_cfg, keep_fp, timings)
     if not keep_fp:  # the deployed graph holds the weights it uses; the FP copies of quantized ones go
         fp_model = trained.fp_model = None
-    lowered = lower_and_write(deployed, trained, metadata, export_cfg, run_dir, timings)
+    lowered = lower_and_write(deployed, trained, metadata, export_cfg, run_dir, timings, data.chat_template)
     checked = check_parity(trained, lowered, data, parity_cfg, scores, timings)
     summary = write_summary(trained, data, lowered, checked, run_dir, export_cfg, timings)
     if summary.parity.reasons:

@@ -17,6 +17,7 @@ from qharness.io.atomic import atomic_dir, write_bytes_atomic
 from qharness.progress import stage
 from qharness.run.summary import Timings
 from qharness.run.trained import HeldOut, Trained, deploy_graph
+from qharness.sources.chat import save_template
 
 
 @dataclass
@@ -82,9 +83,11 @@ def lower_and_write(
     export_cfg: ExportConfig,
     run_dir: Path,
     timings: Timings,
+    chat_template: str | None = None,
 ) -> Lowered:
     """Lower ``deployed`` to ExecuTorch with the runner's ``metadata``, write it as ``<name>.pending.pte`` (not the
-    name anyone ships) and the tokenizer beside it."""
+    name anyone ships) and the tokenizer beside it, with ``chat_template`` (the run's ``data.chat_template``) as its
+    template, so ``qharness generate --chat`` renders what training rendered."""
     from qharness.deploy.lower import lower_to_pte
 
     recipe, tokenizer = trained.recipe, trained.tokenizer
@@ -96,4 +99,6 @@ def lower_and_write(
     pending = write_bytes_atomic(final.with_name(final.stem + ".pending.pte"), pte_bytes)
     with atomic_dir(run_dir / "tokenizer") as tokenizer_dir:
         tokenizer.save_pretrained(tokenizer_dir)
+        if chat_template is not None:
+            save_template(tokenizer_dir, chat_template)
     return Lowered(deployed, pte_bytes, pending)

@@ -2,7 +2,8 @@
 
 The prompt is encoded with the ``tokenizer.json`` written beside the ``.pte`` (its post-processor adds
 BOS, as in training), prefilled in one call, then tokens are sampled one at a time until an EOS id of
-the ``.pte``'s metadata, ``max_new_tokens`` or the end of the KV cache.
+the ``.pte``'s metadata, ``max_new_tokens`` or the end of the KV cache. ``generate_ids`` does the same from token ids,
+with extra stop ids (a chat template's end-of-turn tokens: ``chat.py``) and the KV cache of a previous call reused.
 
 Example::
 
@@ -62,19 +63,47 @@ def generate(
     on_text: Callable[[str], None] = lambda s: None,
 ) -> dict:
     """Generate from ``prompt``; ``on_text`` receives each new piece of text as soon as it decodes cleanly."""
-    check_generate_args(max_new_tokens, temperature, top_k)
+    return generate_ids(
+        pte, tokenizer, tokenizer.encode(prompt).ids, max_new_tokens, temperature, top_k, seed, on_text=on_text
+    )
+
+
+def max_context(pte) -> int:
+    """The ``.pte``'s KV cache length (``get_max_context_len``); a program without runner metadata is refused."""
     meta = pte.metadata()
     if "get_max_context_len" not in meta:
         raise UserError(
             f"{pte.path} carries no runner metadata (get_max_context_len)", fix="re-export it with qharness export"
         )
-    context, eos = meta["get_max_context_len"], set(meta.get("get_eos_ids", []))
-    ids = tokenizer.encode(prompt).ids
+    return meta["get_max_context_len"]
+
+
+def generate_ids(
+    pte,
+    tokenizer,
+    ids: list[int],
+    max_new_tokens: int = 64,
+    temperature: float = 0.8,
+    top_k: int = 0,
+    seed: int | None = None,
+    on_text: Callable[[str], None] = lambda s: None,
+    stop_ids: frozenset[int] | set[int] = frozenset(),
+    cached: list[int] | None = None,
+) -> dict:
+    """Generate after the token ids ``ids``, stopping at an EOS id of the ``.pte``'s metadata or one of ``stop_ids``
+    (a chat template's end-of-turn tokens). ``cached``: the tokens whose keys and values the program's KV cache holds
+    from the previous call on this ``pte`` (its ``"cached"``); only what follows their common prefix with ``ids`` is
+    prefilled. The result's ``"cached"`` is what the cache holds afterwards."""
+    check_generate_args(max_new_tokens, temperature, top_k)
+    context = max_context(pte)
+    eos = set(pte.metadata().get("get_eos_ids", [])) | set(stop_ids)
     if not 0 < len(ids) < context:
         raise UserError(
             f"the prompt is {len(ids)} tokens; the .pte's KV cache holds {context}",
             fix=f"give 1 to {context - 1} tokens",
         )
+    reused = _common_prefix(cached or [], ids)
+    reused = min(reused, len(ids) - 1)  # at least the last prompt token is fed: its logits choose the first token
     gen = torch.Generator()
     if seed is None:
         gen.seed()  # a fresh random seed (torch's default one is fixed)
@@ -83,8 +112,9 @@ def generate(
     steps = min(max_new_tokens, context - len(ids))
     new, text, calls, stopped = [], "", 0, "max_new_tokens" if steps == max_new_tokens else "context"
     t0 = time.perf_counter()
-    logits = pte(torch.tensor([ids]), 0)[0, -1]
+    logits = pte(torch.tensor([ids[reused:]]), reused)[0, -1]
     t1 = time.perf_counter()
+    fed = list(ids)
     for i in range(steps):
         token = sample(logits, temperature, top_k, gen)
         if token in eos:
@@ -97,6 +127,7 @@ def generate(
             text = decoded
         if i + 1 < steps:
             logits = pte(torch.tensor([[token]]), len(ids) + i)[0, -1]
+            fed.append(token)
             calls += 1
     t2 = time.perf_counter()
     final = tokenizer.decode(new)
@@ -104,9 +135,20 @@ def generate(
     return {
         "text": final,
         "prompt_tokens": len(ids),
+        "prefilled_tokens": len(ids) - reused,
         "new_tokens": new,
-        "stopped": stopped,  # eos, max_new_tokens, or context (the KV cache is full)
+        "stopped": stopped,  # eos (an EOS or end-of-turn id), max_new_tokens, or context (the KV cache is full)
         "context": context,
-        "prefill_tok_s": len(ids) / (t1 - t0),
+        "cached": fed,
+        "prefill_tok_s": (len(ids) - reused) / (t1 - t0),
         "decode_tok_s": calls / (t2 - t1) if calls else 0.0,
     }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

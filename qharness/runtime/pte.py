@@ -116,6 +116,21 @@ def check_pte_file(path: str | Path) -> Path:
     return path
 
 
+def program_in(path: str | Path) -> Path:
+    """The ``.pte`` that ``path`` names: the file itself, or a run directory's program (``model.pte``, else its one
+    ``.pte`` that passed the parity gate: not ``*.pending.pte`` nor ``*.FAILED_PARITY.pte``)."""
+    path = Path(path)
+    if not path.is_dir():
+        return check_pte_file(path)
+    shipped = sorted(p for p in path.glob("*.pte") if not p.name.endswith((".pending.pte", ".FAILED_PARITY.pte")))
+    if path / "model.pte" in shipped or len(shipped) == 1:
+        return path / "model.pte" if path / "model.pte" in shipped else shipped[0]
+    raise UserError(
+        f"run directory {path} holds " + (f"{len(shipped)} programs" if shipped else "no .pte that passed parity"),
+        fix="pass the .pte file itself, e.g. " + (str(shipped[0]) if shipped else f"{path}/model.pte after a run"),
+    )
+
+
 class PteModel:
     """A loaded ``.pte`` whose ``forward(tokens[1, n], input_pos[1])`` returns ``logits[1, n, vocab]``."""
 

@@ -90,6 +90,12 @@ def load_template(value: str | None, setting: str = "data.chat_template") -> str
     return value
 
 
+def save_template(tokenizer_dir: Path, template: str) -> None:
+    """Make ``template`` the chat template of the tokenizer saved in ``tokenizer_dir``: its ``chat_template.jinja``,
+    the file transformers' ``save_pretrained`` writes and ``from_pretrained`` reads (replacing the tokenizer's own)."""
+    (Path(tokenizer_dir) / "chat_template.jinja").write_text(template, encoding="utf-8")
+
+
 def record_files(source: str, field: str = "data.source") -> list[Path]:
     """The local ``.json``/``.jsonl`` files of a chat or instruction source; anything else is refused."""
     files = local_files(source, field)
@@ -208,26 +214,51 @@ def _instruction_messages(record: dict, where: str, fmt: ChatFormat) -> list[dic
     return [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
 
 
-def check_template(tokenizer, template: str | None, setting: str = "data.chat_template") -> None:
-    """A chat template to render with: the given one or the tokenizer's."""
+def check_template(
+    tokenizer,
+    template: str | None,
+    setting: str = "data.chat_template",
+    other: str = "set data.format: text",
+    what: str = "chat/instruction records",
+) -> None:
+    """A chat template to render ``what`` with: the given one or the tokenizer's (``other``: the fix besides
+    ``setting``)."""
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise UserError(
-            "the tokenizer has no chat template to render chat/instruction records with",
-            fix=f"give one in {setting} (a Jinja file or string), or set data.format: text",
+            f"the tokenizer has no chat template to render {what} with",
+            fix=f"give one in {setting} (a Jinja file or string), or {other}",
         )
 
 
-def _render_text(tokenizer, messages: list[dict], template: str | None, where: str, generation: bool = False) -> str:
+def _render_text(
+    tokenizer,
+    messages: list[dict],
+    template: str | None,
+    where: str,
+    generation: bool = False,
+    fix: str = "fix that record, or give a template that renders it in data.chat_template",
+) -> str:
     try:
         return tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False, add_generation_prompt=generation
         )
     except Exception as e:  # jinja2's TemplateError, a template's raise_exception(...), a KeyError in it, ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(
-            f"the chat template does not render {where} ({type(e).__name__}: {first})",
-            fix="fix that record, or give a template that renders it in data.chat_template",
-        ) from e
+        raise UserError(f"the chat template does not render {where} ({type(e).__name__}: {first})", fix=fix) from e
+
+
+def generation_prompt(tokenizer, messages: list[dict], template: str | None, setting: str = "--chat_template"):
+    """The token ids that ask for the next assistant turn: ``messages`` rendered with the template and its generation
+    prompt, tokenized as ``render`` tokenizes a training example (no special tokens added besides the template's)."""
+    text = _render_text(
+        tokenizer,
+        messages,
+        template,
+        "the conversation",
+        generation=True,
+        fix=f"give a template that renders system/user/assistant turns in {setting}",
+    )
+    return _tokens_in_spans(tokenizer, text, [])[0]
 
 
 def answer_spans(
