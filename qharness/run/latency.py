@@ -31,7 +31,8 @@ from qharness.training.module import QuantLM
 
 VARIANT_DIR = "latency"
 PROCESSES = 5  # fresh processes per program in each joint benchmark
-PROFILE_STEPS = 16  # decode steps per profiled repetition (3 repetitions)
+PROFILE_STEPS = 16
+FP_RECIPE = "xnnpack_fp32"  # the all-fp variant (its embedding fp32 too, as in an XNNPACK base without embedding_bits)  # decode steps per profiled repetition (3 repetitions)
 
 
 def latency_table(
@@ -98,7 +99,12 @@ def variant_program(model: QuantLM, data: HeldOut, settings: RunSettings, table:
         baseline_ppl=table["baseline"]["ppl"],
     )
     plan.rules = at.rules(plan, table["candidates"])
-    recipe = at.write_recipe(plan, out / f"all-{scheme}.yaml", base, f"qharness autotune (latency variant {scheme})")
+    if all(s == at.FP for s in plan.schemes.values()):  # a recipe keeping every layer float is refused: the FP one
+        recipe = FP_RECIPE
+    else:
+        recipe = at.write_recipe(
+            plan, out / f"all-{scheme}.yaml", base, f"qharness autotune (latency variant {scheme})"
+        )
     variant = QuantLM(**{**init_args(model), "recipe": str(recipe), "mode": "ptq"})
     t = trained(variant)
     text_config = t.fp_model.config.get_text_config()
