@@ -48,7 +48,7 @@ def latency_table(
     wanted = {
         "model": model.hparams.checkpoint,
         "unit": table["unit"],
-        "units": [u["name"] for u in table["units"]],
+        "unit_names": [u["name"] for u in table["units"]],
         "base_recipe": base,
         "max_seq_len": settings.deploy.max_seq_len,
     }
