@@ -246,3 +246,5 @@ def test_autotune_under_a_latency_budget_builds_times_and_checks_the_program(tmp
     record = json.loads((tmp_path / "run" / "autotune.json").read_text())
     assert record["predicted_ms_per_token"] <= budget and record["measured_ms_per_token"]["median"] > 0
     assert record["latency_verdict"] in ("MET", "NOT MET", "TIE/UNDECIDED")
+    assert record["measured_cpu_ms_per_token"]["median"] > 0 and 0 < record["latency_cpu_share"]["median"] <= 1.5
+    assert all(v["cpu_ms_per_token"]["median"] > 0 for v in table["variants"].values())

@@ -64,6 +64,8 @@ def latency_table(
     measured = {s: joint["programs"][s]["decode_ms_per_token"] for s in schemes}
     profiles = {s: decode_step_profile(p, settings.bench.prompt_len) for s, p in programs.items()}
     result = lat.apportion(measured, profiles, table["units"])
+    for s in schemes:  # what waiting for a core does not move: CPU ms per token (recorded, not planned on)
+        result["variants"][s]["cpu_ms_per_token"] = cpu_ms(joint["programs"][s])
     result.update(
         wanted,
         programs={s: str(p) for s, p in programs.items()},
@@ -140,6 +142,14 @@ def time_jointly(programs: dict[str, Path], bench: BenchConfig) -> dict:
     return joint
 
 
+def cpu_ms(program: dict) -> dict:
+    """A joint benchmark program's decode CPU ms per token (``spread`` over its processes): ``1000 /`` tokens per
+    CPU-second, the wall time the program would take with a core to itself."""
+    from qharness.runtime.spread import spread
+
+    return spread([1e3 / x for x in program["decode_tok_per_cpu_s"]["per_process"]])
+
+
 def decode_step_profile(pte: Path, prompt_len: int) -> dict:
     """``{"linear_ms": [...], "total_ms": x}`` of one decode step of ``pte`` (medians over the profiled steps)."""
     from qharness.evaluation.latency import step_split
@@ -164,6 +174,8 @@ def time_chosen(pte: Path, latency: dict, max_latency_ms: float | None, bench: B
     ms = {name: joint["programs"][name]["decode_ms_per_token"] for name in programs}
     return {
         "measured_ms_per_token": ms["chosen"],
+        "cpu_ms_per_token": cpu_ms(joint["programs"]["chosen"]),
+        "cpu_share": joint["programs"]["chosen"]["decode_cpu_share"],
         "variants_now": {name: s for name, s in ms.items() if name != "chosen"},
         "verdict": None if max_latency_ms is None else verdict(ms["chosen"], max_latency_ms, higher_is_better=False),
         "load_avg_1m": joint["load_avg_1m"],

@@ -157,7 +157,8 @@ def timed_against_budget(pte: Path, plan, latency: dict, settings: RunSettings, 
     err = (s["median"] - plan.predicted_ms) / plan.predicted_ms
     print(
         f"[autotune] decode latency: predicted {plan.predicted_ms:.4f} ms/token, measured {format_spread(s, '.4f')} "
-        f"(median {err:+.1%} vs predicted; {PROCESSES_NOTE}); budget {plan.max_latency_ms:g}: {timed['verdict']}",
+        f"(median {err:+.1%} vs predicted; {PROCESSES_NOTE}; CPU share {timed['cpu_share']['median']:.2f}, CPU "
+        f"{timed['cpu_ms_per_token']['median']:.4f} ms/token); budget {plan.max_latency_ms:g}: {timed['verdict']}",
         flush=True,
     )
     return {
@@ -165,6 +166,8 @@ def timed_against_budget(pte: Path, plan, latency: dict, settings: RunSettings, 
         "measured_ms_per_token": s,
         "latency_error": err,
         "latency_verdict": timed["verdict"],
+        "measured_cpu_ms_per_token": timed["cpu_ms_per_token"],
+        "latency_cpu_share": timed["cpu_share"],
         "latency_variants_now": timed["variants_now"],
         "latency_load_avg_1m": timed["load_avg_1m"],
     }
