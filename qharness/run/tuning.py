@@ -149,7 +149,7 @@ def timed_against_budget(pte: Path, plan, latency: dict, settings: RunSettings, 
     """The chosen ``.pte`` timed jointly with the latency variants (``run/latency.time_chosen``), printed against the
     prediction and the budget; the record's ``measured_ms_per_token`` (spread), ``latency_verdict`` and the rest."""
     from qharness.evaluation.latency import LATENCY_FILE
-    from qharness.run.latency import time_chosen
+    from qharness.run.latency import PROCESSES, time_chosen
     from qharness.runtime.spread import format_spread
 
     timed = time_chosen(pte, latency, plan.max_latency_ms, settings.bench)
@@ -157,7 +157,8 @@ def timed_against_budget(pte: Path, plan, latency: dict, settings: RunSettings, 
     err = (s["median"] - plan.predicted_ms) / plan.predicted_ms
     print(
         f"[autotune] decode latency: predicted {plan.predicted_ms:.4f} ms/token, measured {format_spread(s, '.4f')} "
-        f"(median {err:+.1%} vs predicted; {PROCESSES_NOTE}; CPU share {timed['cpu_share']['median']:.2f}, CPU "
+        f"(median {err:+.1%} vs predicted; median (min-max) of {PROCESSES} fresh processes, timed jointly with the "
+        f"all-one-scheme programs; CPU share {timed['cpu_share']['median']:.2f}, CPU "
         f"{timed['cpu_ms_per_token']['median']:.4f} ms/token); budget {plan.max_latency_ms:g}: {timed['verdict']}",
         flush=True,
     )
@@ -171,9 +172,6 @@ def timed_against_budget(pte: Path, plan, latency: dict, settings: RunSettings, 
         "latency_variants_now": timed["variants_now"],
         "latency_load_avg_1m": timed["load_avg_1m"],
     }
-
-
-PROCESSES_NOTE = "median (min-max) of 5 fresh processes, timed jointly with the all-one-scheme programs"
 
 
 def reusable_table(path: Path, given: bool, model: QuantLM, data: HeldOut, unit: str) -> dict | None:
