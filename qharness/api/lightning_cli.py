@@ -102,7 +102,7 @@ class QHarnessCLI(LightningCLI):
             from qharness.evaluation.sensitivity import check_options
             from qharness.recipes.registry import load_recipe
 
-            check_budget(cfg.get("max_size_mb"))
+            check_budget(cfg.get("max_size_mb"), cfg.get("max_latency_ms"))
             check_options(load_recipe(cfg.model.recipe), cfg.get("candidates"), cfg.get("unit"), "fp")
         preflight(cfg, self.subcommand)
 

@@ -30,7 +30,7 @@ from qharness.schema.trainer import check_writable_dir
 # (``qharness fit --print_config``; evaluate, sensitivity and autotune add theirs).
 OPTIONS = {"ckpt_path", "weights_only", "verbose", "pte", "tasks", "limit", "num_fewshot", "models"}
 OPTIONS |= {"candidates", "unit", "against"}  # sensitivity's options
-AUTOTUNE_KEYS = {"max_size_mb", "sensitivity"}  # autotune's: unknown to the other subcommands
+AUTOTUNE_KEYS = {"max_size_mb", "max_latency_ms", "sensitivity"}  # autotune's: unknown to the other subcommands
 TOP_LEVEL = {*RunConfig.sections(), "seed_everything", *OPTIONS, *AUTOTUNE_KEYS}
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
@@ -157,13 +157,14 @@ def precheck(argv: list[str]) -> RunConfig | None:
         if argv[0] == "autotune":  # its budget (an option or a key of the config), before torch loads
             from qharness.evaluation.autotune import check_budget
 
-            budget = cfg.get("max_size_mb")
+            budgets = {key: cfg.get(key) for key in ("max_size_mb", "max_latency_ms")}
             for i, a in enumerate(args):
-                if a == "--max_size_mb" and i + 1 < len(args):
-                    budget = _value(args[i + 1])
-                elif a.startswith("--max_size_mb="):
-                    budget = _value(a.partition("=")[2])
-            check_budget(budget if number(budget) is None else number(budget))
+                for key in budgets:
+                    if a == f"--{key}" and i + 1 < len(args):
+                        budgets[key] = _value(args[i + 1])
+                    elif a.startswith(f"--{key}="):
+                        budgets[key] = _value(a.partition("=")[2])
+            check_budget(*(b if number(b) is None else number(b) for b in budgets.values()))
         run = check_config(cfg, unclear, argv[0])
         check_cache_dir()
         return run

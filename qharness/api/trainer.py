@@ -119,14 +119,19 @@ class QTrainer(Trainer):
         sensitivity: str | None = None,
         candidates: str | None = None,
         unit: str = "layer",
+        max_latency_ms: float | None = None,
     ) -> dict:
-        """Per-layer precision under a ``.pte`` size budget: measure (or reuse) the sensitivity table against FP, pick
-        each layer's scheme (exact knapsack: least summed perplexity cost within the budget), write it as a recipe
-        (``autotuned.yaml`` in the run directory), then run it like ``calibrate`` (``model.mode: ptq``) or ``fit``
-        (``qat``): ``.pte``, parity gate, summary.json; ``autotune.json`` has the plan, predicted vs measured size.
+        """Per-layer precision under a ``.pte`` size budget and/or a decode latency budget: measure (or reuse) the
+        sensitivity table against FP (and, with a latency budget, the per-layer latency table: latency.json, from
+        one program per scheme timed jointly), pick each layer's scheme (exact knapsack: least summed perplexity cost
+        within the budgets), write it as a recipe (``autotuned.yaml`` in the run directory), then run it like
+        ``calibrate`` (``model.mode: ptq``) or ``fit`` (``qat``): ``.pte``, parity gate, summary.json; ``autotune.json``
+        has the plan, predicted vs measured size (and decode latency, timed in fresh processes, with its spread).
 
         Args:
             max_size_mb: Budget for the ``.pte`` file, MB (1 MB = 1e6 bytes).
+            max_latency_ms: Budget for decode latency, ms per token (the median over fresh processes of the
+                ExecuTorch runtime, this machine; ``qharness bench --pte X.pte`` shows a program's).
             sensitivity: A ``sensitivity.json`` to use (default: the run directory's when it was measured on this
                 model and these validation blocks against FP, else measured now and written there).
             candidates: Comma-separated schemes besides fp (default: 8da8w-pc, 8da4w-pc, 8da4w-g<recipe group size>).
@@ -137,13 +142,14 @@ class QTrainer(Trainer):
             model,
             datamodule,
             self.settings(),
-            max_size_mb,
-            sensitivity,
-            candidates,
-            unit,
-            self.train_tuned,
-            self.log_summary,
-            command,
+            max_size_mb=max_size_mb,
+            sensitivity=sensitivity,
+            candidates=candidates,
+            unit=unit,
+            train=self.train_tuned,
+            on_summary=self.log_summary,
+            command=command,
+            max_latency_ms=max_latency_ms,
         )
 
     def calibrate(self, model: QuantLM, datamodule: TextDataModule) -> RunSummary:

@@ -40,17 +40,20 @@ OVERHEAD_BYTES, OVERHEAD_PER_LAYER_BYTES = 4096, 2816
 @dataclass
 class Plan:
     """A per-unit assignment: ``schemes`` ``{unit: scheme}``, each unit's ``layers`` (module names), the predicted
-    ``.pte`` bytes and perplexity ratio against FP (the product of the units' ratios), the budget."""
+    ``.pte`` bytes and perplexity ratio against FP (the product of the units' ratios), the budgets (None: not set),
+    and the predicted decode ms/token (with a latency table)."""
 
     schemes: dict[str, str]
     layers: dict[str, list[str]]
     unit: str
     predicted_bytes: int
     predicted_ppl_ratio: float
-    budget_bytes: int
+    budget_bytes: int | None
     rest_bytes: int
     baseline_ppl: float
     rules: list[dict] = field(default_factory=list)
+    max_latency_ms: float | None = None
+    predicted_ms: float | None = None
 
     @property
     def predicted_ppl(self) -> float:
@@ -67,7 +70,14 @@ class Plan:
             "rest_bytes": self.rest_bytes,
             "fp_ppl": self.baseline_ppl,
             "rules": self.rules,
+            "max_latency_ms": self.max_latency_ms,
+            "predicted_ms_per_token": self.predicted_ms,
         }
+
+    def budgets(self) -> str:
+        """The budgets in words: ``.pte <= 2 MB, decode <= 0.3 ms/token``."""
+        out = [] if self.budget_bytes is None else [f".pte <= {self.budget_bytes / 1e6:g} MB"]
+        return ", ".join(out + ([] if self.max_latency_ms is None else [f"decode <= {self.max_latency_ms:g} ms/token"]))
 
 
 def options(unit: dict) -> dict[str, tuple[int, float]]:
@@ -84,12 +94,21 @@ def options(unit: dict) -> dict[str, tuple[int, float]]:
     return out
 
 
-def check_budget(max_size_mb) -> int:
-    """``--max_size_mb`` as bytes (``UserError`` when absent or not a positive number), before any model loads."""
+def check_budget(max_size_mb, max_latency_ms=None) -> int | None:
+    """``--max_size_mb`` as bytes (None when absent and ``--max_latency_ms`` is given; ``UserError`` when neither is
+    given or either is not a positive number), before any model loads."""
+    from qharness.evaluation.latency import check_latency_budget
+
+    if max_size_mb is None and check_latency_budget(max_latency_ms) is not None:
+        return None
     if max_size_mb is None:
-        raise UserError("autotune needs --max_size_mb (the .pte budget in MB)", fix="e.g. --max_size_mb 2.0")
+        raise UserError(
+            "autotune needs a budget: --max_size_mb (the .pte in MB) and/or --max_latency_ms (decode ms/token)",
+            fix="e.g. --max_size_mb 2.0",
+        )
     if isinstance(max_size_mb, bool) or not isinstance(max_size_mb, (int, float)) or not 0 < max_size_mb < math.inf:
         raise UserError(f"--max_size_mb must be a positive number of MB (got {max_size_mb!r})", fix="e.g. 2.0")
+    check_latency_budget(max_latency_ms)
     return int(max_size_mb * 1e6)
 
 
@@ -108,10 +127,11 @@ def check_fits(table: dict, budget_bytes: int, rest_bytes: int) -> None:
 
 def check_not_all_fp(plan: Plan) -> None:
     if all(s == FP for s in plan.schemes.values()):
+        fast = "" if plan.predicted_ms is None else f", {plan.predicted_ms:.4f} ms/token"
         raise UserError(
-            f"--max_size_mb {plan.budget_bytes / 1e6:g} holds the whole FP model ({plan.predicted_bytes / 1e6:.3f} MB "
+            f"the budget ({plan.budgets()}) holds the whole FP model ({plan.predicted_bytes / 1e6:.3f} MB{fast} "
             "predicted): there is nothing to tune",
-            fix="use the FP recipe (xnnpack_fp32), or a smaller --max_size_mb",
+            fix="use the FP recipe (xnnpack_fp32), or a smaller budget",
         )
 
 
@@ -136,40 +156,42 @@ def smallest_bytes(table: dict, rest_bytes: int) -> tuple[int, dict[str, str]]:
     return rest_bytes + sum(by[n]["weight_bytes"][s] for n, s in pick.items()), pick
 
 
-def choose(table: dict, budget_bytes: int, rest_bytes: int, resolution: int | None = None) -> Plan:
-    """The assignment of least summed cost whose predicted ``.pte`` bytes fit ``budget_bytes`` (exact knapsack over
-    byte costs rounded up to ``resolution``, default budget/4096); ``UserError`` when even the smallest does not fit."""
+def choose(
+    table: dict,
+    budget_bytes: int | None,
+    rest_bytes: int,
+    resolution: int | None = None,
+    latency: dict | None = None,
+    max_latency_ms: float | None = None,
+) -> Plan:
+    """The assignment of least summed cost whose predicted ``.pte`` bytes fit ``budget_bytes`` and (with ``latency``,
+    ``evaluation/latency.py``'s table) whose predicted decode ms/token fits ``max_latency_ms``; either budget may be
+    None. An exact knapsack over costs rounded up to ``resolution`` bytes (default room/4096, room/1024 under both
+    budgets) and to 1/1024 (both) or 1/4096 of the latency room, so a chosen plan never exceeds a budget by rounding;
+    ``UserError`` when no assignment fits (naming the smallest, or the fastest, achievable)."""
     check_table(table, "the sensitivity table")
     units = table["units"]
-    check_fits(table, budget_bytes, rest_bytes)
-    room = budget_bytes - rest_bytes
-    step = resolution or max(1, room // 4096)
-    cap = room // step
-    opts = [sorted(options(u).items(), key=lambda kv: kv[1][0]) for u in units]
-    # best[c] = (cost, bytes, choices) of the first k units within c steps; ties: fewer bytes
-    inf = (math.inf, math.inf, ())
-    best = [(0.0, 0, ())] * (cap + 1)
-    for unit_opts in opts:
-        new = [inf] * (cap + 1)
-        for scheme, (nbytes, cost) in unit_opts:
-            w = -(-nbytes // step)  # rounded up: the rounded plan is never larger than the real one
-            if w > cap:
-                continue
-            for c in range(w, cap + 1):
-                prev = best[c - w]
-                if prev[0] == math.inf:
-                    continue
-                cand = (prev[0] + cost, prev[1] + nbytes, (*prev[2], scheme))
-                if (round(cand[0], 12), cand[1]) < (round(new[c][0], 12), new[c][1]):
-                    new[c] = cand
-        best = new
-    cost, nbytes, picks = min(best, key=lambda t: (round(t[0], 12), t[1]))
-    if cost == math.inf:  # rounding took the last bytes: the exact smallest still fits, take it
-        _, pick = smallest_bytes(table, rest_bytes)
-        picks = tuple(pick[u["name"]] for u in units)
-        cost = sum(options(u)[s][1] for u, s in zip(units, picks))
-        nbytes = sum(u["weight_bytes"][s] for u, s in zip(units, picks))
+    if budget_bytes is not None:
+        check_fits(table, budget_bytes, rest_bytes)
+    if max_latency_ms is not None:
+        check_fast_enough(table, latency, max_latency_ms)
+    opts = [list(unit_options(u, latency if max_latency_ms is not None else None).items()) for u in units]
+    picks = _knapsack(opts, budget_bytes, rest_bytes, resolution, latency, max_latency_ms, key=1)
+    if picks is None and max_latency_ms is not None and budget_bytes is not None:
+        fast = _knapsack(opts, budget_bytes, rest_bytes, None, None, None, key=2)
+        best = _predicted_ms(latency, units, fast) if fast else None
+        raise UserError(
+            f"no assignment fits both --max_size_mb {budget_bytes / 1e6:g} and --max_latency_ms {max_latency_ms:g}: "
+            + (f"the fastest within {budget_bytes / 1e6:g} MB is about {best:.4f} ms/token predicted" if best else ""),
+            fix=f"use --max_latency_ms {math.ceil(best * 1e4) / 1e4:.4f} or more, or a larger --max_size_mb"
+            if best
+            else "a larger --max_size_mb",
+        )
+    if picks is None:  # rounding took the last room: the exact smallest (or fastest) still fits, take it
+        _, pick = smallest_bytes(table, rest_bytes) if max_latency_ms is None else fastest_pick(table, latency)
+        picks = [pick[u["name"]] for u in units]
     schemes = {u["name"]: s for u, s in zip(units, picks)}
+    nbytes = sum(u["weight_bytes"][s] for u, s in zip(units, picks))
     ratio = math.exp(sum(options(u)[s][1] for u, s in zip(units, picks)))
     plan = Plan(
         schemes=schemes,
@@ -177,12 +199,114 @@ def choose(table: dict, budget_bytes: int, rest_bytes: int, resolution: int | No
         unit=table["unit"],
         predicted_bytes=int(rest_bytes + nbytes),
         predicted_ppl_ratio=ratio,
-        budget_bytes=int(budget_bytes),
+        budget_bytes=None if budget_bytes is None else int(budget_bytes),
         rest_bytes=int(rest_bytes),
         baseline_ppl=table["baseline"]["ppl"],
+        max_latency_ms=max_latency_ms,
+        predicted_ms=_predicted_ms(latency, units, picks) if latency else None,
     )
     plan.rules = rules(plan, table["candidates"])
     return plan
+
+
+def unit_options(unit: dict, latency: dict | None) -> dict[str, tuple[int, float, float]]:
+    """``{scheme: (bytes, cost, ms)}`` of one unit: ``options`` with each scheme's decode ms/token from the latency
+    table (0 without one; under a latency budget a scheme the table did not time is left out)."""
+    if latency is None:
+        return {s: (b, c, 0.0) for s, (b, c) in options(unit).items()}
+    ms = {u["name"]: u["ms"] for u in latency["units"]}.get(unit["name"], {})
+    return {s: (b, c, ms[s]) for s, (b, c) in options(unit).items() if s in ms}
+
+
+def _predicted_ms(latency: dict, units: list[dict], picks) -> float:
+    from qharness.evaluation.latency import predict
+
+    return predict(latency, {u["name"]: s for u, s in zip(units, picks)})
+
+
+def fastest_pick(table: dict, latency: dict) -> tuple[float, dict[str, str]]:
+    """The least predicted decode ms/token these candidates allow, and the assignment that gives it."""
+    from qharness.evaluation.latency import fastest
+
+    allowed = {u["name"]: list(unit_options(u, latency)) for u in table["units"]}
+    if any(not s for s in allowed.values()):
+        missing = [n for n, s in allowed.items() if not s]
+        raise UserError(
+            f"the latency table has no timing for {missing[0]}'s schemes",
+            fix="delete latency.json in the run directory and run autotune again (it measures it)",
+        )
+    return fastest(latency, allowed)
+
+
+def check_fast_enough(table: dict, latency: dict | None, max_latency_ms: float) -> None:
+    """``UserError`` naming the fastest achievable decode ms/token when even it is over ``max_latency_ms``."""
+    if latency is None:
+        raise ValueError("a latency budget needs the latency table")
+    least, pick = fastest_pick(table, latency)
+    if least > max_latency_ms:
+        schemes = sorted(set(pick.values()))
+        raise UserError(
+            f"--max_latency_ms {max_latency_ms:g} is below the fastest program these candidates allow, about "
+            f"{least:.4f} ms/token predicted ({latency['base_ms']:.4f} ms outside the tuned layers, the layers at "
+            f"{', '.join(schemes)})",
+            fix=f"use --max_latency_ms {math.ceil(least * 1e4) / 1e4:.4f} or more",
+        )
+
+
+def _knapsack(opts, budget_bytes, rest_bytes, resolution, latency, max_latency_ms, key: int):
+    """The schemes (one per unit) of least summed ``key`` (1: perplexity cost, 2: ms; ties: fewer bytes) whose
+    rounded-up bytes and ms fit the budgets (None: that budget is not set); None when nothing fits the grid.
+
+    A dynamic programme over a grid of (byte steps x ms steps): ``best[b, l]`` is the least (key, bytes) of the
+    units so far within ``b`` byte steps and ``l`` ms steps; each unit's choice per cell is kept to trace back."""
+    import numpy as np
+
+    both = budget_bytes is not None and max_latency_ms is not None
+    if budget_bytes is not None:
+        room = budget_bytes - rest_bytes
+        step_b = resolution or max(1, room // (1024 if both else 4096))
+        cap_b = room // step_b
+    else:
+        step_b, cap_b = 1, 0
+    if max_latency_ms is not None:
+        room_ms = max_latency_ms - latency["base_ms"]
+        cap_l = 1024 if both else 4096
+        step_l = max(room_ms, 1e-12) / cap_l
+    else:
+        step_l, cap_l = 1.0, 0
+    shape = (cap_b + 1, cap_l + 1)
+    best_key = np.zeros(shape)
+    best_bytes = np.zeros(shape)
+    choices = []
+    for unit_opts in opts:
+        new_key = np.full(shape, np.inf)
+        new_bytes = np.full(shape, np.inf)
+        choice = np.full(shape, -1, dtype=np.int16)
+        for i, (_, o) in enumerate(unit_opts):
+            nbytes, value = o[0], o[key]
+            wb = -(-nbytes // step_b) if budget_bytes is not None else 0  # rounded up: never over the budget
+            wl = math.ceil(o[2] / step_l - 1e-9) if max_latency_ms is not None else 0
+            if wb > cap_b or wl > cap_l:
+                continue
+            cand_key = np.round(best_key[: shape[0] - wb, : shape[1] - wl] + value, 12)
+            cand_bytes = best_bytes[: shape[0] - wb, : shape[1] - wl] + nbytes
+            cur_key, cur_bytes = new_key[wb:, wl:], new_bytes[wb:, wl:]
+            better = (cand_key < cur_key) | ((cand_key == cur_key) & (cand_bytes < cur_bytes))
+            cur_key[better] = cand_key[better]
+            cur_bytes[better] = cand_bytes[better]
+            choice[wb:, wl:][better] = i
+        best_key, best_bytes = new_key, new_bytes
+        choices.append(choice)
+    if best_key[-1, -1] == np.inf:
+        return None
+    b, lat, picks = cap_b, cap_l, []
+    for unit_opts, choice in zip(reversed(opts), reversed(choices)):
+        i = int(choice[b, lat])
+        scheme, o = unit_opts[i]
+        picks.append(scheme)
+        b -= -(-o[0] // step_b) if budget_bytes is not None else 0
+        lat -= math.ceil(o[2] / step_l - 1e-9) if max_latency_ms is not None else 0
+    return picks[::-1]
 
 
 def rules(plan: Plan, candidates: dict[str, dict]) -> list[dict]:
@@ -230,15 +354,17 @@ def rest_bytes(
     return total + OVERHEAD_BYTES + OVERHEAD_PER_LAYER_BYTES * n_layers
 
 
-def format_plan(plan: Plan, table: dict) -> str:
-    """The chosen scheme per unit with its bytes and predicted cost, then the predicted totals."""
+def format_plan(plan: Plan, table: dict, latency: dict | None = None) -> str:
+    """The chosen scheme per unit with its bytes, predicted cost (and decode ms/token), then the predicted totals."""
     by = {u["name"]: u for u in table["units"]}
-    rows = [(table["unit"], "scheme", "weight bytes", "ppl vs FP (sensitivity)")]
+    ms = {u["name"]: u["ms"] for u in latency["units"]} if latency else None
+    rows = [(table["unit"], "scheme", "weight bytes", "ppl vs FP (sensitivity)", *(["decode ms/token"] if ms else []))]
     for name, scheme in plan.schemes.items():
         r = by[name]["results"].get(scheme)
         cost = "0 (fp)" if scheme == FP else f"{r['ppl_ratio'] - 1:+.2%}"
-        rows.append((name, scheme, f"{by[name]['weight_bytes'][scheme]:,}", cost))
-    width = [max(len(r[i]) for r in rows) for i in range(4)]
+        row = (name, scheme, f"{by[name]['weight_bytes'][scheme]:,}", cost)
+        rows.append((*row, f"{ms[name][scheme]:.4f}") if ms else row)
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     counts: dict[str, int] = {}
     for s in plan.schemes.values():
         counts[s] = counts.get(s, 0) + 1
@@ -246,10 +372,20 @@ def format_plan(plan: Plan, table: dict) -> str:
         ["  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip() for r in rows]
         + [
             f"assignment: {', '.join(f'{n} x {s}' for s, n in sorted(counts.items()))}",
-            f"predicted .pte {plan.predicted_bytes / 1e6:.3f} MB (budget {plan.budget_bytes / 1e6:g} MB; "
-            f"{plan.rest_bytes / 1e6:.3f} MB of it outside the tuned layers), predicted ppl {plan.predicted_ppl:.3f} "
+            f"predicted .pte {plan.predicted_bytes / 1e6:.3f} MB ("
+            + ("" if plan.budget_bytes is None else f"budget {plan.budget_bytes / 1e6:g} MB; ")
+            + f"{plan.rest_bytes / 1e6:.3f} MB of it outside the tuned layers), predicted ppl {plan.predicted_ppl:.3f} "
             f"({plan.predicted_ppl_ratio - 1:+.2%} vs FP {plan.baseline_ppl:.3f}, summing the units' measured costs)",
         ]
+        + (
+            []
+            if plan.predicted_ms is None
+            else [
+                f"predicted decode {plan.predicted_ms:.4f} ms/token"
+                + ("" if plan.max_latency_ms is None else f" (budget {plan.max_latency_ms:g} ms/token)")
+                + f"; {latency['base_ms']:.4f} of it outside the tuned layers"
+            ]
+        )
     )
 
 
@@ -262,13 +398,14 @@ def write_recipe(plan: Plan, path: Path, base: str, command: str) -> Path:
 
     head = [
         f"# written by: {command}",
-        f"# budget: .pte <= {plan.budget_bytes / 1e6:g} MB; predicted .pte {plan.predicted_bytes:,} bytes, predicted "
-        f"ppl {plan.predicted_ppl:.3f} ({plan.predicted_ppl_ratio - 1:+.2%} vs FP)",
+        f"# budget: {plan.budgets()}; predicted .pte {plan.predicted_bytes:,} bytes, predicted "
+        f"ppl {plan.predicted_ppl:.3f} ({plan.predicted_ppl_ratio - 1:+.2%} vs FP)"
+        + ("" if plan.predicted_ms is None else f", predicted decode {plan.predicted_ms:.4f} ms/token"),
         f"# one rule per {plan.unit} (first match wins); edit and run again: qharness calibrate CONFIG --model.recipe {path}",
     ]
     body = {
         "base": base,
-        "description": f"autotuned per-{plan.unit} precision for .pte <= {plan.budget_bytes / 1e6:g} MB (base {Path(base).stem})",
+        "description": f"autotuned per-{plan.unit} precision for {plan.budgets()} (base {Path(base).stem})",
     }
     text = yaml.safe_dump(body, sort_keys=False) + "layers:\n"
     for r in plan.rules:

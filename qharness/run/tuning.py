@@ -75,15 +75,20 @@ def autotune(
     train: Train | None = None,
     on_summary: OnSummary | None = None,
     command: str = "qharness autotune",
+    max_latency_ms: float | None = None,
 ) -> dict:
-    """Per-layer precision under a ``.pte`` size budget (``max_size_mb``): measure (or reuse ``sensitivity``, else the
-    run directory's) the sensitivity table against FP, pick each layer's scheme (exact knapsack), write it as
-    ``autotuned.yaml``, then run it like ``calibrate`` (PTQ) or ``fit`` (QAT: ``train`` trains it) and write
-    ``autotune.json`` (the plan, predicted vs measured size; ``command`` recorded); returns that record."""
+    """Per-layer precision under a ``.pte`` size budget (``max_size_mb``) and/or a decode latency budget
+    (``max_latency_ms``, ms/token): measure (or reuse ``sensitivity``, else the run directory's) the sensitivity
+    table against FP, with a latency budget the latency table too (``run/latency.py``), pick each layer's scheme
+    (exact knapsack), write it as ``autotuned.yaml``, then run it like ``calibrate`` (PTQ) or ``fit`` (QAT: ``train``
+    trains it), time it against the latency budget, and write ``autotune.json`` (the plan, predicted vs measured
+    size and latency; ``command`` recorded); returns that record."""
     from qharness.evaluation import autotune as at
+    from qharness.evaluation.latency import check_latency_budget
     from qharness.evaluation.sensitivity import check_options, scheme_recipe, unit_sizes
 
-    budget = at.check_budget(max_size_mb)
+    budget = at.check_budget(max_size_mb, max_latency_ms)
+    max_latency_ms = check_latency_budget(max_latency_ms)
     names = check_options(model.recipe, candidates, unit, "fp")
     run_dir = Path(settings.run_dir)
     scheme = scheme_recipe(model.recipe, "fp")
@@ -93,7 +98,8 @@ def autotune(
     s = scheme.settings
     sizes = {"units": unit_sizes(fp_model, model.recipe, names, unit)}
     rest = at.rest_bytes(fp_model, sizes, settings.deploy.max_seq_len, s.embedding_bits, s.group_size)
-    at.check_fits(sizes, budget, rest)  # before any measuring: a budget nothing fits fails now
+    if budget is not None:
+        at.check_fits(sizes, budget, rest)  # before any measuring: a budget nothing fits fails now
     path = Path(sensitivity) if sensitivity else run_dir / "sensitivity.json"
     table = reusable_table(path, bool(sensitivity), model, data, unit)
     if table is None:
@@ -101,8 +107,15 @@ def autotune(
     del fp_model
     base = model.hparams.recipe if scheme is model.recipe else scheme.name
     base = str(Path(base).resolve()) if Path(base).suffix in (".yaml", ".yml") else base
+    latency = None
+    if max_latency_ms is not None:
+        from qharness.run.latency import latency_table
+
+        schemes = [at.FP, *(c for c in table["candidates"] if c != at.FP)]
+        latency = latency_table(model, data, settings, table, base, schemes)
+        at.check_fast_enough(table, latency, max_latency_ms)  # before the plan's calibration and export
     plan, summary, correction = run_plans(
-        model, datamodule, settings, table, budget, rest, base, command, train, on_summary
+        model, datamodule, settings, table, budget, rest, base, command, train, on_summary, latency, max_latency_ms
     )
     measured, recipe_path = summary.pte.size_bytes, run_dir / at.RECIPE_FILE
     ppl = summary.metrics["pte"].ppl
@@ -114,20 +127,51 @@ def autotune(
         "measured_size_bytes": measured,
         "measured_ppl_pte": ppl,
         "rest_correction_bytes": correction,
-        "within_budget": measured <= budget,
+        "within_budget": budget is None or measured <= budget,
     }
+    if latency is not None:
+        record.update(timed_against_budget(Path(summary.pte.path), plan, latency, settings, run_dir))
     write_json_atomic(run_dir / at.PLAN_FILE, record)
     print(
         f"[autotune] .pte ppl {ppl:.3f} (predicted {plan.predicted_ppl:.3f}); plan: {run_dir / at.PLAN_FILE}; "
         f"run it again: qharness {'fit' if model.hparams.mode == 'qat' else 'calibrate'} CONFIG --model.recipe {recipe_path}"
     )
-    if measured > budget:
+    if budget is not None and measured > budget:
         raise UserError(
             f"the .pte is {measured:,} bytes, over --max_size_mb {budget / 1e6:g} (predicted {plan.predicted_bytes:,})",
             fix=f"lower --max_size_mb by about {(measured - budget) / 1e6:.3f}, or edit {recipe_path} and run it "
             "with qharness calibrate",
         )
     return record
+
+
+def timed_against_budget(pte: Path, plan, latency: dict, settings: RunSettings, run_dir: Path) -> dict:
+    """The chosen ``.pte`` timed jointly with the latency variants (``run/latency.time_chosen``), printed against the
+    prediction and the budget; the record's ``measured_ms_per_token`` (spread), ``latency_verdict`` and the rest."""
+    from qharness.evaluation.latency import LATENCY_FILE
+    from qharness.run.latency import PROCESSES, time_chosen
+    from qharness.runtime.spread import format_spread
+
+    timed = time_chosen(pte, latency, plan.max_latency_ms, settings.bench)
+    s = timed["measured_ms_per_token"]
+    err = (s["median"] - plan.predicted_ms) / plan.predicted_ms
+    print(
+        f"[autotune] decode latency: predicted {plan.predicted_ms:.4f} ms/token, measured {format_spread(s, '.4f')} "
+        f"(median {err:+.1%} vs predicted; median (min-max) of {PROCESSES} fresh processes, timed jointly with the "
+        f"all-one-scheme programs; CPU share {timed['cpu_share']['median']:.2f}, CPU "
+        f"{timed['cpu_ms_per_token']['median']:.4f} ms/token); budget {plan.max_latency_ms:g}: {timed['verdict']}",
+        flush=True,
+    )
+    return {
+        "latency": str(run_dir / LATENCY_FILE),
+        "measured_ms_per_token": s,
+        "latency_error": err,
+        "latency_verdict": timed["verdict"],
+        "measured_cpu_ms_per_token": timed["cpu_ms_per_token"],
+        "latency_cpu_share": timed["cpu_share"],
+        "latency_variants_now": timed["variants_now"],
+        "latency_load_avg_1m": timed["load_avg_1m"],
+    }
 
 
 def reusable_table(path: Path, given: bool, model: QuantLM, data: HeldOut, unit: str) -> dict | None:
@@ -162,17 +206,20 @@ def run_plans(
     command: str,
     train: Train | None,
     on_summary: OnSummary | None,
+    latency: dict | None = None,
+    max_latency_ms: float | None = None,
 ) -> tuple:
-    """Plan, write ``autotuned.yaml`` and run it; a PTQ ``.pte`` over the budget is planned once more with the rest
-    corrected by the measured error. Returns ``(plan, summary, correction)``."""
+    """Plan (under ``budget`` bytes and/or ``max_latency_ms`` with the ``latency`` table), write ``autotuned.yaml``
+    and run it; a PTQ ``.pte`` over the size budget is planned once more with the rest corrected by the measured
+    error. Returns ``(plan, summary, correction)``."""
     from qharness.evaluation import autotune as at
 
     recipe_path = Path(settings.run_dir) / at.RECIPE_FILE
     correction, plan, summary = 0, None, None
     for attempt in (1, 2):
-        plan = at.choose(table, budget, rest + correction)
+        plan = at.choose(table, budget, rest + correction, latency=latency, max_latency_ms=max_latency_ms)
         at.check_not_all_fp(plan)
-        print(at.format_plan(plan, table), flush=True)
+        print(at.format_plan(plan, table, latency), flush=True)
         at.write_recipe(plan, recipe_path, base, command)
         print(f"[autotune] recipe written: {recipe_path}", flush=True)
         tuned = QuantLM(**{**init_args(model), "recipe": str(recipe_path)})
@@ -184,10 +231,11 @@ def run_plans(
         measured = summary.pte.size_bytes
         print(
             f"[autotune] .pte size: predicted {plan.predicted_bytes:,} bytes, measured {measured:,} "
-            f"({(measured - plan.predicted_bytes) / plan.predicted_bytes:+.2%}); budget {budget:,}",
+            f"({(measured - plan.predicted_bytes) / plan.predicted_bytes:+.2%})"
+            + ("" if budget is None else f"; budget {budget:,}"),
             flush=True,
         )
-        if measured <= budget or attempt == 2 or tuned.hparams.mode == "qat":
+        if budget is None or measured <= budget or attempt == 2 or tuned.hparams.mode == "qat":
             break
         correction = measured - plan.predicted_bytes
         print(f"[autotune] over the budget: planning again with the rest corrected by {correction:+,} bytes")

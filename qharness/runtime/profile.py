@@ -41,13 +41,13 @@ def event_name(name: str) -> str:
     return name[len("native_call_") :] if name.startswith("native_call_") else name
 
 
-def profile_pte(
+def traced_events(
     path: str | Path, vocab_size: int, prompt_len: int = 128, decode_tokens: int = 16, reps: int = 3, seed: int = 0
-) -> dict:
-    """``{"prefill": {name: {"calls", "ms"}}, "decode": {name: {"calls", "ms"}}, "delegated": [names]}`` of one
-    ``.pte`` whose forward is ``(tokens, start) -> logits``: ``reps`` times a prefill and ``decode_tokens`` steps
-    (after a warm-up of one of each); ``calls`` per prefill or decode step, ``ms`` the median over the reps
-    (prefill) or over every decode step."""
+) -> tuple[list[dict], int, int]:
+    """Every traced event of one ``.pte`` whose forward is ``(tokens, start) -> logits``, in the order it ran:
+    ``[{"name", "delegated", "raw": [ms per counted call]}]`` (one entry per operator instance; wrappers and events
+    of loading left out), with ``reps`` prefills and ``decode_tokens`` steps each, after a warm-up of one of each;
+    returns ``(events, reps, calls per rep)`` (call ``r * per_rep`` is a prefill, the others decode steps)."""
     from qharness.runtime.pte import runtime_threads
 
     runtime_threads()  # the same threadpool size as qharness bench's processes
@@ -61,9 +61,7 @@ def profile_pte(
             program.forward((tokens[i : i + 1], torch.tensor([prompt_len + i], dtype=torch.long)))
     skip, per_rep = 2, 1 + decode_tokens  # the warm-up's two calls are not counted
     runs = skip + reps * per_rep
-    totals: dict[str, list[float]] = {}  # per name: ms summed over its instances, one entry per call
-    calls: dict[str, int] = {}
-    delegated: set[str] = set()
+    events = []
     with tempfile.TemporaryDirectory() as d:
         etdump = Path(d) / "profile.etdp"
         program.write_etdump_result_to_file(str(etdump))
@@ -71,13 +69,44 @@ def profile_pte(
             for event in block.events:
                 if event.name in WRAPPERS or event.perf_data is None or len(event.perf_data.raw) != runs:
                     continue  # a wrapper, or an event of loading or another method, not of these calls
-                name = event_name(event.name)
-                if event.is_delegated_op:
-                    delegated.add(name)
-                raw = list(event.perf_data.raw)[skip:]
-                old = totals.setdefault(name, [0.0] * len(raw))
-                totals[name] = [a + b for a, b in zip(old, raw)]
-                calls[name] = calls.get(name, 0) + 1
+                events.append(
+                    {
+                        "name": event.name,
+                        "delegated": bool(event.is_delegated_op),
+                        "raw": list(event.perf_data.raw)[skip:],
+                    }
+                )
+    return events, reps, per_rep
+
+
+def decode_medians(events: list[dict], reps: int, per_rep: int) -> list[float]:
+    """Each event's median ms over the decode steps (every call but each rep's first, the prefill)."""
+    return [
+        statistics.median(e["raw"][r * per_rep + k] for r in range(reps) for k in range(1, per_rep))
+        if per_rep > 1
+        else 0.0
+        for e in events
+    ]
+
+
+def profile_pte(
+    path: str | Path, vocab_size: int, prompt_len: int = 128, decode_tokens: int = 16, reps: int = 3, seed: int = 0
+) -> dict:
+    """``{"prefill": {name: {"calls", "ms"}}, "decode": {name: {"calls", "ms"}}, "delegated": [names]}`` of one
+    ``.pte`` whose forward is ``(tokens, start) -> logits``: ``reps`` times a prefill and ``decode_tokens`` steps
+    (after a warm-up of one of each); ``calls`` per prefill or decode step, ``ms`` the median over the reps
+    (prefill) or over every decode step."""
+    events, reps, per_rep = traced_events(path, vocab_size, prompt_len, decode_tokens, reps, seed)
+    totals: dict[str, list[float]] = {}  # per name: ms summed over its instances, one entry per call
+    calls: dict[str, int] = {}
+    delegated: set[str] = set()
+    for event in events:
+        name = event_name(event["name"])
+        if event["delegated"]:
+            delegated.add(name)
+        old = totals.setdefault(name, [0.0] * len(event["raw"]))
+        totals[name] = [a + b for a, b in zip(old, event["raw"])]
+        calls[name] = calls.get(name, 0) + 1
     prefill, decode = {}, {}
     for name, ms in totals.items():
         prefill[name] = {"calls": calls[name], "ms": statistics.median(ms[r * per_rep] for r in range(reps))}
