@@ -40,6 +40,7 @@ _EXPORTS = {
     "run_job": "qharness.api.jobs",
     "sweep": "qharness.api.jobs",
     "report": "qharness.api.jobs",
+    "ship": "qharness.api.ship",
     "RunSummary": "qharness.run.summary",
     "UserError": "qharness.errors",
     "ParityError": "qharness.errors",
