@@ -44,6 +44,7 @@ def row(run, hi, size, lat=None, passed=True, shift=None, mid=None):
 # --- the decision rule ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_meets_means_the_upper_end_of_the_interval_within_the_tolerance_and_the_budgets():
     goal = Goal(0.02, max_size_mb=2.0)
     assert misses(row("a", 0.019, 1.8), goal) == []
@@ -52,6 +53,7 @@ def test_meets_means_the_upper_end_of_the_interval_within_the_tolerance_and_the_
     assert misses(row("d", 0.0, 1.0, passed=False), goal) == ["its .pte failed the parity gate"]
 
 
+@pytest.mark.fast
 def test_the_smallest_candidate_that_meets_everything_is_chosen():
     rows = [row("int8", 0.001, 2.28), row("w4", 0.011, 1.79), row("w3", 0.04, 1.6)]
     d = decide(rows, Goal(0.02), {"int8": 0, "w4": 1, "w3": 2})
@@ -59,6 +61,7 @@ def test_the_smallest_candidate_that_meets_everything_is_chosen():
     assert "smallest" in d.text
 
 
+@pytest.mark.fast
 def test_a_tie_on_size_goes_to_the_more_accurate_beyond_the_noise_then_the_cheaper_rung():
     # equal sizes: w4_gptq is more accurate beyond the noise (its blocks are lower by a constant)
     rows = [row("w4", 0.012, 1.793), row("w4_gptq", 0.006, 1.793), row("w4_qat", 0.006, 1.795, shift=math.log1p(0.001))]
@@ -74,6 +77,7 @@ def test_a_tie_on_size_goes_to_the_more_accurate_beyond_the_noise_then_the_cheap
     assert decide(same, Goal(0.02), {"w4_gptq": 3, "w4_qat": 1}).chosen["run"] == "w4_qat"
 
 
+@pytest.mark.fast
 def test_impossible_names_the_closest_candidate():
     rows = [row("int8", 0.001, 2.28), row("w4", 0.011, 1.79), row("w3", 0.04, 1.79)]
     d = decide(rows, Goal(0.0, max_size_mb=1.0), {})
@@ -81,6 +85,7 @@ def test_impossible_names_the_closest_candidate():
     assert d.text.startswith("no candidate meets") and "the closest is w4" in d.text
 
 
+@pytest.mark.fast
 def test_prefer_latency_picks_the_fastest():
     rows = [row("int8", 0.001, 2.28, lat=5.0), row("w4", 0.011, 1.79, lat=7.0)]
     assert decide(rows, Goal(0.02, prefer="latency"), {}).chosen["run"] == "int8"
@@ -88,9 +93,7 @@ def test_prefer_latency_picks_the_fastest():
     assert decide(rows, Goal(0.02, max_latency_ms=6.0), {}).chosen["run"] == "int8"
 
 
-@pytest.mark.parametrize(
-    "value,fraction", [("2%", 0.02), ("0%", 0.0), (" 1.5 % ", 0.015), (0.02, 0.02), (0, 0.0)]
-)
+@pytest.mark.parametrize("value,fraction", [("2%", 0.02), ("0%", 0.0), (" 1.5 % ", 0.015), (0.02, 0.02), (0, 0.0)])
 def test_the_tolerance_is_a_percentage_or_a_fraction(value, fraction):
     assert parse_tolerance(value) == pytest.approx(fraction)
 
@@ -101,6 +104,7 @@ def test_a_bad_tolerance_is_refused(value):
         parse_tolerance(value)
 
 
+@pytest.mark.fast
 def test_bad_budgets_and_prefer_are_refused():
     with pytest.raises(UserError, match="--max_size_mb must be a positive number"):
         make_goal("2%", max_size_mb=0)
@@ -203,6 +207,7 @@ def no_bench(monkeypatch):
     monkeypatch.setattr(climb, "_report", lambda *a, **k: None)
 
 
+@pytest.mark.fast
 def test_a_tolerance_4bit_ptq_meets_ends_without_training(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner)
@@ -225,9 +230,21 @@ def test_a_tolerance_4bit_ptq_meets_ends_without_training(tmp_path, no_bench):
     assert written.chosen == rec.chosen and written.outcome == "chosen"
     md = (tmp_path / "ship" / "ship.md").read_text()
     assert "| int4_qat | skipped |" in md and "CHOSEN" in md
+    # chosen.yaml: the candidate's own run config, its recipe the chosen recipe file (the same settings), its output
+    # a fresh directory; the slow test below re-runs one and compares the programs
     chosen = yaml.safe_load((tmp_path / "ship" / "chosen.yaml").read_text())
-    assert chosen["model"]["recipe"] == str(tmp_path / "ship" / "chosen_recipe.yaml")
-    assert (tmp_path / "ship" / "chosen_recipe.yaml").read_text().startswith("# XNNPACK 8da4w with GPTQ")
+    ran = yaml.safe_load((tmp_path / "ship" / "xnnpack_8da4w_gptq-ptq" / "sweep_config.yaml").read_text())
+    assert chosen["model"].pop("recipe") == str(tmp_path / "ship" / "chosen_recipe.yaml")
+    assert chosen["trainer"].pop("default_root_dir") == str(tmp_path / "ship" / "chosen_rerun")
+    ran["model"].pop("recipe"), ran["trainer"].pop("default_root_dir")
+    assert chosen == ran
+    assert (
+        (tmp_path / "ship" / "chosen.yaml").read_text().startswith(f"# qharness calibrate {tmp_path}/ship/chosen.yaml")
+    )
+    from qharness.recipes.registry import load_recipe
+
+    recipe = load_recipe(str(tmp_path / "ship" / "chosen_recipe.yaml"))
+    assert recipe.settings == load_recipe("xnnpack_8da4w_gptq").settings
     assert (tmp_path / "ship" / "chosen.pte").read_bytes() == b"xnnpack_8da4w_gptq-ptq"
 
 
@@ -263,6 +280,7 @@ def test_an_impossible_goal_says_so_with_the_closest_candidate(tmp_path, no_benc
     assert not (tmp_path / "ship" / "chosen.pte").exists()
 
 
+@pytest.mark.fast
 def test_a_killed_ship_continues_from_its_finished_rungs(tmp_path, no_bench):
     path = ship_yaml(tmp_path)
     killed = FakeRunner(kill="xnnpack_8da4w_gptq-ptq")
@@ -302,17 +320,24 @@ def test_the_cli_refuses_bad_input_in_one_line(tmp_path, args, message):
 def test_the_cli_refuses_a_config_a_candidate_precheck_refuses(tmp_path):
     path = ship_yaml(tmp_path)
     spec = yaml.safe_load(path.read_text())
-    spec["config"] = {"model": {"checkpoint": "embedded"}, "data": {"source": "embedded"}, "trainer": {"max_steps": "many"}}
+    spec["config"] = {
+        "model": {"checkpoint": "embedded"},
+        "data": {"source": "embedded"},
+        "trainer": {"max_steps": "many"},
+    }
     path.write_text(yaml.safe_dump(spec))
     r = run_cli("ship", path, "--max_ppl_increase", "2%")
     assert r.returncode == 2, r.stderr
-    assert "candidate xnnpack_fp32-ptq" in r.stderr and "max_steps" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert (
+        "candidate xnnpack_fp32-ptq" in r.stderr and "max_steps" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    )
     assert not (tmp_path / "ship" / "ship.json").exists()
 
 
 # --- a real ship on the tiny model: the chosen config makes the same program ------------------------------------------
 
 
+@pytest.mark.slow
 def test_the_chosen_config_reruns_to_the_same_program(tmp_path, tiny_llama, corpus, monkeypatch):
     """A one-rung ladder (int8 PTQ) on the tiny Llama through the real CLI runs; then ``chosen.yaml`` re-run."""
     from qharness.shipping import ladder

@@ -304,7 +304,8 @@ def ship(
     jobs: int | None = None,
 ) -> None:
     """Which recipe to ship: climb the ladder (int8 PTQ -> 4-bit PTQ -> per-layer mixed -> QAT -> fewer bits) until
-    the smallest (or fastest) candidate meets the tolerance; writes ship.json/.md, chosen.pte and chosen.yaml.
+    the smallest (or fastest) candidate meets the tolerance; writes ship.json/.md, chosen.pte and chosen.yaml. Exits 1
+    when no candidate meets the goal (the record names the closest).
 
     Args:
         config: ship YAML, e.g. configs/ship_xnnpack.yaml.
@@ -335,3 +336,5 @@ def ship(
         f"decision record: {rec.ship_dir}/ship.json and ship.md; this ship {format_seconds(rec.wall_s)}, "
         f"the runs' own time {format_seconds(rec.candidates_wall_s)}"
     )
+    if rec.outcome != "chosen":
+        raise SystemExit(1)  # no candidate meets the goal: a script can tell

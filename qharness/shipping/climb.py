@@ -88,11 +88,15 @@ def reach_of(rung: Rung, rows: dict[str, dict]) -> Reach:
         return Reach(
             min(r["pte_size_mb"] for r in sibs),
             min(lat) if len(lat) == len(sibs) else None,
-            " and ".join(f"its PTQ sibling {r['run']}" for r in sibs),
+            "the same program as its PTQ sibling " + " and ".join(r["run"] for r in sibs),
         )
     if rung.mixes and measured:
         small = min(measured.values(), key=lambda r: r["pte_size_mb"])
-        return Reach(small["pte_size_mb"], None, f"at least the smallest measured candidate {small['run']}")
+        return Reach(
+            small["pte_size_mb"] * rung.mix_floor,
+            None,
+            f"{rung.mix_floor:.3g} x the smallest measured candidate, {small['run']}: its smallest scheme's share",
+        )
     return Reach(None, None, "")
 
 
@@ -113,6 +117,11 @@ def skip_reason(rung: Rung, rows: dict[str, dict], bits: dict[str, int], goal: G
                 f"{', '.join(fitting)} at more bits fit the budgets but miss the tolerance; fewer bits lose more "
                 "accuracy, so the budgets do not demand them"
             )
+    if rung.mixes and ok:
+        return (
+            f"{ok[0]['run']} already meets everything; per-layer mixed precision spends the size budget on accuracy, "
+            "it does not look for a smaller program"
+        )
     why = cannot_win(reach_of(rung, rows), list(rows.values()), goal)
     if why:
         return why

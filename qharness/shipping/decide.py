@@ -44,13 +44,17 @@ class Goal:
         """Whether the decision reads latencies (a latency budget, or the fastest asked for)."""
         return self.max_latency_ms is not None or self.prefer == "latency"
 
-    def text(self) -> str:
+    def requirements(self) -> str:
+        """The tolerance and the budgets, in words."""
         parts = [f"ppl increase vs FP <= {self.tolerance:.2%} (upper end of the paired 95% interval)"]
         if self.max_size_mb is not None:
             parts.append(f".pte <= {self.max_size_mb:g} MB")
         if self.max_latency_ms is not None:
             parts.append(f"decode <= {self.max_latency_ms:g} ms/token")
-        return ", ".join(parts) + f"; prefer the {'smallest' if self.prefer == 'size' else 'fastest'}"
+        return ", ".join(parts)
+
+    def text(self) -> str:
+        return self.requirements() + f"; prefer the {'smallest' if self.prefer == 'size' else 'fastest'}"
 
 
 def misses(row: dict, goal: Goal) -> list[str]:
@@ -129,7 +133,7 @@ def decide(rows: list[dict], goal: Goal, rung_order: dict[str, int]) -> Decision
             None,
             [],
             near,
-            f"no candidate meets {goal.text()}; the closest is {near['run']} ({'; '.join(misses(near, goal))})",
+            f"no candidate meets {goal.requirements()}; the closest is {near['run']} ({'; '.join(misses(near, goal))})",
         )
     if goal.prefer == "latency" and not all(_number(r.get("decode_ms_per_token")) for r in ok):
         ok = [r for r in ok if _number(r.get("decode_ms_per_token"))] or ok
@@ -145,7 +149,7 @@ def decide(rows: list[dict], goal: Goal, rung_order: dict[str, int]) -> Decision
         key=lambda r: (rung_order.get(r["run"], 99), r["ppl_pte_vs_fp_hi"], _primary_value(r, prefer), r["run"]),
     )
     axis = "size" if prefer == "size" else "latency"
-    head = f"{best['run']} meets {goal.text()}"
+    head = f"{best['run']} meets {goal.requirements()}"
     if len(tied) == 1:
         return Decision(best, [], None, f"{head}; it is the {'smallest' if axis == 'size' else 'fastest'} that does")
     others = [r for r in tied if r is not best]
@@ -173,9 +177,14 @@ def cannot_win(reach: Reach, rows: list[dict], goal: Goal) -> str | None:
     """Why a rung whose programs are like ``reach`` cannot change the answer (None: it might): every program it can
     make is over a budget, or no smaller (no faster, ``prefer="latency"``) than a candidate that meets everything."""
     if goal.max_size_mb is not None and reach.size_mb is not None and reach.size_mb > goal.max_size_mb * (1 + 1e-9):
-        return f"its programs are {reach.basis}'s size, {reach.size_mb:.3f} MB, over the {goal.max_size_mb:g} MB budget"
+        return (
+            f"its programs are at least {reach.size_mb:.3f} MB ({reach.basis}), over the {goal.max_size_mb:g} MB budget"
+        )
     if goal.max_latency_ms is not None and reach.latency_ms is not None and reach.latency_ms > goal.max_latency_ms:
-        return f"its programs run at {reach.basis}'s speed, {reach.latency_ms:.3g} ms/token, over the {goal.max_latency_ms:g} ms budget"
+        return (
+            f"its programs run at {reach.latency_ms:.3g} ms/token ({reach.basis}), over the "
+            f"{goal.max_latency_ms:g} ms budget"
+        )
     ok = [r for r in rows if not misses(r, goal)]
     if not ok:
         return None
@@ -184,7 +193,7 @@ def cannot_win(reach: Reach, rows: list[dict], goal: Goal) -> str | None:
         if best["pte_size_mb"] <= reach.size_mb * (1 + SIZE_TIE):
             return (
                 f"{best['run']} already meets everything at {best['pte_size_mb']:.3f} MB; this rung's programs are "
-                f"{reach.basis}'s size ({reach.size_mb:.3f} MB), so none can be smaller beyond a tie"
+                f"at least {reach.size_mb:.3f} MB ({reach.basis}), so none can be smaller beyond a tie"
             )
     if goal.prefer == "latency" and reach.latency_ms is not None:
         timed = [r for r in ok if _number(r.get("decode_ms_per_token"))]
@@ -193,6 +202,6 @@ def cannot_win(reach: Reach, rows: list[dict], goal: Goal) -> str | None:
             if best["decode_ms_per_token"] <= reach.latency_ms:
                 return (
                     f"{best['run']} already meets everything at {best['decode_ms_per_token']:.3g} ms/token; this rung's "
-                    f"programs run at {reach.basis}'s speed, so none can be faster"
+                    f"programs run at {reach.latency_ms:.3g} ms/token ({reach.basis}), so none can be faster"
                 )
     return None

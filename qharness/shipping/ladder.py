@@ -8,8 +8,9 @@ XNNPACK (``LADDERS["xnnpack"]``), in order:
 2. ``int4_ptq``: 4-bit weights, PTQ: rounding to nearest, HQQ scales, GPTQ, rotation + GPTQ (each seconds more than
    nearest; smaller than int8).
 3. ``mixed_ptq``: per-layer mixed precision under the size budget (``qharness autotune``: a per-layer sensitivity
-   table, then PTQ): only with ``--max_size_mb``; its programs mix the uniform ones' layers, so never smaller than
-   the smallest uniform candidate.
+   table, then PTQ): only with ``--max_size_mb`` and while no candidate meets everything (it spends the budget on
+   accuracy, it does not look for a smaller program); its smallest scheme (4-bit per channel) stores 8/9 of 4-bit
+   g32's linear bytes, so a budget below 8/9 of the smallest measured candidate is out of its reach.
 4. ``int4_qat``: 4-bit QAT from GPTQ's weights with learned scales and distillation from the FP model (what paid off
    in the benchmarks, BENCHMARKS 3c/4): training, the costliest so far; the same program size and speed as its PTQ
    sibling (``xnnpack_8da4w_gptq``), only more accurate.
@@ -43,6 +44,7 @@ class Rung:
     needs_size_budget: bool = False
     on_demand: bool = False
     mixes: bool = False
+    mix_floor: float = 1.0
 
 
 def _ptq(*recipes: str) -> tuple[dict, ...]:
@@ -70,6 +72,7 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
             bits=4,
             needs_size_budget=True,
             mixes=True,
+            mix_floor=8 / 9,  # its smallest scheme, 4-bit per channel: 0.5 B/weight against 4-bit g32's 0.5625
         ),
         Rung(
             "int4_qat",
@@ -106,7 +109,12 @@ def _autotune_rung(rung: Rung, max_size_mb: float | None) -> Rung:
     that builds autotune's options from the ship's budgets."""
     if max_size_mb is None:
         return rung
-    return Rung(**{**rung.__dict__, "entries": ({"recipe": "xnnpack_8da4w", "autotune": {"max_size_mb": max_size_mb}, "modes": ["ptq"]},)})
+    return Rung(
+        **{
+            **rung.__dict__,
+            "entries": ({"recipe": "xnnpack_8da4w", "autotune": {"max_size_mb": max_size_mb}, "modes": ["ptq"]},),
+        }
+    )
 
 
 def ladder_for(backend: str, max_size_mb: float | None = None) -> list[Rung]:
