@@ -364,3 +364,31 @@ def test_the_chosen_config_reruns_to_the_same_program(tmp_path, tiny_llama, corp
     assert again["pte"]["size_bytes"] == first["pte"]["size_bytes"]
     assert again["metrics"]["pte"]["ppl"] == pytest.approx(first["metrics"]["pte"]["ppl"], rel=1e-6)
     assert again["pte"]["sha256"] == first["pte"]["sha256"]
+
+
+@pytest.mark.fast
+def test_a_latency_goal_times_the_candidates_after_each_rung_and_picks_the_fastest(tmp_path, monkeypatch):
+    """With ``prefer="latency"`` the candidates are timed jointly after each rung (a stand-in benchmark writes
+    ``bench_joint``); the fastest that meets the tolerance wins, and the QAT rung (as fast as its PTQ sibling, slower
+    than the chosen) is skipped."""
+    from qharness.run.summary import RunSummary
+
+    ms = {"xnnpack_int8_dynamic-ptq": 4.0, "xnnpack_8da4w_gptq-ptq": 6.0}
+    benched = []
+
+    def bench(spec, ship_dir, runs, rows):
+        benched.append(sorted(rows))
+        for name in rows:
+            v = ms.get(name, 7.0)
+            spread = {"median": v, "min": v * 0.99, "max": v * 1.01, "per_process": [v * 0.99, v * 1.01]}
+            RunSummary.update(
+                runs[name].run_dir / "summary.json", bench_joint={"processes": 2, "decode_ms_per_token": spread}
+            )
+
+    monkeypatch.setattr(climb, "_bench", bench)
+    monkeypatch.setattr(climb, "_report", lambda *a, **k: None)
+    rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%", prefer="latency"), runner=FakeRunner())
+    assert rec.chosen == "xnnpack_int8_dynamic-ptq"
+    assert [len(b) for b in benched] == [1, 5]  # after int8_ptq, then after int4_ptq: every candidate so far
+    assert "4 ms/token" in rec.rungs[3].reason and rec.rungs[3].state == "skipped"
+    assert {c.name: c.latency_ms for c in rec.candidates}["xnnpack_int8_dynamic-ptq"] == 4.0
