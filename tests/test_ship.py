@@ -392,3 +392,13 @@ def test_a_latency_goal_times_the_candidates_after_each_rung_and_picks_the_faste
     assert [len(b) for b in benched] == [1, 5]  # after int8_ptq, then after int4_ptq: every candidate so far
     assert "4 ms/token" in rec.rungs[3].reason and rec.rungs[3].state == "skipped"
     assert {c.name: c.latency_ms for c in rec.candidates}["xnnpack_int8_dynamic-ptq"] == 4.0
+
+
+@pytest.mark.fast
+def test_exclude_leaves_recipes_out_of_the_ladder(tmp_path, no_bench):
+    runner = FakeRunner()
+    rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner, exclude=["xnnpack_8da4w_gptq"])
+    assert "xnnpack_8da4w_gptq-ptq" not in [n for _, n in runner.calls] and len(runner.calls) == 5
+    assert rec.chosen == "xnnpack_8da4w_hqq-ptq" and rec.goal["exclude"] == ["xnnpack_8da4w_gptq"]
+    with pytest.raises(UserError, match="--exclude xnnpack_nope: not a recipe of the xnnpack ladder"):
+        climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner, exclude=["xnnpack_nope"])

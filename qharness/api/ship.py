@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from qharness.errors import UserError
 
@@ -24,6 +25,7 @@ def ship(
     max_latency_ms: float | None = None,
     prefer: str = "size",
     jobs: int | None = None,
+    exclude: Sequence[str] = (),
 ):
     """Climb the ship config's ladder (int8 PTQ -> 4-bit PTQ -> per-layer mixed precision -> QAT -> fewer bits) in
     its ``ship_dir``, each candidate a sweep run (finished ones reused), skipping the rungs that cannot change the
@@ -39,6 +41,8 @@ def ship(
         max_latency_ms: decode latency budget (ms/token, the joint benchmark's median), or None.
         prefer: ``"size"`` (the smallest that meets everything) or ``"latency"`` (the fastest).
         jobs: candidates at a time (default: the config's ``jobs``).
+        exclude: recipes of the ladder to leave out (e.g. ``["xnnpack_8da4w_rot_gptq"]`` for a runtime that cannot
+            take a rotation).
 
     Returns:
         The ``ShipRecord`` (``qharness/shipping/record.py``), also written as ``<ship_dir>/ship.json`` and ``ship.md``:
@@ -59,9 +63,11 @@ def ship(
     spec = load_ship(config)
     if jobs is not None:
         check_jobs(jobs, spec["bench_processes"], "--jobs")
-    for run in planned_runs(spec, ladder_for(spec["backend"], goal.max_size_mb)):
+    if isinstance(exclude, str):
+        exclude = [exclude]
+    for run in planned_runs(spec, ladder_for(spec["backend"], goal.max_size_mb, exclude)):
         try:
             check_config(run.config, subcommand=run.subcommand)
         except UserError as e:
             raise UserError(f"ship {config}: candidate {run.name}: {e.what}", fix=e.fix) from e
-    return run_ship(config, goal, jobs=jobs)
+    return run_ship(config, goal, jobs=jobs, exclude=exclude)

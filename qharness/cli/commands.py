@@ -302,6 +302,7 @@ def ship(
     max_latency_ms: float | None = None,
     prefer: str = "size",
     jobs: int | None = None,
+    exclude: list[str] | None = None,
 ) -> None:
     """Which recipe to ship: climb the ladder (int8 PTQ -> 4-bit PTQ -> per-layer mixed -> QAT -> fewer bits) until
     the smallest (or fastest) candidate meets the tolerance; writes ship.json/.md, chosen.pte and chosen.yaml. Exits 1
@@ -315,6 +316,7 @@ def ship(
         max_latency_ms: decode latency budget (ms/token, median of the joint benchmark).
         prefer: size (the smallest candidate that meets everything) or latency (the fastest).
         jobs: candidates at a time (default: the config's jobs).
+        exclude: a recipe of the ladder to leave out, e.g. xnnpack_8da4w_rot_gptq (a runtime without rotations).
     """
     from qharness.api.ship import ship as run_ship
     from qharness.progress import format_seconds
@@ -326,6 +328,7 @@ def ship(
         max_latency_ms=max_latency_ms,
         prefer=prefer,
         jobs=jobs,
+        exclude=exclude or (),
     )
     print()
     print(f"ship: {rec.outcome}: {rec.decision}")

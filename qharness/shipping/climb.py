@@ -6,6 +6,7 @@ config, and the report with every candidate."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -200,15 +201,23 @@ def _stop_reason(rungs: list[RungRecord]) -> str:
     )
 
 
-def run_ship(config: str | Path, goal: Goal, jobs: int | None = None, runner: Runner = run_logged) -> ShipRecord:
-    """Climb the ladder of the ship config for ``goal``; returns the ``ShipRecord`` also written as ship.json/.md."""
+def run_ship(
+    config: str | Path,
+    goal: Goal,
+    jobs: int | None = None,
+    runner: Runner = run_logged,
+    exclude: Sequence[str] = (),
+) -> ShipRecord:
+    """Climb the ladder of the ship config for ``goal`` (without the recipes in ``exclude``); returns the
+    ``ShipRecord`` also written as ship.json/.md."""
     t0 = time.perf_counter()
     spec = load_ship(config)
     ship_dir = Path(spec["ship_dir"])
-    ladder = ladder_for(spec["backend"], goal.max_size_mb)
+    ladder = ladder_for(spec["backend"], goal.max_size_mb, exclude)
     hold_run_lock(ship_dir)
     (ship_dir / RUNG_DIR).mkdir(parents=True, exist_ok=True)
-    rec = ShipRecord(str(config), str(ship_dir), asdict(goal) | {"text": goal.text()}, "running")
+    goal_record = asdict(goal) | {"text": goal.text(), "exclude": list(exclude)}
+    rec = ShipRecord(str(config), str(ship_dir), goal_record, "running")
     runs: dict[str, SweepRun] = {}
     rows: dict[str, dict] = {}
     rung_of: dict[str, str] = {}

@@ -21,6 +21,7 @@ XNNPACK (``LADDERS["xnnpack"]``), in order:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from qharness.errors import UserError
@@ -117,9 +118,10 @@ def _autotune_rung(rung: Rung, max_size_mb: float | None) -> Rung:
     )
 
 
-def ladder_for(backend: str, max_size_mb: float | None = None) -> list[Rung]:
+def ladder_for(backend: str, max_size_mb: float | None = None, exclude: Sequence[str] = ()) -> list[Rung]:
     """The rungs for ``backend`` with their runs (the autotune rung's for ``max_size_mb``); recipes the installed
-    registry lacks or that refuse the rung's mode are left out."""
+    registry lacks, that refuse the rung's mode, or that ``exclude`` names (e.g. a runtime that cannot take a
+    rotation) are left out."""
     from qharness.recipes.registry import load_recipe
 
     if backend not in LADDERS:
@@ -127,11 +129,20 @@ def ladder_for(backend: str, max_size_mb: float | None = None) -> list[Rung]:
             f"qharness ship has no ladder for backend {backend!r}",
             fix=f"ship a {', '.join(LADDERS)} baseline (e.g. baseline: xnnpack_fp32)",
         )
+    named = {e.get("recipe") for rung in LADDERS[backend] for e in rung.entries}
+    unknown = sorted(set(exclude) - named)
+    if unknown:
+        raise UserError(
+            f"--exclude {', '.join(unknown)}: not a recipe of the {backend} ladder",
+            fix=f"exclude some of {', '.join(sorted(n for n in named if n))}",
+        )
     out = []
     for rung in LADDERS[backend]:
         rung = _autotune_rung(rung, max_size_mb) if rung.needs_size_budget else rung
         kept = []
         for entry in rung.entries:
+            if entry.get("recipe") in exclude and "autotune" not in entry:
+                continue
             try:
                 load_recipe(entry.get("recipe", "xnnpack_8da4w")).check_mode(entry["modes"][0])
             except UserError:
