@@ -402,3 +402,13 @@ def test_exclude_leaves_recipes_out_of_the_ladder(tmp_path, no_bench):
     assert rec.chosen == "xnnpack_8da4w_hqq-ptq" and rec.goal["exclude"] == ["xnnpack_8da4w_gptq"]
     with pytest.raises(UserError, match="--exclude xnnpack_nope: not a recipe of the xnnpack ladder"):
         climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner, exclude=["xnnpack_nope"])
+
+
+@pytest.mark.fast
+def test_the_joint_benchmark_is_kept_when_it_timed_exactly_these_candidates(tmp_path):
+    write_json_atomic(tmp_path / "bench_joint.json", {"programs": {"a": {}, "b": {}}})
+    timed = {"a": {"_decode_ms_samples": [1.0]}, "b": {"_decode_ms_samples": [2.0]}}
+    assert climb._timed_together(tmp_path, {"a", "b"}, timed)
+    assert not climb._timed_together(tmp_path, {"a", "b", "c"}, {**timed, "c": {"_decode_ms_samples": [1.0]}})
+    assert not climb._timed_together(tmp_path, {"a", "b"}, {**timed, "b": {"_decode_ms_samples": None}})  # made again
+    assert not climb._timed_together(tmp_path / "none", {"a", "b"}, timed)
