@@ -86,8 +86,9 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
         ),
         Rung(
             "int3_ptq",
-            "3-bit weights, PTQ (nearest, GPTQ, per-row scales): fewer bits, only where the budgets demand them",
-            _ptq("xnnpack_8da3w", "xnnpack_8da3w_gptq", "xnnpack_8da3w_pc"),
+            "3-bit weights, PTQ (GPTQ, which halves nearest rounding's loss at 3 bits (BENCHMARKS 4); per-row scales, "
+            "the smaller program): fewer bits, only where the budgets demand them",
+            _ptq("xnnpack_8da3w_gptq", "xnnpack_8da3w_pc"),
             bits=3,
             on_demand=True,
         ),
