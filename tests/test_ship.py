@@ -412,3 +412,11 @@ def test_the_joint_benchmark_is_kept_when_it_timed_exactly_these_candidates(tmp_
     assert not climb._timed_together(tmp_path, {"a", "b", "c"}, {**timed, "c": {"_decode_ms_samples": [1.0]}})
     assert not climb._timed_together(tmp_path, {"a", "b"}, {**timed, "b": {"_decode_ms_samples": None}})  # made again
     assert not climb._timed_together(tmp_path / "none", {"a", "b"}, timed)
+
+
+def test_ship_help_lists_its_options():
+    """(Its help says "2%": argparse formats help strings with %, which the docstring grammar now escapes.)"""
+    r = run_cli("ship", "--help")
+    assert r.returncode == 0, r.stderr[-2000:]
+    for option in ("--max_ppl_increase", "--max_size_mb", "--max_latency_ms", "--prefer", "--exclude", "e.g. 2%:"):
+        assert option in r.stdout
