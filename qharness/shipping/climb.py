@@ -108,7 +108,7 @@ def skip_reason(rung: Rung, rows: dict[str, dict], bits: dict[str, int], goal: G
         return "per-layer mixed precision fits a .pte size budget; no --max_size_mb given"
     if not rung.entries:
         return "none of its recipes is available for this backend and mode"
-    ok = sorted((r for r in rows.values() if not misses(r, goal)), key=lambda r: r["run"])
+    ok = sorted((r for r in rows.values() if not misses(r, goal)), key=lambda r: (r["pte_size_mb"], r["run"]))
     if rung.on_demand:
         if ok:
             return f"{ok[0]['run']} already meets everything; fewer bits are tried only when the budgets demand them"

@@ -144,21 +144,33 @@ def decide(rows: list[dict], goal: Goal, rung_order: dict[str, int]) -> Decision
     tied = [r for r in ok if r is lead or _primary_tie(lead, r, prefer)]
     # more accurate beyond the noise: drop any tied candidate another tied one beats on the paired interval
     top = [r for r in tied if not any(compare_accuracy(o, r, "ppl_pte", True).sign > 0 for o in tied if o is not r)]
-    best = min(
-        top,
-        key=lambda r: (rung_order.get(r["run"], 99), r["ppl_pte_vs_fp_hi"], _primary_value(r, prefer), r["run"]),
-    )
+    steps = [f"more accurate beyond the noise (ahead of {', '.join(r['run'] for r in tied if r not in top)})"]
+    steps = steps if len(top) < len(tied) else []
+    left = top
+    for label, key in (
+        ("the cheaper rung", lambda r: rung_order.get(r["run"], 99)),
+        ("the smaller upper end of the interval against FP", lambda r: r["ppl_pte_vs_fp_hi"]),
+        (f"the {'smaller .pte' if prefer == 'size' else 'lower median latency'}", lambda r: _primary_value(r, prefer)),
+        ("the name", lambda r: r["run"]),
+    ):
+        if len(left) == 1:
+            break
+        low = min(key(r) for r in left)
+        if any(key(r) != low for r in left):
+            steps.append(label)
+            left = [r for r in left if key(r) == low]
+    best = left[0]
     axis = "size" if prefer == "size" else "latency"
     head = f"{best['run']} meets {goal.requirements()}"
     if len(tied) == 1:
         return Decision(best, [], None, f"{head}; it is the {'smallest' if axis == 'size' else 'fastest'} that does")
     others = [r for r in tied if r is not best]
-    beaten = [r["run"] for r in tied if r not in top]
     how = "within 1% on .pte size" if axis == "size" else "inside the joint benchmark's noise on latency"
     text = (
-        f"{head}; tie on {axis} between {', '.join(r['run'] for r in tied)} ({how}); broken by: "
-        + (f"more accurate beyond the noise (beats {', '.join(beaten)}), then " if beaten else "")
-        + "the cheaper rung, then the smaller upper end of the interval against FP, then the name"
+        f"{head}; a tie on {axis} between {', '.join(r['run'] for r in tied)} ({how}), broken by "
+        + ", then by ".join(steps)
+        + " (the rule: more accurate beyond the noise, the cheaper rung, the smaller upper end against FP, "
+        f"the {'smaller .pte' if prefer == 'size' else 'lower latency'}, the name)"
     )
     return Decision(best, others, None, text)
 
