@@ -405,10 +405,11 @@ def test_exclude_leaves_recipes_out_of_the_ladder(tmp_path, no_bench):
 
 
 @pytest.mark.fast
-def test_the_joint_benchmark_is_kept_when_it_timed_exactly_these_candidates(tmp_path):
+def test_the_joint_benchmark_is_kept_when_it_timed_these_candidates_together(tmp_path):
     write_json_atomic(tmp_path / "bench_joint.json", {"programs": {"a": {}, "b": {}}})
     timed = {"a": {"_decode_ms_samples": [1.0]}, "b": {"_decode_ms_samples": [2.0]}}
     assert climb._timed_together(tmp_path, {"a", "b"}, timed)
+    assert climb._timed_together(tmp_path, {"a"}, timed)  # some of one joint session: still timed together
     assert not climb._timed_together(tmp_path, {"a", "b", "c"}, {**timed, "c": {"_decode_ms_samples": [1.0]}})
     assert not climb._timed_together(tmp_path, {"a", "b"}, {**timed, "b": {"_decode_ms_samples": None}})  # made again
     assert not climb._timed_together(tmp_path / "none", {"a", "b"}, timed)

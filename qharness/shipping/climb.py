@@ -153,7 +153,10 @@ def _bench(spec: dict, ship_dir: Path, runs: dict[str, SweepRun], rows: dict[str
         {"name": n, "run_dir": str(runs[n].run_dir), "state": "done"} for n, r in rows.items() if r.get("parity_passed")
     ]
     if _timed_together(ship_dir, {r["name"] for r in records}, rows):
-        print(f"[ship] the {len(records)} candidates were timed together already (bench_joint.json): kept", flush=True)
+        print(
+            f"[ship] the {len(records)} candidates were timed in one joint benchmark already (bench_joint.json): kept",
+            flush=True,
+        )
         return
     try:
         bench_joint(ship_dir, records, spec["bench_processes"], spec["config"].get("bench") or {})
@@ -162,15 +165,15 @@ def _bench(spec: dict, ship_dir: Path, runs: dict[str, SweepRun], rows: dict[str
 
 
 def _timed_together(ship_dir: Path, names: set[str], rows: dict[str, dict]) -> bool:
-    """Whether the last joint benchmark in ``ship_dir`` timed exactly these candidates and each one's summary still
-    carries its timing (a candidate made again since has a new summary without one)."""
+    """Whether the last joint benchmark in ``ship_dir`` timed these candidates (and maybe more) in one session and each
+    one's summary still carries its timing (a candidate made again since has a new summary without one)."""
     import json
 
     try:
         timed = set(json.loads((ship_dir / "bench_joint.json").read_text())["programs"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return timed == names and all(rows[n].get("_decode_ms_samples") for n in names)
+    return names <= timed and all(rows[n].get("_decode_ms_samples") for n in names)
 
 
 def write_chosen(ship_dir: Path, run: SweepRun, row: dict) -> dict:
