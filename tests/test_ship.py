@@ -421,3 +421,14 @@ def test_ship_help_lists_its_options():
     assert r.returncode == 0, r.stderr[-2000:]
     for option in ("--max_ppl_increase", "--max_size_mb", "--max_latency_ms", "--prefer", "--exclude", "e.g. 2%:"):
         assert option in r.stdout
+
+
+@pytest.mark.fast
+def test_qat_runs_when_only_a_larger_ptq_candidate_meets_the_tolerance(tmp_path, no_bench, monkeypatch):
+    """int8 meets 0.5% but 4-bit PTQ does not: QAT's program (its PTQ sibling's size) would be smaller, so it runs."""
+    monkeypatch.setitem(RESULTS, "xnnpack_8da4w_rot_gptq-ptq", (0.009, 1.789))
+    runner = FakeRunner()
+    rec = climb.run_ship(ship_yaml(tmp_path), make_goal("0.5%"), runner=runner)
+    assert ("fit", "xnnpack_8da4w_lsq_gptq-qat") in runner.calls
+    assert rec.chosen == "xnnpack_8da4w_lsq_gptq-qat"  # 1.793 MB against int8's 2.278
+    assert {r.name: r.state for r in rec.rungs}["mixed_ptq"] == "skipped"  # no size budget

@@ -123,10 +123,11 @@ def skip_reason(rung: Rung, rows: dict[str, dict], bits: dict[str, int], goal: G
             f"{ok[0]['run']} already meets everything; per-layer mixed precision spends the size budget on accuracy, "
             "it does not look for a smaller program"
         )
-    why = cannot_win(reach_of(rung, rows), list(rows.values()), goal)
+    reach = reach_of(rung, rows)
+    why = cannot_win(reach, list(rows.values()), goal)
     if why:
         return why
-    if rung.trains and ok:  # the siblings were not measured: the rule of the issue holds anyway
+    if rung.trains and ok and reach.size_mb is None:  # its PTQ siblings unmeasured: nothing says training could win
         return f"{ok[0]['run']} already meets everything without training"
     return None
 
