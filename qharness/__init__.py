@@ -14,7 +14,8 @@ The Python API (docs/python-api.md): QAT in your own training loop, then a check
 
 PTQ: ``qharness.calibrate(qharness.prepare(m, recipe, mode="ptq", ...), batches)`` then ``export``.
 A whole configured job, as ``qharness calibrate CONFIG`` runs it: ``qharness.run_job("configs/ptq_xnnpack.yaml",
-"calibrate")`` -> the typed ``RunSummary``; ``qharness.sweep(...)``, ``qharness.report(...)``.
+"calibrate")`` -> the typed ``RunSummary``; ``qharness.sweep(...)``, ``qharness.report(...)``; which recipe to ship:
+``qharness.ship("configs/ship_xnnpack.yaml", "2%", max_size_mb=2.0)`` (docs/ship.md).
 ``import qharness`` loads no torch: each name loads its module on first use. The CLI: ``qharness --help``.
 """
 
@@ -40,6 +41,7 @@ _EXPORTS = {
     "run_job": "qharness.api.jobs",
     "sweep": "qharness.api.jobs",
     "report": "qharness.api.jobs",
+    "ship": "qharness.api.ship",
     "RunSummary": "qharness.run.summary",
     "UserError": "qharness.errors",
     "ParityError": "qharness.errors",

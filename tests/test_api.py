@@ -38,7 +38,7 @@ def test_import_qharness_loads_no_torch():
     r = fresh_python("import sys, qharness; print(sorted(qharness.__all__)); print('torch' in sys.modules)")
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == "False", r.stdout
-    for name in ("prepare", "calibrate", "export", "Pte", "evaluate", "list_recipes", "load_recipe"):
+    for name in ("prepare", "calibrate", "export", "Pte", "evaluate", "list_recipes", "load_recipe", "ship"):
         assert f"'{name}'" in r.stdout
 
 

@@ -30,6 +30,7 @@ FLOW = [
     "run",
     "reporting",
     "sweep",
+    "shipping",
     "api",
     "cli",
 ]

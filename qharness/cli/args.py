@@ -68,6 +68,7 @@ def parser_for(fn: Callable, prog: str) -> argparse.ArgumentParser:
     hints = typing.get_type_hints(fn)
     for name, param in inspect.signature(fn).parameters.items():
         t, help_ = _base(hints.get(name, str)), helps.get(name)
+        help_ = help_ and help_.replace("%", "%%")  # argparse formats help with %: a literal one, e.g. "2%"
         required = param.default is inspect.Parameter.empty
         if param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD:
             optional = {} if required else {"nargs": "?", "default": param.default}

@@ -351,3 +351,52 @@ def sweep(config: str, *, force: bool = False, dry_run: bool = False, jobs: int 
         print(f"Pareto plot by .pte size: {rep['paths']['size_png']}")
     if done < len(result["runs"]):
         raise SystemExit(1)
+
+
+def ship(
+    config: str,
+    *,
+    max_ppl_increase: str,
+    max_size_mb: float | None = None,
+    max_latency_ms: float | None = None,
+    prefer: str = "size",
+    jobs: int | None = None,
+    exclude: list[str] | None = None,
+) -> None:
+    """Which recipe to ship: climb the ladder (int8 PTQ -> 4-bit PTQ -> per-layer mixed -> QAT -> fewer bits) until
+    the smallest (or fastest) candidate meets the tolerance; writes ship.json/.md, chosen.pte and chosen.yaml. Exits 1
+    when no candidate meets the goal (the record names the closest).
+
+    Args:
+        config: ship YAML, e.g. configs/ship_xnnpack.yaml.
+        max_ppl_increase: the tolerance, e.g. 2%: the .pte's perplexity against FP, upper end of the paired 95%
+            interval.
+        max_size_mb: .pte size budget (MB).
+        max_latency_ms: decode latency budget (ms/token, median of the joint benchmark).
+        prefer: size (the smallest candidate that meets everything) or latency (the fastest).
+        jobs: candidates at a time (default: the config's jobs).
+        exclude: a recipe of the ladder to leave out, e.g. xnnpack_8da4w_rot_gptq (a runtime without rotations).
+    """
+    from qharness.api.ship import ship as run_ship
+    from qharness.progress import format_seconds
+
+    rec = run_ship(
+        config,
+        max_ppl_increase,
+        max_size_mb=max_size_mb,
+        max_latency_ms=max_latency_ms,
+        prefer=prefer,
+        jobs=jobs,
+        exclude=exclude or (),
+    )
+    print()
+    print(f"ship: {rec.outcome}: {rec.decision}")
+    print(f"stopped: {rec.stop_reason}")
+    if rec.chosen:
+        print(f"ship {rec.chosen_pte} (recipe {rec.chosen_recipe}; re-run: {rec.rerun})")
+    print(
+        f"decision record: {rec.ship_dir}/ship.json and ship.md; this ship {format_seconds(rec.wall_s)}, "
+        f"the runs' own time {format_seconds(rec.candidates_wall_s)}"
+    )
+    if rec.outcome != "chosen":
+        raise SystemExit(1)  # no candidate meets the goal: a script can tell

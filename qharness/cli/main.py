@@ -15,6 +15,7 @@
     qharness profile --pte a/model.pte [--pte b/model.pte]   # where the time goes, operator by operator (ETDump)
     qharness report runs/ [--max_latency_ms 2]      # accuracy vs latency table + Pareto plot of every run
     qharness sweep configs/sweep_xnnpack.yaml       # FP baseline + recipes x modes, then the report
+    qharness ship configs/ship_xnnpack.yaml --max_ppl_increase 2% [--max_size_mb 2]   # which recipe to ship
 
 Heavy libraries (lightning, executorch, torchao) are imported only by the subcommands that use them,
 so ``qharness --help`` answers at once.
@@ -42,15 +43,16 @@ SUBCOMMANDS = {
     "profile": "where a .pte's prefill and decode time goes, operator by operator (ExecuTorch ETDump), side by side",
     "report": "accuracy vs latency of every run under a directory: table, Pareto plot, best under a budget",
     "sweep": "run the FP baseline and recipes x modes (PTQ, QAT) from one sweep config, then the report",
+    "ship": "which recipe to ship: climb int8 PTQ -> 4-bit PTQ -> mixed -> QAT until a candidate meets the tolerance",
 }
 
 # Run-config subcommands go through LightningCLI (api/jobs.run_argv, api/lightning_cli.py); the plain ones are the
 # functions of cli/commands.py.
 LIGHTNING = ("fit", "calibrate", "validate", "test", "export", "evaluate", "sensitivity", "autotune")
-PLAIN = ("recipes", "generate", "bench", "profile", "report", "sweep")
+PLAIN = ("recipes", "generate", "bench", "profile", "report", "sweep", "ship")
 
 # The option that places a plain subcommand's output (run configs: trainer.default_root_dir)
-OUTPUT_FIELD = {"sweep": "sweep_dir", "report": "--out", "bench": "--out"}
+OUTPUT_FIELD = {"sweep": "sweep_dir", "ship": "ship_dir", "report": "--out", "bench": "--out"}
 
 USAGE = "usage: qharness {" + ",".join(SUBCOMMANDS) + "} [CONFIG.yaml] [--field value ...] [--verbose]\n"
 

@@ -124,9 +124,10 @@ def run_sweep(
     runner: Runner = run_logged,
     report: bool = True,
     jobs: int | None = None,
+    joint: bool = True,
 ) -> dict:
-    """Run every run of the sweep not yet done (all with ``force``), record each, then write the report. ``jobs``:
-    runs at a time (default: the config's ``jobs``, else 1).
+    """Run every run of the sweep not yet done (all with ``force``), record each, then (``joint``) the joint
+    benchmark and (``report``) the report. ``jobs``: runs at a time (default: the config's ``jobs``, else 1).
 
     Returns ``{"runs": [record, ...], "report": write_report's result or None, "wall_s": ...}``.
     """
@@ -170,20 +171,21 @@ def run_sweep(
     else:
         in_parallel(runs, pending, jobs, execute)
     write_json_atomic(sweep_dir / "sweep.json", {"config": str(config_path), "runs": records})
-    result = finish(spec, sweep_dir, records, report)
+    result = finish(spec, sweep_dir, records, report, joint)
     result["wall_s"] = time.perf_counter() - t0
     return result
 
 
-def finish(spec: dict, sweep_dir: Path, records: list[dict], report: bool) -> dict:
-    """After the runs: the joint benchmark, then (``report``) the report, each a printed line when it cannot be
-    made (the runs and their own benchmarks stand). Returns ``{"runs", "report", "bench_joint"}``."""
+def finish(spec: dict, sweep_dir: Path, records: list[dict], report: bool, joint: bool = True) -> dict:
+    """After the runs: (``joint``) the joint benchmark, then (``report``) the report, each a printed line when it
+    cannot be made (the runs and their own benchmarks stand). Returns ``{"runs", "report", "bench_joint"}``."""
     rep = spec["report"]
     result = {"runs": records, "report": None, "bench_joint": None}
     try:
-        result["bench_joint"] = bench_joint(
-            sweep_dir, records, rep.get("bench_processes", 5), mapping(spec["config"].get("bench"), "config.bench")
-        )
+        if joint:
+            result["bench_joint"] = bench_joint(
+                sweep_dir, records, rep.get("bench_processes", 5), mapping(spec["config"].get("bench"), "config.bench")
+            )
     except (UserError, RuntimeError) as e:  # the runs and their own benchmarks stand; the report still follows
         print(f"[sweep] no joint benchmark: {e}", flush=True)
     if not report:
