@@ -170,7 +170,26 @@ def test_a_sweep_entry_names_an_autotune_budget(tmp_path):
     assert runs[1].subcommand == "calibrate"
     spec["runs"][1]["autotune"] = {"max_size_mb": -1}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
-    with pytest.raises(UserError, match=r"runs\[1\]\.autotune\.max_size_mb: --max_size_mb must be a positive"):
+    with pytest.raises(UserError, match=r"runs\[1\]\.autotune: --max_size_mb must be a positive"):
+        load_sweep(tmp_path / "s.yaml")
+
+
+@pytest.mark.fast
+def test_a_sweep_entry_names_a_latency_budget(tmp_path):
+    """An autotune entry takes autotune's --max_latency_ms too (alone or with the size budget): what `qharness ship`
+    passes its latency budget through."""
+    spec = {"sweep_dir": str(tmp_path / "sweep"), "runs": [{"recipe": "xnnpack_8da4w", "modes": ["ptq"]}]}
+    for budgets, name in (
+        ({"max_latency_ms": 0.6}, "autotune_0.6ms-ptq"),
+        ({"max_size_mb": 1.6, "max_latency_ms": 0.6}, "autotune_1.6mb_0.6ms-ptq"),
+    ):
+        spec["runs"][1:] = [{"autotune": budgets, "modes": ["ptq"]}]
+        (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+        tuned = plan(load_sweep(tmp_path / "s.yaml"))[-1]
+        assert tuned.name == name and tuned.config["max_latency_ms"] == 0.6
+    spec["runs"][1]["autotune"] = {"max_latency_ms": 0}
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(UserError, match=r"runs\[1\]\.autotune: .*max_latency_ms"):
         load_sweep(tmp_path / "s.yaml")
 
 

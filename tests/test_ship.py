@@ -432,3 +432,16 @@ def test_qat_runs_when_only_a_larger_ptq_candidate_meets_the_tolerance(tmp_path,
     assert ("fit", "xnnpack_8da4w_lsq_gptq-qat") in runner.calls
     assert rec.chosen == "xnnpack_8da4w_lsq_gptq-qat"  # 1.793 MB against int8's 2.278
     assert {r.name: r.state for r in rec.rungs}["mixed_ptq"] == "skipped"  # no size budget
+
+
+def test_the_latency_budget_reaches_the_autotune_rung():
+    """With a size budget, the mixed-precision rung's autotune entry carries the ship's latency budget too (autotune
+    then measures its per-layer latency table); without a latency budget it has the size budget alone."""
+    from qharness.shipping.ladder import ladder_for
+
+    def tuned(rungs):
+        return [e["autotune"] for r in rungs for e in r.entries if "autotune" in e]
+
+    assert tuned(ladder_for("xnnpack", 2.0, (), 0.6)) == [{"max_size_mb": 2.0, "max_latency_ms": 0.6}]
+    assert tuned(ladder_for("xnnpack", 2.0)) == [{"max_size_mb": 2.0}]
+    assert tuned(ladder_for("xnnpack", None, (), 0.6)) == []  # autotune's rung needs the size budget

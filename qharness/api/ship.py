@@ -65,7 +65,7 @@ def ship(
         check_jobs(jobs, spec["bench_processes"], "--jobs")
     if isinstance(exclude, str):
         exclude = [exclude]
-    for run in planned_runs(spec, ladder_for(spec["backend"], goal.max_size_mb, exclude)):
+    for run in planned_runs(spec, ladder_for(spec["backend"], goal.max_size_mb, exclude, goal.max_latency_ms)):
         try:
             check_config(run.config, subcommand=run.subcommand)
         except UserError as e:

@@ -232,7 +232,7 @@ def run_ship(
     t0 = time.perf_counter()
     spec = load_ship(config)
     ship_dir = Path(spec["ship_dir"])
-    ladder = ladder_for(spec["backend"], goal.max_size_mb, exclude)
+    ladder = ladder_for(spec["backend"], goal.max_size_mb, exclude, goal.max_latency_ms)
     hold_run_lock(ship_dir)
     (ship_dir / RUNG_DIR).mkdir(parents=True, exist_ok=True)
     goal_record = asdict(goal) | {"text": goal.text(), "exclude": list(exclude)}

@@ -106,21 +106,20 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
 }
 
 
-def _autotune_rung(rung: Rung, max_size_mb: float | None) -> Rung:
-    """The mixed-precision rung with its autotune entry for the size budget (none without a budget). The one place
-    that builds autotune's options from the ship's budgets."""
+def _autotune_rung(rung: Rung, max_size_mb: float | None, max_latency_ms: float | None = None) -> Rung:
+    """The mixed-precision rung with its autotune entry for the size budget, and the latency budget when one is
+    given (autotune's ``--max_latency_ms``: it then measures its per-layer latency table); no entry without a size
+    budget. The one place that builds autotune's options from the ship's budgets."""
     if max_size_mb is None:
         return rung
-    return Rung(
-        **{
-            **rung.__dict__,
-            "entries": ({"recipe": "xnnpack_8da4w", "autotune": {"max_size_mb": max_size_mb}, "modes": ["ptq"]},),
-        }
-    )
+    budgets = {"max_size_mb": max_size_mb, **({"max_latency_ms": max_latency_ms} if max_latency_ms else {})}
+    return Rung(**{**rung.__dict__, "entries": ({"recipe": "xnnpack_8da4w", "autotune": budgets, "modes": ["ptq"]},)})
 
 
-def ladder_for(backend: str, max_size_mb: float | None = None, exclude: Sequence[str] = ()) -> list[Rung]:
-    """The rungs for ``backend`` with their runs (the autotune rung's for ``max_size_mb``); recipes the installed
+def ladder_for(
+    backend: str, max_size_mb: float | None = None, exclude: Sequence[str] = (), max_latency_ms: float | None = None
+) -> list[Rung]:
+    """The rungs for ``backend`` with their runs (the autotune rung's for ``max_size_mb`` and ``max_latency_ms``); recipes the installed
     registry lacks, that refuse the rung's mode, or that ``exclude`` names (e.g. a runtime that cannot take a
     rotation) are left out."""
     from qharness.recipes.registry import load_recipe
@@ -139,7 +138,7 @@ def ladder_for(backend: str, max_size_mb: float | None = None, exclude: Sequence
         )
     out = []
     for rung in LADDERS[backend]:
-        rung = _autotune_rung(rung, max_size_mb) if rung.needs_size_budget else rung
+        rung = _autotune_rung(rung, max_size_mb, max_latency_ms) if rung.needs_size_budget else rung
         kept = []
         for entry in rung.entries:
             if entry.get("recipe") in exclude and "autotune" not in entry:

@@ -78,7 +78,7 @@ def plan(spec: dict) -> list[SweepRun]:
                 raise UserError(f"sweep run {entry['recipe']}: unknown mode {mode!r}", fix="use ptq or qat")
             recipe.check_mode(mode)
             tune = entry.get("autotune")
-            default_name = f"autotune_{tune['max_size_mb']:g}mb" if tune else Path(entry["recipe"]).stem
+            default_name = autotune_name(tune) if tune else Path(entry["recipe"]).stem
             name = check_name(
                 f"{entry.get('name') or default_name}-{mode}", f"sweep run {entry['recipe']}: run name", "int8_distill"
             )
@@ -95,6 +95,13 @@ def plan(spec: dict) -> list[SweepRun]:
             runs.append(SweepRun(name, entry["recipe"], mode, config, sweep_dir / name, autotune=bool(tune)))
     check_report_metric(spec["report"].get("metric", "ppl"), runs)
     return runs
+
+
+def autotune_name(tune: dict) -> str:
+    """An autotune entry's default run name from its budgets: ``autotune_1.6mb``, ``autotune_0.6ms``,
+    ``autotune_1.6mb_0.6ms``."""
+    parts = [f"{tune[k]:g}{unit}" for k, unit in (("max_size_mb", "mb"), ("max_latency_ms", "ms")) if tune.get(k)]
+    return "_".join(["autotune", *parts])
 
 
 def _baseline_again(name: str, entry: dict, runs: list[SweepRun]) -> bool:

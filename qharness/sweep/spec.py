@@ -10,7 +10,7 @@ from qharness.io.yaml_reader import read_yaml
 
 TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report", "jobs"}
 RUN_KEYS = {"recipe", "modes", "mode", "config", "name", "autotune"}
-AUTOTUNE_KEYS = {"max_size_mb", "candidates", "unit", "sensitivity"}  # qharness autotune's options
+AUTOTUNE_KEYS = {"max_size_mb", "max_latency_ms", "candidates", "unit", "sensitivity"}  # qharness autotune's options
 REPORT_KEYS = {"metric", "max_latency_ms", "max_size_mb", "wandb", "bench_processes"}
 
 
@@ -115,6 +115,8 @@ def _check_autotune(value, where: str) -> None:
     if unknown:
         raise UserError(f"{where}: unknown keys {unknown}", fix=f"use {', '.join(sorted(AUTOTUNE_KEYS))}")
     try:
-        check_budget(value.get("max_size_mb"))
+        check_budget(value.get("max_size_mb"), value.get("max_latency_ms"))
     except UserError as e:
-        raise UserError(f"{where}.max_size_mb: {e.what}", fix="e.g. autotune: {max_size_mb: 1.6}") from None
+        raise UserError(
+            f"{where}: {e.what}", fix="e.g. autotune: {max_size_mb: 1.6} (and/or max_latency_ms: 0.6)"
+        ) from None
