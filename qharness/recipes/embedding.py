@@ -77,16 +77,14 @@ class EmbeddingQuant:
 
 def embedding_quant(where: str, bits: int | None, group_size: int | None) -> EmbeddingQuant | None:
     """The checked settings (``UserError`` naming ``where`` and the field otherwise), None for float embeddings."""
-    if bits is None:
-        return None
-    if bits not in EMBEDDING_BITS:
+    if bits is not None and bits not in EMBEDDING_BITS:
         raise UserError(f"{where}: embedding_bits={bits} is not supported", fix="use null (FP embeddings), 4 or 8")
     if group_size is not None and (group_size < 2 or group_size & (group_size - 1)):
         raise UserError(
             f"{where}: embedding_group_size={group_size} must be a power of two >= 2",
             fix="use 32 (or 64, 128, ...), or null for one scale per row",
         )
-    return EmbeddingQuant(bits, group_size)
+    return None if bits is None else EmbeddingQuant(bits, group_size)
 
 
 def check_fields(where: str, bits: int | None, group_size: int | None) -> None:
