@@ -186,3 +186,21 @@ def test_calibrate_records_the_quantized_table_and_passes_parity(tmp_path, tiny_
     tables = summary["coverage"]["embeddings"]
     assert list(tables) == ["model.embed_tokens"]
     assert (tables["model.embed_tokens"]["bits"], tables["model.embed_tokens"]["group_size"]) == (8, None)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("recipe_name", ["xnnpack_int4w_dynamic", "xnnpack_8da4w"])
+def test_a_table_the_group_cannot_split_is_refused_before_any_work(recipe_name):
+    """A 48-wide table with the default groups of 32: one line naming the table and the fix, before export (a table
+    the recipe means to quantize must not stay float unnoticed)."""
+    from qharness.recipes.registry import load_recipe
+    from qharness.sources.embedded import EmbeddedSpec, new_llama
+    from qharness.training.prepare import prepare_for_training
+
+    spec = EmbeddedSpec(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(
+        UserError,
+        match="embedding_group_size=32 does not divide the 48-wide rows of the embedding "
+        "table model.embed_tokens. fix: set the recipe's embedding_group_size",
+    ):
+        prepare_for_training(new_llama(spec, 128), load_recipe(recipe_name), 2, 8, is_qat=False)

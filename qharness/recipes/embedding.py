@@ -56,6 +56,20 @@ class EmbeddingQuant:
             self.group_size is None or module.embedding_dim % self.group_size == 0
         )
 
+    def check(self, model) -> None:
+        """``UserError`` when an embedding table of ``model`` cannot take this quantization (its rows do not split into
+        whole groups): a table the recipe means to quantize must not stay float unnoticed."""
+        import torch
+
+        for name, m in model.named_modules():
+            if isinstance(m, torch.nn.Embedding) and not self.takes(m):
+                raise UserError(
+                    f"embedding_group_size={self.group_size} does not divide the {m.embedding_dim}-wide rows of the "
+                    f"embedding table {name}",
+                    fix="set the recipe's embedding_group_size to a power of two that divides it, null (one scale per "
+                    "row), or embedding_bits: null (float embeddings)",
+                )
+
     @property
     def what(self) -> str:
         return "nn.Embedding tables" + ("" if self.group_size is None else f" whose rows {self.group_size} divides")
@@ -96,7 +110,14 @@ def source_config(quant: EmbeddingQuant):
     """The ``SourceConfig`` step of a torchao recipe that quantizes the embedding tables (``recipes/registration.py``)."""
     from qharness.recipes.registration import SourceConfig
 
-    return SourceConfig(quant.torchao_config(), lambda m, fqn: quant.takes(m), quant.what, scheme=quant.scheme)
+    return SourceConfig(
+        quant.torchao_config(),
+        lambda m, fqn: quant.takes(m),
+        quant.what,
+        scheme=quant.scheme,
+        required=False,  # a model without embedding tables has none to quantize
+        check_model=quant.check,
+    )
 
 
 def quantizer(quant: EmbeddingQuant):
