@@ -30,6 +30,9 @@ class FloatWeight:
     bytes: int
 
 
+KEEP_NONE = {"keep_none": True}  # written as null in summary.json (``run/summary.py``): float, per row, untied
+
+
 @dataclass(frozen=True)
 class EmbeddingTable:
     """An embedding table as the program stores it: ``bits`` (None: float) and ``group_size`` (None: one scale per
@@ -37,11 +40,11 @@ class EmbeddingTable:
     output head shares (``tied_to``), ``shared`` says whether one table serves both, and ``note`` why not and what
     the second copy costs."""
 
-    bits: int | None
-    group_size: int | None
+    bits: int | None = field(metadata=KEEP_NONE)
+    group_size: int | None = field(metadata=KEEP_NONE)
     bytes: int
     stored_bytes: int
-    tied_to: str | None = None
+    tied_to: str | None = field(default=None, metadata=KEEP_NONE)
     shared: bool = False
     note: str | None = None
 
