@@ -97,7 +97,7 @@ def test_qat_trains_the_deployed_table_fake_quantized_and_gradients_reach_it(rec
     import torch
 
     from qharness.recipes.registry import load_recipe
-    from qharness.training.prepare import prepare_for_training
+    from qharness.training.prepare import prepare_for_training, set_fake_quant
 
     recipe = load_recipe(recipe_name)
     model = _tiny(tied=False)  # the table's gradient then comes from its lookups alone
@@ -125,6 +125,12 @@ def test_qat_trains_the_deployed_table_fake_quantized_and_gradients_reach_it(rec
         hook.remove()
         trained = model.get_input_embeddings().weight
     assert torch.equal(looked_up["out"], torch.nn.functional.embedding(x, expected_table))
+    if recipe.kind == "pt2e":  # fake quantization off (fake_quant_after_n_steps): the FP table's lookup
+        set_fake_quant(prepared, False)
+        with torch.no_grad():
+            Recorder(prepared).run(x)
+        assert torch.equal(looked_up["out"], torch.nn.functional.embedding(x, table.detach()))
+        set_fake_quant(prepared, True)
     assert trained.grad is None
     logits.float().logsumexp(-1).mean().backward()
     grad = trained.grad

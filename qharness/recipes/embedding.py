@@ -131,13 +131,26 @@ def quantizer(quant: EmbeddingQuant):
 def prepare_exportable_qat(model, quant: EmbeddingQuant) -> dict[str, str]:
     """QAT for a PT2E recipe's embeddings: torchao's fake-quantized embedding (the deploy config's fake quantizer),
     made to pass gradients through ``torch.export`` (``ExportableFakeQuantizedEmbedding``); returns the assignment."""
+    import torch
     from torchao.quantization.qat.embedding import FakeQuantizedEmbedding
 
     layers = quantizer(quant).prepare_qat(model)
     for m in model.modules():
         if type(m) is FakeQuantizedEmbedding:
             m.__class__ = _exportable_class()
+            m.register_buffer(SWITCH, torch.ones(1, dtype=torch.uint8, device=m.weight.device))
     return layers
+
+
+SWITCH = "table_fake_quant_on"  # the buffer of an exportable fake-quantized table: 1 fake-quantizes, 0 passes FP
+
+
+def set_fake_quant(graph, enabled: bool) -> None:
+    """Turn the fake quantization of the exportable tables (``prepare_exportable_qat``) in ``graph`` on or off (their
+    switch buffers: the exported graph reads them, so this works after export)."""
+    for name, buf in graph.named_buffers():
+        if name.rsplit(".", 1)[-1] == SWITCH:
+            buf.fill_(1 if enabled else 0)
 
 
 _EXPORTABLE = None
@@ -159,7 +172,7 @@ def _exportable_class():
             """torchao's fake-quantized embedding, trainable through ``torch.export`` (see ``_exportable_class``)."""
 
             def forward(self, x: torch.Tensor) -> torch.Tensor:
-                w = straight_through.apply(self.weight, self.weight_fake_quantizer(self.weight))
+                w = straight_through.apply(self.weight, self.weight_fake_quantizer(self.weight), getattr(self, SWITCH))
                 return F.embedding(x, w, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq)
 
         _EXPORTABLE = ExportableFakeQuantizedEmbedding

@@ -77,7 +77,9 @@ class SourceConfig:
     scheme: str = "quantized"
     required: bool = True
     gptq: bool = False
-    check_model: Callable[[Any], None] | None = None  # more checks of the model (a ``UserError`` when it cannot take it)
+    check_model: Callable[[Any], None] | None = (
+        None  # more checks of the model (a ``UserError`` when it cannot take it)
+    )
 
     @property
     def scales_given(self) -> bool:

@@ -133,7 +133,10 @@ def set_fake_quant(graph: torch.nn.Module, enabled: bool) -> None:
 
         set_fake_quant(prepared, False)   # prepared(x) == the exported FP graph's output
     """
+    from qharness.recipes import embedding
+
     pt2e = imports.pt2e()
     for m in graph.modules():
         if isinstance(m, pt2e.FakeQuantizeBase):
             (m.enable_fake_quant if enabled else m.disable_fake_quant)()
+    embedding.set_fake_quant(graph, enabled)  # a PT2E recipe's quantized embedding tables
