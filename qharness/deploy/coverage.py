@@ -336,7 +336,7 @@ def check_embeddings(coverage: Coverage, recipe, model) -> None:
 
 def format_coverage(coverage: Coverage | None) -> str | None:
     """One line for the run's table: ``quantized: 96.9% of linear weight bytes (13 of 14 weights; float: lm_head
-    (recipe rule))``; None without a record (summaries written before coverage was measured)."""
+    (recipe rule)); embeddings: model.embed_tokens 4-bit (groups of 32), a copy apart from the tied lm_head``; None without a record (summaries written before coverage was measured)."""
     if not coverage:
         return None
     line = (
@@ -348,12 +348,11 @@ def format_coverage(coverage: Coverage | None) -> str | None:
         names = ", ".join(list(floats)[:3]) + (f", ... ({len(floats)} in all)" if len(floats) > 3 else "")
         line += f"; float: {names} ({'; '.join(whys)})"
     line += ")"
-    tables = getattr(coverage, "embeddings", None) or {}
-    if tables:
+    tables = {n: t for n, t in (getattr(coverage, "embeddings", None) or {}).items() if t.bits is not None}
+    if tables:  # the quantized ones (float tables are the default, as before embeddings were recorded)
         line += "; embeddings: " + ", ".join(
-            f"{n} {'fp32' if t.bits is None else f'{t.bits}-bit'}"
-            + ("" if t.bits is None else f" ({'per row' if t.group_size is None else f'groups of {t.group_size}'})")
-            + (f", a copy apart from the tied {t.tied_to}" if t.tied_to and t.bits is not None and not t.shared else "")
+            f"{n} {t.bits}-bit ({'per row' if t.group_size is None else f'groups of {t.group_size}'})"
+            + (f", a copy apart from the tied {t.tied_to}" if t.tied_to and not t.shared else "")
             for n, t in tables.items()
         )
     return line
