@@ -210,3 +210,29 @@ def test_a_table_the_group_cannot_split_is_refused_before_any_work(recipe_name):
         "table model.embed_tokens. fix: set the recipe's embedding_group_size",
     ):
         prepare_for_training(new_llama(spec, 128), load_recipe(recipe_name), 2, 8, is_qat=False)
+
+
+@pytest.mark.fast
+def test_the_summary_keeps_the_tables_and_the_run_table_names_the_quantized_ones():
+    from qharness.deploy.coverage import format_coverage
+    from qharness.deploy.coverage_record import Coverage, EmbeddingTable
+    from qharness.run.summary import RunSummary
+
+    table = EmbeddingTable(
+        bits=4, group_size=32, bytes=32768, stored_bytes=5120, tied_to="lm_head", note="stored twice"
+    )
+    cov = Coverage(
+        weights=8, bytes=1, quantized=8, quantized_bytes=1, fraction=1.0, embeddings={"model.embed_tokens": table}
+    )
+    line = format_coverage(cov)
+    assert line.endswith("; embeddings: model.embed_tokens 4-bit (groups of 32), a copy apart from the tied lm_head")
+    fp = EmbeddingTable(bits=None, group_size=None, bytes=32768, stored_bytes=32768)
+    assert "embeddings" not in format_coverage(Coverage(8, 1, 8, 1, 1.0, embeddings={"model.embed_tokens": fp}))
+    ids = dict(
+        run_dir="r", model="m", recipe="x", backend="xnnpack", mode="ptq", quantized=True, seq_len=8, eval_blocks=1
+    )
+    data = RunSummary(**ids, coverage=cov).to_dict()
+    assert data["coverage"]["embeddings"]["model.embed_tokens"]["group_size"] == 32
+    assert RunSummary.from_dict(data).coverage == cov
+    fp_cov = Coverage(8, 1, 8, 1, 1.0, embeddings={"e": fp})  # null bits and group size survive the round trip
+    assert RunSummary.from_dict(RunSummary(**ids, coverage=fp_cov).to_dict()).coverage.embeddings["e"] == fp
