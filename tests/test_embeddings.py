@@ -53,6 +53,10 @@ def test_builtin_4bit_recipes_quantize_embeddings_by_default_and_null_keeps_them
         tmp_path, "base: xnnpack_int4w_dynamic\nquantizer: {embedding_bits: 8, embedding_group_size: null}\n"
     )
     assert per_row.embedding == EmbeddingQuant(8, None) and per_row.embedding.scheme == "w8-pc"
+    # the schemes summary.json's layers name, read back for a layers: rule's table (coverage)
+    assert EmbeddingQuant.from_scheme("w4-g32") == EmbeddingQuant(4, 32)
+    assert EmbeddingQuant.from_scheme("w8-pc") == EmbeddingQuant(8, None)
+    assert EmbeddingQuant.from_scheme("8da4w-g32") is None and EmbeddingQuant.from_scheme("fp") is None
 
 
 def test_the_recipe_table_shows_each_recipes_embedding():

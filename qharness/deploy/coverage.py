@@ -202,14 +202,16 @@ def weight_uses(graph: torch.fx.GraphModule, layers: Inventory) -> dict[str, tup
     return uses
 
 
-def embedding_tables(graph: torch.fx.GraphModule, layers: Inventory, recipe) -> dict[str, EmbeddingTable]:
+def embedding_tables(
+    graph: torch.fx.GraphModule, layers: Inventory, recipe, assignment: dict | None = None
+) -> dict[str, EmbeddingTable]:
     """The embedding tables ``graph`` looks up (``aten.embedding``), each as the program stores it: quantized (read
-    through a dequantize op, at the recipe's ``embedding_bits``) or float, and for a tied table the cost of its
-    second copy (``recipes/embedding.py``: the pip runtime has no shared-table kernel)."""
-    from qharness.recipes.embedding import SHARED_TABLE_MISSING
+    through a dequantize op, at the recipe's ``embedding_bits``, or its ``layers:`` rule's from ``assignment``) or
+    float, and for a tied table the cost of its second copy (``recipes/embedding.py``: the pip runtime has no
+    shared-table kernel)."""
+    from qharness.recipes.embedding import SHARED_TABLE_MISSING, EmbeddingQuant
 
     params = {n for n, p in graph.named_parameters(remove_duplicate=False) if p.is_floating_point() and p.dim() >= 2}
-    quant = recipe.embedding
     tables: dict[str, EmbeddingTable] = {}
     for node in graph.graph.nodes:
         if _op(node) != "embedding" or not node.args or not isinstance(node.args[0], torch.fx.Node):
@@ -222,6 +224,8 @@ def embedding_tables(graph: torch.fx.GraphModule, layers: Inventory, recipe) -> 
             continue
         rows, width = layers.embeddings[name]
         size = rows * width * 4
+        scheme = (assignment or {}).get(name)
+        quant = EmbeddingQuant.from_scheme(scheme) if scheme else recipe.embedding
         quantized = status == "quantized" and quant is not None
         stored = quant.stored_bytes(rows, width) if quantized else size
         head = layers.tied.get(name)
@@ -293,7 +297,7 @@ def measure(graph: torch.fx.GraphModule, layers: Inventory, recipe, quantizer, a
         rules=[RuleCoverage(**r) for r in sorted(rules.values(), key=lambda r: (r["rule"] != DEFAULT_RULE, r["rule"]))],
         float=floats,
         unused=sorted(unused),
-        embeddings=embedding_tables(graph, layers, recipe),
+        embeddings=embedding_tables(graph, layers, recipe, assignment),
     )
 
 

@@ -48,6 +48,14 @@ class EmbeddingQuant:
         """``w4-g32``, ``w8-pc``: how ``summary.json`` names it (as the linears' ``8da4w-g32``)."""
         return f"w{self.bits}-{'pc' if self.group_size is None else f'g{self.group_size}'}"
 
+    @classmethod
+    def from_scheme(cls, scheme: str) -> EmbeddingQuant | None:
+        """``w4-g32`` -> ``EmbeddingQuant(4, 32)``, ``w8-pc`` -> ``EmbeddingQuant(8, None)``; None for other schemes."""
+        bits, _, group = scheme.partition("-")
+        if not bits.startswith("w") or not bits[1:].isdigit() or not (group == "pc" or group[1:].isdigit()):
+            return None
+        return cls(int(bits[1:]), None if group == "pc" else int(group[1:]))
+
     def takes(self, module) -> bool:
         """Whether ``module`` is an embedding table this quantization can take (its rows split into whole groups)."""
         import torch
