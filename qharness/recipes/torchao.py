@@ -3,8 +3,7 @@
 Example (a recipe YAML)::
 
     quantizer: {name: torchao_8da4w, group_size: 32, weight_bits: 4, embedding_bits: 4, embedding_group_size: 32,
-                rounding: nearest,
-                learn_scales: false}
+                rounding: nearest, learn_scales: false}
 
 Per-layer choices (a recipe's ``layers:``, ``recipes/layers.py``) are these settings per module: XNNPACK lowers
 ``8da4w-g<N>`` (int4 group-wise), ``8da4w-pc`` and ``8da8w-pc`` (int4 / int8 per channel, ``group_size: null``),
