@@ -31,7 +31,7 @@ from qharness.errors import UserError
 EMBEDDING_BITS = (4, 8)
 # The op the shared table would need and why the program stores two copies instead (summary.json, recipe docs).
 SHARED_TABLE_MISSING = (
-    "stored twice (the lookup table and the quantized head): one shared table needs torchao::_shared_embedding_4bit "
+    "stored twice (the lookup table and the head's own copy): one shared table needs torchao::_shared_embedding_4bit "
     "(torchao's low-bit CPU kernels), which the pip executorch 1.5.1 runtime lacks"
 )
 
