@@ -12,6 +12,7 @@ from qharness.errors import UserError
 from qharness.recipes.registry import load_recipe
 
 MIX = """base: xnnpack_8da4w
+quantizer: {embedding_bits: null}
 layers:
   - {match: "lm_head", quant: fp}
   - {match: "model.layers.0.*", weight_bits: 8, group_size: null}
@@ -148,7 +149,7 @@ def test_qat_prepare_follows_the_rules(tmp_path):
     ],
 )
 def test_patterns_are_checked_against_the_model(tmp_path, layers, message):
-    recipe = _recipe(tmp_path, f"base: xnnpack_8da4w\nlayers: {layers}\n")
+    recipe = _recipe(tmp_path, f"base: xnnpack_8da4w\nquantizer: {{embedding_bits: null}}\nlayers: {layers}\n")
     with pytest.raises(UserError, match=message) as e:
         recipe.make_quantizer(is_qat=False).check(_tiny_model())
     if "match" in message:  # a pattern that takes nothing: the fix shows names to pattern on

@@ -103,7 +103,9 @@ def kv8_run(tmp_path_factory, tiny_llama):
 
     out = tmp_path_factory.mktemp("kv8")
     recipe = out / "kv8.yaml"
-    recipe.write_text("base: xnnpack_8da4w\ndescription: 8da4w, int8 KV cache\nkv_cache: int8\n")
+    recipe.write_text(  # float embeddings: the int8 cache's own kernels alone
+        "base: xnnpack_8da4w\ndescription: 8da4w, int8 KV cache\nkv_cache: int8\nquantizer: {embedding_bits: null}\n"
+    )
     run, graph = _lowered_run(out, tiny_llama, recipe)
     assert (export_path(graph), kv_cache_dtype(graph)) == ("fast", "int8")
     return run
@@ -197,13 +199,18 @@ def test_kernel_libraries_of_an_int8_kv_cache_program(fast_run, kv8_run):
 
 def test_kernel_libraries_of_gemma2_and_olmo2_programs(gemma2_run, olmo2_run):
     """Other families on the fast path need the same libraries as Llama's (Gemma2's soft-capped layers run
-    portable ops: bmm, tanh, softmax)."""
+    portable ops: bmm, tanh, softmax); OLMo2's xnnpack_8da4w looks its 4-bit embedding table up with the quantized
+    kernel (the recipe's default)."""
     from qharness.runtime.pte import kernel_libraries
 
-    for run in (gemma2_run, olmo2_run):
+    fast = {"executorch", "optimized_native_cpu_ops_lib", "custom_ops", "xnnpack_backend"}
+    for run, extra in ((gemma2_run, set()), (olmo2_run, {"quantized_ops_lib"})):
         libs = kernel_libraries(run / "model.pte")
-        assert set(libs) == {"executorch", "optimized_native_cpu_ops_lib", "custom_ops", "xnnpack_backend"}, libs
+        assert set(libs) == fast | extra, libs
         assert "llama::update_cache.out" in libs["custom_ops"]
+    assert kernel_libraries(olmo2_run / "model.pte")["quantized_ops_lib"] == [
+        "quantized_decomposed::embedding_4bit.out"
+    ]
 
 
 @pytest.mark.slow

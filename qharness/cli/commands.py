@@ -17,13 +17,16 @@ from qharness.errors import UserError
 
 
 def recipes() -> None:
-    """List the backend recipes: name, backend, modes, what ships."""
+    """List the backend recipes: name, backend, modes, embedding tables (``w4-g32``: 4-bit groups of 32; ``fp32``),
+    what ships."""
     from qharness.recipes.registry import known_recipes, load_recipe
 
     rows = [load_recipe(n) for n in known_recipes()]
     width = max(len(r.name) for r in rows)
+    print(f"{'recipe':<{width}}  {'backend':<8} {'modes':<8} {'embedding':<9} description")
     for r in rows:
-        print(f"{r.name:<{width}}  {r.backend:<8} {'/'.join(r.modes):<8} {r.description}")
+        table = r.embedding.scheme if r.embedding else "fp32"
+        print(f"{r.name:<{width}}  {r.backend:<8} {'/'.join(r.modes):<8} {table:<9} {r.description}")
 
 
 def generate(

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import logging
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from qharness.deploy.coverage_record import Coverage, FloatWeight, RuleCoverage
+from qharness.deploy.coverage_record import Coverage, EmbeddingTable, FloatWeight, RuleCoverage
 from qharness.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ class Inventory:
     linears: dict[str, int]
     plain: frozenset[str]
     params: dict[str, int]
+    embeddings: dict[str, tuple[int, int]] = field(default_factory=dict)  # {name: (rows, row width)}
+    tied: dict[str, str] = field(default_factory=dict)  # {embedding name: the output head sharing its weight}
 
 
 def inventory(model: torch.nn.Module) -> Inventory:
@@ -102,7 +104,18 @@ def inventory(model: torch.nn.Module) -> Inventory:
         for n, p in model.named_parameters(remove_duplicate=False)
         if p.is_floating_point() and p.dim() >= 2
     }
-    return Inventory(linears, frozenset(plain), params)
+    embeddings = {
+        name: (m.num_embeddings, m.embedding_dim)
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Embedding)
+    }
+    names = {id(m): name for name, m in model.named_modules()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = {}
+    if head is not None and emb is not None and getattr(head, "weight", None) is emb.weight:
+        tied[names[id(emb)]] = names[id(head)]
+    return Inventory(linears, frozenset(plain), params, embeddings, tied)
 
 
 def _op(node: torch.fx.Node) -> str:
@@ -189,6 +202,46 @@ def weight_uses(graph: torch.fx.GraphModule, layers: Inventory) -> dict[str, tup
     return uses
 
 
+def embedding_tables(
+    graph: torch.fx.GraphModule, layers: Inventory, recipe, assignment: dict | None = None
+) -> dict[str, EmbeddingTable]:
+    """The embedding tables ``graph`` looks up (``aten.embedding``), each as the program stores it: quantized (read
+    through a dequantize op, at the recipe's ``embedding_bits``, or its ``layers:`` rule's from ``assignment``) or
+    float, and for a tied table the cost of its second copy (``recipes/embedding.py``: the pip runtime has no
+    shared-table kernel)."""
+    from qharness.recipes.embedding import SHARED_TABLE_MISSING, EmbeddingQuant
+
+    params = {n for n, p in graph.named_parameters(remove_duplicate=False) if p.is_floating_point() and p.dim() >= 2}
+    tables: dict[str, EmbeddingTable] = {}
+    for node in graph.graph.nodes:
+        if _op(node) != "embedding" or not node.args or not isinstance(node.args[0], torch.fx.Node):
+            continue
+        status, target = _origin(node.args[0], params)
+        name = _module_of(node, layers.embeddings) or (
+            target and _match(target.removesuffix(".weight"), layers.embeddings)
+        )
+        if name is None:
+            continue
+        rows, width = layers.embeddings[name]
+        size = rows * width * 4
+        scheme = (assignment or {}).get(name)
+        quant = EmbeddingQuant.from_scheme(scheme) if scheme else recipe.embedding
+        quantized = status == "quantized" and quant is not None
+        stored = quant.stored_bytes(rows, width) if quantized else size
+        head = layers.tied.get(name)
+        note = f"{SHARED_TABLE_MISSING}; the copy costs {stored} bytes" if head and quantized else None
+        tables[name] = EmbeddingTable(
+            bits=quant.bits if quantized else None,
+            group_size=quant.group_size if quantized else None,
+            bytes=size,
+            stored_bytes=stored,
+            tied_to=head,
+            shared=False,
+            note=note,
+        )
+    return tables
+
+
 def rule_of(quantizer, name: str) -> str:
     """The recipe rule a module falls under: ``recipe`` or ``layers[i] (match 'pattern')`` (``recipes/layers.py``)."""
     owner = getattr(quantizer, "owner", None)
@@ -244,6 +297,7 @@ def measure(graph: torch.fx.GraphModule, layers: Inventory, recipe, quantizer, a
         rules=[RuleCoverage(**r) for r in sorted(rules.values(), key=lambda r: (r["rule"] != DEFAULT_RULE, r["rule"]))],
         float=floats,
         unused=sorted(unused),
+        embeddings=embedding_tables(graph, layers, recipe, assignment),
     )
 
 
@@ -267,9 +321,26 @@ def check(coverage: Coverage, recipe: str, arch: str) -> None:
     )
 
 
+def check_embeddings(coverage: Coverage, recipe, model) -> None:
+    """``UserError`` when the recipe quantizes embeddings (``embedding_bits``) and a table it takes is looked up in
+    floating point in the program (a quantized table that did not reach the program must not ship as quantized)."""
+    quant = recipe.embedding
+    if quant is None:
+        return
+    modules = dict(model.named_modules())
+    left = [n for n, t in coverage.embeddings.items() if t.bits is None and n in modules and quant.takes(modules[n])]
+    if left:
+        raise UserError(
+            f"recipe {recipe.name!r} quantizes embeddings to {quant.bits} bits but the program looks up "
+            f"{', '.join(left)} in floating point",
+            fix="set embedding_bits: null in the recipe to keep them float, or report the model (its embedding is "
+            "not an nn.Embedding lookup the quantizer sees)",
+        )
+
+
 def format_coverage(coverage: Coverage | None) -> str | None:
     """One line for the run's table: ``quantized: 96.9% of linear weight bytes (13 of 14 weights; float: lm_head
-    (recipe rule))``; None without a record (summaries written before coverage was measured)."""
+    (recipe rule)); embeddings: model.embed_tokens 4-bit (groups of 32), a copy apart from the tied lm_head``; None without a record (summaries written before coverage was measured)."""
     if not coverage:
         return None
     line = (
@@ -280,4 +351,12 @@ def format_coverage(coverage: Coverage | None) -> str | None:
         whys = list(dict.fromkeys(f.why for f in floats.values()))
         names = ", ".join(list(floats)[:3]) + (f", ... ({len(floats)} in all)" if len(floats) > 3 else "")
         line += f"; float: {names} ({'; '.join(whys)})"
-    return line + ")"
+    line += ")"
+    tables = {n: t for n, t in (getattr(coverage, "embeddings", None) or {}).items() if t.bits is not None}
+    if tables:  # the quantized ones (float tables are the default, as before embeddings were recorded)
+        line += "; embeddings: " + ", ".join(
+            f"{n} {t.bits}-bit ({'per row' if t.group_size is None else f'groups of {t.group_size}'})"
+            + (f", a copy apart from the tied {t.tied_to}" if t.tied_to and not t.shared else "")
+            for n, t in tables.items()
+        )
+    return line

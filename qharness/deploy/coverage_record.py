@@ -30,12 +30,32 @@ class FloatWeight:
     bytes: int
 
 
+KEEP_NONE = {"keep_none": True}  # written as null in summary.json (``run/summary.py``): float, per row, untied
+
+
+@dataclass(frozen=True)
+class EmbeddingTable:
+    """An embedding table as the program stores it: ``bits`` (None: float) and ``group_size`` (None: one scale per
+    row) as quantized, its float ``bytes`` and the ``stored_bytes`` of the lookup table in the program; for a table an
+    output head shares (``tied_to``), ``shared`` says whether one table serves both, and ``note`` why not and what
+    the second copy costs."""
+
+    bits: int | None = field(metadata=KEEP_NONE)
+    group_size: int | None = field(metadata=KEEP_NONE)
+    bytes: int
+    stored_bytes: int
+    tied_to: str | None = field(default=None, metadata=KEEP_NONE)
+    shared: bool = False
+    note: str | None = None
+
+
 @dataclass(frozen=True)
 class Coverage:
     """How much of the model the ``.pte`` quantized: the model's linear ``weights`` and their float ``bytes``, how
     many (``quantized``, ``quantized_bytes``) the program quantized, ``fraction`` of the bytes (0 for an FP recipe),
-    the same per recipe rule (``rules``), each float weight by name (``float``) and the linear modules the program
-    never reads (``unused``, counted nowhere)."""
+    the same per recipe rule (``rules``), each float weight by name (``float``), the linear modules the program
+    never reads (``unused``, counted nowhere) and the embedding tables it looks up (``embeddings``, by module name;
+    not part of the linear counts)."""
 
     weights: int
     bytes: int
@@ -45,6 +65,7 @@ class Coverage:
     rules: list[RuleCoverage] = field(default_factory=list)
     float: dict[str, FloatWeight] = field(default_factory=dict)
     unused: list[str] = field(default_factory=list)
+    embeddings: dict[str, EmbeddingTable] = field(default_factory=dict)
 
     def failures(self) -> dict[str, str]:
         """``{weight name: why}`` of the float weights the recipe meant to quantize."""

@@ -138,6 +138,7 @@ def quantize_for_deploy(
         ),
     )
     coverage.check(measured, recipe.name, type(model).__name__)  # no float projection the recipe meant to quantize
+    coverage.check_embeddings(measured, recipe, model)  # nor a float table it meant to quantize
     return graph
 
 
@@ -160,6 +161,10 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
         torchao_metadata.register()  # a quantized weight's .to(dtype) exports (DeepSeek-V3's router)
         layers = quantizer.convert(model, weight_qparams)
         log.info("quantized layers: %s", layer_counts(layers))
+    elif recipe.kind == "pt2e" and recipe.embedding is not None:  # tables at source level, linears by PT2E below
+        from qharness.recipes import embedding
+
+        embedding.quantizer(recipe.embedding).convert(model)  # coverage reads the tables from the graph
     ep, reason = export_deploy(model, max_seq_len, recipe.kv_cache, reason)
     graph = ep.module()
     if recipe.kind != "pt2e":
@@ -229,4 +234,13 @@ def lower_to_pte(graph: torch.fx.GraphModule, recipe, max_seq_len: int, metadata
     ):  # the same program without upstream's redundant work (see qharness/upstream/lowering)
         ep = lowering.decompose_for_lowering(ep, partitioners)
         edge = imports.to_edge_transform_and_lower(ep, partitioner=partitioners, constant_methods=metadata)
-        return edge.to_executorch(imports.executorch_backend_config(**recipe.executorch_config)).buffer
+        return edge.to_executorch(imports.executorch_backend_config(**executorch_config(recipe))).buffer
+
+
+def executorch_config(recipe) -> dict:
+    """The recipe's ``ExecutorchBackendConfig`` fields; with quantized embeddings ``do_quant_fusion_and_const_prop``
+    defaults to on: it fuses a table's dequantize + lookup into ExecuTorch's quantized-embedding kernel (the table
+    stays packed; without it the program would store and dequantize it whole)."""
+    if recipe.embedding is None:
+        return dict(recipe.executorch_config)
+    return {"do_quant_fusion_and_const_prop": True, **recipe.executorch_config}

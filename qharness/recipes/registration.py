@@ -77,6 +77,9 @@ class SourceConfig:
     scheme: str = "quantized"
     required: bool = True
     gptq: bool = False
+    check_model: Callable[[Any], None] | None = (
+        None  # more checks of the model (a ``UserError`` when it cannot take it)
+    )
 
     @property
     def scales_given(self) -> bool:
@@ -116,6 +119,8 @@ class SourceQuantizer:
                     f"the recipe's {type(step.config).__name__} selects no layer of {type(model).__name__} ({step.what})",
                     fix="choose settings that fit the model (e.g. a group_size that divides its hidden sizes)",
                 )
+            if step.check_model is not None:
+                step.check_model(model)
         return self.assignment(model)
 
     def _apply(self, model, wrap) -> None:

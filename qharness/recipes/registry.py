@@ -66,6 +66,17 @@ class Recipe:
         return bool(getattr(self.settings, "learn_scales", False))
 
     @property
+    def embedding(self):
+        """The embedding tables' quantization (``recipes/embedding.EmbeddingQuant``: bits, group size), or None: they
+        stay float. Source-level recipes quantize them among their steps; PT2E recipes before export."""
+        bits = getattr(self.settings, "embedding_bits", None)
+        if bits is None:
+            return None
+        from qharness.recipes.embedding import EmbeddingQuant
+
+        return EmbeddingQuant(bits, self.settings.embedding_group_size)
+
+    @property
     def rounds_with_gptq(self) -> bool:
         """Whether the linear weights are rounded by GPTQ on the calibration blocks (``rounding: gptq``): PTQ deploys
         GPTQ's weights and scales, QAT starts from them (``recipes/gptq.py``)."""

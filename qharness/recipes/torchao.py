@@ -2,8 +2,8 @@
 
 Example (a recipe YAML)::
 
-    quantizer: {name: torchao_8da4w, group_size: 32, weight_bits: 4, embedding_bits: null, rounding: nearest,
-                learn_scales: false}
+    quantizer: {name: torchao_8da4w, group_size: 32, weight_bits: 4, embedding_bits: 4, embedding_group_size: 32,
+                rounding: nearest, learn_scales: false}
 
 Per-layer choices (a recipe's ``layers:``, ``recipes/layers.py``) are these settings per module: XNNPACK lowers
 ``8da4w-g<N>`` (int4 group-wise), ``8da4w-pc`` and ``8da8w-pc`` (int4 / int8 per channel, ``group_size: null``),
@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from qharness.errors import UserError
+from qharness.recipes import embedding
 from qharness.recipes.registration import SourceConfig, SourceQuantizer, register_quantizer
 
 CHOOSE_QPARAMS = ("affine", "hqq_scale_only")
@@ -27,13 +28,15 @@ class Torchao8da4wSettings:
     """``quantizer: {name: torchao_8da4w, ...}``: int8 dynamic per-token activations + intN grouped weights on every
     ``nn.Linear`` whose input size the group divides, optionally weight-only embedding quantization.
 
-    group_size: weights per scale (a power of two, 16 or more); null: one scale per output channel (per row for
-        embeddings).
+    group_size: weights per scale (a power of two, 16 or more); null: one scale per output channel.
     weight_bits: 2, 3, 4 or 8 (8: per channel only, ``group_size: null``; XNNPACK lowers no int8 group-wise weights).
         2 and 3: QAT and the ``.pte`` use values of that many bits, which XNNPACK (it lowers 4- and 8-bit weights
         only) stores as int4: the accuracy of 2/3-bit weights at the size and speed of 4-bit ones
         (``upstream/fixes/xnnpack_subbyte.py``); a backend with 2/3-bit kernels would store them smaller.
-    embedding_bits: null (embeddings stay FP), 4 or 8.
+    embedding_bits: null (embeddings stay FP), 4 or 8: the embedding tables quantized weight-only
+        (``recipes/embedding.py``: QAT trains them fake-quantized, the ``.pte`` looks them up with ExecuTorch's
+        quantized-embedding kernels).
+    embedding_group_size: the embedding's weights per scale (a power of two); null: one scale per row.
     choose_qparams: ``affine`` (min-max scales, what QAT's fake quantization trains against) or ``hqq_scale_only``
         (HQQ-optimised scales, export_llm's default for 8da4w PTQ; PTQ-only recipes).
     rounding: ``nearest`` (each weight to its nearest level) or ``gptq``: the linear weights are rounded by GPTQ on the
@@ -48,6 +51,7 @@ class Torchao8da4wSettings:
     group_size: int | None = 32
     weight_bits: int = 4
     embedding_bits: int | None = None
+    embedding_group_size: int | None = 32
     choose_qparams: str = "affine"
     rounding: str = "nearest"
     learn_scales: bool = False
@@ -63,11 +67,7 @@ class Torchao8da4wSettings:
                 f"torchao_8da4w quantizer: weight_bits={self.weight_bits} is not supported",
                 fix=f"use one of {', '.join(map(str, WEIGHT_BITS))}",
             )
-        if self.embedding_bits not in (None, 4, 8):
-            raise UserError(
-                f"torchao_8da4w quantizer: embedding_bits={self.embedding_bits} is not supported",
-                fix="use null (FP embeddings), 4 or 8",
-            )
+        embedding.check_fields("torchao_8da4w quantizer", self.embedding_bits, self.embedding_group_size)
         if self.weight_bits == 8 and self.group_size is not None:
             raise UserError(
                 f"torchao_8da4w quantizer: weight_bits=8 with group_size={self.group_size}: XNNPACK lowers int8 "
@@ -100,7 +100,7 @@ class Torchao8da4wSettings:
 @register_quantizer("torchao_8da4w", Torchao8da4wSettings, kind="source")
 def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantizer:
     import torch
-    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig
     from torchao.quantization.granularity import PerAxis, PerGroup
 
     if is_qat and settings.choose_qparams != "affine":
@@ -128,15 +128,9 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             scheme=scheme_name(settings.weight_bits, group, dynamic_activations=True),
         )
     ]
-    if settings.embedding_bits is not None:  # min-max scales, learned or not
-        configs.append(
-            SourceConfig(
-                IntxWeightOnlyConfig(weight_dtype=bits[settings.embedding_bits], granularity=granularity),
-                lambda m, fqn: isinstance(m, torch.nn.Embedding),
-                "nn.Embedding tables",
-                scheme=scheme_name(settings.embedding_bits, group, dynamic_activations=False),
-            )
-        )
+    quant = embedding.embedding_quant("torchao_8da4w quantizer", settings.embedding_bits, settings.embedding_group_size)
+    if quant is not None:  # min-max scales, learned or not
+        configs.append(embedding.source_config(quant))
     return SourceQuantizer(configs)
 
 

@@ -2,7 +2,7 @@
 
 Example (a recipe YAML)::
 
-    quantizer: {name: xnnpack, per_channel: true, dynamic: true, weight_bits: 4}
+    quantizer: {name: xnnpack, per_channel: true, dynamic: true, weight_bits: 4, embedding_bits: 4}
     partitioners: [xnnpack_dynamic_quant, xnnpack]
 """
 
@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from qharness.errors import UserError
+from qharness.recipes import embedding
 from qharness.recipes.registration import register_partitioner, register_quantizer
 
 # Weight ranges XNNPACK lowers natively: int8 symmetric [-127, 127] (its quantizer's default) and
@@ -30,6 +31,9 @@ class XnnpackSettings:
     activation_observer: static activations only: histogram (XNNPACK's default), minmax or moving_average.
     learn_scales: QAT trains each weight's scale (LSQ: a parameter, min-max at the start, no weight decay) and the
         ``.pte`` quantizes the weights with the trained scales (else QAT follows min-max of the current weights).
+    embedding_bits: null (embeddings stay FP), 4 or 8: the embedding tables quantized weight-only at source level
+        before export (``recipes/embedding.py``: PT2E quantizes linears only); QAT trains them fake-quantized.
+    embedding_group_size: the embedding's weights per scale (a power of two); null: one scale per row.
     """
 
     per_channel: bool = True
@@ -37,8 +41,11 @@ class XnnpackSettings:
     weight_bits: int = 8
     activation_observer: str | None = None
     learn_scales: bool = False
+    embedding_bits: int | None = None
+    embedding_group_size: int | None = 32
 
     def __post_init__(self):
+        embedding.check_fields("xnnpack quantizer", self.embedding_bits, self.embedding_group_size)
         if self.weight_bits not in WEIGHT_RANGES:
             raise UserError(f"xnnpack quantizer: weight_bits={self.weight_bits} is not supported", fix="use 4 or 8")
         if self.activation_observer is not None:

@@ -24,7 +24,13 @@ class Calibrator(L.LightningModule):
 
     def __init__(self, graph: torch.fx.GraphModule):
         super().__init__()
-        self.graph = imports.pt2e().allow_train_eval(graph)
+        # Not a submodule: Lightning's move to the (CPU) device would try to swap every parameter, which fails on a
+        # torchao-quantized weight (a PT2E recipe's quantized embedding table, recipes/embedding.py). Calibration runs
+        # on the CPU graph as it is; its mode is switched here.
+        object.__setattr__(self, "graph", imports.pt2e().allow_train_eval(graph))
+
+    def on_predict_start(self) -> None:
+        self.graph.eval()
 
     def predict_step(self, batch, batch_idx):
         (tokens,) = batch

@@ -37,7 +37,8 @@ def prepare_for_training(
 ) -> torch.nn.Module:
     """Export the model and insert the recipe's fake-quant (QAT) or observers (PTQ).
 
-    PT2E recipes annotate the exported graph (``prepare_qat_pt2e`` / ``prepare_pt2e``); source-level
+    PT2E recipes annotate the exported graph (``prepare_qat_pt2e`` / ``prepare_pt2e``), their quantized embedding
+    tables fake-quantized at source level first (QAT, ``recipes/embedding.py``); source-level
     recipes (torchao ``quantize_``) swap in fake-quantized modules first and export the result.
     ``layerwise``: one graph per decoder layer (``training/layerwise.py``) instead of one for the whole model.
     ``lora`` (QAT): low-rank adapters on the target linears, fake-quantized merged with the frozen base weights
@@ -88,6 +89,13 @@ def _prepare(model, recipe, batch_size, seq_len, is_qat, layerwise, lora) -> tor
             init_learned_scales(prepared)  # the scales are parameters before the optimizer (or a checkpoint) sees them
         return pt2e.allow_train_eval(prepared)
 
+    if recipe.embedding is not None:  # PT2E takes linears only: the tables are quantized at source level
+        from qharness.recipes import embedding
+
+        if is_qat:  # trained through the deploy config's fake quantizer, before export
+            embedding.prepare_exportable_qat(model, recipe.embedding)
+        else:  # PTQ quantizes them at deployment; checked against the model now, before calibration
+            embedding.quantizer(recipe.embedding).check(model)
     if lora is not None:  # before export: each linear's exported weight input is W + s * B @ A
         from qharness.training.lora import add_adapters
 
@@ -125,7 +133,10 @@ def set_fake_quant(graph: torch.nn.Module, enabled: bool) -> None:
 
         set_fake_quant(prepared, False)   # prepared(x) == the exported FP graph's output
     """
+    from qharness.recipes import embedding
+
     pt2e = imports.pt2e()
     for m in graph.modules():
         if isinstance(m, pt2e.FakeQuantizeBase):
             (m.enable_fake_quant if enabled else m.disable_fake_quant)()
+    embedding.set_fake_quant(graph, enabled)  # a PT2E recipe's quantized embedding tables

@@ -112,6 +112,15 @@ def executorch_runtime():
     return Runtime.get()
 
 
+def runtime_operator_names() -> set[str]:
+    """The kernels this ExecuTorch runtime has registered (``executorch_runtime``'s: portable, quantized, LLM ops),
+    e.g. ``quantized_decomposed::embedding_4bit.out``."""
+    executorch_runtime()
+    from executorch.extension.pybindings import portable_lib
+
+    return set(portable_lib._get_operator_names())
+
+
 def hf_static_cache_exportable(model, batch_size: int, max_cache_len: int):
     """HF's static-KV-cache wrapper whose forward is ``(input_ids, cache_position) -> logits``."""
     from transformers import GenerationConfig
