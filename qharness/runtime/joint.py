@@ -1,5 +1,10 @@
 """Programs timed jointly: ``processes`` fresh processes per program in round-robin order (A B C A B C ...), all with
 one thread count, each program reported as the ``spread`` of its process medians; and the table of them.
+
+Programs of one structure (``deploy/structure.py``: the same operators, shapes and delegates, only weight values
+differ, e.g. a PTQ, a GPTQ and a QAT program of one recipe) are one latency class (``pool_classes``): each is timed in
+the round-robin like any other, and every member is reported with the spread of all members' process medians pooled,
+so noise cannot rank them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from qharness.runtime.measure import measure_in_fresh_process
 from qharness.runtime.spread import format_spread, max_over_min, spread
 
 JOINT_KEYS = ("decode_tok_s", "prefill_tok_s", "decode_ms_per_token")
+TIMING_KEYS = (*JOINT_KEYS, "decode_cpu_share", "decode_tok_per_cpu_s")  # what a latency class pools
 
 
 def interleaved(
@@ -96,8 +102,11 @@ def bench_jointly(
     threads: int | None = None,
     names: list[str] | None = None,
     log=print,
+    classes: dict[str, str | None] | None = None,
 ) -> dict:
-    """``interleaved`` over ``.pte`` files (names: ``names`` or the paths), their lengths checked first."""
+    """``interleaved`` over ``.pte`` files (names: ``names`` or the paths), their lengths checked first; with
+    ``classes`` (name -> structure digest), programs of one structure pooled into one latency class
+    (``pool_classes``)."""
     names = names or [str(p) for p in pte_paths]
     if len(set(names)) != len(names):
         raise UserError(f"bench: the same .pte given twice ({names})", fix="pass each --pte once")
@@ -105,7 +114,39 @@ def bench_jointly(
         n: {"kind": "pte", "path": str(p), "vocab_size": pte_vocab(p, prompt_len, decode_tokens, reps)}
         for n, p in zip(names, pte_paths)
     }
-    return interleaved(programs, prompt_len, decode_tokens, reps, processes, threads, log)
+    joint = interleaved(programs, prompt_len, decode_tokens, reps, processes, threads, log)
+    return pool_classes(joint, classes) if classes else joint
+
+
+def latency_classes(classes: dict[str, str | None]) -> list[list[str]]:
+    """The groups of two or more programs with one structure digest (``classes``: name -> digest; None: a program
+    of unknown structure, a class of its own), in the order of ``classes``."""
+    groups: dict[str, list[str]] = {}
+    for name, digest in classes.items():
+        if digest is not None:
+            groups.setdefault(digest, []).append(name)
+    return [members for members in groups.values() if len(members) > 1]
+
+
+def pool_classes(joint: dict, classes: dict[str, str | None]) -> dict:
+    """``joint`` (``interleaved``'s result) with each latency class (``latency_classes``: programs of one structure)
+    reported as one figure: every member's timings become the ``spread`` of all members' process medians, pooled
+    round by round (so ``per_process`` holds ``processes`` x members values), its ``latency_class`` the members and
+    ``unpooled`` its own spreads (kept in ``bench_joint.json``, read by no ranking)."""
+    programs = joint["programs"]
+    for members in latency_classes({n: classes.get(n) for n in programs}):
+        pooled = {
+            k: spread([programs[m][k]["per_process"][r] for r in range(joint["processes"]) for m in members])
+            for k in TIMING_KEYS
+        }
+        for m in members:
+            programs[m] = {
+                **programs[m],
+                "unpooled": {k: programs[m][k] for k in TIMING_KEYS},
+                **pooled,
+                "latency_class": list(members),
+            }
+    return joint
 
 
 def joint_entry(joint: dict, name: str) -> JointEntry:
@@ -118,6 +159,7 @@ def joint_entry(joint: dict, name: str) -> JointEntry:
         load_avg_1m=joint["load_avg_1m"],
         threads=joint["threads"],
         **{k: Spread(**p[k]) for k in JOINT_KEYS},
+        latency_class=p.get("latency_class"),
     )
 
 
@@ -150,9 +192,14 @@ def format_joint(j: dict) -> str:
             )
         )
     width = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    classes = {tuple(p["latency_class"]) for p in j["programs"].values() if p.get("latency_class")}
+    pooled = [
+        f"one latency class (one structure, timed together, samples pooled, one figure): {', '.join(c)}"
+        for c in sorted(classes)
+    ]
     head = (
         f"bench (joint): {j['processes']} fresh processes per program, round-robin, {j['threads']} threads; prompt {j['prompt_len']} tokens, "
         f"{j['decode_tokens']} decode steps, {j['reps']} reps per process; median (min-max) of the process medians; "
         f"load average {j['load_avg_1m'][0]:.1f} -> {j['load_avg_1m'][1]:.1f} on {os.cpu_count()} CPUs"
     )
-    return "\n".join([head] + ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in rows])
+    return "\n".join([head] + ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in rows] + pooled)
