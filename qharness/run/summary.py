@@ -153,7 +153,7 @@ class PteInfo:
     fallback_reason: str | None = _kept()
     kv_cache: str | None = _kept()
     sha256: str | None = _kept()
-    structure: str | None = _kept()
+    structure: str | None = None  # left out when unset (summaries written before it was recorded)
 
 
 @dataclass

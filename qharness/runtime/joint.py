@@ -36,7 +36,8 @@ def interleaved(
 
     Returns ``{"processes", "order": "round-robin", "load_avg_1m": [before, after], "threads", "prompt_len",
     "decode_tokens", "reps", "sequence": [program names in the order run], "programs": {name: {"path", "kind", "decode_tok_s",
-    "prefill_tok_s", "decode_ms_per_token", "decode_cpu_share", "decode_tok_per_cpu_s", "size_bytes", "weight_bytes"}}}``;
+    "prefill_tok_s", "decode_ms_per_token", "decode_cpu_share", "decode_tok_per_cpu_s", "load_s", "peak_rss_mb",
+    "size_bytes", "weight_bytes"}}}``;
     each timing is a ``spread`` of the per-process medians (ms/token derived per process). ``decode_cpu_share``
     (CPU time / wall time while decoding) below the thread count says the process waited for a core;
     ``decode_tok_per_cpu_s`` is decode speed per CPU-second, which such waiting does not move.
@@ -87,6 +88,8 @@ def interleaved(
             "decode_ms_per_token": spread([1e3 / d for d in decode]),
             "decode_cpu_share": spread([m["decode_cpu_share"]["median"] for m in ms]),
             "decode_tok_per_cpu_s": spread([m["decode_tok_per_cpu_s"]["median"] for m in ms]),
+            **({"load_s": spread([m["load_s"]["median"] for m in ms])} if all("load_s" in m for m in ms) else {}),
+            **({"peak_rss_mb": spread([m["peak_rss_mb"] for m in ms])} if all("peak_rss_mb" in m for m in ms) else {}),
             "size_bytes": ms[0]["size_bytes"],
             "weight_bytes": ms[0]["weight_bytes"],
         }
