@@ -149,6 +149,7 @@ def main(argv=None) -> None:
     p.add_argument("--shape", default="135m", choices=sorted(SHAPES))
     p.add_argument("--recipes", nargs="+", default=RECIPES, help=f"recipe names or YAML paths; {EMB4}: see above")
     p.add_argument("--no-peer", action="store_true", help="no export_llm programs")
+    p.add_argument("--peers", nargs="+", default=None, help="the recipes that get an export_llm peer (default: all)")
     p.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qharness-phone")
     p.add_argument("--out", type=Path, default=Path("runs/phone_scale"))
     p.add_argument("--max-seq-len", type=int, default=256)
@@ -193,7 +194,7 @@ def main(argv=None) -> None:
             record.write_text(json.dumps(exports, indent=2))
         programs[name] = path
         peer = f"export_llm {name}"
-        if peer_ok and name in PEERS:
+        if peer_ok and name in PEERS and (a.peers is None or name in a.peers):
             if not (a.reuse and peer in exports and Path(exports[peer]["path"]).is_file()):
                 print(f"[{a.shape}] exporting {peer} ...", flush=True)
                 exports[peer] = in_child("peer", name, "-", "--shape", a.shape, *_common(a))
