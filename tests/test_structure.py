@@ -8,12 +8,15 @@ import pytest
 
 def _deployed(recipe_name: str, seed: int, calibration_seed: int = 0):
     """(recipe, converted deploy graph) of a random-init 1-layer Llama (weights from ``seed``) quantized with
-    ``recipe_name``, calibrated on tokens from ``calibration_seed``."""
+    ``recipe_name``, calibrated on tokens from ``calibration_seed``; a ``rounding: gptq`` recipe deploys GPTQ's
+    weights and scales, as ``run/trained.with_gptq`` hands them over."""
     import torch
 
     from qharness.deploy.lower import quantize_for_deploy
+    from qharness.recipes.gptq import gptq_round
     from qharness.recipes.registry import load_recipe
     from qharness.sources.embedded import EmbeddedSpec, new_llama
+    from qharness.sources.models import put_weights
 
     torch.manual_seed(seed)
     spec = EmbeddedSpec(
@@ -25,9 +28,13 @@ def _deployed(recipe_name: str, seed: int, calibration_seed: int = 0):
         max_position_embeddings=64,
     )
     model = new_llama(spec, 128).eval()
-    tokens = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(calibration_seed))
+    tokens = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(calibration_seed))
     recipe = load_recipe(recipe_name)
-    return recipe, quantize_for_deploy(model, recipe, 32, lambda g: g(tokens, torch.tensor([0])))
+    qparams = None
+    if recipe.rounds_with_gptq:
+        weights, qparams = gptq_round(model, recipe.make_quantizer(is_qat=False), tokens)
+        put_weights(model, weights)
+    return recipe, quantize_for_deploy(model, recipe, 32, lambda g: g(tokens[:1], torch.tensor([0])), qparams)
 
 
 def _program(recipe_name: str, seed: int, calibration_seed: int = 0) -> tuple[str, str]:
@@ -58,6 +65,7 @@ def programs():
     return {
         "8da3w": _program("xnnpack_8da3w", seed=0),
         "8da3w other weights": _program("xnnpack_8da3w", seed=1),
+        "8da3w GPTQ": _program("xnnpack_8da3w_gptq", seed=0),
         "8da4w": _program("xnnpack_8da4w", seed=0),
         "int8_static": _program("xnnpack_int8_static", seed=0, calibration_seed=0),
         "int8_static other weights and calibration": _program("xnnpack_int8_static", seed=1, calibration_seed=1),
@@ -67,9 +75,11 @@ def programs():
 
 @pytest.mark.slow
 def test_programs_that_differ_only_in_weight_values_share_one_structure(programs):
-    """Other weights (what QAT or GPTQ changes) give other bytes but one structure; with static activations the
+    """Other weights (what QAT or GPTQ changes) give other bytes but one structure (GPTQ's scales and zero points
+    too: its zero points were float, which made another structure); with static activations the
     calibration moves the literal scales and zero points of the (de)quantize ops, which are values, not kernels."""
-    for a, b in (("8da3w", "8da3w other weights"), ("int8_static", "int8_static other weights and calibration")):
+    pairs = [("8da3w", "8da3w other weights"), ("8da3w", "8da3w GPTQ")]
+    for a, b in pairs + [("int8_static", "int8_static other weights and calibration")]:
         assert programs[a][1] != programs[b][1], "the weights should differ"
         assert programs[a][0] == programs[b][0], f"{a} vs {b}"
 
