@@ -190,6 +190,8 @@ def export_theirs(
         cfg.quantization.group_size = quant["group_size"]
     if "pt2e_quantize" in quant:
         cfg.quantization.pt2e_quantize = Pt2eQuantize(quant["pt2e_quantize"])
+    if "embedding_quantize" in quant:  # e.g. "4,32": weight-only embedding table, bits and group size
+        cfg.quantization.embedding_quantize = quant["embedding_quantize"]
     t = time.perf_counter()
     try:
         with lowering.fast_lowering() if fast_lowering else contextlib.nullcontext():

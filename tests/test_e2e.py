@@ -273,7 +273,7 @@ def test_a_crash_while_lowering_keeps_the_checkpoint_and_export_finishes(tmp_pat
     def broken(*args, **kwargs):
         raise RuntimeError("forced failure while lowering")
 
-    monkeypatch.setattr(qharness.deploy.lower, "lower_to_pte", broken)
+    monkeypatch.setattr(qharness.deploy.lower, "lower_program", broken)  # what the run lowers with
     with pytest.raises(RuntimeError, match="forced failure while lowering"):
         main(["fit", str(cfg)])
     assert torch.load(tmp_path / "c" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 6

@@ -54,8 +54,8 @@ def sweep_yaml(tmp_path, max_steps=5, **extra):
 class FakeRunner:
     """Stands in for ``python -m qharness fit|calibrate``: writes the run's summary.json from its config."""
 
-    def __init__(self, fail=(), pte=None):
-        self.calls, self.fail, self.pte = [], set(fail), pte
+    def __init__(self, fail=(), pte=None, structure=None):
+        self.calls, self.fail, self.pte, self.structure = [], set(fail), pte, structure or {}
 
     def __call__(self, cmd, log_path):
         cfg = yaml.safe_load(open(cmd[cmd.index("--config") + 1]))
@@ -66,6 +66,8 @@ class FakeRunner:
         if name in self.fail:
             return 1
         pte = {"size_bytes": 2_000_000}
+        if name in self.structure:  # the program's structure digest (deploy/structure.py)
+            pte["structure"] = self.structure[name]
         if self.pte:  # a real (tiny) program in the run dir, as fit/calibrate leave one
             pte["path"] = str(shutil.copy(self.pte, f"{run_dir}/model.pte"))
         write_json_atomic(
@@ -237,6 +239,63 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
         sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 0}), runner=FakeRunner(pte=pte), report=False
     )
     assert calls == []
+
+
+def test_programs_of_one_structure_are_timed_and_reported_as_one_latency_class(tmp_path, monkeypatch):
+    """Two runs whose programs share a structure (a PTQ and a QAT program of one recipe) are one latency class: both
+    timed in the round-robin, their process medians pooled into one figure that both summaries hold, with the class's
+    members; the report names the class, shows one figure for it and ties them on latency, though the QAT program's
+    own processes were made slower. A run of another structure keeps its own figure. Stand-in timings, as above."""
+    import qharness.runtime.joint
+    from qharness.reporting.ranking import compare_latency
+
+    pte = make_tiny_pte(tmp_path / "tiny" / "model.pte")
+    own_tok_s = {"xnnpack_fp32-ptq": 100.0, "xnnpack_int8_dynamic-ptq": 300.0, "xnnpack_int8_dynamic-qat": 200.0}
+    own_tok_s["xnnpack_int4w_dynamic-ptq"] = 400.0
+    calls = []
+
+    def fake_measure(**kw):  # each run's own speed, the k-th process 1% faster
+        name = kw["path"].split(os.sep)[-2]
+        tok_s = own_tok_s[name] * (1 + 0.01 * sum(c == name for c in calls))
+        calls.append(name)
+        return {
+            "decode_tok_s": {"median": tok_s},
+            "prefill_tok_s": {"median": 2 * tok_s},
+            "decode_cpu_share": {"median": 1.0},
+            "decode_tok_per_cpu_s": {"median": tok_s},
+            "size_bytes": 1,
+            "weight_bytes": 1,
+        }
+
+    monkeypatch.setattr(qharness.runtime.joint, "measure_in_fresh_process", fake_measure)
+    path = sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 2, "max_latency_ms": None})
+    spec = yaml.safe_load(path.read_text())
+    spec["config"]["bench"] = {"enabled": False, "prompt_len": 8, "decode_tokens": 4, "reps": 2}
+    path.write_text(yaml.safe_dump(spec))
+    structure = {"xnnpack_int8_dynamic-ptq": "s8", "xnnpack_int8_dynamic-qat": "s8", "xnnpack_int4w_dynamic-ptq": "s4"}
+    result = run_sweep(path, runner=FakeRunner(pte=pte, structure=structure))
+    sweep = tmp_path / "sweep"
+    assert len(calls) == 8  # every program timed, 2 processes each
+    entry = {n: json.loads((sweep / n / "summary.json").read_text())["bench_joint"] for n in own_tok_s}
+    cls = ["xnnpack_int8_dynamic-ptq", "xnnpack_int8_dynamic-qat"]
+    assert entry[cls[0]] == entry[cls[1]]
+    assert entry[cls[0]]["latency_class"] == cls
+    assert entry[cls[0]]["decode_tok_s"]["per_process"] == [300.0, 200.0, 303.0, 202.0]  # pooled round by round
+    assert entry[cls[0]]["decode_tok_s"]["median"] == 251.0
+    assert "latency_class" not in entry["xnnpack_int4w_dynamic-ptq"]
+    assert entry["xnnpack_int4w_dynamic-ptq"]["decode_tok_s"]["per_process"] == [400.0, 404.0]
+    joint = json.loads((sweep / "bench_joint.json").read_text())  # each member's own timings are kept there
+    assert joint["programs"][cls[1]]["unpooled"]["decode_tok_s"]["per_process"] == [200.0, 202.0]
+
+    rows = {r["run"]: r for r in result["report"]["rows"]}
+    assert rows[cls[0]]["decode_ms_per_token"] == rows[cls[1]]["decode_ms_per_token"]
+    assert rows[cls[0]]["latency_class_id"] == rows[cls[1]]["latency_class_id"] == "L1"
+    assert rows["xnnpack_int4w_dynamic-ptq"].get("latency_class_id") is None
+    assert "one latency class" in compare_latency(rows[cls[0]], rows[cls[1]]).text
+    assert compare_latency(rows[cls[0]], rows[cls[1]]).sign == 0
+    report = (sweep / "report.md").read_text()
+    assert f"Latency class L1: {', '.join(cls)}: one program structure" in report
+    assert "| latency class |" in report
 
 
 @pytest.mark.fast

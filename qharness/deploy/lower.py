@@ -218,11 +218,22 @@ def runner_metadata(
 
 
 def lower_to_pte(graph: torch.fx.GraphModule, recipe, max_seq_len: int, metadata: dict | None = None) -> bytes:
-    """Re-export, decompose to core ATen, lower with the recipe's partitioners, serialize.
+    """Re-export, decompose to core ATen, lower with the recipe's partitioners, serialize (``lower_program``'s
+    bytes).
 
     ``metadata`` becomes constant methods of the program (``runner_metadata``); its
     ``use_sdpa_with_kv_cache`` is set to whether ``graph`` is a fast-path graph.
     """
+    return lower_program(graph, recipe, max_seq_len, metadata)[0]
+
+
+def lower_program(
+    graph: torch.fx.GraphModule, recipe, max_seq_len: int, metadata: dict | None = None
+) -> tuple[bytes, str]:
+    """``lower_to_pte``'s bytes and the program's structure digest (``structure.structure_digest`` of the lowered
+    edge program: equal for programs that differ only in weight values)."""
+    from qharness.deploy.structure import structure_digest
+
     if metadata is not None and "use_sdpa_with_kv_cache" in metadata:
         metadata = {**metadata, "use_sdpa_with_kv_cache": export_path(graph) == "fast"}
     for p in graph.parameters():  # to_executorch fails on in-place ops over leaves that require grad
@@ -234,7 +245,8 @@ def lower_to_pte(graph: torch.fx.GraphModule, recipe, max_seq_len: int, metadata
     ):  # the same program without upstream's redundant work (see qharness/upstream/lowering)
         ep = lowering.decompose_for_lowering(ep, partitioners)
         edge = imports.to_edge_transform_and_lower(ep, partitioner=partitioners, constant_methods=metadata)
-        return edge.to_executorch(imports.executorch_backend_config(**executorch_config(recipe))).buffer
+        digest = structure_digest(edge)  # before to_executorch's passes rewrite the graph
+        return edge.to_executorch(imports.executorch_backend_config(**executorch_config(recipe))).buffer, digest
 
 
 def executorch_config(recipe) -> dict:

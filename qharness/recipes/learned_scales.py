@@ -265,7 +265,10 @@ def use_source_scales(model: torch.nn.Module, qparams: dict[str, tuple[torch.Ten
         expected = _group_scale_shape(fq, model.get_parameter(target))
         if tuple(scale.shape) != expected:
             raise RuntimeError(f"learned scale of {target} has shape {tuple(scale.shape)}, the weight needs {expected}")
-        fq.scale, fq.zero_point = scale.detach().clone(), zero_point.detach().clone()  # custom_scale at convert
+        # custom_scale at convert; the zero point in the fake quantizer's own dtype (int32 by default), as a trained one
+        # has it: GPTQ's float zeros otherwise reach the program as float zero-point tensors, another structure
+        zp_dtype = getattr(getattr(fq, "config", None), "zero_point_precision", zero_point.dtype)
+        fq.scale, fq.zero_point = scale.detach().clone(), zero_point.detach().to(zp_dtype).clone()
         fq._initialized = True
         used.add(target)
     unused = sorted(set(qparams) - used)

@@ -47,7 +47,7 @@ def collect(runs_dir: str | Path, skipped: list[str] | None = None) -> list[dict
     return rows
 
 
-TEXT_COLUMNS = ("run", "model", "recipe", "backend", "mode", "latency_source")
+TEXT_COLUMNS = ("run", "model", "recipe", "backend", "mode", "latency_source", "latency_class")
 
 
 def checked_row(row: dict) -> dict:
@@ -65,6 +65,9 @@ def checked_row(row: dict) -> dict:
             if value is not None and not isinstance(value, str):
                 field = {"_val": "val_blocks", "_sha256": "pte.sha256"}[key]
                 raise UserError(f"{field} is {type(value).__name__}, not text")
+        elif key == "_latency_class":
+            if value is not None and not all(isinstance(v, str) for v in value):
+                raise UserError("bench_joint.latency_class holds something other than run names")
         elif key == "_blocks":
             if not all(all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in b) for b in value.values()):
                 raise UserError("metrics.*.block_losses holds something other than numbers")

@@ -1,6 +1,7 @@
 """Noise-aware ranking of runs: pairwise comparisons with ties inside the noise, the Pareto front, the pick.
 
-Differences inside the noise are ties. Accuracy: the paired interval of two runs' per-block losses (same validation
+Differences inside the noise are ties. Programs of one structure (one latency class of the joint benchmark) tie on
+latency by construction. Accuracy: the paired interval of two runs' per-block losses (same validation
 blocks), else an unpaired one from their standard errors (lm-eval's for task metrics). Latency: per-process ranges
 that overlap, or an exact rank test that finds no difference; without a joint benchmark, each run's own min-max
 over repetitions (weak evidence). A run is dominated only by one better beyond the noise on one axis and not worse
@@ -105,8 +106,14 @@ def compare_accuracy(a: dict, b: dict, column: str, lower_is_better: bool) -> Co
     return Comparison(sign, f"{name} {va:.5g} vs {vb:.5g} (no noise estimate)")
 
 
+def same_latency_class(a: dict, b: dict) -> bool:
+    """Both timed as one latency class (one program structure, samples pooled: ``runtime/joint.pool_classes``)."""
+    return a.get("_latency_class") is not None and a.get("_latency_class") == b.get("_latency_class")
+
+
 def compare_latency(a: dict, b: dict) -> Comparison:
-    """Decode ms/token. Joint benchmarks (per-process timings of both): a tie when the ranges overlap or the exact
+    """Decode ms/token. One latency class (programs of one structure, timed together as one figure): a tie by
+    construction. Joint benchmarks (per-process timings of both): a tie when the ranges overlap or the exact
     rank test finds no difference (p >= 0.05). Otherwise each run's own [min, max] over repetitions in one process
     (weak evidence): a tie when they overlap. Without ranges only equal medians tie."""
     ma, mb = a["decode_ms_per_token"], b["decode_ms_per_token"]
@@ -114,6 +121,8 @@ def compare_latency(a: dict, b: dict) -> Comparison:
     faster = 1 if ma < mb else -1
     if same_program(a, b):
         return Comparison(0, f"{head}: the same .pte (sha256), so the difference is measurement noise")
+    if same_latency_class(a, b):
+        return Comparison(0, f"{head}: one latency class (one program structure, timed as one figure)")
     sa, sb = a.get("_decode_ms_samples"), b.get("_decode_ms_samples")
     if sa and sb:
         where = f"joint benchmark, {len(sa)} and {len(sb)} processes"

@@ -82,6 +82,25 @@ INTERVALS_NOTE = (
 )
 
 
+def latency_class_lines(rows: list[dict]) -> list[str]:
+    """Name each latency class of the rows (``L1``, ``L2``, ... in table order: ``latency_class_id``) and say in words
+    which runs share it and its one figure."""
+    classes: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("latency_class"):
+            classes.setdefault(r["latency_class"], []).append(r)
+    lines = []
+    for k, (members, rs) in enumerate(classes.items(), 1):
+        for r in rs:
+            r["latency_class_id"] = f"L{k}"
+        lines.append(
+            f"Latency class L{k}: {members}: one program structure (the same operators, shapes and delegates; only "
+            f"weight values differ), timed together with their samples pooled: one figure, "
+            f"{cell(rs[0], 'decode_ms_per_token')} ms/token, so the ranking ties them on latency."
+        )
+    return lines
+
+
 def table_columns(rows: list[dict], column: str) -> list[tuple[str, str, str]]:
     """(key, header, format) of the Markdown table: the metric first, then latency, size and parity."""
     cols = [
@@ -103,6 +122,8 @@ def table_columns(rows: list[dict], column: str) -> list[tuple[str, str, str]]:
         ("bandwidth_fraction", "of bw bound", "frac"),
         ("parity_passed", "parity", ""),
     ]
+    if any(r.get("latency_class_id") for r in rows):
+        cols.append(("latency_class_id", "latency class", ""))
     extra = sorted(
         {
             c

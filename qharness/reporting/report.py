@@ -37,7 +37,14 @@ from qharness.reporting.metric import resolve_metric
 from qharness.reporting.plot import plot_pareto
 from qharness.reporting.ranking import best_choice, noise_notes, noisy_front
 from qharness.reporting.recovery import qat_recovery
-from qharness.reporting.render import INTERVALS_NOTE, csv_text, markdown_report, markdown_table, public
+from qharness.reporting.render import (
+    INTERVALS_NOTE,
+    csv_text,
+    latency_class_lines,
+    markdown_report,
+    markdown_table,
+    public,
+)
 from qharness.reporting.rows import _number
 from qharness.reporting.tracking import log_to_wandb
 
@@ -69,12 +76,13 @@ def write_report(
         r["pareto"] = r["run"] in front_runs
         r["pareto_size"] = r["run"] in size_runs
         r["ties"] = "tie with " + ", ".join(ties[r["run"]]) if ties.get(r["run"]) else None
+    classes = latency_class_lines(rows)  # before the columns: it names each class (latency_class_id)
     columns = list(dict.fromkeys(c for r in rows for c in r if not c.startswith("_")))
     name = ".pte perplexity" if column == "ppl_pte" else column
     title = f"{runs_dir.name}: {name} vs decode latency"
     md = markdown_table(rows, column, front_runs, size_runs)
     lines = [md, "", INTERVALS_NOTE, ""]
-    lines += front_lines(front, ties, size_front, column, lower)
+    lines += classes + front_lines(front, ties, size_front, column, lower)
     lines.append(f"Best under {budget_text(max_latency_ms, max_size_mb)}: {choice['text']}")
     lines += qat_recovery(rows) + answer_lines(rows) + noise_notes(rows, column) + load_note(rows) + (notes or [])
     lines += skipped

@@ -62,6 +62,8 @@ def summary_row(summary: RunSummary, run: str | None = None) -> dict:
         "parity_ppl_rel_diff": parity.ppl_rel_diff,
         "pte_size_mb": summary.pte.size_bytes / 1e6 if summary.pte.size_bytes else None,
         **speed,
+        # the runs timed as one latency class with this one (one program structure, samples pooled, one figure)
+        "latency_class": ", ".join(joint_class) if (joint_class := latency_class(summary)) else None,
         "bandwidth_fraction": pte_bench.bandwidth_fraction if pte_bench else None,
         "peak_rss_mb": pte_bench.peak_rss_mb if pte_bench else None,
         "decode_speedup_vs_eager": vs_eager.decode_speedup if vs_eager else None,
@@ -129,6 +131,13 @@ def latency_figures(summary: RunSummary) -> dict:
     return out
 
 
+def latency_class(summary: RunSummary) -> list[str] | None:
+    """The runs whose programs share this run's structure, timed as one latency class in the joint benchmark (itself
+    included; ``joint.pool_classes``); None: a class of its own (or no joint benchmark)."""
+    joint = summary.bench_joint
+    return list(joint.latency_class) if joint is not None and joint.latency_class else None
+
+
 def noise_of(summary: RunSummary) -> dict:
     """What the report needs to call ties and that no table shows (private ``_`` keys): per-block losses by stage,
     their standard errors, the validation blocks' id, the ``.pte``'s sha256, the per-process decode timings."""
@@ -141,6 +150,7 @@ def noise_of(summary: RunSummary) -> dict:
         "_val": summary.val_blocks,
         "_sha256": summary.pte.sha256,
         "_decode_ms_samples": [float(v) for v in samples] if isinstance(samples, list) and samples else None,
+        "_latency_class": tuple(joint_class) if (joint_class := latency_class(summary)) else None,
     }
 
 

@@ -73,6 +73,7 @@ def write_summary(
             fallback_reason=fallback_reason(deployed),
             kv_cache=kv_cache_dtype(deployed),
             sha256=hashlib.sha256(lowered.pte_bytes).hexdigest(),
+            structure=lowered.structure,
         ),
         layers=None
         if layers is None

@@ -22,12 +22,13 @@ from qharness.sources.chat import save_template
 
 @dataclass
 class Lowered:
-    """What lowering hands the checks: the converted graph, the program's bytes and the file they wait in for the
-    gate (``<name>.pending.pte``)."""
+    """What lowering hands the checks: the converted graph, the program's bytes, the file they wait in for the
+    gate (``<name>.pending.pte``) and the program's structure digest (``deploy/structure.py``)."""
 
     deployed: torch.fx.GraphModule
     pte_bytes: bytes
     pending: Path
+    structure: str | None = None
 
 
 def score_trained(trained: Trained, data: HeldOut) -> dict[str, dict]:
@@ -88,12 +89,12 @@ def lower_and_write(
     """Lower ``deployed`` to ExecuTorch with the runner's ``metadata``, write it as ``<name>.pending.pte`` (not the
     name anyone ships) and the tokenizer beside it, with ``chat_template`` (the run's ``data.chat_template``) as its
     template, so ``qharness generate --chat`` renders what training rendered."""
-    from qharness.deploy.lower import lower_to_pte
+    from qharness.deploy.lower import lower_program
 
     recipe, tokenizer = trained.recipe, trained.tokenizer
     t = time.perf_counter()
     with stage(f"lowering to ExecuTorch ({recipe.name}, {recipe.backend})"):
-        pte_bytes = lower_to_pte(deployed, recipe, export_cfg.max_seq_len, metadata)
+        pte_bytes, structure = lower_program(deployed, recipe, export_cfg.max_seq_len, metadata)
     timings.lower_s = time.perf_counter() - t
     final = run_dir / export_cfg.filename
     pending = write_bytes_atomic(final.with_name(final.stem + ".pending.pte"), pte_bytes)
@@ -101,4 +102,4 @@ def lower_and_write(
         tokenizer.save_pretrained(tokenizer_dir)
         if chat_template is not None:
             save_template(tokenizer_dir, chat_template)
-    return Lowered(deployed, pte_bytes, pending)
+    return Lowered(deployed, pte_bytes, pending, structure)

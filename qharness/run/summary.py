@@ -143,6 +143,9 @@ class PteInfo:
         fallback_reason: Why the fast path was not taken (None: it was).
         kv_cache: ``fp32`` or ``int8``.
         sha256: Digest of its bytes (later evaluations name the program they scored by it).
+        structure: Digest of its structure: operators, shapes, dtypes and delegate partitions, weight values left out
+            (``deploy/structure.py``). Programs with one structure (a PTQ, a GPTQ and a QAT program of one recipe)
+            are one latency class in the joint benchmark.
     """
 
     path: str | None = _kept()
@@ -152,6 +155,7 @@ class PteInfo:
     fallback_reason: str | None = _kept()
     kv_cache: str | None = _kept()
     sha256: str | None = _kept()
+    structure: str | None = None  # left out when unset (summaries written before it was recorded)
 
 
 @dataclass

@@ -80,7 +80,9 @@ class Bench:
 class JointEntry:
     """One program's part of a joint benchmark (``joint.interleaved``: fresh processes, round-robin): how it ran
     (``processes`` per program, ``order``, load average before and after, ``threads``) and the ``spread`` of its
-    process medians (None: not recorded; the report then falls back to the run's own ``bench``)."""
+    process medians (None: not recorded; the report then falls back to the run's own ``bench``). ``latency_class``:
+    the programs of one structure timed as one latency class with this one (itself included), whose process medians
+    the spreads pool (``joint.pool_classes``); None: a class of its own."""
 
     processes: int
     order: str | None = None
@@ -89,3 +91,4 @@ class JointEntry:
     decode_tok_s: Spread | None = None
     prefill_tok_s: Spread | None = None
     decode_ms_per_token: Spread | None = None
+    latency_class: list[str] | None = None

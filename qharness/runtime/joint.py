@@ -1,5 +1,10 @@
 """Programs timed jointly: ``processes`` fresh processes per program in round-robin order (A B C A B C ...), all with
 one thread count, each program reported as the ``spread`` of its process medians; and the table of them.
+
+Programs of one structure (``deploy/structure.py``: the same operators, shapes and delegates, only weight values
+differ, e.g. a PTQ, a GPTQ and a QAT program of one recipe) are one latency class (``pool_classes``): each is timed in
+the round-robin like any other, and every member is reported with the spread of all members' process medians pooled,
+so noise cannot rank them.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from qharness.runtime.measure import measure_in_fresh_process
 from qharness.runtime.spread import format_spread, max_over_min, spread
 
 JOINT_KEYS = ("decode_tok_s", "prefill_tok_s", "decode_ms_per_token")
+TIMING_KEYS = (*JOINT_KEYS, "decode_cpu_share", "decode_tok_per_cpu_s")  # what a latency class pools
 
 
 def interleaved(
@@ -30,7 +36,8 @@ def interleaved(
 
     Returns ``{"processes", "order": "round-robin", "load_avg_1m": [before, after], "threads", "prompt_len",
     "decode_tokens", "reps", "sequence": [program names in the order run], "programs": {name: {"path", "kind", "decode_tok_s",
-    "prefill_tok_s", "decode_ms_per_token", "decode_cpu_share", "decode_tok_per_cpu_s", "size_bytes", "weight_bytes"}}}``;
+    "prefill_tok_s", "decode_ms_per_token", "decode_cpu_share", "decode_tok_per_cpu_s", "load_s", "peak_rss_mb",
+    "size_bytes", "weight_bytes"}}}``;
     each timing is a ``spread`` of the per-process medians (ms/token derived per process). ``decode_cpu_share``
     (CPU time / wall time while decoding) below the thread count says the process waited for a core;
     ``decode_tok_per_cpu_s`` is decode speed per CPU-second, which such waiting does not move.
@@ -81,6 +88,8 @@ def interleaved(
             "decode_ms_per_token": spread([1e3 / d for d in decode]),
             "decode_cpu_share": spread([m["decode_cpu_share"]["median"] for m in ms]),
             "decode_tok_per_cpu_s": spread([m["decode_tok_per_cpu_s"]["median"] for m in ms]),
+            **({"load_s": spread([m["load_s"]["median"] for m in ms])} if all("load_s" in m for m in ms) else {}),
+            **({"peak_rss_mb": spread([m["peak_rss_mb"] for m in ms])} if all("peak_rss_mb" in m for m in ms) else {}),
             "size_bytes": ms[0]["size_bytes"],
             "weight_bytes": ms[0]["weight_bytes"],
         }
@@ -96,8 +105,11 @@ def bench_jointly(
     threads: int | None = None,
     names: list[str] | None = None,
     log=print,
+    classes: dict[str, str | None] | None = None,
 ) -> dict:
-    """``interleaved`` over ``.pte`` files (names: ``names`` or the paths), their lengths checked first."""
+    """``interleaved`` over ``.pte`` files (names: ``names`` or the paths), their lengths checked first; with
+    ``classes`` (name -> structure digest), programs of one structure pooled into one latency class
+    (``pool_classes``)."""
     names = names or [str(p) for p in pte_paths]
     if len(set(names)) != len(names):
         raise UserError(f"bench: the same .pte given twice ({names})", fix="pass each --pte once")
@@ -105,7 +117,39 @@ def bench_jointly(
         n: {"kind": "pte", "path": str(p), "vocab_size": pte_vocab(p, prompt_len, decode_tokens, reps)}
         for n, p in zip(names, pte_paths)
     }
-    return interleaved(programs, prompt_len, decode_tokens, reps, processes, threads, log)
+    joint = interleaved(programs, prompt_len, decode_tokens, reps, processes, threads, log)
+    return pool_classes(joint, classes) if classes else joint
+
+
+def latency_classes(classes: dict[str, str | None]) -> list[list[str]]:
+    """The groups of two or more programs with one structure digest (``classes``: name -> digest; None: a program
+    of unknown structure, a class of its own), in the order of ``classes``."""
+    groups: dict[str, list[str]] = {}
+    for name, digest in classes.items():
+        if digest is not None:
+            groups.setdefault(digest, []).append(name)
+    return [members for members in groups.values() if len(members) > 1]
+
+
+def pool_classes(joint: dict, classes: dict[str, str | None]) -> dict:
+    """``joint`` (``interleaved``'s result) with each latency class (``latency_classes``: programs of one structure)
+    reported as one figure: every member's timings become the ``spread`` of all members' process medians, pooled
+    round by round (so ``per_process`` holds ``processes`` x members values), its ``latency_class`` the members and
+    ``unpooled`` its own spreads (kept in ``bench_joint.json``, read by no ranking)."""
+    programs = joint["programs"]
+    for members in latency_classes({n: classes.get(n) for n in programs}):
+        pooled = {
+            k: spread([programs[m][k]["per_process"][r] for r in range(joint["processes"]) for m in members])
+            for k in TIMING_KEYS
+        }
+        for m in members:
+            programs[m] = {
+                **programs[m],
+                "unpooled": {k: programs[m][k] for k in TIMING_KEYS},
+                **pooled,
+                "latency_class": list(members),
+            }
+    return joint
 
 
 def joint_entry(joint: dict, name: str) -> JointEntry:
@@ -118,6 +162,7 @@ def joint_entry(joint: dict, name: str) -> JointEntry:
         load_avg_1m=joint["load_avg_1m"],
         threads=joint["threads"],
         **{k: Spread(**p[k]) for k in JOINT_KEYS},
+        latency_class=p.get("latency_class"),
     )
 
 
@@ -150,9 +195,14 @@ def format_joint(j: dict) -> str:
             )
         )
     width = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    classes = {tuple(p["latency_class"]) for p in j["programs"].values() if p.get("latency_class")}
+    pooled = [
+        f"one latency class (one structure, timed together, samples pooled, one figure): {', '.join(c)}"
+        for c in sorted(classes)
+    ]
     head = (
         f"bench (joint): {j['processes']} fresh processes per program, round-robin, {j['threads']} threads; prompt {j['prompt_len']} tokens, "
         f"{j['decode_tokens']} decode steps, {j['reps']} reps per process; median (min-max) of the process medians; "
         f"load average {j['load_avg_1m'][0]:.1f} -> {j['load_avg_1m'][1]:.1f} on {os.cpu_count()} CPUs"
     )
-    return "\n".join([head] + ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in rows])
+    return "\n".join([head] + ["  ".join(c.ljust(w) for c, w in zip(row, width)) for row in rows] + pooled)

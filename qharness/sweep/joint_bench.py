@@ -1,5 +1,6 @@
 """After the runs: every finished ``.pte`` that passed its parity gate timed jointly (round-robin fresh processes),
-so the report compares the programs under the same conditions."""
+so the report compares the programs under the same conditions; programs of one structure (``pte.structure``) as one
+latency class, one figure."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from qharness.io.atomic import write_json_atomic
 
 def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dict | None = None) -> dict | None:
     """Time the ``.pte`` of every finished run that passed its parity gate jointly (round-robin fresh processes,
-    ``processes`` each), with the sweep's bench lengths (``bench``: the shared config's ``bench`` section; the runs'
+    ``processes`` each; those with one ``pte.structure`` as one latency class: ``joint.pool_classes``), with the
+    sweep's bench lengths (``bench``: the shared config's ``bench`` section; the runs'
     own benchmark may be off, ``bench.enabled: false``); add ``bench_joint`` to each run's summary.json and write
     ``<sweep_dir>/bench_joint.json``."""
     from qharness.config import BenchConfig
@@ -40,6 +42,7 @@ def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dic
         processes,
         names=list(ptes),
         log=lambda line: print(line, flush=True),
+        classes={name: summary.pte.structure for name, (_, summary) in summaries.items()},
     )
     for name, (path, _) in summaries.items():
         RunSummary.update(path, bench_joint=joint_entry(joint, name))
