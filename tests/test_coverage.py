@@ -145,7 +145,9 @@ def test_the_fp_recipe_and_a_recipe_rule_keep_layers_float_without_failing(famil
         ("layers[0] (match 'lm_head')", 1, 0),
     ]
     line = format_coverage(cov)  # the recipe's 4-bit embedding table follows the linears
-    assert "(14 of 15 weights; float: lm_head (recipe rule)); embeddings: model.embed_tokens 4-bit (groups of 32)" in line
+    assert (
+        "(14 of 15 weights; float: lm_head (recipe rule)); embeddings: model.embed_tokens 4-bit (groups of 32)" in line
+    )
 
 
 def test_the_deploy_probe_names_the_failing_stage_and_is_remembered_per_recipe(family, tmp_path, monkeypatch):
