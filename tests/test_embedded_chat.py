@@ -22,6 +22,12 @@ def test_the_precheck_accepts_embedded_chat_and_refuses_a_misspelt_builtin_with_
             precheck(["fit", "--config", str(config)])
         assert f"model.checkpoint {typo!r} is not a built-in model" in e.value.what
         assert "embedded, embedded-chat" in e.value.fix
+    # on its own data, another split would hold out records it was fine-tuned on
+    config.write_text("model: {checkpoint: embedded-chat}\ndata: {source: embedded-chat, val_fraction: 0.2}\n")
+    with pytest.raises(UserError, match="data.val_fraction=0.2 would hold out records it was trained on"):
+        precheck(["fit", "--config", str(config)])
+    config.write_text("model: {checkpoint: embedded-chat}\ndata: {source: embedded-chat, val_fraction: 0.05}\n")
+    assert precheck(["fit", "--config", str(config)]).data.val_fraction == 0.05  # a part of the held-out tail
 
 
 def test_embedded_chat_is_built_once_with_the_chat_template_and_never_saw_the_held_out_conversations(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from qharness.sources.cache import cache_dir
 from qharness.sources.chat import ChatFormat
-from qharness.sources.chat_demo import TEMPLATE, embedded_chat_file
+from qharness.sources.chat_demo import TEMPLATE, TUNED_SEQ_LEN, TUNED_VAL_FRACTION, embedded_chat_file
 from qharness.sources.embedded import build_once, embedded_dir, save_model, train_windows
 from qharness.sources.example_cache import example_stream
 
@@ -33,8 +33,8 @@ class ChatTuneSpec:
     steps: int = 200
     lr: float = 5e-4
     batch_size: int = 8
-    seq_len: int = 128  # data.seq_len's default: the runs' split
-    val_fraction: float = 0.1  # data.val_fraction's default
+    seq_len: int = TUNED_SEQ_LEN  # data.seq_len's default: the runs' split
+    val_fraction: float = TUNED_VAL_FRACTION  # data.val_fraction's default
     seed: int = 1234
 
 
