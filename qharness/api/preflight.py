@@ -76,11 +76,11 @@ def preflight(cfg, subcommand: str | None = None) -> None:
     from qharness.deploy.memory import check_deploy_memory, check_training_memory
     from qharness.recipes.registry import load_recipe
     from qharness.sources.embedded import embedded_config
-    from qharness.sources.models import EMBEDDED, resolve_checkpoint
+    from qharness.sources.models import EMBEDDED, EMBEDDED_MODELS, resolve_checkpoint
 
     # a model that cannot be exported, quantized by the recipe (every projection) and lowered fails here, before any
     # training or calibration (a one-layer copy deployed as the run will deploy it; cached per model and recipe)
-    embedded = cfg.model.checkpoint == EMBEDDED  # its config is known before it is pretrained
+    embedded = cfg.model.checkpoint in EMBEDDED_MODELS  # its config is known before it is built
     deploys = subcommand == "export" or (subcommand in ("fit", "calibrate", None) and deploy.enabled)
     recipe = load_recipe(cfg.model.recipe) if deploys else None
     source = None if embedded else resolve_checkpoint(cfg.model.checkpoint)

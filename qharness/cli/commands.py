@@ -206,7 +206,7 @@ def bench(
     if summary is not None:
         # The eager comparison loads the run's model only from this machine (a directory, or the embedded default):
         # a summary.json lying beside a downloaded .pte never makes qharness build, import or download anything.
-        if summary.model == "embedded" or Path(summary.model).expanduser().is_dir():
+        if summary.model in ("embedded", "embedded-chat") or Path(summary.model).expanduser().is_dir():
             from qharness.sources.models import resolve_checkpoint
 
             model_dir = resolve_checkpoint(summary.model)

@@ -13,7 +13,7 @@ from pathlib import Path
 from qharness.errors import UserError
 from qharness.recipes.registry import Recipe, load_recipe
 from qharness.schema.fields import typed
-from qharness.sources.models import EMBEDDED, check_local_checkpoint
+from qharness.sources.models import EMBEDDED_MODELS, check_local_checkpoint
 from qharness.sources.torchtune import PREFIX as TORCHTUNE
 
 
@@ -179,7 +179,9 @@ class ModelConfig:
     """A causal LM trained with quantization-aware training (or calibrated) for one backend recipe.
 
     Args:
-        checkpoint: ``embedded`` (the built-in small Llama, pretrained on first use), a local
+        checkpoint: ``embedded`` (the built-in small Llama, pretrained on first use), ``embedded-chat`` (it
+            fine-tuned on the training split of ``data.source: embedded-chat`` on first use: a chat model whose
+            tokenizer carries the ``embedded`` chat template), a local
             ``save_pretrained`` directory of any decoder-only HF causal LM that transformers exports
             with a static KV cache (Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3, ...), a hub id (online
             only), or a torchtune builder: ``torchtune:llama3_2.llama3_2_1b`` or
@@ -312,5 +314,5 @@ class ModelConfig:
                 "quantization would re-round GPTQ's weights onto another grid",
                 fix="use mode ptq, or a recipe with learn_scales: true as well (e.g. xnnpack_8da3w_lsq_gptq)",
             )
-        if self.checkpoint != EMBEDDED and not self.checkpoint.startswith(TORCHTUNE):
+        if self.checkpoint not in EMBEDDED_MODELS and not self.checkpoint.startswith(TORCHTUNE):
             check_local_checkpoint(self.checkpoint)

@@ -35,6 +35,7 @@ from qharness.schema.data import DataConfig
 from qharness.schema.fields import build, coerce, hints
 from qharness.schema.model import ModelConfig, check_layer_units
 from qharness.schema.trainer import CheckpointConfig, TrainerConfig
+from qharness.sources.chat_demo import check_tuned_split
 
 # Sections backed by a Lightning class: names not in the dataclass are that class's own fields (Lightning checks them).
 LIGHTNING_SECTIONS = {"trainer", "checkpoint"}
@@ -144,6 +145,8 @@ class RunConfig:
                 check_answer_length(a.max_new_tokens, self.eval.max_length or d.seq_len)
         if readable("deploy", "bench") and self.deploy.enabled and self.bench.enabled:
             check_lengths(self.bench.prompt_len, self.bench.decode_tokens, self.bench.reps, self.deploy.max_seq_len)
+        if readable("model", "data"):
+            check_tuned_split(m.checkpoint, d.source, d.seq_len, d.val_fraction)
         if readable("model", "trainer"):
             recipe = m.load_recipe()
             if t.strategy == "fsdp_layers":

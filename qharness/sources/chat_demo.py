@@ -20,6 +20,7 @@ import json
 import sys
 from pathlib import Path
 
+from qharness.errors import UserError
 from qharness.io.atomic import write_text_atomic
 from qharness.io.locks import hold_lock
 from qharness.sources.cache import cache_dir
@@ -44,6 +45,24 @@ TEMPLATE = (
 )
 
 MAX_ANSWER_CHARS = 400
+
+# The split model.checkpoint: embedded-chat was fine-tuned on (data.seq_len, data.val_fraction: the defaults)
+TUNED_SEQ_LEN, TUNED_VAL_FRACTION = 128, 0.1
+
+
+def check_tuned_split(checkpoint: str, source: str, seq_len: int, val_fraction: float) -> None:
+    """The embedded chat model on its own data: a split other than the one it was tuned on would hold out (validation
+    loss, perplexity, the answered questions) records it was fine-tuned on. ``UserError`` naming the fields."""
+    if checkpoint != EMBEDDED_CHAT or source != EMBEDDED_CHAT:
+        return
+    if seq_len != TUNED_SEQ_LEN or val_fraction > TUNED_VAL_FRACTION:
+        raise UserError(
+            f"model.checkpoint embedded-chat was fine-tuned on data.source embedded-chat split with data.seq_len="
+            f"{TUNED_SEQ_LEN}, data.val_fraction={TUNED_VAL_FRACTION}: data.seq_len={seq_len}, "
+            f"data.val_fraction={val_fraction} would hold out records it was trained on",
+            fix=f"set data.seq_len: {TUNED_SEQ_LEN} and data.val_fraction <= {TUNED_VAL_FRACTION}, or give "
+            "eval.answers.source and another data.source",
+        )
 
 
 def _summary(doc: str) -> str:

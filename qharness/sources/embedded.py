@@ -77,39 +77,61 @@ def pretrain_embedded(spec: EmbeddedSpec, out_dir: Path, texts: list[str] | None
     leaves a half-written cache. Returns the training log (first/last loss).
     """
     import torch
-    from tqdm import tqdm
 
     texts = texts if texts is not None else embedded_corpus()
     torch.manual_seed(spec.seed)
     tokenizer = train_bpe_tokenizer(texts, spec.vocab_size)
     stream = tokenize_stream(texts, tokenizer)
-    data = stream[: len(stream) - int(len(stream) * spec.val_fraction)]  # hold out the same tail as TextDataModule
+    cut = len(stream) - int(len(stream) * spec.val_fraction)  # hold out the same tail as TextDataModule
     model = new_llama(spec, len(tokenizer)).train()
+    losses, val_curve = train_windows(
+        model, stream[:cut], None, stream[cut:], None, spec, f"pretraining {spec.hidden_size}-dim Llama"
+    )
+    info = {
+        "spec": asdict(spec),
+        "first_loss": losses[0],
+        "last_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "val_loss": val_curve,
+    }
+    save_model(model, tokenizer, out_dir, info)
+    return info
+
+
+def train_windows(model, data, targets, val, val_targets, spec, desc: str) -> tuple[list[float], list]:
+    """Train ``model`` in place on random ``spec.seq_len`` windows of the token stream ``data`` (AdamW, one-cycle
+    schedule, ``spec.steps`` steps of ``spec.batch_size``; ``spec`` has ``steps``, ``lr``, ``batch_size``,
+    ``seq_len``, ``seed``). ``targets`` (aligned with ``data``, -100 where nothing is trained: chat data) or None
+    (every next token). Returns the training losses and the held-out loss on ``val`` every tenth of the steps."""
+    import torch
+    from tqdm import tqdm
+
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=spec.lr, total_steps=spec.steps, pct_start=0.05)
     gen = torch.Generator().manual_seed(spec.seed)
-    val = stream[len(data) :]
+    data_y = data if targets is None else targets
+    val_y_all = val if val_targets is None else val_targets
     n_val = min(64, (len(val) - 1) // spec.seq_len)
     val_x = val[: n_val * spec.seq_len].view(n_val, spec.seq_len)
-    val_y = val[1 : n_val * spec.seq_len + 1].view(n_val, spec.seq_len)
+    val_y = val_y_all[1 : n_val * spec.seq_len + 1].view(n_val, spec.seq_len)
+
+    def loss_of(x, y):  # mean over the trained targets (chat data: the answers' tokens)
+        logits = model(input_ids=x).logits.flatten(0, 1)
+        return torch.nn.functional.cross_entropy(logits, y.flatten(), reduction="sum") / (y != -100).sum().clamp(min=1)
 
     @torch.no_grad()
-    def val_loss() -> float:  # held-out loss: shows whether pretraining has converged
+    def val_loss() -> float:  # held-out loss: shows whether training has converged
         model.eval()
-        out = sum(
-            torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten()).item()
-            for x, y in zip(val_x.split(16), val_y.split(16))
-        ) / len(val_x.split(16))
+        out = sum(loss_of(x, y).item() for x, y in zip(val_x.split(16), val_y.split(16))) / len(val_x.split(16))
         model.train()
         return out
 
     losses, val_curve = [], []
-    bar = tqdm(range(spec.steps), desc=f"pretraining {spec.hidden_size}-dim Llama", unit="step")
+    bar = tqdm(range(spec.steps), desc=desc, unit="step")
     for step in bar:
         starts = torch.randint(0, len(data) - spec.seq_len - 1, (spec.batch_size,), generator=gen)
         x = torch.stack([data[s : s + spec.seq_len] for s in starts])
-        y = torch.stack([data[s + 1 : s + spec.seq_len + 1] for s in starts])
-        loss = torch.nn.functional.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+        y = torch.stack([data_y[s + 1 : s + spec.seq_len + 1] for s in starts])
+        loss = loss_of(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -119,21 +141,32 @@ def pretrain_embedded(spec: EmbeddedSpec, out_dir: Path, texts: list[str] | None
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if n_val and (step + 1) % max(1, spec.steps // 10) == 0:
             val_curve.append((step + 1, val_loss()))
+    return losses, val_curve
+
+
+def save_model(model, tokenizer, out_dir: Path, info: dict) -> None:
+    """``save_pretrained`` of the model and tokenizer plus ``qharness_pretrain.json`` (``info``) into ``out_dir``,
+    written under a temporary name and renamed when complete (a crash never leaves a half-written cache)."""
     remove_stale_temps(out_dir.parent)  # what a killed build (of any cached model) left behind
     tmp = temp_dir_for(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     model.eval().save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    info = {
-        "spec": asdict(spec),
-        "first_loss": losses[0],
-        "last_loss": sum(losses[-20:]) / len(losses[-20:]),
-        "val_loss": val_curve,
-    }
     (tmp / "qharness_pretrain.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
-    return info
+
+
+def build_once(out: Path, what: str, build) -> Path:
+    """``build()`` writes the model directory ``out`` unless it is there (holding ``out``'s lock: another process
+    building it is waited for, saying ``what`` it builds, rather than built twice). Returns ``out``."""
+    if not (out / "config.json").is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with hold_lock(out.with_name(out.name + ".lock"), f"{what} cached in {out}"):
+            if not (out / "config.json").is_file():
+                log.info("%s once (cached in %s)", what, out)
+                build()
+    return out
 
 
 def embedded_dir(spec: EmbeddedSpec = EmbeddedSpec(), source: str = EMBEDDED) -> Path:
@@ -148,15 +181,5 @@ def embedded_dir(spec: EmbeddedSpec = EmbeddedSpec(), source: str = EMBEDDED) ->
         h.update(doc.encode())
     name = "embedded" if source == EMBEDDED else Path(source).stem
     out = cache_dir() / f"{name}-llama-{h.hexdigest()[:12]}"
-    if not (out / "config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        # another run pretraining the same model: wait for it (saying whom for) rather than pretrain it twice
-        with hold_lock(out.with_name(out.name + ".lock"), f"pretraining the model cached in {out}"):
-            if not (out / "config.json").is_file():
-                log.info(
-                    "pretraining the %s model once (cached in %s)",
-                    "embedded default" if source == EMBEDDED else source,
-                    out,
-                )
-                pretrain_embedded(spec, out, texts)
-    return out
+    what = "pretraining the " + ("embedded default model" if source == EMBEDDED else f"model on {source}")
+    return build_once(out, what, lambda: pretrain_embedded(spec, out, texts))

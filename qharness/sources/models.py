@@ -18,6 +18,8 @@ from pathlib import Path
 from qharness.errors import UserError
 
 EMBEDDED = "embedded"  # model.checkpoint of the built-in default (as data.source "embedded" names its corpus)
+EMBEDDED_CHAT = "embedded-chat"  # the built-in default fine-tuned on the embedded instruction data (its data.source)
+EMBEDDED_MODELS = (EMBEDDED, EMBEDDED_CHAT)  # built on first use, cached: nothing to download
 
 
 def resolve_checkpoint(checkpoint: str) -> str:
@@ -27,6 +29,10 @@ def resolve_checkpoint(checkpoint: str) -> str:
         from qharness.sources.embedded import embedded_dir
 
         return str(embedded_dir())
+    if checkpoint == EMBEDDED_CHAT:
+        from qharness.sources.embedded_chat import embedded_chat_dir
+
+        return str(embedded_chat_dir())
     from qharness.sources.torchtune import is_torchtune, torchtune_dir
 
     if is_torchtune(checkpoint):
@@ -60,9 +66,24 @@ def check_local_checkpoint(checkpoint: str) -> str | None:
         for weights in sorted(path.glob("*.safetensors")):
             check_safetensors(weights)
         return str(path)
+    check_embedded_name(checkpoint)
     if checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1:
         raise UserError(f"model.checkpoint {checkpoint} does not exist", fix="give an existing directory or a hub id")
     return None
+
+
+def check_embedded_name(checkpoint: str) -> None:
+    """A ``model.checkpoint`` that looks like a misspelt built-in model (``embeded-chat``, ``embedded_chat``) is
+    refused with the known names, rather than looked up on the hub."""
+    import difflib
+
+    if checkpoint in EMBEDDED_MODELS or "/" in checkpoint:
+        return
+    if checkpoint.lower().startswith("embed") or difflib.get_close_matches(checkpoint, EMBEDDED_MODELS, cutoff=0.8):
+        raise UserError(
+            f"model.checkpoint {checkpoint!r} is not a built-in model",
+            fix=f"use one of {', '.join(EMBEDDED_MODELS)}, a save_pretrained directory or a hub id",
+        )
 
 
 # config.json fields that count things (GPT-2 style names too): each must be a whole number >= 1 where it is set

@@ -28,11 +28,13 @@ Runner = Callable[[list[str], Path], int]
 
 
 def resolve_shared_model(runs: list[SweepRun]) -> None:
-    """Pretrain (or find in the cache) the embedded default once, before the runs that use it."""
-    if any(r.config.get("model", {}).get("checkpoint", "embedded") == "embedded" for r in runs):
-        from qharness.sources.models import resolve_checkpoint
+    """Build (or find in the cache) the built-in models (the embedded default, the embedded chat model) once, before
+    the runs that use them."""
+    from qharness.sources.models import EMBEDDED_MODELS, resolve_checkpoint
 
-        print(f"[sweep] shared FP model: {resolve_checkpoint('embedded')}", flush=True)
+    for name in EMBEDDED_MODELS:
+        if any(r.config.get("model", {}).get("checkpoint", "embedded") == name for r in runs):
+            print(f"[sweep] shared FP model: {resolve_checkpoint(name)}", flush=True)
 
 
 def in_parallel(runs: list[SweepRun], pending: list[int], jobs: int, execute: Callable[[int], None]) -> None:

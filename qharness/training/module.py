@@ -43,7 +43,7 @@ class QuantLM(L.LightningModule):
         self.hparams.update(config.hparams())  # every field, distill and lora as plain data (checkpoints)
         self.distill, self.lora = config.distill, config.lora
         self.recipe = config.load_recipe()
-        if config.checkpoint != "embedded":
+        if config.checkpoint not in ("embedded", "embedded-chat"):  # the built-in ones are built on first use
             from qharness.sources.models import resolve_checkpoint
 
             resolve_checkpoint(config.checkpoint)  # a missing directory, config or weights fails here, before any work
