@@ -21,7 +21,10 @@ _build = functools.partial(build_qat, recipe=RECIPE)  # the torchao recipe by de
 
 
 def _fake_quantizers(m):
-    return {n: mod for n, mod in m.graph.named_modules() if n.endswith("weight_fake_quantizer")}
+    """The linear weights' fake quantizers (the recipe's 4-bit embedding table has its own, with min-max scales)."""
+    return {
+        n: mod for n, mod in m.graph.named_modules() if n.endswith("weight_fake_quantizer") and "embed_tokens" not in n
+    }
 
 
 def _minmax_converted(m, weights_from=None):
@@ -56,6 +59,8 @@ def test_scales_start_at_min_max_and_are_parameters_without_weight_decay(tiny_ll
         assert not zero_point.any()
     scales = {id(fq.scale) for fq in _fake_quantizers(m).values()}
     assert len(scales) == N_LINEARS
+    table = dict(m.graph.named_modules())["model.model.embed_tokens.weight_fake_quantizer"]
+    assert not isinstance(table.scale, torch.nn.Parameter)  # the embedding table keeps min-max scales: none learned
     assert all(
         isinstance(fq.scale, torch.nn.Parameter) and fq.scale.requires_grad for fq in _fake_quantizers(m).values()
     )

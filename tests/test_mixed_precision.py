@@ -161,7 +161,7 @@ def test_embeddings_follow_rules_and_layers_a_group_cannot_split_stay_fp(tmp_pat
     recipe = _recipe(
         tmp_path,
         "base: xnnpack_8da4w\nquantizer: {embedding_bits: 4}\n"
-        'layers: [{match: "model.embed_tokens", embedding_bits: 8, group_size: null},'
+        'layers: [{match: "model.embed_tokens", embedding_bits: 8, embedding_group_size: null},'
         ' {match: "*.self_attn.q_proj", group_size: 128}]\n',
     )
     with caplog.at_level(logging.WARNING):

@@ -77,7 +77,7 @@ def test_installed_wheel_lists_every_builtin_recipe_and_task_template(site, tmp_
 
     r = run_installed(site, tmp_path, "-m", "qharness", "recipes")
     assert r.returncode == 0, r.stderr[-3000:]
-    listed = [line.split()[0] for line in r.stdout.splitlines() if line.strip()]
+    listed = [line.split()[0] for line in r.stdout.splitlines()[1:] if line.strip()]  # below the header line
     assert listed == sorted(p.stem for p in (ROOT / "qharness" / "recipes" / "builtin").glob("*.yaml"))
 
 

@@ -65,7 +65,8 @@ class Coverage:
     rules: list[RuleCoverage] = field(default_factory=list)
     float: dict[str, FloatWeight] = field(default_factory=dict)
     unused: list[str] = field(default_factory=list)
-    embeddings: dict[str, EmbeddingTable] = field(default_factory=dict)
+    # left out of summary.json while empty: summaries of runs without quantized tables read and write the same
+    embeddings: dict[str, EmbeddingTable] = field(default_factory=dict, metadata={"omit_empty": True})
 
     def failures(self) -> dict[str, str]:
         """``{weight name: why}`` of the float weights the recipe meant to quantize."""

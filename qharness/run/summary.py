@@ -347,12 +347,14 @@ def _hints(cls) -> dict:
 
 
 def _plain(value):
-    """A section as JSON data: a dataclass's fields (unset ones only where ``KEEP_NONE``); dicts and lists of them."""
+    """A section as JSON data: a dataclass's fields (unset ones only where ``KEEP_NONE``; empty ones not where
+    ``omit_empty``); dicts and lists of them."""
     if dataclasses.is_dataclass(value):
         return {
             f.name: _plain(v)
             for f in dataclasses.fields(value)
-            if (v := getattr(value, f.name)) is not None or f.metadata.get("keep_none")
+            if ((v := getattr(value, f.name)) is not None or f.metadata.get("keep_none"))
+            and not (f.metadata.get("omit_empty") and v in ({}, []))
         }
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
