@@ -12,7 +12,7 @@ XNNPACK (``LADDERS["xnnpack"]``), in order:
    accuracy, it does not look for a smaller program); its smallest scheme (4-bit per channel) stores 8/9 of 4-bit
    g32's linear bytes, so a budget below 8/9 of the smallest measured candidate is out of its reach.
 4. ``int4_qat``: 4-bit QAT from GPTQ's weights with learned scales and distillation from the FP model (what paid off
-   in the benchmarks, BENCHMARKS 3c/4): training, the costliest so far; the same program size and speed as its PTQ
+   in the quality benchmarks, docs/benchmarks/quality.md): training, the costliest so far; the same program size and speed as its PTQ
    sibling (``xnnpack_8da4w_gptq``), only more accurate.
 5. ``int3_ptq``, 6. ``int3_qat``: 3-bit weights, where the budgets demand them (no candidate at more bits fits the
    budgets). XNNPACK stores 2/3-bit values as int4, so on this backend they are 4-bit's size: these rungs then
@@ -86,7 +86,7 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
         ),
         Rung(
             "int3_ptq",
-            "3-bit weights, PTQ (GPTQ, which halves nearest rounding's loss at 3 bits (BENCHMARKS 4); per-row scales, "
+            "3-bit weights, PTQ (GPTQ, which halves nearest rounding's loss at 3 bits on the demo model; per-row scales, "
             "the smaller program): fewer bits, only where the budgets demand them",
             _ptq("xnnpack_8da3w_gptq", "xnnpack_8da3w_pc"),
             bits=3,
