@@ -215,7 +215,9 @@ def test_autotune_cli_writes_a_recipe_that_fits_and_runs_it(tmp_path, tiny_llama
     assert summary["pte"]["size_bytes"] == record["measured_size_bytes"] <= 225_000
     assert abs(record["measured_size_bytes"] - record["predicted_size_bytes"]) / record["measured_size_bytes"] < 0.03
     assert len(set(record["schemes"].values())) > 1  # the budget lies between the uniform sizes: a mix
-    for layer, scheme in summary["layers"]["schemes"].items():
+    schemes = dict(summary["layers"]["schemes"])
+    assert schemes.pop("model.embed_tokens") == "w4-g32"  # the base recipe's 4-bit table: not a unit autotune assigns
+    for layer, scheme in schemes.items():
         unit = "lm_head" if layer == "lm_head" else ".".join(layer.split(".")[:3])
         assert scheme == record["schemes"][unit], layer
     recipe = yaml.safe_load((run / "autotuned.yaml").read_text())
