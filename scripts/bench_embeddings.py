@@ -112,14 +112,15 @@ def table_md(name: str, rows: list[dict]) -> str:
     lines = [
         f"### {name}",
         "",
-        "| embedding | mode | .pte ppl [95% CI] | ppl / FP [paired 95% CI] | .pte size | parity |",
-        "|---|---|---|---|---|---|",
+        "| embedding | mode | .pte ppl [95% CI] | ppl / FP [paired 95% CI] | .pte size | table stored | parity |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        stored = sum(t.get("stored_bytes") or t.get("bytes") or 0 for t in r["tables"].values())
         lines.append(
             f"| {r['table']} | {r['mode']} | {r['ppl']:.3f}{fmt_ci(r['ppl_ci'])} | "
             f"{r['ratio']:.4f}{fmt_ci(r['ratio_ci'])} | {r['size_bytes'] / 1e6:.3f} MB | "
-            f"{'passed' if r['parity'] else 'FAILED'} |"
+            f"{f'{stored:,} B' if stored else '-'} | {'passed' if r['parity'] else 'FAILED'} |"
         )
     if rows:
         lines.append(f"\nFP model: ppl {rows[0]['ppl_fp']:.3f} on the same blocks.")

@@ -13,9 +13,11 @@ each run also on its own. Decode against the bound: decode tok/s x bytes read pe
 less its embedding table, of which a token reads one row; ``runtime/measure._sizes``) / the measured copy bandwidth
 (GB/s, bytes read + written, printed).
 
-Recipes: names or recipe YAML paths; ``8da4w+emb4`` is ``xnnpack_8da4w`` with ``embedding_bits: 4`` (a recipe file
-written under ``--work``); its peer is ``export_llm`` 8da4w with ``embedding_quantize: 4,32``. Peers exist for
-``xnnpack_fp32``, ``xnnpack_int8_dynamic``, ``xnnpack_8da4w`` and ``8da4w+emb4``.
+Recipes: names or recipe YAML paths. ``xnnpack_8da4w`` quantizes the embedding table to 4 bits in groups of 32 (the
+built-in default); its peer is ``export_llm`` 8da4w with ``embedding_quantize: 4,32``. ``8da4w+fpemb`` is
+``xnnpack_8da4w`` with ``embedding_bits: null`` (FP32 tables; a recipe file written under ``--work``); its peer is
+``export_llm`` 8da4w. Peers exist for ``xnnpack_fp32``, ``xnnpack_int8_dynamic``, ``8da4w+fpemb`` and
+``xnnpack_8da4w``.
 
 The Llama-3.2-1B shape here has no llama3 rope scaling (``export_llm``'s weight mapping here takes default rotary
 only; scaling changes the rotary table's values, not its shape or the work per token).
@@ -23,7 +25,7 @@ only; scaling changes the rotary table's values, not its shape or the work per t
 Usage::
 
     python scripts/phone_scale.py --shape 135m                      # all four recipes + peers, 2 runs
-    python scripts/phone_scale.py --shape 1b --recipes xnnpack_8da4w 8da4w+emb4 --runs 2
+    python scripts/phone_scale.py --shape 1b --recipes 8da4w+fpemb xnnpack_8da4w --runs 2
     python scripts/phone_scale.py --shape qwen3-0.6b --recipes xnnpack_8da4w --no-peer
 """
 
@@ -62,13 +64,13 @@ QWEN3_06B = dict(
 LLAMA32_1B = {k: v for k, v in scale.LLAMA32_1B.items() if k != "rope_scaling"}  # see the module docstring
 SHAPES = {"135m": ("llama", scale.SMOLLM2_135M), "qwen3-0.6b": ("qwen3", QWEN3_06B), "1b": ("llama", LLAMA32_1B)}
 NAMES = {"135m": "SmolLM2-135M", "qwen3-0.6b": "Qwen3-0.6B", "1b": "Llama-3.2-1B"}
-EMB4 = "8da4w+emb4"
-RECIPES = ["xnnpack_fp32", "xnnpack_int8_dynamic", "xnnpack_8da4w", EMB4]
+FPEMB = "8da4w+fpemb"
+RECIPES = ["xnnpack_fp32", "xnnpack_int8_dynamic", FPEMB, "xnnpack_8da4w"]
 PEERS = {  # our recipe -> export_llm's LlmConfig.quantization settings
     "xnnpack_fp32": {},
     "xnnpack_int8_dynamic": {"pt2e_quantize": "xnnpack_dynamic"},
-    "xnnpack_8da4w": {"qmode": "8da4w", "group_size": 32},
-    EMB4: {"qmode": "8da4w", "group_size": 32, "embedding_quantize": "4,32"},
+    FPEMB: {"qmode": "8da4w", "group_size": 32},
+    "xnnpack_8da4w": {"qmode": "8da4w", "group_size": 32, "embedding_quantize": "4,32"},
 }
 PUBLISHED_1B_4BIT_MIB = 1083  # ExecuTorch's published Llama-3.2-1B 4-bit .pte size (the size target at 1B)
 
@@ -90,13 +92,13 @@ def make_model(out: Path, shape: str) -> None:
 
 
 def recipe_arg(name: str, work: Path) -> str:
-    """A recipe name or path for ``load_recipe``; ``8da4w+emb4`` becomes a recipe file under ``work``."""
-    if name != EMB4:
+    """A recipe name or path for ``load_recipe``; ``8da4w+fpemb`` becomes a recipe file under ``work``."""
+    if name != FPEMB:
         return name
-    path = work / "xnnpack_8da4w_emb4.yaml"
+    path = work / "xnnpack_8da4w_fpemb.yaml"
     path.write_text(
-        "base: xnnpack_8da4w\ndescription: XNNPACK 8da4w + 4-bit embedding table (weight-only, per row)\n"
-        "quantizer:\n  embedding_bits: 4\n"
+        "base: xnnpack_8da4w\ndescription: XNNPACK 8da4w with FP32 embedding tables\n"
+        "quantizer:\n  embedding_bits: null\n"
     )
     return str(path)
 
@@ -147,7 +149,7 @@ def in_child(*args: str) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="135m", choices=sorted(SHAPES))
-    p.add_argument("--recipes", nargs="+", default=RECIPES, help=f"recipe names or YAML paths; {EMB4}: see above")
+    p.add_argument("--recipes", nargs="+", default=RECIPES, help=f"recipe names or YAML paths; {FPEMB}: see above")
     p.add_argument("--no-peer", action="store_true", help="no export_llm programs")
     p.add_argument("--peers", nargs="+", default=None, help="the recipes that get an export_llm peer (default: all)")
     p.add_argument("--work", type=Path, default=Path(os.environ.get("TMPDIR", "/tmp")) / "qharness-phone")
@@ -157,7 +159,7 @@ def main(argv=None) -> None:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=2, help="repetitions per fresh process (after a warm-up)")
     p.add_argument("--processes", type=int, default=2, help="fresh processes per program per run, round-robin")
-    p.add_argument("--runs", type=int, default=2, help="joint runs (each with --processes rounds)")
+    p.add_argument("--runs", type=int, default=2, help="joint runs (each with --processes rounds); 0: export only")
     p.add_argument("--reuse", action="store_true", help="time the .pte files an earlier invocation left in --out")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -200,6 +202,9 @@ def main(argv=None) -> None:
                 exports[peer] = in_child("peer", name, "-", "--shape", a.shape, *_common(a))
                 record.write_text(json.dumps(exports, indent=2))
             programs[peer] = Path(exports[peer]["path"])
+    if a.runs == 0:
+        print(json.dumps(exports, indent=2))
+        return
     vocab = SHAPES[a.shape][1]["vocab_size"]
     bandwidth = memory_bandwidth()
     runs = []
@@ -283,7 +288,7 @@ def table(a, runs, exports, bandwidth, format_spread, pair_ratios, spread, verdi
         )
     if a.shape == "1b":
         for name, p in first["programs"].items():
-            if "8da4w" in name or "emb4" in name:
+            if "8da4w" in name and not name.startswith("export_llm"):
                 mib = p["size_bytes"] / 2**20
                 lines.append(
                     f"- {name}: .pte {mib:.0f} MiB vs ExecuTorch's published {PUBLISHED_1B_4BIT_MIB} MiB for 4-bit: "

@@ -149,7 +149,7 @@ def test_child_pythons_do_not_import_from_the_working_directory(tmp_path):
 
 
 @pytest.mark.slow  # its run child can take minutes on a loaded machine; the fast check of -P is the test above
-def test_a_sweep_does_not_run_a_yaml_py_planted_in_the_working_directory(tmp_path):
+def test_a_sweep_does_not_run_a_yaml_py_planted_in_the_working_directory(tmp_path, tiny_llama, corpus):
     marker = tmp_path / "planted_ran"
     work = tmp_path / "work"
     work.mkdir()
@@ -162,7 +162,12 @@ def test_a_sweep_does_not_run_a_yaml_py_planted_in_the_working_directory(tmp_pat
         "runs": [{"recipe": "xnnpack_int8_dynamic", "modes": ["ptq"]}],
         "baseline": None,
         # passes the sweep's check of each run's config; the run itself then refuses its eval task (a child ran)
-        "config": {"model": {"checkpoint": "embedded"}, "eval": {"enabled": True, "tasks": ["no_such_task_q"]}},
+        # (the tests' tiny model: the embedded default would be pretrained first in this test's fresh cache)
+        "config": {
+            "model": {"checkpoint": str(tiny_llama)},
+            "data": {"source": str(corpus)},
+            "eval": {"enabled": True, "tasks": ["no_such_task_q"]},
+        },
         "report": {"wandb": False, "bench_processes": 0},
     }
     (tmp_path / "sweep.yaml").write_text(yaml.safe_dump(config))

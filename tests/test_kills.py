@@ -65,11 +65,11 @@ def _text(chunks) -> str:
 
 
 def kill_inside(args, start, end: str | None, max_delay: float, timeout: float = 600) -> Killed:
-    """Run ``qharness ARGS``; once ``start`` (a line of its output, or a callable that says the stage runs) is seen,
-    wait a seeded random delay below ``max_delay`` and SIGKILL the process, which must not have printed ``end``
-    (the stage's end line) by then: the kill landed inside the stage."""
+    """Run ``qharness ARGS``; once ``start`` (a line of its output, or a callable of the output so far that says the
+    stage runs) is seen, wait a seeded random delay below ``max_delay`` and SIGKILL the process, which must not have
+    printed ``end`` (the stage's end line) by then: the kill landed inside the stage."""
     proc, chunks, reader = _start(args)
-    seen = start if callable(start) else lambda: start in _text(chunks)
+    seen = (lambda: start(_text(chunks))) if callable(start) else lambda: start in _text(chunks)
     deadline = time.time() + timeout
     while not seen():
         assert proc.poll() is None, f"qharness {args[0]} ended before {start!r}:\n{_text(chunks)[-3000:]}"
@@ -136,6 +136,11 @@ def test_fit_killed_in_every_stage_finishes_and_never_claims_more(tmp_path, tiny
     t0 = time.time()
     run_dir = tmp_path / "run"
     steps, every = 12, 3
+    # a text of its own: the shared corpus's tokens may already be cached by an earlier test in this process, and a
+    # cached read ends before any kill can land inside it
+    own = tmp_path / "corpus.txt"
+    own.write_text(corpus.read_text(encoding="utf-8") + f"\n\n{tmp_path.name}\n", encoding="utf-8")
+    corpus = own
     cfg = write_config(
         tmp_path / "fit.yaml",
         tiny_llama,
@@ -163,8 +168,11 @@ def test_fit_killed_in_every_stage_finishes_and_never_claims_more(tmp_path, tiny
     assert not ckpt.exists() and check_claims(run_dir, set()) is None
     log.append("data prep")
 
-    # training: killed at a random point after the first periodic checkpoint
-    k = kill_inside(fit, ckpt.exists, "Trainer.fit` stopped", 2.0)
+    # training: killed at a random step after the first periodic checkpoint, at least one checkpoint before the end
+    # (a step count, not a delay: an idle machine trains these 12 steps in about a second)
+    target = RNG.randint(every + 1, steps - every - 1)
+    k = kill_inside(fit, lambda out: ckpt.exists() and max(map(int, _steps_shown(out, steps)), default=0) >= target,
+                    "Trainer.fit` stopped", 0.0)  # fmt: skip
     saved = step_of(ckpt)
     shown = max((int(n) for n in _steps_shown(k.output, steps)), default=0)
     assert 0 < saved < steps and saved % every == 0
@@ -257,7 +265,7 @@ def test_sweep_killed_between_runs_in_training_and_in_the_report(tmp_path, tiny_
     # in the second run's training: the sweep dies, its run is stopped (SIGTERM, so it saves its checkpoint)
     ckpt = qat / "checkpoints" / "last.ckpt"
     # at once: on an idle machine the 12 tiny steps finish within a second of the first checkpoint
-    k = kill_inside(sweep, ckpt.exists, "[sweep 2/2] xnnpack_int8_dynamic-qat: done", 0.0)
+    k = kill_inside(sweep, lambda out: ckpt.exists(), "[sweep 2/2] xnnpack_int8_dynamic-qat: done", 0.0)
     assert "1 already finished" in k.output and "xnnpack_int8_dynamic-ptq: finished earlier" in k.output
     assert k.children, "the sweep had no run going"
     _wait_gone(k.children)  # the run ended with the sweep, not left training in the background

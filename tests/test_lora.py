@@ -255,6 +255,7 @@ def test_lora_pte_has_the_program_of_full_qat(tmp_path, tiny_llama, corpus):
     assert lora["parity"]["passed"] and lora["parity"]["fake_quant"]["passed"], lora["parity"]
     assert operators(lora["pte"]["path"]) == operators(full["pte"]["path"])
     # the same size but for constants the program stores once when equal: LoRA leaves the 5 RMSNorm weight vectors of
-    # this random-init model at their initial ones (4 duplicates of 64 floats), full QAT trains them apart
-    assert 0 <= full["pte"]["size_bytes"] - lora["pte"]["size_bytes"] <= 4 * 64 * 4
+    # this random-init model at their initial ones (4 duplicates of 64 floats), full QAT trains them apart; each
+    # stored constant also costs its flatbuffer entry (32 bytes here, 64 allowed for alignment)
+    assert 0 <= full["pte"]["size_bytes"] - lora["pte"]["size_bytes"] <= 4 * (64 * 4 + 64)
     assert lora["pte"]["sha256"] != full["pte"]["sha256"]  # other weights: it did train

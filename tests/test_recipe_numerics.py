@@ -66,12 +66,16 @@ def test_the_fast_subset_names_recipes_and_modes_that_exist():
 
 @pytest.mark.slow  # ~40 s; the default suite lowers and runs 4-bit embeddings in tests/test_runner_snippet.py (emb4_run)
 def test_8da4w_with_4bit_embeddings_qat(tiny_llama, corpus, tmp_path):
-    """Optional embedding quantization: QAT fake-quantizes the table, the .pte packs it as 4-bit."""
-    recipe = tmp_path / "emb4.yaml"
-    recipe.write_text("base: xnnpack_8da4w\ndescription: 8da4w + 4-bit embeddings\nquantizer:\n  embedding_bits: 4\n")
-    summary = run_recipe(str(recipe), "qat", tiny_llama, corpus, tmp_path / "emb4")
-    plain = run_recipe("xnnpack_8da4w", "ptq", tiny_llama, corpus, tmp_path / "plain")
+    """Embedding quantization (the 4-bit recipes' default): QAT fake-quantizes the table, the .pte packs it as 4-bit,
+    smaller than the same recipe with its tables kept FP32."""
+    float_tables = tmp_path / "fp_emb.yaml"
+    float_tables.write_text(
+        "base: xnnpack_8da4w\ndescription: 8da4w, FP32 embeddings\nquantizer:\n  embedding_bits: null\n"
+    )
+    summary = run_recipe("xnnpack_8da4w", "qat", tiny_llama, corpus, tmp_path / "emb4")
+    plain = run_recipe(str(float_tables), "ptq", tiny_llama, corpus, tmp_path / "plain")
     m = summary.metrics
     assert summary.parity.passed, summary.parity
     assert abs(m["fake_quant"].ppl - m["pte"].ppl) / m["pte"].ppl < 0.01
+    assert [t.bits for t in summary.coverage.embeddings.values()] == [4]
     assert summary.pte.size_bytes < 0.8 * plain.pte.size_bytes

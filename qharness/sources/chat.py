@@ -113,9 +113,9 @@ def record_files(source: str, field: str = "data.source") -> list[Path]:
     return files
 
 
-def iter_records(files: list[Path]) -> Iterator[tuple[str, object]]:
+def iter_records(files: list[Path], field: str = "data.source") -> Iterator[tuple[str, object]]:
     """``(where, record)`` of every record: ``file:line`` of a ``.jsonl`` line, ``file[i]`` of a ``.json`` list's
-    record. Blank lines are skipped; invalid JSON is refused naming the line."""
+    record. Blank lines are skipped; invalid JSON is refused naming ``field`` and the line."""
     for f in files:
         compression = _kind(f)[1]
         opener = importlib.import_module(compression).open if compression else open
@@ -124,14 +124,14 @@ def iter_records(files: list[Path]) -> Iterator[tuple[str, object]]:
                 if ".jsonl" in f.suffixes:
                     for n, line in enumerate(fh, 1):
                         if line.strip():
-                            yield f"{f}:{n}", _json(line, f"{f}:{n}")
+                            yield f"{f}:{n}", _json(line, f"{field} {f}:{n}")
                 else:
-                    data = _json(fh.read(), str(f))
+                    data = _json(fh.read(), f"{field} {f}")
                     records = data if isinstance(data, list) else [data]
                     for i, record in enumerate(records):
                         yield f"{f}[{i}]", record
         except (OSError, EOFError, UnicodeDecodeError) as e:
-            raise UserError(f"data.source {f} cannot be read ({e})", fix="give UTF-8 JSON lines") from e
+            raise UserError(f"{field} {f} cannot be read ({e})", fix="give UTF-8 JSON lines") from e
 
 
 def _json(text: str, where: str):
@@ -355,7 +355,7 @@ def held_out_conversations(
     """``(where, turns)`` of the first ``limit`` records whose whole example lies in the last ``held_tokens`` tokens of
     the example stream (the validation split, which training never saw), in their order; ``held_tokens`` None: every
     record (a source of its own). Each example's length is its rendering's, cut or dropped as the stream does."""
-    records = list(iter_records(files))
+    records = list(iter_records(files, fmt.field))
     if held_tokens is None:
         return [(where, to_messages(record, where, fmt)) for where, record in records[:limit]]
     held, used = [], 0

@@ -72,7 +72,7 @@ def _build(files: list[Path], fmt: ChatFormat, tokenizer, tokens: Path, targets:
 def _write_examples(files: list[Path], fmt: ChatFormat, tokenizer, ft, fy) -> dict:
     n = {"examples": 0, "tokens": 0, "trained_tokens": 0, "truncated": 0, "dropped": 0}
     longest = None
-    for where, record in iter_records(files):
+    for where, record in iter_records(files, fmt.field):
         ids, trained = render(tokenizer, to_messages(record, where, fmt), fmt.template, fmt.train_on, where)
         if len(ids) > fmt.max_tokens:
             if fmt.long_examples == "drop":
