@@ -295,3 +295,67 @@ def test_our_fold_leaves_an_int8_weight_and_the_same_values():
     assert any(b.dtype == torch.int8 for b in graph.buffers())
     with torch.no_grad():
         torch.testing.assert_close(graph(x), before)
+
+
+def _zero_group_fake_quant(config_kwargs: dict, shape: tuple):
+    """torchao's ``IntxFakeQuantizer`` on a tensor whose first row is zeros: its output and, for gradients ``g`` and
+    ``g / 2`` (a loss halved, as gradient accumulation does), the input's gradients (the second doubled back)."""
+    from torchao.quantization.qat import IntxFakeQuantizeConfig, IntxFakeQuantizer
+
+    torch.manual_seed(0)
+    w = torch.randn(*shape)
+    w[0] = 0  # a zeroed padding row of an embedding table (tied lm_head) / an all-zero token
+    g = torch.randn(*shape) * 1e-3
+    fq = IntxFakeQuantizer(IntxFakeQuantizeConfig(**config_kwargs))
+    grads = []
+    for factor in (1.0, 0.5):
+        x = w.clone().requires_grad_(True)
+        y = fq(x)
+        y.backward(g * factor)
+        grads.append(x.grad / factor)
+    return y.detach(), grads, g
+
+
+_FAKE_QUANTS = {  # 8da4w's weights (and the 4-bit tables), its int8 per-token activations
+    "weight_int4_g32": (dict(dtype=torch.int4, group_size=32, is_symmetric=True), (4, 64)),
+    "activation_int8_per_token": (dict(dtype=torch.int8, granularity="per_token", is_symmetric=False), (4, 64)),
+}
+
+
+def _as_released(mp: pytest.MonkeyPatch) -> None:
+    """torchao's fake quantizers as released, whether or not ``torchao_zero_groups`` was installed in this process."""
+    from torchao.quantization.qat import fake_quantizer, utils
+
+    mp.setattr(fake_quantizer, "_fake_quantize_per_channel_group", utils._fake_quantize_per_channel_group)
+    mp.setattr(fake_quantizer, "_fake_quantize_per_token", utils._fake_quantize_per_token)
+
+
+@pytest.mark.fast
+def test_upstream_fake_quant_still_rounds_zero_group_gradients(monkeypatch):
+    """torchao's 4-bit weight fake quantizer gives a zero row the scale 1.2e-38 and its straight-through gradient
+    passes through subnormal floats: not ``g``, and not the same under a halved loss. When this fails, retire
+    ``torchao_zero_groups``."""
+    _as_released(monkeypatch)
+    _, (grad, halved), g = _zero_group_fake_quant(*_FAKE_QUANTS["weight_int4_g32"])
+    assert not torch.equal(grad[0], g[0]) and (grad[0] - g[0]).abs().max() > 1e-8
+    assert not torch.equal(grad[0], halved[0])
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("which", sorted(_FAKE_QUANTS))
+def test_our_zero_groups_keep_the_values_and_pass_the_gradient_exactly(which):
+    from torchao.quantization.qat import fake_quantizer
+
+    from qharness.upstream.fixes import torchao_zero_groups
+
+    torchao_zero_groups.install()
+    torchao_zero_groups.install()  # once: a second call changes nothing
+    assert fake_quantizer._fake_quantize_per_channel_group is torchao_zero_groups._per_channel_group
+    y, (grad, halved), g = _zero_group_fake_quant(*_FAKE_QUANTS[which])
+    with pytest.MonkeyPatch.context() as mp:
+        _as_released(mp)
+        y_up, (grad_up, _), _ = _zero_group_fake_quant(*_FAKE_QUANTS[which])
+    assert torch.equal(y, y_up) and not y[0].any()  # the same forward values, bit for bit
+    assert torch.equal(grad[0], g[0])  # the zero row: the gradient itself
+    assert torch.equal(grad[1:], grad_up[1:])  # the other rows as upstream
+    assert torch.equal(grad, halved)  # the same under a halved loss (FSDP's average vs accumulation's)

@@ -135,9 +135,13 @@ class SourceQuantizer:
         returns the assignment (``check``)."""
         from qharness.recipes.learned_scales import range_learning_qat_config
         from qharness.upstream import imports
+        from qharness.upstream.fixes import torchao_zero_groups
 
         layers = self.check(model)
         qat = imports.torchao_qat()
+        # torchao gives an all-zero group (a zero padding row of a tied table) the scale 1.2e-38, whose gradient then
+        # passes through subnormal floats: rounded, and unlike under another loss scaling (FSDP vs accumulation)
+        torchao_zero_groups.install()
         self._apply(
             model,
             lambda step: (
