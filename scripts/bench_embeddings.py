@@ -98,6 +98,7 @@ def run_one(out: Path, model: str, corpus: str, table: str, mode: str, args) -> 
         "ppl_fp": fp["ppl"],
         "ratio": vs.get("ppl_ratio"),
         "ratio_ci": vs.get("ci"),
+        "block_losses": pte.get("block_losses"),
         "size_bytes": data["pte"]["size_bytes"],
         "parity": data["parity"]["passed"],
         "tables": tables,
@@ -108,18 +109,31 @@ def fmt_ci(ci) -> str:
     return "" if not ci else f" [{ci[0]:.3f}, {ci[1]:.3f}]"
 
 
+def vs_float_table(row: dict, rows: list[dict]) -> str:
+    """``row``'s ``.pte`` perplexity over the FP32-table run's of the same mode, paired over the same held-out blocks
+    (what the quantized table itself costs), e.g. ``1.0042 [1.001, 1.008]``; ``-`` for the FP32 row itself."""
+    from qharness.checks.stats import paired_ratio
+
+    base = next((r for r in rows if r["table"] == "fp32" and r["mode"] == row["mode"]), None)
+    if row["table"] == "fp32" or base is None or not row.get("block_losses") or not base.get("block_losses"):
+        return "-"
+    vs = paired_ratio(row["block_losses"], base["block_losses"])
+    return f"{vs['ppl_ratio']:.4f}{fmt_ci(vs['ci'])}"
+
+
 def table_md(name: str, rows: list[dict]) -> str:
     lines = [
         f"### {name}",
         "",
-        "| embedding | mode | .pte ppl [95% CI] | ppl / FP [paired 95% CI] | .pte size | table stored | parity |",
-        "|---|---|---|---|---|---|---|",
+        "| embedding | mode | .pte ppl [95% CI] | ppl / FP [paired 95% CI] | ppl / FP32 table [paired 95% CI] |"
+        " .pte size | table stored | parity |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         stored = sum(t.get("stored_bytes") or t.get("bytes") or 0 for t in r["tables"].values())
         lines.append(
             f"| {r['table']} | {r['mode']} | {r['ppl']:.3f}{fmt_ci(r['ppl_ci'])} | "
-            f"{r['ratio']:.4f}{fmt_ci(r['ratio_ci'])} | {r['size_bytes'] / 1e6:.3f} MB | "
+            f"{r['ratio']:.4f}{fmt_ci(r['ratio_ci'])} | {vs_float_table(r, rows)} | {r['size_bytes'] / 1e6:.3f} MB | "
             f"{f'{stored:,} B' if stored else '-'} | {'passed' if r['parity'] else 'FAILED'} |"
         )
     if rows:
