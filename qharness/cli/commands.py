@@ -25,8 +25,7 @@ def recipes() -> None:
     width = max(len(r.name) for r in rows)
     print(f"{'recipe':<{width}}  {'backend':<8} {'modes':<8} {'embedding':<9} description")
     for r in rows:
-        table = r.embedding.scheme if r.embedding else "fp32"
-        print(f"{r.name:<{width}}  {r.backend:<8} {'/'.join(r.modes):<8} {table:<9} {r.description}")
+        print(f"{r.name:<{width}}  {r.backend:<8} {'/'.join(r.modes):<8} {r.embedding_scheme:<9} {r.description}")
 
 
 def generate(

@@ -133,7 +133,7 @@ def recipes_page() -> str:
     for r in _recipes():
         rounding = "gptq" if r.rounds_with_gptq else "nearest" if r.quantized else "-"
         lines.append(
-            f"| `{r.name}` | {r.backend} | {', '.join(r.modes)} | {r.kind} | {r.kv_cache} | {_embedding(r)} | "
+            f"| `{r.name}` | {r.backend} | {', '.join(r.modes)} | {r.kind} | {r.kv_cache} | {r.embedding_scheme} | "
             f"{'yes' if r.learns_scales else 'no'} | {rounding} | {r.rotation or '-'} | {_cell(r.description)} |"
         )
     return "\n".join(lines) + "\n"
@@ -142,13 +142,10 @@ def recipes_page() -> str:
 def readme_recipe_table() -> str:
     """The README's recipe table (between its markers)."""
     lines = ["| recipe | modes | embedding | what ships |", "|---|---|---|---|"]
-    lines += [f"| `{r.name}` | {', '.join(r.modes)} | {_embedding(r)} | {_cell(r.description)} |" for r in _recipes()]
+    lines += [
+        f"| `{r.name}` | {', '.join(r.modes)} | {r.embedding_scheme} | {_cell(r.description)} |" for r in _recipes()
+    ]
     return "\n".join(lines)
-
-
-def _embedding(recipe) -> str:
-    """The recipe's embedding tables as ``qharness recipes`` prints them (``w4-g32``: 4-bit in groups of 32)."""
-    return recipe.embedding.scheme if recipe.embedding else "fp32"
 
 
 def readme_with_recipe_table(text: str) -> str:

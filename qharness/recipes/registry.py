@@ -77,6 +77,11 @@ class Recipe:
         return EmbeddingQuant(bits, self.settings.embedding_group_size)
 
     @property
+    def embedding_scheme(self) -> str:
+        """The embedding tables as ``qharness recipes`` and the recipe tables name them: ``w4-g32``, ``w8-pc``, ``fp32``."""
+        return self.embedding.scheme if self.embedding else "fp32"
+
+    @property
     def rounds_with_gptq(self) -> bool:
         """Whether the linear weights are rounded by GPTQ on the calibration blocks (``rounding: gptq``): PTQ deploys
         GPTQ's weights and scales, QAT starts from them (``recipes/gptq.py``)."""
