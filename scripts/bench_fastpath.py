@@ -5,7 +5,7 @@ For each kind (fp32, int8 dynamic, 8da4w) both programs are built from one HF Ll
 mapping the HF weights into ExecuTorch's Llama definition (``examples/models/llama``: a Meta-format
 checkpoint + ``params.json``) and running ``export_llama(LlmConfig)`` with the KV cache, custom SDPA,
 dynamic shapes and XNNPACK (``extended_ops``) on. The ``.pte`` files are then timed with
-``qharness.runtime.joint.interleaved`` (``--processes`` fresh processes each, round-robin, one thread count): prefill
+``qharness.runtime.joint.interleaved`` (``--processes`` fresh processes each, alternating rounds, one thread count): prefill
 and decode ms/token, and each ratio ours/theirs taken per round (process k of ours against process k of
 theirs) and given as median (min-max) over the rounds. Targets: decode ratio <= 1.05, prefill ratio <= 1;
 "MET" only when the whole spread meets them, "TIE/UNDECIDED" when it straddles them.
@@ -352,7 +352,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompt_len", type=int, default=128)
     p.add_argument("--decode_tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=10, help="repetitions per fresh process (after a warm-up)")
-    p.add_argument("--processes", "--rounds", type=int, default=5, help="fresh processes per model, round-robin")
+    p.add_argument("--processes", "--rounds", type=int, default=5, help="fresh processes per model, alternating rounds")
     p.add_argument(
         "--no_all_logits", action="store_true", help="skip timing the fp32 fast path with all-position logits"
     )
@@ -375,7 +375,7 @@ def main(argv=None) -> None:
     )
     print(
         f"\nmodel {a.model}: HF weights mapped into ExecuTorch's Llama for export_llm; prompt {a.prompt_len} tokens, "
-        f"{a.decode_tokens} decode steps, {a.reps} reps x {a.processes} fresh processes per program, round-robin; ms/token: median (min-max) "
+        f"{a.decode_tokens} decode steps, {a.reps} reps x {a.processes} fresh processes per program, alternating rounds; ms/token: median (min-max) "
         f"of the process medians; ratios: median (min-max) over the rounds' ours/theirs; {rows[0]['threads']} threads; {os.cpu_count()} CPUs, "
         f"load average " + ", ".join(f"{r['load_avg_1m'][0]:.1f}->{r['load_avg_1m'][1]:.1f}" for r in rows)
     )

@@ -9,7 +9,7 @@ the MoE decodes near the total-width dense model and slower than the active-widt
 
 Each model is random-init (speed depends on shapes, not values), built in-process, quantized by ``--recipe``
 (PTQ, calibrated on random tokens) and lowered to ``.pte`` with qharness's own deploy functions; then
-``qharness.runtime.joint.interleaved`` times all three in ``--processes`` fresh processes each, round-robin, one
+``qharness.runtime.joint.interleaved`` times all three in ``--processes`` fresh processes each, alternating rounds, one
 thread count. Printed: the joint table (median (min-max) over processes) and the decode ratios MoE / dense taken
 per round (process k against process k), median (min-max).
 

@@ -7,7 +7,7 @@ for xnnpack_fp32, xnnpack_int8_dynamic, xnnpack_int4w_dynamic and xnnpack_8da4w 
 (PTQ; calibration throughput and export + lowering time are recorded), ExecuTorch's own LLM export
 (``export_llama``, 8da4w, group 32) of the same weights is the peer, and the eager PyTorch model is the
 floor. All are then timed with ``qharness.runtime.joint.interleaved`` (prefill ``--prompt_len`` tokens in one call,
-decode ``--decode_tokens`` one by one; ``--processes`` fresh processes per program, round-robin, one thread
+decode ``--decode_tokens`` one by one; ``--processes`` fresh processes per program, alternating rounds, one thread
 count); each speed ratio is taken per round (process k of A against process k of B) and given as median
 (min-max) over the rounds. Decode is also given as a fraction of the memory-bandwidth bound (measured copy
 bandwidth / the weight bytes a decode step reads: the ``.pte`` less its embedding tables, one row of which a token
@@ -271,7 +271,9 @@ def main(argv=None) -> None:
     p.add_argument("--prompt_len", type=int, default=128)
     p.add_argument("--decode_tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=10, help="repetitions per fresh process (after a warm-up)")
-    p.add_argument("--processes", "--rounds", type=int, default=5, help="fresh processes per program, round-robin")
+    p.add_argument(
+        "--processes", "--rounds", type=int, default=5, help="fresh processes per program, alternating rounds"
+    )
     p.add_argument("--train_batch", type=int, default=16, help="QAT/FP step batch (x 128 tokens)")
     p.add_argument("--train_steps", type=int, default=5, help="timed steps per model (after 2 warm-up steps)")
     p.add_argument("--profile", default=None, help="print torch.profiler's top ops of one QAT step of this recipe")
@@ -350,7 +352,7 @@ def main(argv=None) -> None:
     # report
     print(
         f"\n== deployed speed: {a.model} ({n_params / 1e6:.1f}M parameters, FP32 {n_params * 4 / 2**20:.0f} MiB); prompt {a.prompt_len} "
-        f"tokens, {a.decode_tokens} decode steps; {a.reps} reps x {a.processes} fresh processes per program, round-robin (median of the process "
+        f"tokens, {a.decode_tokens} decode steps; {a.reps} reps x {a.processes} fresh processes per program, alternating rounds (median of the process "
         f"medians; ratios per round: median (min-max)); {next(iter(speed.values()))['threads']} threads; copy bandwidth {bandwidth:.1f} GB/s; "
         f"{os.cpu_count()} CPUs, load average {next(iter(speed.values()))['load_avg_1m'][0]:.1f} -> {next(iter(speed.values()))['load_avg_1m'][1]:.1f}"
     )

@@ -7,7 +7,7 @@ values; tied embeddings where the real model ties them). Each recipe's ``.pte`` 
 blocks) in a fresh process, one at a time (the FP32 export of the 1B shape alone needs several GB), and so is each
 ``export_llm`` peer (plain Llamas only: SmolLM2 and Llama shapes; ``scripts/bench_fastpath.export_theirs``). Then
 every program of the shape is timed with ``qharness.runtime.joint.interleaved`` (``--processes`` fresh processes
-each, round-robin, one thread count), ``--runs`` times; a ratio (ours / export_llm decode ms per token, i.e. their
+each, alternating rounds: A B, B A, ...; one thread count), ``--runs`` times; a ratio (ours / export_llm decode ms per token, i.e. their
 tok/s over ours) is taken round by round within one run and shown as median (min-max) over the rounds of all runs,
 each run also on its own. Decode against the bound: decode tok/s x bytes read per decoded token (the ``.pte``
 less its embedding table, of which a token reads one row; ``runtime/measure._sizes``) / the measured copy bandwidth
@@ -158,7 +158,7 @@ def main(argv=None) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--reps", type=int, default=2, help="repetitions per fresh process (after a warm-up)")
-    p.add_argument("--processes", type=int, default=2, help="fresh processes per program per run, round-robin")
+    p.add_argument("--processes", type=int, default=2, help="fresh processes per program per run, alternating rounds")
     p.add_argument("--runs", type=int, default=2, help="joint runs (each with --processes rounds); 0: export only")
     p.add_argument("--reuse", action="store_true", help="time the .pte files an earlier invocation left in --out")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)

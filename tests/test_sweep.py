@@ -185,7 +185,7 @@ def test_a_stale_summary_does_not_count_as_done(tmp_path):
 
 
 def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
-    """After the runs: one round-robin session over every finished run's .pte (the failed run left out), its
+    """After the runs: one joint session (alternating rounds) over every finished run's .pte (the failed run left out), its
     bench_joint in each summary.json and all of them in bench_joint.json, at the sweep config's bench lengths even
     though the runs benchmarked nothing themselves (bench.enabled: false). The fresh processes are stood in for
     (their numbers are made up), so the test checks order, shapes and arithmetic, not speed."""
@@ -209,14 +209,14 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
     names = ["xnnpack_fp32-ptq", "xnnpack_int8_dynamic-ptq", "xnnpack_int4w_dynamic-ptq"]
     sweep = tmp_path / "sweep"
     assert [c["path"] for c in calls] == [
-        str(sweep / n / "model.pte") for n in names
-    ] * 3  # round-robin, 3 processes each
+        str(sweep / n / "model.pte") for n in names + names[::-1] + names
+    ]  # 3 rounds, every other one reversed
     assert {(c["prompt_len"], c["decode_tokens"], c["reps"]) for c in calls} == {
         (8, 4, 10)
     }  # the sweep's lengths, >= 10 reps
     assert len({c["threads"] for c in calls}) == 1  # one thread count for the whole session
     joint = json.loads((sweep / "bench_joint.json").read_text())
-    assert list(joint["programs"]) == names and joint["sequence"] == names * 3
+    assert list(joint["programs"]) == names and joint["sequence"] == names + names[::-1] + names
     for name in names:
         entry = json.loads((sweep / name / "summary.json").read_text())["bench_joint"]
         assert list(entry) == [
@@ -228,7 +228,7 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
             "prefill_tok_s",
             "decode_ms_per_token",
         ]
-        assert (entry["processes"], entry["order"], len(entry["load_avg_1m"])) == (3, "round-robin", 2)
+        assert (entry["processes"], entry["order"], len(entry["load_avg_1m"])) == (3, "alternating", 2)
         assert entry["decode_tok_s"] == {"median": 20.0, "min": 10.0, "max": 30.0, "per_process": [10.0, 20.0, 30.0]}
         assert entry["prefill_tok_s"]["median"] == 40.0
         assert entry["decode_ms_per_token"] == {
@@ -248,7 +248,7 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
 
 def test_programs_of_one_structure_are_timed_and_reported_as_one_latency_class(tmp_path, monkeypatch):
     """Two runs whose programs share a structure (a PTQ and a QAT program of one recipe) are one latency class: both
-    timed in the round-robin, their process medians pooled into one figure that both summaries hold, with the class's
+    timed in the rounds, their process medians pooled into one figure that both summaries hold, with the class's
     members; the report names the class, shows one figure for it and ties them on latency, though the QAT program's
     own processes were made slower. A run of another structure keeps its own figure. Stand-in timings, as above."""
     import qharness.runtime.joint

@@ -158,7 +158,7 @@ def bench(
     out: str | None = None,
 ) -> None:
     """Load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model (when a summary.json lies
-    beside the .pte). Several --pte (or --processes): every program timed in N fresh processes each, round-robin, with the
+    beside the .pte). Several --pte (or --processes): every program timed in N fresh processes each, in alternating rounds (A B, B A, ...), with the
     spread over processes; added to each summary.json as bench_joint.
 
     Args:
@@ -166,7 +166,7 @@ def bench(
         prompt_len: tokens prefilled in one call.
         decode_tokens: tokens decoded one at a time after the prefill.
         reps: repetitions per process (median and min-max reported; default 5, joint 10).
-        processes: fresh processes per program, round-robin (default 5 with several --pte).
+        processes: fresh processes per program, alternating rounds (default 5 with several --pte).
         threads: ExecuTorch/torch threads in every process (default: the cores free now).
         out: also write the joint result to this JSON file.
     """

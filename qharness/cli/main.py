@@ -11,7 +11,7 @@
     qharness generate --pte runs/x/model.pte --prompt "To be" [--temperature 0]
     qharness generate runs/x --chat [--prompt "Hi"] [--system TEXT]   # chat template, stops at end-of-turn
     qharness bench --pte runs/x/model.pte          # latency/memory/size vs the eager FP model
-    qharness bench --pte a/model.pte --pte b/model.pte [--processes 5]   # joint: round-robin fresh processes
+    qharness bench --pte a/model.pte --pte b/model.pte [--processes 5]   # joint: fresh processes, alternating rounds
     qharness profile --pte a/model.pte [--pte b/model.pte]   # where the time goes, operator by operator (ETDump)
     qharness report runs/ [--max_latency_ms 2]      # accuracy vs latency table + Pareto plot of every run
     qharness sweep configs/sweep_xnnpack.yaml       # FP baseline + recipes x modes, then the report

@@ -111,7 +111,7 @@ def answer_columns(answers: Answers | None) -> dict:
 def latency_figures(summary: RunSummary) -> dict:
     """Decode ms/token, decode and prefill tokens/s of the ``.pte`` with their ``_lo``/``_hi`` ranges, and where they
     come from (``latency_source``): the joint benchmark (``bench_joint``: one value per fresh process, all candidates
-    timed round-robin in one session) when the summary has one, else the run's own ``bench`` (min/max over
+    timed in alternating rounds in one session) when the summary has one, else the run's own ``bench`` (min/max over
     repetitions inside one process: weak evidence of the noise)."""
     joint = summary.bench_joint
     if joint is not None and joint.decode_ms_per_token is not None:

@@ -208,7 +208,7 @@ class RunSummary:
         timings: Seconds per stage.
         bench: The run's own benchmark (``Bench``, ``runtime/bench.py``; ``qharness bench``).
         bench_joint: This program's part of the sweep's (or ``qharness bench --pte A --pte B``'s) interleaved benchmark
-            of all candidates (``JointEntry``: fresh processes, round-robin).
+            of all candidates (``JointEntry``: fresh processes, alternating rounds).
         eval: The lm-eval table of the run itself (fit/calibrate/export): plain data, ``{"tasks": {task: {stage:
             {metric: value}}}, "chance": {task: {metric: value}}, ...}`` (keys are task and metric names).
         evaluations: Later ``qharness evaluate`` results, oldest first (never replacing ``eval``), each like ``eval``

@@ -9,7 +9,8 @@ uncounted warm-up repetition. Every process runs with the same thread count, cho
 
 Fresh processes of one program still differ more than repetitions inside one (docs/benchmarks/timing.md), so
 comparisons of programs use ``interleaved``: ``processes`` fresh processes per program in
-round-robin order (A B C A B C ...), reported per program as the median over processes of the per-process
+rounds of one process each, every other round reversed (A B C, C B A, ...: ``joint.round_order``, so a program's
+place in the round weighs on all alike), reported per program as the median over processes of the per-process
 median and the spread (min, max, max/min) of those process medians (``spread``). Ratios of two programs are
 taken per round (process k of A against process k of B: ``pair_ratios``) and judged with ``verdict``. A measured memory-copy bandwidth gives the bound decode would hit if every
 token read its weights from memory once: ``bandwidth_fraction = decode tok/s * weight bytes / bandwidth``, where the

@@ -78,7 +78,7 @@ class Bench:
 
 @dataclass(frozen=True)
 class JointEntry:
-    """One program's part of a joint benchmark (``joint.interleaved``: fresh processes, round-robin): how it ran
+    """One program's part of a joint benchmark (``joint.interleaved``: fresh processes, alternating rounds): how it ran
     (``processes`` per program, ``order``, load average before and after, ``threads``) and the ``spread`` of its
     process medians (None: not recorded; the report then falls back to the run's own ``bench``). ``latency_class``:
     the programs of one structure timed as one latency class with this one (itself included), whose process medians

@@ -1,9 +1,15 @@
-"""Programs timed jointly: ``processes`` fresh processes per program in round-robin order (A B C A B C ...), all with
-one thread count, each program reported as the ``spread`` of its process medians; and the table of them.
+"""Programs timed jointly: ``processes`` fresh processes per program in rounds of one process each, every other
+round in reverse (A B C, C B A, A B C, ...: ``round_order``), all with one thread count, each program reported as
+the ``spread`` of its process medians; and the table of them.
+
+Why reverse: a program's place in the round moves its timing (at SmolLM2-135M, one FP32 program timed first in every
+round was 1.14x slower than its peer, 0.87x with the peer first; docs/benchmarks/phone-scale.md). Reversing every
+other round gives every program the same mean place over each two rounds, so an effect of the place (or a drift over
+the session) falls on all programs alike; ratios are still taken round by round (``spread.pair_ratios``).
 
 Programs of one structure (``deploy/structure.py``: the same operators, shapes and delegates, only weight values
 differ, e.g. a PTQ, a GPTQ and a QAT program of one recipe) are one latency class (``pool_classes``): each is timed in
-the round-robin like any other, and every member is reported with the spread of all members' process medians pooled,
+the rounds like any other, and every member is reported with the spread of all members' process medians pooled,
 so noise cannot rank them.
 """
 
@@ -22,6 +28,15 @@ JOINT_KEYS = ("decode_tok_s", "prefill_tok_s", "decode_ms_per_token")
 TIMING_KEYS = (*JOINT_KEYS, "decode_cpu_share", "decode_tok_per_cpu_s")  # what a latency class pools
 
 
+def round_order(names: list[str], k: int) -> list[str]:
+    """The order of round ``k`` (from 0): ``names`` in even rounds, reversed in odd ones.
+
+    >>> [round_order(["A", "B", "C"], k) for k in range(3)]
+    [['A', 'B', 'C'], ['C', 'B', 'A'], ['A', 'B', 'C']]
+    """
+    return list(names) if k % 2 == 0 else list(reversed(names))
+
+
 def interleaved(
     programs: dict[str, dict],
     prompt_len: int,
@@ -31,10 +46,11 @@ def interleaved(
     threads: int | None = None,
     log=print,
 ) -> dict:
-    """Time every program in ``processes`` fresh processes each, round-robin (A B C A B C ...), all with the same
-    thread count (default: the cores free now). ``programs``: name -> ``{"kind": "pte"|"eager", "path", "vocab_size"}``.
+    """Time every program in ``processes`` fresh processes each, in rounds of one process per program, every other
+    round reversed (``round_order``: A B C, C B A, ...), all with the same thread count (default: the cores free
+    now). ``programs``: name -> ``{"kind": "pte"|"eager", "path", "vocab_size"}``.
 
-    Returns ``{"processes", "order": "round-robin", "load_avg_1m": [before, after], "threads", "prompt_len",
+    Returns ``{"processes", "order": "alternating", "load_avg_1m": [before, after], "threads", "prompt_len",
     "decode_tokens", "reps", "sequence": [program names in the order run], "programs": {name: {"path", "kind", "decode_tok_s",
     "prefill_tok_s", "decode_ms_per_token", "decode_cpu_share", "decode_tok_per_cpu_s", "load_s", "peak_rss_mb",
     "size_bytes", "weight_bytes"}}}``;
@@ -53,7 +69,8 @@ def interleaved(
     runs = {name: [] for name in programs}
     order = []
     for k in range(processes):
-        for name, p in programs.items():
+        for name in round_order(list(programs), k):
+            p = programs[name]
             log(f"[bench] process {k + 1}/{processes}: {name} ({threads} threads, load {os.getloadavg()[0]:.1f})")
             runs[name].append(
                 measure_in_fresh_process(
@@ -69,7 +86,7 @@ def interleaved(
             order.append(name)
     out = {
         "processes": processes,
-        "order": "round-robin",
+        "order": "alternating",  # round_order's rounds
         "load_avg_1m": [before, os.getloadavg()[0]],
         "threads": threads,
         "prompt_len": prompt_len,
@@ -201,7 +218,8 @@ def format_joint(j: dict) -> str:
         for c in sorted(classes)
     ]
     head = (
-        f"bench (joint): {j['processes']} fresh processes per program, round-robin, {j['threads']} threads; prompt {j['prompt_len']} tokens, "
+        f"bench (joint): {j['processes']} fresh processes per program, in rounds (every other one reversed), "
+        f"{j['threads']} threads; prompt {j['prompt_len']} tokens, "
         f"{j['decode_tokens']} decode steps, {j['reps']} reps per process; median (min-max) of the process medians; "
         f"load average {j['load_avg_1m'][0]:.1f} -> {j['load_avg_1m'][1]:.1f} on {os.cpu_count()} CPUs"
     )

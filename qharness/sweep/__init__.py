@@ -15,7 +15,7 @@ is resolved (pretrained once, cached) before the first run, so the runs share it
 (unless the config sets ``eval.models``) scores the FP model and ``.pte`` in the baseline run, the ``.pte`` in
 PTQ runs and the fake-quant model and ``.pte`` in QAT runs. Once all runs are finished, every finished run's
 ``.pte`` is timed jointly (``qharness.runtime.joint.bench_jointly``: ``report.bench_processes`` fresh processes per
-program, default 5, round-robin; 0 skips it): each run's summary.json gets ``bench_joint`` and
+program, default 5, alternating rounds; 0 skips it): each run's summary.json gets ``bench_joint`` and
 ``<sweep_dir>/bench_joint.json`` holds them all, so the programs are compared under the same conditions. The
 sweep ends with ``qharness report <sweep_dir>`` (``report`` section: metric and budgets).
 

@@ -1,4 +1,4 @@
-"""After the runs: every finished ``.pte`` that passed its parity gate timed jointly (round-robin fresh processes),
+"""After the runs: every finished ``.pte`` that passed its parity gate timed jointly (fresh processes in alternating rounds),
 so the report compares the programs under the same conditions; programs of one structure (``pte.structure``) as one
 latency class, one figure."""
 
@@ -10,7 +10,7 @@ from qharness.io.atomic import write_json_atomic
 
 
 def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dict | None = None) -> dict | None:
-    """Time the ``.pte`` of every finished run that passed its parity gate jointly (round-robin fresh processes,
+    """Time the ``.pte`` of every finished run that passed its parity gate jointly (fresh processes in alternating rounds,
     ``processes`` each; those with one ``pte.structure`` as one latency class: ``joint.pool_classes``), with the
     sweep's bench lengths (``bench``: the shared config's ``bench`` section; the runs'
     own benchmark may be off, ``bench.enabled: false``); add ``bench_joint`` to each run's summary.json and write
@@ -33,7 +33,9 @@ def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dic
     defaults = BenchConfig()
     b = {"prompt_len": defaults.prompt_len, "decode_tokens": defaults.decode_tokens, "reps": defaults.reps}
     b.update({k: v for k, v in (bench or {}).items() if k in b})  # the same lengths in every run of a sweep
-    print(f"[sweep] timing {len(ptes)} programs jointly: {processes} fresh processes each, round-robin", flush=True)
+    print(
+        f"[sweep] timing {len(ptes)} programs jointly: {processes} fresh processes each, alternating rounds", flush=True
+    )
     joint = bench_jointly(
         list(ptes.values()),
         b["prompt_len"],
