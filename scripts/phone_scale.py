@@ -11,7 +11,8 @@ each, alternating rounds: A B, B A, ...; one thread count), ``--runs`` times; a 
 tok/s over ours) is taken round by round within one run and shown as median (min-max) over the rounds of all runs,
 each run also on its own. Decode against the bound: decode tok/s x bytes read per decoded token (the ``.pte``
 less its embedding table, of which a token reads one row; ``runtime/measure._sizes``) / the measured copy bandwidth
-(GB/s, bytes read + written, printed).
+(GB/s, bytes read + written; the median of its measurements before and after each joint run, printed
+with their min-max: the host's bandwidth moves).
 
 Recipes: names or recipe YAML paths. ``xnnpack_8da4w`` quantizes the embedding table to 4 bits in groups of 32 (the
 built-in default); its peer is ``export_llm`` 8da4w with ``embedding_quantize: 4,32``. ``8da4w+fpemb`` is
@@ -206,7 +207,7 @@ def main(argv=None) -> None:
         print(json.dumps(exports, indent=2))
         return
     vocab = SHAPES[a.shape][1]["vocab_size"]
-    bandwidth = memory_bandwidth()
+    bandwidths = [memory_bandwidth()]  # before and after each joint run: the bound uses their median
     runs = []
     for k in range(a.runs):
         print(f"[{a.shape}] joint run {k + 1}/{a.runs}: {len(programs)} programs ...", flush=True)
@@ -219,6 +220,8 @@ def main(argv=None) -> None:
                 a.processes,
             )
         )
+        bandwidths.append(memory_bandwidth())
+    bandwidth = spread(bandwidths)
     (out / "results.json").write_text(
         json.dumps({"bandwidth_gb_s": bandwidth, "exports": exports, "runs": runs}, indent=2, default=str)
     )
@@ -241,7 +244,7 @@ def table(a, runs, exports, bandwidth, format_spread, pair_ratios, spread, verdi
         f"{a.decode_tokens} decode steps, {a.reps} reps x {a.processes} fresh processes per program per run, "
         f"{len(runs)} joint run(s), {first['threads']} threads, {os.cpu_count()} CPUs, load average "
         + ", ".join(f"{r['load_avg_1m'][0]:.1f}->{r['load_avg_1m'][1]:.1f}" for r in runs)
-        + f"; copy bandwidth {bandwidth:.2f} GB/s (bytes read + written)",
+        + f"; copy bandwidth {format_spread(bandwidth, '.2f')} GB/s (bytes read + written; before and after each run)",
         "",
         "| program | .pte MiB | decode tok/s | prefill tok/s | peak RSS MiB | load s | decode / bw bound |"
         " export s | export peak RSS MiB |",
@@ -250,7 +253,7 @@ def table(a, runs, exports, bandwidth, format_spread, pair_ratios, spread, verdi
     for name, p in first["programs"].items():
         e = exports.get(name, {})
         dec = pooled(name, "decode_tok_s")
-        frac = [v * p["weight_bytes"] / (bandwidth * 1e9) for v in dec["per_process"]]
+        frac = [v * p["weight_bytes"] / (bandwidth["median"] * 1e9) for v in dec["per_process"]]
         export_s = e.get("export_s", (e.get("export_quantize_s") or 0) + (e.get("lower_s") or 0))
         lines.append(
             f"| {name} | {p['size_bytes'] / 2**20:.0f} | {format_spread(dec, '.1f')} | "
