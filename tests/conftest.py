@@ -198,3 +198,15 @@ def tiny_run_config(tmp_path, model_dir, corpus, model: dict, trainer: dict | No
         parity={"eval_blocks": 4, "prompts": 1, "prompt_len": 8, "decode_steps": 3},
         calibration={"blocks": 2},
     )
+
+
+def fake_measurement(tok_s: float) -> dict:
+    """What one fresh benchmark process reports for a program decoding ``tok_s`` tokens/s (prefill twice that)."""
+    return {
+        "decode_tok_s": {"median": tok_s},
+        "prefill_tok_s": {"median": 2 * tok_s},
+        "decode_cpu_share": {"median": 1.0},
+        "decode_tok_per_cpu_s": {"median": tok_s},
+        "size_bytes": 1,
+        "weight_bytes": 1,
+    }

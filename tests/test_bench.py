@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import run_cli
+from conftest import fake_measurement, run_cli
 
 from qharness.runtime.spread import max_over_min, pair_ratios, spread, verdict
 
@@ -190,15 +190,7 @@ def test_a_place_in_the_round_weighs_on_every_program_alike(monkeypatch):
     def fake_measure(**kw):
         first = len(calls) % 2 == 0  # two programs: a round is two consecutive processes
         calls.append(kw["path"])
-        tok_s = 80.0 if first else 100.0
-        return {
-            "decode_tok_s": {"median": tok_s},
-            "prefill_tok_s": {"median": 2 * tok_s},
-            "decode_cpu_share": {"median": 1.0},
-            "decode_tok_per_cpu_s": {"median": tok_s},
-            "size_bytes": 1,
-            "weight_bytes": 1,
-        }
+        return fake_measurement(80.0 if first else 100.0)
 
     monkeypatch.setattr(joint, "measure_in_fresh_process", fake_measure)
     programs = {n: {"kind": "pte", "path": n, "vocab_size": 8} for n in ("A", "B")}

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import yaml
-from conftest import ROOT, run_cli, write_config
+from conftest import ROOT, fake_measurement, run_cli, write_config
 from test_bench import make_tiny_pte
 
 from qharness.errors import UserError
@@ -33,18 +33,6 @@ MS = {
     "xnnpack_int8_dynamic-qat": 1.1,
     "xnnpack_int4w_dynamic-ptq": 0.9,
 }
-
-
-def _measurement(tok_s: float) -> dict:
-    """What one fresh benchmark process reports for a program decoding ``tok_s`` tokens/s (prefill twice that)."""
-    return {
-        "decode_tok_s": {"median": tok_s},
-        "prefill_tok_s": {"median": 2 * tok_s},
-        "decode_cpu_share": {"median": 1.0},
-        "decode_tok_per_cpu_s": {"median": tok_s},
-        "size_bytes": 1,
-        "weight_bytes": 1,
-    }
 
 
 def sweep_yaml(tmp_path, max_steps=5, **extra):
@@ -198,7 +186,7 @@ def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
         k = sum(c["path"] == kw["path"] for c in calls)
         calls.append(kw)
         tok_s = 10.0 * (k + 1)
-        return _measurement(tok_s)
+        return fake_measurement(tok_s)
 
     monkeypatch.setattr(qharness.runtime.joint, "measure_in_fresh_process", fake_measure)
     path = sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 3})
@@ -263,7 +251,7 @@ def test_programs_of_one_structure_are_timed_and_reported_as_one_latency_class(t
         name = kw["path"].split(os.sep)[-2]
         tok_s = own_tok_s[name] * (1 + 0.01 * sum(c == name for c in calls))
         calls.append(name)
-        return _measurement(tok_s)
+        return fake_measurement(tok_s)
 
     monkeypatch.setattr(qharness.runtime.joint, "measure_in_fresh_process", fake_measure)
     path = sweep_yaml(tmp_path, report={"wandb": False, "bench_processes": 2, "max_latency_ms": None})
