@@ -5,8 +5,8 @@ For each kind (fp32, int8 dynamic, 8da4w) both programs are built from one HF Ll
 mapping the HF weights into ExecuTorch's Llama definition (``examples/models/llama``: a Meta-format
 checkpoint + ``params.json``) and running ``export_llama(LlmConfig)`` with the KV cache, custom SDPA,
 dynamic shapes and XNNPACK (``extended_ops``) on. The ``.pte`` files are then timed with
-``qharness.runtime.joint.interleaved`` (``--processes`` fresh processes each, alternating rounds, one thread count): prefill
-and decode ms/token, and each ratio ours/theirs taken per round (process k of ours against process k of
+``qharness.runtime.joint.interleaved`` (``--processes`` fresh processes each, alternating rounds, one thread count):
+prefill and decode ms/token, and each ratio ours/theirs taken per round (process k of ours against process k of
 theirs) and given as median (min-max) over the rounds. Targets: decode ratio <= 1.05, prefill ratio <= 1;
 "MET" only when the whole spread meets them, "TIE/UNDECIDED" when it straddles them.
 

@@ -7,8 +7,8 @@ Both programs come from one model and one recipe (default ``xnnpack_8da4w``, PTQ
 - perplexity of each ``.pte`` on held-out blocks, through the runtime, one token per call (every position reads the
   cache it wrote), and the paired ratio int8 / fp32 with its 95% interval over the blocks;
 - max |Δlogit| between the two programs on those blocks;
-- prefill and decode speed with ``qharness.runtime.joint.interleaved`` (fresh processes, alternating rounds), with a long
-  prompt so that decode reads a long cache (``--prompt_len``, default 512 of a 1024-position cache);
+- prefill and decode speed with ``qharness.runtime.joint.interleaved`` (fresh processes, alternating rounds), with a
+  long prompt so that decode reads a long cache (``--prompt_len``, default 512 of a 1024-position cache);
 - the KV cache's bytes: ``layers x 2 x positions x kv_heads x head_dim`` x 4 (fp32) or x 1 + a float32 scale and
   an int8 zero point per token and head (int8).
 

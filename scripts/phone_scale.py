@@ -7,8 +7,8 @@ values; tied embeddings where the real model ties them). Each recipe's ``.pte`` 
 blocks) in a fresh process, one at a time (the FP32 export of the 1B shape alone needs several GB), and so is each
 ``export_llm`` peer (plain Llamas only: SmolLM2 and Llama shapes; ``scripts/bench_fastpath.export_theirs``). Then
 every program of the shape is timed with ``qharness.runtime.joint.interleaved`` (``--processes`` fresh processes
-each, alternating rounds: A B, B A, ...; one thread count), ``--runs`` times; a ratio (ours / export_llm decode ms per token, i.e. their
-tok/s over ours) is taken round by round within one run and shown as median (min-max) over the rounds of all runs,
+each, alternating rounds: A B, B A, ...; one thread count), ``--runs`` times; a ratio (ours / export_llm decode ms
+per token, i.e. their tok/s over ours) is taken round by round within one run and shown as median (min-max) over the rounds of all runs,
 each run also on its own. Decode against the bound: decode tok/s x bytes read per decoded token (the ``.pte``
 less its embedding table, of which a token reads one row; ``runtime/measure._sizes``) / the measured copy bandwidth
 (GB/s, bytes read + written; the median of its measurements before and after each joint run, printed

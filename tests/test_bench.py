@@ -1,5 +1,5 @@
-"""The benchmark's timing method: spread arithmetic, the joint bench (alternating rounds) through the CLI, the thread setting.
-No timing is asserted: the tests check what was run, in which order, and the shape of what is written."""
+"""The benchmark's timing method: spread arithmetic, the joint bench (alternating rounds) through the CLI, the thread
+setting. No timing is asserted: the tests check what was run, in which order, and the shape of what is written."""
 
 import json
 import os

@@ -173,8 +173,8 @@ def test_a_stale_summary_does_not_count_as_done(tmp_path):
 
 
 def test_the_sweep_times_every_finished_program_jointly(tmp_path, monkeypatch):
-    """After the runs: one joint session (alternating rounds) over every finished run's .pte (the failed run left out), its
-    bench_joint in each summary.json and all of them in bench_joint.json, at the sweep config's bench lengths even
+    """After the runs: one joint session (alternating rounds) over every finished run's .pte (the failed run left
+    out), its bench_joint in each summary.json and all of them in bench_joint.json, at the sweep config's bench lengths even
     though the runs benchmarked nothing themselves (bench.enabled: false). The fresh processes are stood in for
     (their numbers are made up), so the test checks order, shapes and arithmetic, not speed."""
     import qharness.runtime.joint

@@ -158,8 +158,8 @@ def bench(
     out: str | None = None,
 ) -> None:
     """Load time, prefill/decode tokens/s, peak RSS and size of a .pte vs the eager FP model (when a summary.json lies
-    beside the .pte). Several --pte (or --processes): every program timed in N fresh processes each, in alternating rounds (A B, B A, ...), with the
-    spread over processes; added to each summary.json as bench_joint.
+    beside the .pte). Several --pte (or --processes): every program timed in N fresh processes each, in alternating
+    rounds (A B, B A, ...), with the spread over processes; added to each summary.json as bench_joint.
 
     Args:
         pte: a .pte file.

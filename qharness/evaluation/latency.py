@@ -2,8 +2,8 @@
 ``qharness autotune --max_latency_ms``.
 
 - **Variants**: one whole program per scheme, every unit at that scheme (all-fp, all-8da8w-pc, all-8da4w-pc, ...),
-  timed in one joint interleaved benchmark (``runtime/joint.py``: fresh processes, alternating rounds): ``T[S]``, the median
-  decode ms/token of the program all at ``S``, with its spread.
+  timed in one joint interleaved benchmark (``runtime/joint.py``: fresh processes, alternating rounds): ``T[S]``, the
+  median decode ms/token of the program all at ``S``, with its spread.
 - **Shares**: each variant's ETDump profile (``runtime/profile.py``), one decode step: the XNNPACK ``Fully Connected``
   kernels in the order they ran, each with its share of its delegate call (``step_split``), mapped to the units'
   layers in forward order (one kernel per linear); what is not a linear kernel is the rest (attention, cache

@@ -1,6 +1,6 @@
-"""After the runs: every finished ``.pte`` that passed its parity gate timed jointly (fresh processes in alternating rounds),
-so the report compares the programs under the same conditions; programs of one structure (``pte.structure``) as one
-latency class, one figure."""
+"""After the runs: every finished ``.pte`` that passed its parity gate timed jointly (fresh processes in alternating
+rounds), so the report compares the programs under the same conditions; programs of one structure (``pte.structure``)
+as one latency class, one figure."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from qharness.io.atomic import write_json_atomic
 
 
 def bench_joint(sweep_dir: Path, records: list[dict], processes: int, bench: dict | None = None) -> dict | None:
-    """Time the ``.pte`` of every finished run that passed its parity gate jointly (fresh processes in alternating rounds,
-    ``processes`` each; those with one ``pte.structure`` as one latency class: ``joint.pool_classes``), with the
+    """Time the ``.pte`` of every finished run that passed its parity gate jointly (fresh processes in alternating
+    rounds, ``processes`` each; those with one ``pte.structure`` as one latency class: ``joint.pool_classes``), with the
     sweep's bench lengths (``bench``: the shared config's ``bench`` section; the runs'
     own benchmark may be off, ``bench.enabled: false``); add ``bench_joint`` to each run's summary.json and write
     ``<sweep_dir>/bench_joint.json``."""
