@@ -8,10 +8,10 @@ blocks) in a fresh process, one at a time (the FP32 export of the 1B shape alone
 ``export_llm`` peer (plain Llamas only: SmolLM2 and Llama shapes; ``scripts/bench_fastpath.export_theirs``). Then
 every program of the shape is timed with ``qharness.runtime.joint.interleaved`` (``--processes`` fresh processes
 each, alternating rounds: A B, B A, ...; one thread count), ``--runs`` times; a ratio (ours / export_llm decode ms
-per token, i.e. their tok/s over ours) is taken round by round within one run and shown as median (min-max) over the rounds of all runs,
-each run also on its own. Decode against the bound: decode tok/s x bytes read per decoded token (the ``.pte``
-less its embedding table, of which a token reads one row; ``runtime/measure._sizes``) / the measured copy bandwidth
-(GB/s, bytes read + written; the median of its measurements before and after each joint run, printed
+per token, i.e. their tok/s over ours) is taken round by round within one run and shown as median (min-max) over the
+rounds of all runs, each run also on its own. Decode against the bound: decode tok/s x bytes read per decoded token
+(the ``.pte`` less its embedding table, of which a token reads one row; ``runtime/measure._sizes``) / the measured
+copy bandwidth (GB/s, bytes read + written; the median of its measurements before and after each joint run, printed
 with their min-max: the host's bandwidth moves).
 
 Recipes: names or recipe YAML paths. ``xnnpack_8da4w`` quantizes the embedding table to 4 bits in groups of 32 (the
@@ -104,37 +104,31 @@ def recipe_arg(name: str, work: Path) -> str:
     return str(path)
 
 
-def _peak_rss_mb() -> float:
-    return next(
-        int(line.split()[1]) / 1024
-        for line in Path("/proc/self/status").read_text().splitlines()
-        if line.startswith("VmHWM:")
-    )
-
-
 def child_export(model_dir: Path, name: str, recipe: str, out: Path, max_seq_len: int) -> dict:
     """Our PTQ ``.pte`` of ``recipe`` (``bench_speed.export_ours``), in this (fresh) process."""
     import bench_speed
 
+    from qharness.runtime.measure import peak_rss_mb
     from qharness.sources.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     stream_tokens = bench_speed.text_data(model_dir).train_x[:8]
     r = bench_speed.export_ours(model, tokenizer, recipe, max_seq_len, out, stream_tokens)
-    return {**r, "export_peak_rss_mb": _peak_rss_mb()}
+    return {**r, "export_peak_rss_mb": peak_rss_mb()}
 
 
 def child_peer(model_dir: Path, name: str, out_dir: Path, max_seq_len: int) -> dict:
     """``export_llm``'s ``.pte`` of the same weights with ``PEERS[name]``, in this (fresh) process."""
     import bench_fastpath
 
+    from qharness.runtime.measure import peak_rss_mb
     from qharness.sources.models import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer(str(model_dir))
     r = bench_fastpath.export_theirs(
         model, PEERS[name], max_seq_len, out_dir, tokenizer.bos_token_id, [tokenizer.eos_token_id], fast_lowering=True
     )
-    return {"path": str(r["path"]), "export_s": r["export_s"], "export_peak_rss_mb": _peak_rss_mb()}
+    return {"path": str(r["path"]), "export_s": r["export_s"], "export_peak_rss_mb": peak_rss_mb()}
 
 
 def in_child(*args: str) -> dict:

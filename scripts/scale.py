@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from qharness.runtime.measure import peak_rss_mb
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json)
@@ -90,13 +92,6 @@ def make_model(out: Path, shape: str = "135m") -> None:
     tokenizer.save_pretrained(out)
 
 
-def _peak_rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM (Linux only)")
-
-
 def _rss_mb() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -125,7 +120,7 @@ class Stages:
                             "stage": name,
                             "wall_s": time.perf_counter() - self.t,
                             "rss_start_mb": self.rss0,
-                            "peak_rss_mb": _peak_rss_mb(),
+                            "peak_rss_mb": peak_rss_mb(),
                         }
                     )
 
