@@ -93,6 +93,12 @@ class ParityConfig:
             logit error of half the margin flips their token, so they are reported (parity.near_ties) but not
             counted in the agreement. Flat logits (random init) are mostly near ties; real drift still flips
             the decided positions.
+        max_noise_ratio: Fail when the .pte's mean KL divergence from the converted model exceeds this many times the
+            converted model's own rounding noise: its KL from its rounding twin, the same program with every result
+            moved one unit in the last place (parity.noise in the summary). Deep models with dynamic activation quantization amplify rounding:
+            a kernel computing the same values in another order moves their logits as far as the twin does, and a
+            wrong weight, scale or layer moves them much further. Where the twin also agrees less often than
+            min_argmax_agreement, the .pte is held to that agreement less three standard errors.
         max_abs_diff: Fail when the largest logit difference exceeds this (null: report only).
         fake_quant_max_ppl_rel_diff: QAT: the .pte against the trained fake-quant model (parity.fake_quant in the
             summary, over one batch of validation blocks): fail when their perplexities differ by more than this.
@@ -109,6 +115,7 @@ class ParityConfig:
     max_ppl_rel_diff: float = 0.02
     min_argmax_agreement: float = 0.9
     tie_margin: float = 0.2
+    max_noise_ratio: float = 4.0
     max_abs_diff: float | None = None
     fake_quant_max_ppl_rel_diff: float = 0.05
     fake_quant_min_argmax_agreement: float = 0.8
@@ -127,6 +134,7 @@ class ParityConfig:
             eval_blocks=(self.eval_blocks, 1),
             max_ppl_rel_diff=(self.max_ppl_rel_diff, 0),
             tie_margin=(self.tie_margin, 0),
+            max_noise_ratio=(self.max_noise_ratio, 1),
         )
         for name in ("min_argmax_agreement", "fake_quant_min_argmax_agreement"):
             if not 0.0 <= getattr(self, name) <= 1.0:

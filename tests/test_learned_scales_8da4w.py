@@ -92,7 +92,9 @@ def test_the_converted_program_uses_the_trained_scales_exactly(trained):
     fp, _ = m.load_fp()
     m.load_into(fp)
     m.recipe.make_quantizer(is_qat=False).convert(fp, q)
-    assert torch.equal(fp.get_parameter(W).scale, q[W][0])
+    # the given scale, as XNNPACK's group-wise kernels compute with it (bf16: upstream/fixes/xnnpack_bf16_scales.py)
+    assert fp.get_parameter(W).scale.dtype == torch.bfloat16
+    assert torch.equal(fp.get_parameter(W).scale, q[W][0].to(torch.bfloat16))
     # what ships is what trained: with the trained scales the deployed weights are the fake-quantized ones, bit for bit
     q_trained = m.learned_qparams()
     fp, _ = m.load_fp()
@@ -158,7 +160,7 @@ def test_scales_stay_positive(tiny_llama):
     assert fq.scale[0, 0].item() == pytest.approx(1e-9)
     with torch.no_grad():
         fq.scale[0, 1] = -0.01
-    assert m.learned_qparams()[W][0][0, 1].item() == pytest.approx(1e-9)
+    assert m.learned_qparams()[W][0][0, 1].item() == pytest.approx(1e-9, rel=1e-2)  # as bf16, the kernels' scale
 
 
 @pytest.mark.fast

@@ -359,3 +359,121 @@ def test_our_zero_groups_keep_the_values_and_pass_the_gradient_exactly(which):
     assert torch.equal(grad[0], g[0])  # the zero row: the gradient itself
     assert torch.equal(grad[1:], grad_up[1:])  # the other rows as upstream
     assert torch.equal(grad, halved)  # the same under a halved loss (FSDP's average vs accumulation's)
+
+
+# ------------------------------------------------------------ XNNPACK's dynamic activations and group scales
+def _run_pte(buffer, x):
+    from qharness.upstream import imports
+
+    return imports.executorch_runtime().load_program(buffer).load_method("forward").execute([x])[0]
+
+
+def _per_tensor_dynamic_int8_linear(x):
+    """A linear converted by PT2E with XNNPACK's dynamic int8 config (``xnnpack_int8_dynamic``): one activation scale
+    per call in the converted graph."""
+    from qharness.upstream import imports
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)).eval()
+    config = imports.xnnpack_symmetric_config(
+        is_per_channel=True, is_dynamic=True, is_qat=False, weight_qmin=-127, weight_qmax=127
+    )
+    pt2e = imports.pt2e()
+    prepared = pt2e.prepare_pt2e(
+        torch.export.export(model, (x,)).module(), xnnpack_scalars.xnnpack_quantizer_cls()().set_global(config)
+    )
+    prepared(x)
+    return pt2e.convert_pt2e(prepared)
+
+
+def _outlier_rows():
+    x = torch.randn(1, 8, 64, generator=torch.Generator().manual_seed(1))
+    x[0, 0] *= 100  # one token 100x the others (an attention sink's activations): per tensor, it sets every scale
+    return x
+
+
+def test_upstream_xnnpack_still_quantizes_per_tensor_dynamic_activations_per_token():
+    """When this fails, XNNPACK computes one dynamic scale per tensor as the graph says: retire xnnpack_per_token."""
+    import copy
+
+    from qharness.upstream.fixes import xnnpack_per_token
+
+    x = _outlier_rows()
+    converted = _per_tensor_dynamic_int8_linear(x)
+    per_tensor = converted(x)
+    got = _run_pte(_lower(converted, x), x)  # lowered as the graph is: per tensor
+    rewritten = copy.deepcopy(converted)
+    assert xnnpack_per_token.per_token(rewritten) == 1
+    per_token = rewritten(x)
+    assert (got - per_tensor).abs().max() > 100 * (got - per_token).abs().max()  # the kernels compute per token
+    assert torch.allclose(got, per_token, rtol=1e-5, atol=1e-5 * per_token.abs().max().item())
+
+
+@pytest.mark.fast
+def test_per_token_fake_quantization_is_the_rewritten_graphs_and_passes_gradients_straight_through():
+    from qharness.upstream.fixes import xnnpack_per_token
+
+    x = _outlier_rows()
+    converted = _per_tensor_dynamic_int8_linear(x)
+    xnnpack_per_token.per_token(converted)
+    (chain,) = [n for n in converted.graph.nodes if "dequantize_per_token" in str(n.target)]
+    converted.graph.output(chain)  # the graph's quantized activation as its output
+    converted.graph.erase_node(next(n for n in converted.graph.nodes if n.op == "output"))
+    converted.recompile()
+    fake = xnnpack_per_token.fake_quantize_per_token(x)
+    assert torch.equal(
+        fake, converted(x).reshape(fake.shape)
+    )  # QAT's activations are the deployed graph's, bit for bit
+    y = x.clone().requires_grad_()
+    xnnpack_per_token.fake_quantize_per_token(y).sum().backward()
+    assert torch.equal(y.grad, torch.ones_like(y))
+
+
+def _group_linear(scale_dtype):
+    """A 4-bit group-wise linear (``xnnpack_8da4w``'s layers) quantized with ``scale_dtype`` scales (None: float32),
+    its weights spread over 4 decades so that most scales are not bf16 numbers."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    with torch.no_grad():
+        model[0].weight *= torch.logspace(-2, 2, 32)[:, None]
+    config = Int8DynamicActivationIntxWeightConfig(
+        weight_dtype=torch.int4, weight_granularity=PerGroup(32), weight_scale_dtype=scale_dtype
+    )
+    quantize_(model, config)
+    return model
+
+
+def test_upstream_xnnpack_still_computes_group_scales_in_bf16():
+    """When this fails, XNNPACK computes group-wise weights with float32 scales: retire xnnpack_bf16_scales."""
+    model, x = _group_linear(None), torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    weight = model[0].weight
+    assert weight.scale.dtype == torch.float32 and not torch.equal(weight.scale, weight.scale.bfloat16().float())
+    got = _run_pte(_lower(model, x), x)
+    as_float32 = model(x)
+    weight.scale = weight.scale.bfloat16().float()  # the same codes with the scales XNNPACK keeps
+    as_bf16 = model(x)
+    assert (got - as_float32).abs().max() > 10 * (got - as_bf16).abs().max()
+
+
+@pytest.mark.fast
+def test_group_wise_fake_quantization_computes_the_deployed_bf16_weights_bit_for_bit():
+    import copy
+
+    from torchao.quantization import quantize_
+
+    from qharness.recipes.registry import load_recipe
+    from qharness.upstream.fixes import xnnpack_bf16_scales
+
+    (step, _) = load_recipe("xnnpack_8da4w").make_quantizer(is_qat=False).configs  # the recipe's linears, its table
+    assert step.config.weight_scale_dtype == torch.bfloat16
+    fp = _group_linear(None)  # its float weights (quantized below, two ways)
+    fp[0].weight = torch.nn.Parameter(fp[0].weight.dequantize())
+    deployed, trained = copy.deepcopy(fp), copy.deepcopy(fp)
+    quantize_(deployed, step.config)
+    quantize_(trained, xnnpack_bf16_scales.qat_config(step.config))
+    assert deployed[0].weight.scale.dtype == torch.bfloat16
+    fake = trained[0].weight_fake_quantizer(trained[0].weight)
+    assert torch.equal(fake, deployed[0].weight.dequantize())  # QAT trains the weights the .pte computes with

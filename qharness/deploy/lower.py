@@ -180,6 +180,10 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
     calibrate(prepared)
     converted = pt2e.convert_pt2e(prepared)
     torchao_fold.fold_weight_quantization(converted)  # kv_b_proj of MLA: see that module
+    if recipe.quantizer == "xnnpack":  # its kernels quantize dynamic activations per token: so does the graph
+        from qharness.upstream.fixes import xnnpack_per_token
+
+        xnnpack_per_token.per_token(converted)
     return converted, reason, layers, quantizer
 
 

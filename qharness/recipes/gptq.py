@@ -49,10 +49,17 @@ def symmetric_scale(w: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
 
 
 def gptq_layer(
-    weight: torch.Tensor, hessian: torch.Tensor, qmin: int, qmax: int, group: int, damp: float = DAMP
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    qmin: int,
+    qmax: int,
+    group: int,
+    damp: float = DAMP,
+    scale_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ of one weight ``[out, in]`` with its input Hessian ``[in, in]``: ``(codes [out, in] int8, scales
-    [out, in // group])`` with ``codes * scales`` (per group) the rounded weight."""
+    [out, in // group])`` with ``codes * scales`` (per group) the rounded weight. ``scale_dtype``: the precision the
+    program's kernels compute the scales in (bf16 for XNNPACK's groups): GPTQ rounds onto that grid."""
     w = weight.detach().to(torch.float64).clone()
     h = hessian.to(torch.float64).clone()
     out_f, in_f = w.shape
@@ -72,7 +79,8 @@ def gptq_layer(
         for i in range(i2 - i1):
             col = i1 + i
             if col % group == 0:  # a new group: its scale from the weights as GPTQ has updated them
-                scales[:, col // group] = symmetric_scale(w1[:, i : i + group], qmin, qmax)
+                scale = symmetric_scale(w1[:, i : i + group], qmin, qmax)
+                scales[:, col // group] = scale if scale_dtype is None else scale.float().to(scale_dtype).double()
             s = scales[:, col // group]
             q = torch.clamp(torch.round(w1[:, i] / s), qmin, qmax)
             codes[:, col] = q.to(torch.int8)
@@ -149,7 +157,8 @@ def gptq_round(
     with stage(f"GPTQ: rounding {len(layers)} layers"):
         for name, (m, config) in layers.items():
             qmin, qmax, group = grid(config, m.in_features)
-            codes, scales = gptq_layer(m.weight, hs[name], qmin, qmax, group, damp)
+            scale_dtype = getattr(config, "weight_scale_dtype", None)
+            codes, scales = gptq_layer(m.weight, hs[name], qmin, qmax, group, damp, scale_dtype)
             weights[f"{name}.weight"] = dequantize(codes, scales).to(m.weight.dtype)
             qparams[f"{name}.weight"] = (scales, torch.zeros_like(scales))
     return weights, qparams

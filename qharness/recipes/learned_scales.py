@@ -104,9 +104,11 @@ def learned_qparams(graph: torch.nn.Module, prefix: str = "") -> dict[str, tuple
             raise RuntimeError(f"weight {target} lacks the prefix {prefix!r}")
         if hasattr(fq, "calculate_qparams"):  # PT2E
             scale, zero_point = fq.calculate_qparams()
-        else:  # torchao: what its next forward uses
+        else:  # torchao: what its next forward uses (group-wise: the bf16 value it computes with)
+            from qharness.upstream.fixes import xnnpack_bf16_scales
+
             _keep_positive(fq)
-            scale, zero_point = fq.scale, fq.zero_point
+            scale, zero_point = xnnpack_bf16_scales.kernel_scale(fq.scale, fq.config.granularity), fq.zero_point
         out[target[len(prefix) :]] = (scale.detach().cpu().clone(), zero_point.detach().cpu().clone())
     return out
 
@@ -189,12 +191,10 @@ def range_learning_qat_config(base_config):
     """``QATConfig(step="prepare")`` with the fake-quant configs torchao infers for ``base_config``, its weight
     quantizer made static with ``range_learning`` (one scale per weight group; trainable once ``init_source_scales``
     set it)."""
-    import dataclasses
+    from qharness.upstream.fixes import xnnpack_bf16_scales
 
-    qat = imports.torchao_qat()
-    activation, weight = qat.infer_configs(base_config)
-    weight = dataclasses.replace(weight, is_dynamic=False, range_learning=True)
-    return qat.QATConfig(activation_config=activation, weight_config=weight, step="prepare")
+    activation, weight = xnnpack_bf16_scales.fake_quantize_configs(base_config, range_learning=True)
+    return imports.torchao_qat().QATConfig(activation_config=activation, weight_config=weight, step="prepare")
 
 
 def _source_weight_calls(model: torch.nn.Module):
@@ -231,6 +231,9 @@ def init_source_scales(model: torch.nn.Module) -> int:
             fq(model.get_parameter(target))  # min-max scale, then a Parameter (symmetric: zero point 0, fixed)
             fq.register_forward_pre_hook(_keep_positive)
             n += 1
+    from qharness.upstream.fixes import xnnpack_bf16_scales
+
+    xnnpack_bf16_scales.learned_kernel_scales(model)  # group-wise scales compute as the kernels' bf16
     return n
 
 

@@ -134,11 +134,9 @@ class SourceQuantizer:
         """Swap in torchao's fake-quantized modules (learned-scale steps: scales set by ``init_source_scales``);
         returns the assignment (``check``)."""
         from qharness.recipes.learned_scales import range_learning_qat_config
-        from qharness.upstream import imports
-        from qharness.upstream.fixes import torchao_zero_groups
+        from qharness.upstream.fixes import torchao_zero_groups, xnnpack_bf16_scales
 
         layers = self.check(model)
-        qat = imports.torchao_qat()
         # torchao gives an all-zero group (a zero padding row of a tied table) the scale 1.2e-38, whose gradient then
         # passes through subnormal floats: rounded, and unlike under another loss scaling (FSDP vs accumulation)
         torchao_zero_groups.install()
@@ -147,7 +145,7 @@ class SourceQuantizer:
             lambda step: (
                 range_learning_qat_config(step.config)
                 if step.learn_scales
-                else qat.QATConfig(step.config, step="prepare")
+                else xnnpack_bf16_scales.qat_config(step.config)
             ),
         )
         return layers

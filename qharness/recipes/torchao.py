@@ -109,6 +109,8 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             "(it trains affine scales)",
             fix="use it in PTQ-only recipes (modes: [ptq]), or choose_qparams: affine",
         )
+    from qharness.upstream.fixes import xnnpack_bf16_scales
+
     bits = {2: torch.int2, 3: torch.int3, 4: torch.int4, 8: torch.int8}
     group = settings.group_size
     granularity = PerAxis(0) if group is None else PerGroup(group)
@@ -118,6 +120,7 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
                 weight_dtype=bits[settings.weight_bits],
                 weight_granularity=granularity,
                 intx_choose_qparams_algorithm=settings.choose_qparams,
+                weight_scale_dtype=xnnpack_bf16_scales.scale_dtype(granularity),  # what XNNPACK computes groups with
             ),
             (lambda m, fqn: isinstance(m, torch.nn.Linear))
             if group is None

@@ -73,6 +73,8 @@ def xnnpack_quantizer(settings: XnnpackSettings, is_qat: bool):
         weight_qmin=qmin,
         weight_qmax=qmax,
     )
+    if is_qat and settings.dynamic:
+        config = per_token_activation_fake_quant(config)
     if is_qat and settings.learn_scales:
         from qharness.recipes.learned_scales import learned_weight_fake_quant
 
@@ -102,6 +104,35 @@ def deploy_matched_weight_fake_quant(config):
     observer = ns.MovingAveragePerChannelMinMaxObserver if per_channel else ns.MovingAverageMinMaxObserver
     ctr = ns.FakeQuantize.with_args(observer=observer.with_args(averaging_constant=1.0), eps=2**-12)
     return dataclasses.replace(config, weight=dataclasses.replace(w, observer_or_fake_quant_ctr=ctr))
+
+
+def per_token_activation_fake_quant(config):
+    """QAT's dynamic activations fake-quantized per token: XNNPACK quantizes a "per-tensor" dynamic activation one
+    scale per row (``upstream/fixes/xnnpack_per_token.py``), and the deployed graph is rewritten to match, so QAT
+    trains against the same numerics."""
+    ctr = _per_token_fake_quantize().with_args(**config.input_activation.observer_or_fake_quant_ctr.p.keywords)
+    return dataclasses.replace(
+        config, input_activation=dataclasses.replace(config.input_activation, observer_or_fake_quant_ctr=ctr)
+    )
+
+
+_PER_TOKEN = None
+
+
+def _per_token_fake_quantize():
+    """PT2E's ``FakeQuantize`` (switches, buffers, state-dict layout) whose forward quantizes each row (token) with its
+    own dynamic range, as XNNPACK's kernels do, passing gradients straight through."""
+    global _PER_TOKEN
+    if _PER_TOKEN is None:
+        from qharness.upstream import imports
+        from qharness.upstream.fixes import xnnpack_per_token
+
+        class PerTokenFakeQuantize(imports.pt2e().FakeQuantize):
+            def forward(self, X):
+                return xnnpack_per_token.fake_quantize_per_token(X) if self.fake_quant_enabled[0] == 1 else X
+
+        _PER_TOKEN = PerTokenFakeQuantize
+    return _PER_TOKEN
 
 
 def with_activation_observer(config, name: str):

@@ -16,11 +16,13 @@ from qharness.checks.parity import (
     fold_constants,
     gate,
     learned_scales_carried,
+    rounding_twin,
     score_deployed,
 )
 from qharness.checks.stats import with_intervals
 from qharness.config import ParityConfig
 from qharness.deploy.fastpath.twin import all_logits_twin
+from qharness.errors import UserError
 from qharness.progress import stage
 from qharness.run.stages import Lowered
 from qharness.run.summary import Parity, Score, Timings, typed
@@ -82,15 +84,23 @@ def gate_pte(
     converted model's, (QAT) against the trained fake-quant graph, and whether learned scales reached it exactly."""
     from qharness.runtime.pte import PteModel
 
-    def ref(tokens, start):  # called as the .pte is: last-token logits on the fast path (decode parity)
-        return reference(tokens, torch.tensor([start], dtype=torch.long))
+    ref = step_of(reference)  # called as the .pte is: last-token logits on the fast path (decode parity)
 
-    pte = PteModel(lowered.pending)
+    try:
+        pte = PteModel(lowered.pending)
+    except UserError as e:  # e.g. XNNPACK refuses a NaN scale: a program that does not run fails its gate
+        return {"passed": False, "reasons": reasons + [f"the .pte does not load in the ExecuTorch runtime: {e.what}"]}
     scores["pte"] = score_deployed(pte, data.x, data.y, desc="scoring the .pte")
     reasons = reasons + non_finite_scores(scores, "pte")
     prompts = data.x[: cfg.prompts, : cfg.prompt_len]
     figures = compare_decoding(
-        pte, ref, prompts, cfg.decode_steps, desc="parity: .pte vs converted decoding", tie_margin=cfg.tie_margin
+        pte,
+        ref,
+        prompts,
+        cfg.decode_steps,
+        desc="parity: .pte vs converted decoding",
+        tie_margin=cfg.tie_margin,
+        twin=step_of(rounding_twin(reference)),  # the converted model's own rounding noise, on the same positions
     )
     figures["ppl_rel_diff"] = abs(scores["pte"]["ppl"] - scores["converted"]["ppl"]) / scores["converted"]["ppl"]
     reasons += gate(figures, cfg)
@@ -107,6 +117,11 @@ def gate_pte(
     figures["passed"] = not reasons
     figures["reasons"] = reasons
     return figures
+
+
+def step_of(graph: torch.fx.GraphModule):
+    """``graph`` called as the ``.pte`` is: ``step(tokens[1, n], start) -> logits``."""
+    return lambda tokens, start: graph(tokens, torch.tensor([start], dtype=torch.long))
 
 
 def non_finite_scores(metrics: dict, key: str) -> list[str]:

@@ -89,6 +89,7 @@ class Agreement:
         near_ties: Positions that are near ties.
         argmax_agreement_decided: Agreement over the positions that are not near ties (None: all are).
         non_finite_positions: Positions with NaN/inf logits.
+        kl: Mean KL divergence of the ``.pte``'s next-token distribution from the reference's (nats per position).
         ppl_rel_diff: Relative perplexity difference of the two models.
         passed: The verdict (None: not run here).
         reasons: Why it failed (empty when it passed).
@@ -101,6 +102,7 @@ class Agreement:
     near_ties: int | None = None
     argmax_agreement_decided: float | None = _kept()
     non_finite_positions: int | None = None
+    kl: float | None = None
     ppl_rel_diff: float | None = None
     passed: bool | None = None
     reasons: list[str] = field(default_factory=list)
@@ -124,9 +126,12 @@ class LearnedScales:
 @dataclass
 class Parity(Agreement):
     """The parity gate: the ``.pte``'s decoding against the converted model's (``Agreement``), with what else it
-    checked: ``fake_quant`` (QAT), ``learned_scales``; ``skipped``: why it did not run here (``passed`` None)."""
+    checked: ``noise`` (the converted model against its rounding twin, every result rounded the other way, over the same positions:
+    the rounding noise the ``.pte`` is judged against), ``fake_quant`` (QAT), ``learned_scales``; ``skipped``: why it
+    did not run here (``passed`` None)."""
 
     skipped: str | None = None
+    noise: Agreement | None = None
     fake_quant: FakeQuantAgreement | None = None
     learned_scales: LearnedScales | None = None
 

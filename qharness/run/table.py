@@ -44,7 +44,7 @@ def format_table(summary: RunSummary) -> str:
     else:
         lines.append(
             size + f"{'PASSED' if p.passed else 'FAILED'}: max|Δlogit|={_num(p.max_abs_diff, '.4g')}, "
-            f"argmax agreement={_decided(p)}, ppl diff={_num(p.ppl_rel_diff, '.2%')}"
+            f"argmax agreement={_decided(p)}, ppl diff={_num(p.ppl_rel_diff, '.2%')}{_noise(p)}"
         )
         fq = p.fake_quant
         if fq:
@@ -70,5 +70,20 @@ def _decided(parity: Agreement) -> str:
     if parity.near_ties is None:  # a summary written before near ties were counted
         return _num(parity.argmax_agreement, ".3f")
     decided = parity.argmax_agreement_decided
-    value = "n/a" if decided is None else f"{decided:.3f}"
-    return f"{value} ({parity.near_ties}/{parity.positions} near ties)"
+    if decided is None:
+        return f"not compared (all {parity.positions} positions are near ties)"
+    return f"{decided:.3f} ({parity.near_ties}/{parity.positions} near ties)"
+
+
+def _noise(parity) -> str:
+    """``, KL 0.012 nats/token = 1.1x rounding noise (twin: argmax 0.95)``: the .pte against the converted model's
+    own rounding noise (``parity.noise``), where the gate measured it."""
+    noise = getattr(parity, "noise", None)
+    if noise is None or parity.kl is None or noise.kl is None:
+        return ""
+    ratio = parity.kl / noise.kl if noise.kl > 0 else math.inf
+    agree = noise.argmax_agreement_decided
+    return (
+        f", KL {parity.kl:.3g} nats/token = {_num(ratio, '.2g')}x the converted model's rounding noise "
+        f"(rounding twin: KL {noise.kl:.3g}, argmax {'n/a' if agree is None else f'{agree:.3f}'})"
+    )

@@ -1,0 +1,114 @@
+"""Adaptation: XNNPACK computes group-wise (blockwise) 4-bit weights with bfloat16 scales.
+
+XNNPACK's ``qb4w`` kernels take their block scales as bf16 (google/XNNPACK PR #6751), and ExecuTorch 1.5.1's
+serializer casts a group-wise weight's float32 scales to bf16 (``backends/xnnpack/operators/node_visitor.py``,
+``get_quant_params``; pytorch/executorch PR #11031). A program quantized with float32 scales therefore computes with
+other weights than its converted graph: on SmolLM2-135M (30 layers, 8da4w) the ``.pte`` and the converted model agreed
+on 93% of the decided next tokens, against 95% with bf16 scales, where 95% is what one unit in the last place of the
+model's own weights changes (the model's rounding noise). Group-wise recipes therefore quantize with bf16 scales
+everywhere: torchao's ``weight_scale_dtype=torch.bfloat16`` at deployment (the weights are quantized with the bf16
+scale, whatever chose it: min-max, HQQ, GPTQ or training) and the same scale precision in QAT's fake quantizers; learned
+scales train in float32 and compute through their bf16 value. Per-channel scales (``qc4w``, ``qc8w``) stay float32.
+Not a bug upstream (no issue): the kernels' choice. Test that tells when to revisit it:
+tests/test_upstream_fixes.py::test_upstream_xnnpack_still_computes_group_scales_in_bf16.
+Retire: when that test fails, drop ``weight_scale_dtype`` in ``recipes/torchao.py`` and this module's calls.
+
+Example::
+
+    config = Int8DynamicActivationIntxWeightConfig(torch.int4, PerGroup(32), weight_scale_dtype=scale_dtype(PerGroup(32)))
+    quantize_(model, qat_config(config))   # torchao's QATConfig(config) refuses weight_scale_dtype
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+SCALE_DTYPE = torch.bfloat16
+
+
+def scale_dtype(granularity) -> torch.dtype | None:
+    """The scale dtype XNNPACK computes a weight of ``granularity`` with: bf16 for groups, None (the weight's own
+    float32) per channel."""
+    return SCALE_DTYPE if getattr(granularity, "group_size", None) is not None else None
+
+
+def kernel_scale(scale: torch.Tensor, granularity) -> torch.Tensor:
+    """``scale`` as the kernel computes with it (bf16 values for groups), in ``scale``'s own dtype."""
+    dtype = scale_dtype(granularity)
+    return scale if dtype is None else scale.detach().to(dtype).to(scale.dtype)
+
+
+def fake_quantize_configs(config, range_learning: bool = False):
+    """``(activation, weight)`` fake-quantize configs of a torchao base config whose ``weight_scale_dtype`` is set
+    (torchao 0.18's ``QATConfig(config)`` asserts it is not): inferred without it, then the weight fake quantizer's
+    scale precision set to it, so QAT's weights are the deployed ones bit for bit. ``range_learning``: the weight
+    scale is a float32 parameter (a bf16 one would lose Adam's small steps) that computes through its bf16 value
+    (``learned_kernel_scales``)."""
+    from qharness.upstream import imports
+
+    dtype = getattr(config, "weight_scale_dtype", None)
+    plain = dataclasses.replace(config, weight_scale_dtype=None) if dtype is not None else config
+    activation, weight = imports.torchao_qat().infer_configs(plain)
+    if range_learning:
+        weight = dataclasses.replace(weight, is_dynamic=False, range_learning=True)
+    elif dtype is not None:
+        weight = dataclasses.replace(weight, scale_precision=dtype)
+    return activation, weight
+
+
+def qat_config(config):
+    """``QATConfig(config, step="prepare")``, for a ``config`` with ``weight_scale_dtype`` too
+    (``fake_quantize_configs``)."""
+    from qharness.upstream import imports
+
+    qat = imports.torchao_qat()
+    if getattr(config, "weight_scale_dtype", None) is None:
+        return qat.QATConfig(config, step="prepare")
+    activation, weight = fake_quantize_configs(config)
+    return qat.QATConfig(activation_config=activation, weight_config=weight, step="prepare")
+
+
+def learned_kernel_scales(model: torch.nn.Module) -> int:
+    """Make each group-wise range-learning weight fake quantizer of ``model`` compute with its (float32, trained)
+    scale cast to bf16, as the deployed program will; returns how many."""
+    n = 0
+    for m in model.modules():
+        fq = getattr(m, "weight_fake_quantizer", None)
+        if fq is not None and fq.config.range_learning and scale_dtype(fq.config.granularity) is not None:
+            fq.__class__ = _learned_class(type(fq))
+            n += 1
+    return n
+
+
+_LEARNED: dict[type, type] = {}
+
+
+def _learned_class(base: type) -> type:
+    if base in _LEARNED.values():
+        return base
+    if base not in _LEARNED:
+
+        class KernelScaleFakeQuantizer(base):
+            """A range-learning group-wise weight fake quantizer whose trained float32 scale computes as bf16."""
+
+            def _per_channel_or_group_forward(self, x):
+                from torchao.quantization.qat import fake_quantizer
+
+                if not isinstance(self.scale, torch.nn.Parameter):  # not yet initialised: min-max, then a parameter
+                    return super()._per_channel_or_group_forward(x)
+
+                qmin, qmax = fake_quantizer._DTYPE_TO_QVALUE_BOUNDS[self.config.dtype]
+                return fake_quantizer._fake_quantize_per_channel_group(
+                    x,
+                    self.scale.to(SCALE_DTYPE),  # differentiable: the gradient reaches the float32 scale
+                    self.zero_point,
+                    qmin,
+                    qmax,
+                    self.config.granularity.group_size,
+                    self.config.zero_point_domain,
+                )
+
+        _LEARNED[base] = KernelScaleFakeQuantizer
+    return _LEARNED[base]
