@@ -151,12 +151,15 @@ def test_a_file_that_is_not_a_whole_gguf_is_refused_before_torch_in_one_line(tmp
         "cut_in_header.gguf": (whole[:200], "is truncated"),
         "cut_in_tensors.gguf": (whole[: len(whole) // 2], "is truncated"),
         "version1.gguf": (whole[:4] + (1).to_bytes(4, "little") + whole[8:], "GGUF version 1"),
+        "2**60_entries.gguf": (whole[:16] + (2**60).to_bytes(8, "little") + whole[24:], "is truncated"),
     }
     for name, (data, expected) in cases.items():
         (tmp_path / name).write_bytes(data)
         with pytest.raises(UserError) as e:
             check_local_checkpoint(str(tmp_path / name))
         assert expected in one_line_error(e), name
+    with pytest.raises(UserError, match=r"model.checkpoint no_such.gguf does not exist\. fix: give an existing"):
+        check_local_checkpoint("no_such.gguf")  # a file name, not a hub id
     (tmp_path / "weights.bin").write_bytes(whole)
     with pytest.raises(UserError, match=r"is a file\. fix: .*\.gguf"):
         check_local_checkpoint(str(tmp_path / "weights.bin"))

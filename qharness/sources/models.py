@@ -80,6 +80,8 @@ def check_local_checkpoint(checkpoint: str) -> str | None:
             check_safetensors(weights)
         return str(path)
     check_embedded_name(checkpoint)
+    if checkpoint.lower().endswith(".gguf"):
+        raise UserError(f"model.checkpoint {checkpoint} does not exist", fix="give an existing .gguf file")
     if checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1:
         raise UserError(f"model.checkpoint {checkpoint} does not exist", fix="give an existing directory or a hub id")
     return None
