@@ -7,7 +7,8 @@ The weights are the file's, dequantized: a Q4_1 file's weights still sit on Q4_1
 another 4-bit grid adds that grid's rounding error to Q4_1's.
 
 ``read_header`` checks a file without torch (the pre-check): GGUF's magic and version, the metadata, the tensor table,
-and that the file holds every tensor's bytes.
+and that the file holds every tensor's bytes. Whether transformers reads its architecture is transformers' answer, at
+the conversion (one ``UserError`` line, before any training).
 
 Example::
 
@@ -45,13 +46,12 @@ def is_gguf(checkpoint: str) -> bool:
 
 @dataclass(frozen=True)
 class Header:
-    """What ``read_header`` found: the GGUF version, ``general.architecture``, ``general.file_type`` (None when the
-    file does not say) and the tensor count."""
+    """What ``read_header`` found: the GGUF version, ``general.architecture`` and ``general.file_type`` (None when
+    the file does not say)."""
 
     version: int
     architecture: str
     file_type: int | None
-    tensors: int
 
 
 class _Cursor:
@@ -97,7 +97,7 @@ class _Cursor:
 
 
 def read_header(path: Path) -> Header:
-    """Check that ``path`` is a whole GGUF file transformers can read, without torch: its magic and version, its
+    """Check that ``path`` is a whole GGUF file, without torch: its magic and version (those transformers reads), its
     metadata and tensor table, and that it holds every tensor's bytes. Anything else is one ``UserError`` line.
 
     Example::
@@ -157,7 +157,7 @@ def read_header(path: Path) -> Header:
     if not isinstance(architecture, str):
         raise UserError(f"model.checkpoint {path} has no general.architecture", fix=FIX)
     file_type = meta.get("general.file_type")
-    return Header(version, architecture, file_type if isinstance(file_type, int) else None, n_tensors)
+    return Header(version, architecture, file_type if isinstance(file_type, int) else None)
 
 
 def file_type_name(file_type: int | None) -> str | None:
