@@ -104,6 +104,68 @@ def make_tiny_hf(
     return out
 
 
+def llama_cpp_permute(w, n_head: int):
+    """llama.cpp's ``convert_hf_to_gguf.py`` row order of a Llama ``q_proj``/``k_proj`` weight (``n_head``: its heads;
+    transformers undoes it when it reads a GGUF)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path: Path, model, tokenizer, qtype: str = "F32", arch: str = "llama", chat_template: str | None = None):
+    """``model`` (an HF Llama) and ``tokenizer`` (``train_bpe_tokenizer``'s byte-level BPE) written as llama.cpp's
+    ``convert_hf_to_gguf.py`` writes them: GGUF tensor names, q/k rows permuted, the 2-D weights as ``qtype``
+    (``F32``, ``Q8_0``, ``Q4_0``, ...; norms stay F32), ``general.file_type`` set to match, the tokenizer as
+    ``gpt2`` metadata. ``arch``: the ``general.architecture`` written (another one for refusal tests)."""
+    import json
+
+    import gguf
+
+    c = model.config
+    kind = gguf.GGMLQuantizationType[qtype]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType[("ALL_" if qtype == "F32" else "MOSTLY_") + qtype])
+    vocab = tokenizer.backend_tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types(
+        [gguf.TokenType.CONTROL if t in tokenizer.all_special_tokens else gguf.TokenType.NORMAL for t in tokens]
+    )
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    w.add_bos_token_id(tokenizer.bos_token_id)
+    w.add_eos_token_id(tokenizer.eos_token_id)
+    if chat_template:
+        w.add_chat_template(chat_template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, c.num_hidden_layers)
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight" and c.tie_word_embeddings:
+            continue  # a tied head is the embedding table: llama.cpp writes no output.weight
+        data = t.detach().float().numpy()
+        if name.endswith("q_proj.weight"):
+            data = llama_cpp_permute(data, c.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            data = llama_cpp_permute(data, c.num_key_value_heads)
+        gguf_name = names.get_name(name.removesuffix(".weight")) + ".weight"
+        if data.ndim == 2 and qtype != "F32":
+            w.add_tensor(gguf_name, gguf.quants.quantize(data, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(gguf_name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def runner_safe_head(model, tokenizer, seed: int = 0, std: float = 1.0) -> None:
     """Give ``model`` (in place) a random untied output head (normal, ``std``) whose rows for EOS and for tokens that
     are not valid UTF-8 on their own are zero, so greedy decoding varies and never picks them: ExecuTorch's

@@ -7,7 +7,7 @@ import json
 import shutil
 
 import pytest
-from conftest import make_tiny_llama, write_config
+from conftest import make_tiny_llama, write_config, write_gguf
 
 from qharness.cli.main import main
 
@@ -23,6 +23,16 @@ def _model_copy(t, drop=()):
         for f in d.glob(pattern):
             f.unlink()
     return d
+
+
+def _gguf(t, arch="llama", cut=False):
+    """The tiny Llama as a GGUF (``arch``: the architecture it claims; ``cut``: its second half cut off)."""
+    from qharness.sources.models import load_model_and_tokenizer
+
+    path = write_gguf(t.tmp / f"{arch}.gguf", *load_model_and_tokenizer(str(t.model)), arch=arch)
+    if cut:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return path
 
 
 def _config_layers(t, n):
@@ -118,6 +128,15 @@ CASES = {
     "val_fraction out of range": (lambda t: _cfg(t, data={"val_fraction": 1.5}), "data.val_fraction"),
     "model dir missing": (lambda t: _cfg(t, model={"checkpoint": str(t.tmp / "no_model")}), "does not exist"),
     "model path is a file": (lambda t: _cfg(t, model={"checkpoint": str(_write(t, "m.bin", "x"))}), "is a file"),
+    "model .gguf that is not GGUF": (
+        lambda t: _cfg(t, model={"checkpoint": str(_write(t, "m.gguf", "not a model " * 10))}),
+        "is not a GGUF file",
+    ),
+    "model .gguf cut short": (lambda t: _cfg(t, model={"checkpoint": str(_gguf(t, cut=True))}), "is truncated"),
+    "model .gguf of an architecture transformers does not read": (
+        lambda t: _cfg(t, model={"checkpoint": str(_gguf(t, arch="foo"))}),
+        "architecture foo is not supported",
+    ),
     "model dir without config": (
         lambda t: _cfg(t, model={"checkpoint": str(_model_copy(t, ["config.json"]))}),
         "no config.json",

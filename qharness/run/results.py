@@ -42,6 +42,7 @@ def write_summary(
     under a name no one ships by mistake), write ``summary.json`` (keeping earlier evaluations) and print the table."""
     from qharness.deploy.deployed import export_path, fallback_reason, graph_coverage, kv_cache_dtype, quantized_layers
     from qharness.deploy.lower import layer_counts
+    from qharness.sources.gguf import gguf_source
 
     recipe, deployed = trained.recipe, lowered.deployed
     final = run_dir / export_cfg.filename
@@ -61,6 +62,7 @@ def write_summary(
         seq_len=data.seq_len,
         eval_blocks=len(data.x),
         val_blocks=validation_blocks_id(data.x, data.y),
+        gguf=gguf_source(trained.checkpoint),
         distill=trained.distill,
         lora=trained.lora,
         metrics=checked.metrics,

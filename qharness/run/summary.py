@@ -3,12 +3,12 @@ wandb tracking and later commands. Every writer merges into the file (a later co
 command's results); every reader goes through ``RunSummary.read``.
 
 Its sections are typed (``Score``, ``Parity``, ``PteInfo``, ``LayerPlan``, ``Timings``, and the records the stages
-that produce them own: ``Coverage`` (``deploy/coverage_record.py``), ``Bench`` and ``JointEntry``
-(``runtime/bench_record.py``)). ``eval``/``evaluations`` (lm-eval's table, ``evaluation/harness.py``) stay plain
-data: their keys are data, not fields (task names, lm-eval's metric names such as ``acc,none``, the stages a run
-scored), which a dataclass would only rename. On disk it is the same JSON as before the sections were typed (schema
-4): every earlier summary reads; a newer one, or a section with a field this qharness does not know, is refused in
-one line naming its schema_version.
+that produce them own: ``GgufSource`` (``sources/gguf.py``), ``Coverage`` (``deploy/coverage_record.py``), ``Bench``
+and ``JointEntry`` (``runtime/bench_record.py``)). ``eval``/``evaluations`` (lm-eval's table,
+``evaluation/harness.py``) stay plain data: their keys are data, not fields (task names, lm-eval's metric names such as
+``acc,none``, the stages a run scored), which a dataclass would only rename. On disk it is the same JSON as before the
+sections were typed (schema 4): every earlier summary reads; a newer one, or a section with a field this qharness does
+not know, is refused in one line naming its schema_version.
 
 Example::
 
@@ -32,6 +32,7 @@ from qharness.deploy.coverage_record import Coverage
 from qharness.errors import UserError
 from qharness.io.atomic import to_jsonable, write_json_atomic
 from qharness.runtime.bench_record import Bench, JointEntry
+from qharness.sources.gguf import GgufSource
 
 SCHEMA_VERSION = 4  # 1: the unversioned summaries written before this type existed; 2: before ``layers``; 3: before
 # ``coverage`` (all read)
@@ -197,6 +198,9 @@ class RunSummary:
         seq_len: Block length of the validation blocks every model was scored on.
         eval_blocks: How many validation blocks.
         val_blocks: Fingerprint of those blocks: runs with the same one were scored on the same text (paired).
+        gguf: A ``model.checkpoint`` that is a ``.gguf`` file (``GgufSource``, ``sources/gguf.py``): the ``file``, its
+            ``sha256``, its ``type`` as llama.cpp names it (``Q4_1``, ``Q4_K_M``, ``Q8_0``, ``F16``, ...: the grid its
+            weights already sit on) and the float32 directory it was ``converted`` into; absent in other runs.
         distill: QAT with knowledge distillation from the FP model: its settings (``model.distill``); None: without.
         lora: LoRA-QAT: its settings (``model.lora``), the adapted layers and trained parameters; None: full QAT.
         metrics: Per model (``fp``, ``fake_quant``, ``converted``, ``pte``): loss, ppl and their intervals.
@@ -233,6 +237,7 @@ class RunSummary:
     seq_len: int
     eval_blocks: int
     val_blocks: str | None = None
+    gguf: GgufSource | None = field(default=None, metadata=OMIT_NONE)
     distill: dict[str, Any] | None = None
     lora: dict[str, Any] | None = None
     metrics: dict[str, Score] = field(default_factory=dict)
@@ -344,7 +349,7 @@ class RunSummary:
         return summary
 
 
-_TYPED = ("metrics", "parity", "pte", "layers", "coverage", "timings", "bench", "bench_joint", "answers")
+_TYPED = ("gguf", "metrics", "parity", "pte", "layers", "coverage", "timings", "bench", "bench_joint", "answers")
 
 
 def _hints(cls) -> dict:

@@ -183,8 +183,11 @@ class ModelConfig:
             fine-tuned on the training split of ``data.source: embedded-chat`` on first use: a chat model whose
             tokenizer carries the ``embedded`` chat template), a local
             ``save_pretrained`` directory of any decoder-only HF causal LM that transformers exports
-            with a static KV cache (Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3, ...), a hub id (online
-            only), or a torchtune builder: ``torchtune:llama3_2.llama3_2_1b`` or
+            with a static KV cache (Llama, Qwen2/3, Mistral, Phi-3, Gemma 1/2/3, ...), a ``.gguf`` file
+            (llama.cpp's format, any type transformers reads: Q4_0, Q4_1, Q4_K_M, Q8_0, F16, F32, ...;
+            converted once into a cached float32 directory; its weights keep the GGUF's quantization grid,
+            so re-quantizing a Q4_1 file onto another 4-bit grid adds that grid's error to Q4_1's), a hub id
+            (online only), or a torchtune builder: ``torchtune:llama3_2.llama3_2_1b`` or
             ``torchtune:llama3_2.llama3_2(vocab_size=2048, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=128, max_seq_len=512)``
             (random init; ``tokenizer=DIR`` picks an HF tokenizer; needs the torchtune extra).
         recipe: Backend recipe name (``qharness recipes`` lists them) or a path to a recipe YAML.

@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qharness.io.locks import hold_lock
 from qharness.io.temps import remove_stale_temps, temp_dir_for
-from qharness.sources.cache import cache_dir
+from qharness.sources.cache import build_once, cache_dir
 from qharness.sources.text import EMBEDDED, embedded_corpus, load_texts, tokenize_stream
 from qharness.sources.tokenizer import train_bpe_tokenizer
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -155,18 +151,6 @@ def save_model(model, tokenizer, out_dir: Path, info: dict) -> None:
     (tmp / "qharness_pretrain.json").write_text(json.dumps(info, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
-
-
-def build_once(out: Path, what: str, build) -> Path:
-    """``build()`` writes the model directory ``out`` unless it is there (holding ``out``'s lock: another process
-    building it is waited for, saying ``what`` it builds, rather than built twice). Returns ``out``."""
-    if not (out / "config.json").is_file():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with hold_lock(out.with_name(out.name + ".lock"), f"{what} cached in {out}"):
-            if not (out / "config.json").is_file():
-                log.info("%s once (cached in %s)", what, out)
-                build()
-    return out
 
 
 def embedded_dir(spec: EmbeddedSpec = EmbeddedSpec(), source: str = EMBEDDED) -> Path:

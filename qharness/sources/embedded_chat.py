@@ -18,10 +18,10 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from qharness.sources.cache import cache_dir
+from qharness.sources.cache import build_once, cache_dir
 from qharness.sources.chat import ChatFormat
 from qharness.sources.chat_demo import TEMPLATE, TUNED_SEQ_LEN, TUNED_VAL_FRACTION, embedded_chat_file
-from qharness.sources.embedded import build_once, embedded_dir, save_model, train_windows
+from qharness.sources.embedded import embedded_dir, save_model, train_windows
 from qharness.sources.example_cache import example_stream
 
 

@@ -1,8 +1,9 @@
 """Model sources: an HF transformers directory or hub id, a torchtune builder, or the embedded default.
 
 ``resolve_checkpoint("embedded")`` returns the embedded default's directory (``qharness/sources/embedded.py``);
-any other value is a local directory in ``save_pretrained`` format, ``torchtune:<builder>(...)``
-(``qharness/sources/torchtune.py``) or, when online, a hub id.
+any other value is a local directory in ``save_pretrained`` format, a ``.gguf`` file (converted once:
+``qharness/sources/gguf.py``), ``torchtune:<builder>(...)`` (``qharness/sources/torchtune.py``) or, when online, a
+hub id.
 
 Example::
 
@@ -16,6 +17,7 @@ import math
 from pathlib import Path
 
 from qharness.errors import UserError
+from qharness.sources.gguf import gguf_dir, is_gguf, read_header
 
 EMBEDDED = "embedded"  # model.checkpoint of the built-in default (as data.source "embedded" names its corpus)
 EMBEDDED_CHAT = "embedded-chat"  # the built-in default fine-tuned on the embedded instruction data (its data.source)
@@ -24,7 +26,7 @@ EMBEDDED_MODELS = (EMBEDDED, EMBEDDED_CHAT)  # built on first use, cached: nothi
 
 def resolve_checkpoint(checkpoint: str) -> str:
     """Turn ``model.checkpoint`` into something ``from_pretrained`` loads: a local dir or a hub id
-    (``torchtune:...`` builders are converted once into a cached HF directory)."""
+    (``torchtune:...`` builders and ``.gguf`` files are converted once into a cached HF directory)."""
     if checkpoint == EMBEDDED:
         from qharness.sources.embedded import embedded_dir
 
@@ -37,23 +39,34 @@ def resolve_checkpoint(checkpoint: str) -> str:
 
     if is_torchtune(checkpoint):
         return str(torchtune_dir(checkpoint))
-    return check_local_checkpoint(checkpoint) or checkpoint  # else a hub id
+    local = check_local_checkpoint(checkpoint)
+    if local is not None and is_gguf(local):
+        return str(gguf_dir(local))
+    return local or checkpoint  # else a hub id
 
 
 def check_local_checkpoint(checkpoint: str) -> str | None:
-    """A ``model.checkpoint`` that names a local directory: the directory if it holds a ``save_pretrained`` model,
-    else a ``UserError``; None for a hub id. Torch-free (the CLI's pre-check runs it).
+    """A ``model.checkpoint`` that names a local directory or ``.gguf`` file: the path if it holds a
+    ``save_pretrained`` model or is a whole GGUF file (``gguf.read_header``), else a ``UserError``; None for a hub id.
+    Torch-free (the CLI's pre-check runs it).
 
     Example::
 
         check_local_checkpoint("./no/such/dir")   # UserError: model.checkpoint ./no/such/dir does not exist
     """
     if not checkpoint.strip():
-        raise UserError("model.checkpoint is empty", fix="give a save_pretrained directory, a hub id, or 'embedded'")
+        raise UserError(
+            "model.checkpoint is empty", fix="give a save_pretrained directory, a .gguf file, a hub id, or 'embedded'"
+        )
     path = Path(checkpoint).expanduser()
     if path.exists():
+        if is_gguf(checkpoint):
+            read_header(path)
+            return str(path)
         if not path.is_dir():
-            raise UserError(f"model.checkpoint {path} is a file", fix="point it at a save_pretrained directory")
+            raise UserError(
+                f"model.checkpoint {path} is a file", fix="point it at a save_pretrained directory or a .gguf file"
+            )
         if not (path / "config.json").is_file():
             raise UserError(
                 f"model.checkpoint {path} has no config.json", fix="point it at a save_pretrained directory"
@@ -67,6 +80,8 @@ def check_local_checkpoint(checkpoint: str) -> str | None:
             check_safetensors(weights)
         return str(path)
     check_embedded_name(checkpoint)
+    if checkpoint.lower().endswith(".gguf"):
+        raise UserError(f"model.checkpoint {checkpoint} does not exist", fix="give an existing .gguf file")
     if checkpoint.startswith((".", "/", "~")) or checkpoint.count("/") > 1:
         raise UserError(f"model.checkpoint {checkpoint} does not exist", fix="give an existing directory or a hub id")
     return None

@@ -134,6 +134,15 @@ def hf_static_cache_exportable(model, batch_size: int, max_cache_len: int):
     return TorchExportableModuleForDecoderOnlyLM(model, batch_size=batch_size, max_cache_len=max_cache_len).model
 
 
+def gguf_dequantized():
+    """transformers' GGUF load setting for a plain float model: every weight dequantized at load (5.x otherwise keeps
+    the blocks of architectures its newer GGUF loader handles packed in ``GgufLinear`` modules, where a kernel
+    exists)."""
+    from transformers.utils.quantization_config import GgufConfig
+
+    return GgufConfig(dequantize=True)
+
+
 def executorch_profiled_program(path: str):
     """A ``.pte`` loaded with ExecuTorch's event tracer on: ``forward((tokens, start))`` then
     ``write_etdump_result_to_file(path)``. Private pybindings in 1.5.1 (``_load_for_executorch(enable_etdump=True)``;
