@@ -478,3 +478,15 @@ def test_bad_input(name, tmp_path, tiny_llama, corpus, capsys):
     assert len([line for line in err.splitlines() if line.startswith("error: ")]) == 1, err[-2000:]
     assert not (tmp_path / "run" / "model.pte").exists()
     assert not (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()  # refused before any training
+
+
+def test_an_interval_beyond_the_epoch_is_refused_before_any_model_loads(tmp_path, tiny_llama, corpus, capsys):
+    """The data alone (its tokenizer, its cached tokens) says how many batches an epoch has: the refusal comes before
+    the architecture check loads a copy of the model, and before the run loads it."""
+    argv = _cfg(Ctx(tmp_path, tiny_llama, corpus), trainer={"val_check_interval": 100000})
+    _rebind_log_streams()
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "trainer.val_check_interval=100000 exceeds the" in err, err[-2000:]
+    assert "deploys with" not in err and "Loading weights" not in err, err[-2000:]  # no model was loaded

@@ -93,6 +93,8 @@ def preflight(cfg, subcommand: str | None = None) -> None:
         check_deploy_memory(config, cfg.deploy.max_seq_len)
     if subcommand == "fit" or (subcommand == "autotune" and cfg.model.mode == "qat"):  # a step it cannot hold
         check_training_memory(config, cfg.data.batch_size, seq_len)
+    if subcommand in ("fit", "calibrate", "export", "evaluate", "sensitivity", "autotune"):
+        check_data(cfg, subcommand)  # lengths and trainer intervals, from the tokenizer alone: before any model loads
     if not embedded or recipe is not None:  # the embedded Llama itself always exports
         check_architecture(
             EMBEDDED if embedded else source,
@@ -101,6 +103,26 @@ def preflight(cfg, subcommand: str | None = None) -> None:
             max_seq_len=deploy.max_seq_len,
             config=embedded_config() if embedded else None,
         )
+
+
+def check_data(cfg, subcommand: str | None) -> None:
+    """The data read and tokenized as the run will (the token cache makes the run's own reading instant): a split
+    shorter than a batch, chat data without trained targets, and (``fit``) a ``trainer.val_check_interval`` beyond an
+    epoch's batches are one line now, not after the model has loaded."""
+    import types
+
+    from qharness.data.datamodule import TextDataModule, check_val_interval
+
+    dm = TextDataModule(**{**cfg.data.as_dict(), "tokenizer": cfg.model.checkpoint})
+    dm.setup()
+    if subcommand == "fit":
+        t = cfg.trainer
+        trainer = types.SimpleNamespace(
+            val_check_interval=t.get("val_check_interval"),
+            limit_train_batches=t.get("limit_train_batches"),
+            check_val_every_n_epoch=t.get("check_val_every_n_epoch", 1),
+        )
+        check_val_interval(trainer, len(dm.train_x) // dm.batch_size)  # one process's share (DDP: checked again)
 
 
 def _context(model_dir: str) -> int | None:

@@ -242,7 +242,9 @@ class TextDataModule(L.LightningDataModule):
 
 def check_val_interval(trainer, batches: int) -> None:
     """An int ``trainer.val_check_interval`` beyond the training batches of an epoch: one line before training
-    (Lightning raises a ValueError in its fit loop), with the number of batches the data gives."""
+    (Lightning raises a ValueError in its fit loop), with the number of batches the data gives. ``trainer``: the
+    Trainer, or anything with its ``val_check_interval``, ``limit_train_batches`` and ``check_val_every_n_epoch``
+    (the pre-flight passes the config's, before any model loads)."""
     interval, limit = trainer.val_check_interval, trainer.limit_train_batches
     if isinstance(limit, int):
         batches = min(batches, limit)

@@ -20,6 +20,13 @@ from qharness.run.trained import HeldOut, Trained, with_gptq
 from qharness.schema.run import check_max_seq_len
 from qharness.upstream import process
 
+# what a user can do when the gate refuses a program: the gate compares it with the model it was lowered from
+PARITY_FIX = (
+    "the program does not compute what its converted model computes beyond that model's own rounding noise; try "
+    "another recipe of the same size (qharness recipes), or let qharness ship pick one that passes; the refused "
+    "program is kept for inspection"
+)
+
 
 def check_export_config(cfg: ExportConfig, seq_len: int, context: int | None) -> None:
     check_max_seq_len(cfg.max_seq_len, seq_len)
@@ -88,7 +95,9 @@ def deploy_and_check(
     checked = check_parity(trained, lowered, data, parity_cfg, scores, timings)
     summary = write_summary(trained, data, lowered, checked, run_dir, export_cfg, timings)
     if summary.parity.reasons:
-        raise ParityError(f"parity gate failed for {summary.pte.path}: " + "; ".join(summary.parity.reasons))
+        raise ParityError(
+            f"parity gate failed for {summary.pte.path}: " + "; ".join(summary.parity.reasons) + ". fix: " + PARITY_FIX
+        )
     if bench_cfg.enabled and trained.recipe.runs_here:
         bench_run(summary, trained, bench_cfg, run_dir)
     if eval_cfg.enabled:

@@ -125,6 +125,14 @@ def program_in(path: str | Path) -> Path:
     shipped = sorted(p for p in path.glob("*.pte") if not p.name.endswith((".pending.pte", ".FAILED_PARITY.pte")))
     if path / "model.pte" in shipped or len(shipped) == 1:
         return path / "model.pte" if path / "model.pte" in shipped else shipped[0]
+    if not shipped:
+        failed = sorted(path.glob("*.FAILED_PARITY.pte"))
+        if failed:  # the run's program failed its gate: say so, and name the file that is there
+            raise UserError(
+                f"run directory {path} holds no .pte that passed parity: {failed[0]} failed its parity gate "
+                "(summary.json's parity.reasons say why)",
+                fix=f"pass {failed[0]} itself to use it anyway, or try another recipe (qharness ship picks one)",
+            )
     raise UserError(
         f"run directory {path} holds " + (f"{len(shipped)} programs" if shipped else "no .pte that passed parity"),
         fix="pass the .pte file itself, e.g. " + (str(shipped[0]) if shipped else f"{path}/model.pte after a run"),

@@ -53,9 +53,26 @@ def calibration_blocks(cfg: CalibrationConfig, dm) -> torch.Tensor:
     return x[: cfg.blocks]
 
 
+def observes_activations(graph: torch.fx.GraphModule) -> bool:
+    """Whether ``graph`` (prepared for PTQ) has an observer of a static activation range, whose calibration needs data.
+    Weights (constants) and dynamic activations (quantized per call) are observed in one pass over any block."""
+    pt2e = imports.pt2e()
+    modules = dict(graph.named_modules())
+    for node in graph.graph.nodes:
+        observer = modules.get(node.target) if node.op == "call_module" else None
+        if isinstance(observer, pt2e.ObserverBase) and not getattr(observer, "is_dynamic", False):
+            if not (isinstance(node.args[0], torch.fx.Node) and node.args[0].op == "get_attr"):
+                return True
+    return False
+
+
 def calibrate(graph: torch.fx.GraphModule, blocks: torch.Tensor) -> None:
+    """Run ``blocks`` through ``graph``'s observers: all of them where it observes static activation ranges, else one
+    (weights and dynamic activations need no data: more blocks would compute the same scales)."""
+    if not observes_activations(graph):
+        blocks = blocks[:1]
     trainer = L.Trainer(
         accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_model_summary=False
     )
-    with stage(f"calibrating the observers on {len(blocks)} blocks"):
+    with stage(f"calibrating the observers on {len(blocks)} block{'s' if len(blocks) != 1 else ''}"):
         trainer.predict(Calibrator(graph), DataLoader(TensorDataset(blocks), batch_size=1), return_predictions=False)
