@@ -477,3 +477,28 @@ def test_group_wise_fake_quantization_computes_the_deployed_bf16_weights_bit_for
     assert deployed[0].weight.scale.dtype == torch.bfloat16
     fake = trained[0].weight_fake_quantizer(trained[0].weight)
     assert torch.equal(fake, deployed[0].weight.dequantize())  # QAT trains the weights the .pte computes with
+
+
+class _TanhGelu(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.gelu(3 * x, approximate="tanh")
+
+
+def test_upstream_xnnpack_still_computes_tanh_gelu_as_erf():
+    """executorch PR #22851 (after 1.5.1): when this fails, XNNPACK computes the tanh form: retire xnnpack_gelu_tanh."""
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))
+    got = _run_pte(_lower(_TanhGelu(), x), x)
+    erf = torch.nn.functional.gelu(3 * x)
+    assert (got - erf).abs().max() < 1e-5 < (got - _TanhGelu()(x)).abs().max()
+
+
+def test_tanh_gelu_as_its_formula_computes_the_tanh_form_on_xnnpack():
+    from qharness.upstream.fixes import xnnpack_gelu_tanh
+
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(0))
+    graph = torch.export.export(_TanhGelu(), (x,)).module()
+    assert xnnpack_gelu_tanh.decompose_tanh_gelu(graph) == 1
+    want = _TanhGelu()(x)
+    assert (graph(x) - want).abs().max() < 1e-5  # the formula is the tanh form, in PyTorch
+    got = _run_pte(_lower(graph, x), x)
+    assert (got - want).abs().max() < 1e-5  # and on XNNPACK

@@ -119,6 +119,7 @@ def rounding_twin(graph: torch.fx.GraphModule, seed: int = 0) -> torch.fx.GraphM
         noise = block_logits(step_of(rounding_twin(reference)), tokens) - block_logits(step_of(reference), tokens)
     """
     twin = torch.fx.GraphModule(graph, copy.deepcopy(graph.graph))
+    twin.meta.update(graph.meta)  # the deploy record (export path) travels with it
     twin.add_submodule("_qharness_round_other_way", _RoundOtherWay(seed))
     g = twin.graph
     state = _mutated(twin)
@@ -372,6 +373,18 @@ KL_FLOOR = 1e-6  # nats per position: a .pte this close to its reference passes 
 # (a mean KL of 1e-6 moves perplexity by about 0.0001%)
 
 
+def ppl_noise_bound(reference: list[float], twin: list[float]) -> float:
+    """How far rounding alone may move this model's perplexity over these blocks: from the per-block mean losses of the
+    reference and of its rounding twin (``rounding_twin``), ``exp(|mean d| + 3 sd(d) / sqrt(n)) - 1`` of their
+    differences ``d``: the twin's own perplexity difference, with three standard errors of the blocks' spread."""
+    d = [t - r for t, r in zip(twin, reference)]
+    if not d:
+        return 0.0
+    mean = sum(d) / len(d)
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1)) if len(d) > 1 else abs(mean)
+    return math.expm1(abs(mean) + 3 * sd / math.sqrt(len(d)))
+
+
 def required_agreement(figures: dict, min_agree: float) -> float:
     """The argmax agreement a ``.pte`` must reach over the decided positions: ``min_agree``, or, where the reference
     itself agrees less with its rounding twin (a model that rounding alone moves that far: ``figures["noise"]``), that
@@ -386,7 +399,8 @@ def required_agreement(figures: dict, min_agree: float) -> float:
 def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
     """The reasons the ``.pte`` fails the gate (empty: it passes); a NaN figure or a non-finite logit fails it.
 
-    Judged: the perplexity difference; the argmax agreement over the positions that are not near ties (with none,
+    Judged: the perplexity difference (against ``max_ppl_rel_diff``, or where rounding alone moves this model's
+    perplexity further, ``figures["noise"]["ppl_bound"]``: ``ppl_noise_bound``); the argmax agreement over the positions that are not near ties (with none,
     it compared nothing: perplexity and KL judge alone); with ``figures["noise"]`` (``compare_decoding``'s rounding
     twin) the mean KL divergence against ``parity.max_noise_ratio`` times the reference's own rounding noise
     (or ``KL_FLOOR``), and the agreement against what that noise leaves (``required_agreement``); ``max_abs_diff``
@@ -401,11 +415,14 @@ def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
         reasons.append(
             f"logits are NaN/inf at {figures['non_finite_positions']} of {figures['positions']} compared positions"
         )
-    if not figures["ppl_rel_diff"] <= max_ppl:
+    noise = None if prefix else figures.get("noise")
+    bound = (noise or {}).get("ppl_bound")
+    if not figures["ppl_rel_diff"] <= max(max_ppl, bound or 0.0):
+        beyond = "" if bound is None else f" and > {bound:.2%}, what rounding alone moves it (its rounding twin)"
         reasons.append(
             f"perplexity differs by {figures['ppl_rel_diff']:.2%} > parity.{prefix}max_ppl_rel_diff={max_ppl:.2%}"
+            + beyond
         )
-    noise = None if prefix else figures.get("noise")
     if noise is not None:
         allowed = max(cfg.max_noise_ratio * noise["kl"], KL_FLOOR)
         if not figures["kl"] <= allowed:

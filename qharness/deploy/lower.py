@@ -126,6 +126,10 @@ def quantize_for_deploy(
 
     linears = coverage.inventory(model)  # before torchao's quantize_ replaces the weights
     graph, reason, layers, quantizer = _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams)
+    if any(p.startswith("xnnpack") for p in recipe.partitioners):  # its tanh GELU is erf GELU: the formula instead
+        from qharness.upstream.fixes import xnnpack_gelu_tanh
+
+        xnnpack_gelu_tanh.decompose_tanh_gelu(graph)
     measured = coverage.measure(graph, linears, recipe, quantizer, layers)
     stamp(
         graph,

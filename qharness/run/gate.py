@@ -16,6 +16,7 @@ from qharness.checks.parity import (
     fold_constants,
     gate,
     learned_scales_carried,
+    ppl_noise_bound,
     rounding_twin,
     score_deployed,
 )
@@ -50,12 +51,7 @@ def check_parity(
     reference = fold_constants(lowered.deployed)  # the same outputs, the weight math done once
     scorer = all_logits_twin(reference)  # the same weights and ops (and KV cache), every position's logits
     scores = dict(scores)
-    scores["converted"] = score_deployed(
-        lambda tokens, start: scorer(tokens, torch.tensor([start], dtype=torch.long)),
-        data.x,
-        data.y,
-        desc="scoring the converted model",
-    )
+    scores["converted"] = score_deployed(step_of(scorer), data.x, data.y, desc="scoring the converted model")
     reasons = non_finite_scores(scores, "converted")  # NaN passes no gate, run here or not
     if trained.recipe.runs_here:
         figures = gate_pte(trained, lowered, reference, data, cfg, scores, reasons)
@@ -103,6 +99,12 @@ def gate_pte(
         twin=step_of(rounding_twin(reference)),  # the converted model's own rounding noise, on the same positions
     )
     figures["ppl_rel_diff"] = abs(scores["pte"]["ppl"] - scores["converted"]["ppl"]) / scores["converted"]["ppl"]
+    twin = score_deployed(  # the converted model's rounding twin on the same blocks: how far rounding moves its ppl
+        step_of(rounding_twin(all_logits_twin(reference))), data.x, data.y, desc="scoring its rounding twin"
+    )
+    converted = scores["converted"]
+    figures["noise"]["ppl_rel_diff"] = abs(twin["ppl"] - converted["ppl"]) / converted["ppl"]
+    figures["noise"]["ppl_bound"] = ppl_noise_bound(converted["block_losses"], twin["block_losses"])
     reasons += gate(figures, cfg)
     if trained.fake_quant is not None:
         figures["fake_quant"] = against_fake_quant(trained, pte, data, scores, cfg)

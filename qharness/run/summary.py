@@ -92,6 +92,9 @@ class Agreement:
         non_finite_positions: Positions with NaN/inf logits.
         kl: Mean KL divergence of the ``.pte``'s next-token distribution from the reference's (nats per position).
         ppl_rel_diff: Relative perplexity difference of the two models.
+        ppl_bound: The rounding twin (``Parity.noise``): how far rounding alone may move the reference's perplexity
+            (its own difference plus three standard errors of the blocks' spread); the gate allows the larger of
+            this and ``parity.max_ppl_rel_diff``.
         passed: The verdict (None: not run here).
         reasons: Why it failed (empty when it passed).
     """
@@ -105,6 +108,7 @@ class Agreement:
     non_finite_positions: int | None = None
     kl: float | None = None
     ppl_rel_diff: float | None = None
+    ppl_bound: float | None = None
     passed: bool | None = None
     reasons: list[str] = field(default_factory=list)
 
