@@ -145,7 +145,10 @@ def test_family_trains_and_quantizes_for_deploy(name, family_dir):
         assert dep.shape == fq.shape
         before, after = fp(input_ids=x[:1, :16]).logits, trained(input_ids=x[:1, :16]).logits
     noise = (fq - after).abs().max()  # what fake quantization itself changes in the trained model's logits
-    assert (fq.argmax(-1) == dep.argmax(-1)).float().mean() >= 0.9
+    top2 = fq[0].topk(2, -1).values
+    decided = (top2[:, 0] - top2[:, 1]) >= 0.01  # near ties (a random tiny model has some) may go either way
+    assert decided.sum() >= 12
+    assert (fq.argmax(-1) == dep.argmax(-1))[0][decided].float().mean() >= 0.9
     assert (fq - dep).abs().max() < 3 * noise < (after - before).abs().max()
 
 

@@ -205,7 +205,9 @@ def test_divergence_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_p
     assert "error: training" in r.stderr and "the last checkpoint is kept" in r.stderr and "Traceback" not in r.stderr
     last = torch.load(tmp_path / "nan" / "checkpoints" / "last.ckpt", weights_only=True)
     assert 0 < last["global_step"] < 30
-    assert all(torch.isfinite(v).all() for v in last["state_dict"].values() if v.is_floating_point())
+    for name, v in last["state_dict"].items():
+        if v.is_floating_point():  # no NaN; inf only where an observer's running min/max has seen nothing yet
+            assert not v.isnan().any() and (name.endswith(("min_val", "max_val")) or v.isfinite().all()), name
     assert not (tmp_path / "nan" / "model.pte").exists()
 
 
