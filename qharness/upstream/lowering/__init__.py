@@ -24,13 +24,23 @@ from qharness.upstream.lowering import (
     decompositions,
     delegates,
     edge_passes,
+    fake_cache,
     partition_cutting,
     partition_merging,
     provenance,
     xnnpack_passes,
 )
 
-PATCHES = (provenance, decompositions, xnnpack_passes, edge_passes, partition_cutting, partition_merging, delegates)
+PATCHES = (
+    provenance,
+    decompositions,
+    xnnpack_passes,
+    edge_passes,
+    partition_cutting,
+    partition_merging,
+    delegates,
+    fake_cache,
+)
 
 
 def export_for_lowering(module: torch.nn.Module, args: tuple, dynamic_shapes) -> torch.export.ExportedProgram:
