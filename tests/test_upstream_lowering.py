@@ -36,8 +36,8 @@ def _lower_toy(dynamic_quant: bool, patches=lowering.PATCHES) -> bytes:
         module(*x)
         module = pt2e.convert_pt2e(module)
         parts = [imports.xnnpack_partitioner(dynamic_quant=True), *parts]
-    ep = lowering.export_for_lowering(module, x, None)
     with lowering.fast_lowering(patches):
+        ep = lowering.export_for_lowering(module, x, None)
         ep = lowering.decompose_for_lowering(ep, parts)
         return imports.to_edge_transform_and_lower(ep, partitioner=parts).to_executorch().buffer
 
@@ -67,9 +67,9 @@ def _lower_toy_8da4w(patches=lowering.PATCHES) -> bytes:
     x, dynamic = (torch.randint(0, 64, (1, 8)),), ({1: torch.export.Dim("n", min=1, max=16)},)
     with torch.no_grad():
         module = torch.export.export(module, x, dynamic_shapes=dynamic, strict=False).module()
-    ep = lowering.export_for_lowering(module, x, dynamic)
     parts = recipe.make_partitioners()
     with lowering.fast_lowering(patches):
+        ep = lowering.export_for_lowering(module, x, dynamic)
         ep = lowering.decompose_for_lowering(ep, parts)
         edge = imports.to_edge_transform_and_lower(ep, partitioner=parts)
         return edge.to_executorch(imports.executorch_backend_config(**executorch_config(recipe))).buffer

@@ -242,11 +242,11 @@ def lower_program(
         metadata = {**metadata, "use_sdpa_with_kv_cache": export_path(graph) == "fast"}
     for p in graph.parameters():  # to_executorch fails on in-place ops over leaves that require grad
         p.requires_grad_(False)
-    ep = lowering.export_for_lowering(graph, _example(max_seq_len), _dynamic_shapes(max_seq_len))
     partitioners = recipe.make_partitioners()
     with (
         lowering.fast_lowering()
     ):  # the same program without upstream's redundant work (see qharness/upstream/lowering)
+        ep = lowering.export_for_lowering(graph, _example(max_seq_len), _dynamic_shapes(max_seq_len))
         ep = lowering.decompose_for_lowering(ep, partitioners)
         edge = imports.to_edge_transform_and_lower(ep, partitioner=partitioners, constant_methods=metadata)
         digest = structure_digest(edge)  # before to_executorch's passes rewrite the graph
