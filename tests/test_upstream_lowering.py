@@ -5,7 +5,14 @@ import torch
 
 from qharness.upstream import imports, lowering
 from qharness.upstream.fixes import xnnpack_scalars
-from qharness.upstream.lowering import fake_cache, partition_cutting, patching, provenance, xnnpack_passes
+from qharness.upstream.lowering import (
+    fake_cache,
+    partition_cutting,
+    patching,
+    provenance,
+    xnnpack_packing,
+    xnnpack_passes,
+)
 
 
 class _Toy(torch.nn.Module):
@@ -298,3 +305,21 @@ def test_fake_cache_serves_torchao_primitives_as_upstream_computes_them(monkeypa
     assert ours == upstream
     assert "s" in upstream[0][0][0]  # a symbolic size: [1, s.., 1]
     assert [f for f in computed if f in ops] == list(ops)  # each body once; the second call a cache hit
+
+
+@pytest.mark.fast
+def test_int4_packing_is_upstreams():
+    """xnnpack_packing.pack_int4 writes NodeVisitor.convert_to_qc4w's bytes: even and odd widths, extremes, a
+    squeezable 3-D weight, a non-contiguous one, a Parameter."""
+    from executorch.backends.xnnpack.operators.node_visitor import NodeVisitor
+
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randint(-8, 8, shape, dtype=torch.int8, generator=g) for shape in ((7, 32), (5, 33), (1, 6, 9))]
+    weights += [torch.tensor([[-8, 7, 0], [7, -8, -1]], dtype=torch.int8), weights[0].t()]
+    weights.append(torch.nn.Parameter(weights[1].clone(), requires_grad=False))
+    for w in weights:
+        ours, theirs = xnnpack_packing.pack_int4(w), NodeVisitor.convert_to_qc4w(w)
+        assert ours.dtype == theirs.dtype and ours.shape == theirs.shape and torch.equal(ours, theirs)
+        assert ours.untyped_storage().nbytes() == theirs.untyped_storage().nbytes()
+    with pytest.raises(AssertionError, match="out of"):
+        xnnpack_packing.pack_int4(torch.tensor([[8, 0]], dtype=torch.int8))

@@ -28,6 +28,7 @@ from qharness.upstream.lowering import (
     partition_cutting,
     partition_merging,
     provenance,
+    xnnpack_packing,
     xnnpack_passes,
 )
 
@@ -40,6 +41,7 @@ PATCHES = (
     partition_merging,
     delegates,
     fake_cache,
+    xnnpack_packing,
 )
 
 
