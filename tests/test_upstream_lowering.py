@@ -106,6 +106,29 @@ def test_each_patch_alone_writes_the_same_pte(upstream_ptes, patch, toy):
     assert _TOYS[toy]((patch,)) == upstream_ptes[toy]
 
 
+def test_delegation_progress_counts_each_backends_partitions():
+    """lowering.delegation_progress: one progress object per backend hand-off, moved once per preprocessed partition,
+    closed; the program is the same."""
+    started = []
+
+    class Progress:
+        def __init__(self, backend, partitions):
+            self.backend, self.partitions, self.done, self.closed = backend, partitions, 0, False
+            started.append(self)
+
+        def update(self, n):
+            self.done += n
+
+        def close(self):
+            self.closed = True
+
+    plain = _lower_toy(dynamic_quant=True)
+    with lowering.delegation_progress(Progress):
+        assert _lower_toy(dynamic_quant=True) == plain
+    assert [p.backend for p in started] == ["XnnpackBackend", "XnnpackBackend"]  # one per partitioner
+    assert all(p.partitions > 0 and p.done == p.partitions and p.closed for p in started)
+
+
 def _count_calls(monkeypatch, owner, name, when=lambda *args: True):
     calls = []
     upstream = getattr(owner, name)

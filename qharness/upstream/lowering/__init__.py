@@ -31,6 +31,9 @@ from qharness.upstream.lowering import (
     xnnpack_packing,
     xnnpack_passes,
 )
+from qharness.upstream.lowering.progress_hooks import delegation_progress  # progress, not a speed-up
+
+__all__ = ["PATCHES", "decompose_for_lowering", "delegation_progress", "export_for_lowering", "fast_lowering"]
 
 PATCHES = (
     provenance,
