@@ -5,6 +5,8 @@ Example::
 
     with stage("lowering to ExecuTorch (xnnpack_int8_dynamic)"):
         pte_bytes = lower_to_pte(...)
+    with stage("lowering: export", quiet_below=10):   # silent unless it runs 10 s
+        ...
     for x in bar(blocks, "scoring the .pte"):
         ...
     trainer = Trainer(callbacks=[lightning_progress_bar()])   # training bar: "Epoch 0", never "Epoch 0/-2"
@@ -31,23 +33,59 @@ def format_seconds(seconds: float) -> str:
 
 
 @contextmanager
-def stage(name: str) -> Iterator[None]:
-    """Print ``name ...`` now and ``name: done in 12.3s`` (or ``failed after``) when the block ends."""
-    _say(f"{name} ...")
+def stage(name: str, quiet_below: float | None = None) -> Iterator[None]:
+    """Print ``name ...`` now and ``name: done in 12.3s`` (or ``failed after``) when the block ends.
+
+    With ``quiet_below`` (seconds) a stage that ends sooner says nothing (tiny runs stay quiet); one still running
+    then prints ``name ...`` at that moment and its end line when it ends."""
+    if quiet_below is not None and quiet_below <= 0:
+        quiet_below = None
+    if quiet_below is None:
+        _say(f"{name} ...")
+    announced = _announce_after(quiet_below, f"{name} ...") if quiet_below is not None else None
     t = time.perf_counter()
     try:
         yield
     except BaseException:
-        _say(f"{name}: failed after {format_seconds(time.perf_counter() - t)}")
+        if announced is None or announced():
+            _say(f"{name}: failed after {format_seconds(time.perf_counter() - t)}")
         raise
-    _say(f"{name}: done in {format_seconds(time.perf_counter() - t)}")
+    if announced is None or announced():
+        _say(f"{name}: done in {format_seconds(time.perf_counter() - t)}")
 
 
-def bar(iterable: Iterable, desc: str, total: int | None = None, unit: str = "it"):
-    """A tqdm progress bar on stderr (it stays when done, with its elapsed time)."""
+def _announce_after(seconds: float, text: str):
+    """Say ``text`` in ``seconds`` unless the returned function is called first; it returns whether it was said."""
+    import threading
+
+    lock, state = threading.Lock(), {"said": None}  # None: not yet decided
+
+    def announce():
+        with lock:
+            if state["said"] is None:
+                state["said"] = True
+                _say(text)
+
+    timer = threading.Timer(seconds, announce)
+    timer.daemon = True
+    timer.start()
+
+    def finish() -> bool:
+        timer.cancel()
+        with lock:
+            if state["said"] is None:
+                state["said"] = False
+            return state["said"]
+
+    return finish
+
+
+def bar(iterable: Iterable | None, desc: str, total: int | None = None, unit: str = "it", delay: float = 0.0):
+    """A tqdm progress bar on stderr (it stays when done, with its elapsed time); with ``delay`` (seconds) it shows
+    only once it has run that long. ``iterable`` None: a bar of ``total`` steps moved by its ``update(n)``."""
     from tqdm import tqdm
 
-    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, dynamic_ncols=True)
+    return tqdm(iterable, desc=desc, total=total, unit=unit, file=sys.stderr, dynamic_ncols=True, delay=delay)
 
 
 def lightning_progress_bar():

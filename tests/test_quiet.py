@@ -121,3 +121,23 @@ def test_training_bar_never_reads_epoch_minus_two(max_epochs, expected):
         pytest.skip("rich is not installed: Lightning's tqdm bar writes 'Epoch N' alone")
     bar._trainer = SimpleNamespace(max_epochs=max_epochs)
     assert bar._get_train_description(0).strip() == expected
+
+
+def test_a_quiet_stage_says_nothing_when_fast_and_announces_itself_when_slow(capsys):
+    """Lowering's phases (progress.stage with quiet_below): silent for a tiny model, a start line once a phase has run
+    that long and its end line; quiet_below 0 is an ordinary stage."""
+    import time
+
+    from qharness.progress import stage
+
+    with stage("fast phase", quiet_below=5.0):
+        pass
+    assert capsys.readouterr().err == ""
+    with stage("slow phase", quiet_below=0.05):
+        time.sleep(0.3)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "[qharness] slow phase ..." and err[1].startswith("[qharness] slow phase: done in ")
+    with pytest.raises(ValueError), stage("failing phase", quiet_below=0.0):
+        raise ValueError
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "[qharness] failing phase ..." and err[1].startswith("[qharness] failing phase: failed after ")

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ from qharness.deploy.fastpath import decoder as fast_decoder
 from qharness.deploy.fastpath import support as fast_support
 from qharness.deploy.fastpath.decoder import dynamic_shapes as _dynamic_shapes
 from qharness.deploy.fastpath.decoder import example_inputs as _example
+from qharness.progress import bar, stage
 from qharness.upstream import imports, lowering
 
 log = logging.getLogger(__name__)
@@ -246,15 +248,52 @@ def lower_program(
         metadata = {**metadata, "use_sdpa_with_kv_cache": export_path(graph) == "fast"}
     for p in graph.parameters():  # to_executorch fails on in-place ops over leaves that require grad
         p.requires_grad_(False)
-    ep = lowering.export_for_lowering(graph, _example(max_seq_len), _dynamic_shapes(max_seq_len))
     partitioners = recipe.make_partitioners()
+    phases = LoweringProgress()
     with (
-        lowering.fast_lowering()
-    ):  # the same program without upstream's redundant work (see qharness/upstream/lowering)
-        ep = lowering.decompose_for_lowering(ep, partitioners)
-        edge = imports.to_edge_transform_and_lower(ep, partitioner=partitioners, constant_methods=metadata)
+        lowering.fast_lowering(),  # the same program without upstream's redundant work (see qharness/upstream/lowering)
+        lowering.delegation_progress(phases.bar),
+    ):
+        with phases.stage("export"):
+            ep = lowering.export_for_lowering(graph, _example(max_seq_len), _dynamic_shapes(max_seq_len))
+        with phases.stage("decompositions"):
+            ep = lowering.decompose_for_lowering(ep, partitioners)
+        with phases.stage("Edge dialect, partitioning, delegation"):
+            edge = imports.to_edge_transform_and_lower(ep, partitioner=partitioners, constant_methods=metadata)
         digest = structure_digest(edge)  # before to_executorch's passes rewrite the graph
-        return edge.to_executorch(imports.executorch_backend_config(**executorch_config(recipe))).buffer, digest
+        config = imports.executorch_backend_config(**executorch_config(recipe))
+        with phases.stage(f"to_executorch ({delegated_partitions(edge)} delegated parts): memory planning, emitting"):
+            return edge.to_executorch(config).buffer, digest
+
+
+class LoweringProgress:
+    """Lowering's phase lines and per-backend bars (``progress.stage``, ``progress.bar``), silent until the lowering
+    has run ``QUIET_S`` (a tiny model lowers in seconds): a phase running then says so at once, a later one at its
+    start."""
+
+    QUIET_S = 10.0
+
+    def __init__(self):
+        self.quiet_until = time.perf_counter() + self.QUIET_S
+
+    def quiet_for(self) -> float:
+        return max(0.0, self.quiet_until - time.perf_counter())
+
+    def stage(self, phase: str):
+        return stage(f"lowering: {phase}", quiet_below=self.quiet_for())
+
+    def bar(self, backend: str, partitions: int):
+        """A backend's preprocess of its delegated partitions (``lowering.delegation_progress``)."""
+        return bar(None, f"lowering: {backend} preprocess", total=partitions, unit="partition", delay=self.quiet_for())
+
+
+def delegated_partitions(edge) -> int:
+    """How many delegated (lowered) parts an ``EdgeProgramManager``'s methods call."""
+    count = 0
+    for name in edge.methods:
+        gm = edge.exported_program(name).graph_module
+        count += sum(n.op == "get_attr" and hasattr(getattr(gm, n.target, None), "backend_id") for n in gm.graph.nodes)
+    return count
 
 
 def executorch_config(recipe) -> dict:
