@@ -8,7 +8,9 @@ Programs, each in its own fresh process (``python -P``):
 - ``fp``: the eager FP model (``LogitsOnly``, as loaded) in ``train()`` mode;
 - ``qat:<recipe>``: the QAT model of ``<recipe>`` built by ``QuantLM.build`` (what ``qharness fit`` trains), switched
   to training as ``fit`` switches it (``QuantLM.to_train``); with ``--lightning``, the steps run inside
-  ``Trainer.fit`` with qharness's trainer defaults (``deterministic: true``) and a timing callback.
+  ``Trainer.fit`` with qharness's trainer defaults (``deterministic: true``) and a timing callback;
+- with ``--upstream``, also ``qat-upstream:<recipe>``: the same under ``QHARNESS_UPSTREAM_QAT=1`` (torchao's own fake
+  quantizers, without ``upstream/qat_speed.py``), in the same rounds.
 
 Each process runs ``--warmup`` untimed steps, then ``--steps`` timed ones, and reports their median wall time and the
 median process CPU time per step (CPU time / wall time below the thread count: the process waited for a core). Rounds
@@ -152,7 +154,10 @@ def run_fresh(args, program: str) -> dict:
         cmd += ["--threads", str(args.threads)]
     if args.lightning:
         cmd += ["--lightning"]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    if program.startswith("qat-upstream:"):
+        env["QHARNESS_UPSTREAM_QAT"] = "1"
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
     if r.returncode != 0 or not lines:
         sys.stderr.write(r.stderr[-4000:])
@@ -171,6 +176,7 @@ def main(argv=None) -> None:
     p.add_argument("--rounds", type=int, default=3, help="fresh processes per program, in alternating rounds")
     p.add_argument("--threads", type=int, default=None, help="torch threads in every process (default: torch's)")
     p.add_argument("--lightning", action="store_true", help="QAT steps inside Trainer.fit (what `qharness fit` runs)")
+    p.add_argument("--upstream", action="store_true", help="also each recipe with torchao's own fake quantizers")
     p.add_argument("--json", default=None, help="also write every process's numbers here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -181,7 +187,9 @@ def main(argv=None) -> None:
     from qharness.runtime.joint import round_order
     from qharness.runtime.spread import format_spread, pair_ratios, spread, verdict
 
-    programs = ["fp", *(f"qat:{r}" for r in (args.recipe or ["xnnpack_8da4w"]))]
+    recipes = args.recipe or ["xnnpack_8da4w"]
+    kinds = ("qat", "qat-upstream") if args.upstream else ("qat",)
+    programs = ["fp", *(f"{kind}:{r}" for r in recipes for kind in kinds)]
     runs: dict[str, list[dict]] = {name: [] for name in programs}
     print(
         f"model {args.model}, batch {args.batch} x {args.seq_len}, {args.steps} timed steps (+{args.warmup} warm-up) "
