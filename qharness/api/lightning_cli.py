@@ -40,6 +40,7 @@ from qharness.training.checkpoints import (
     resolve_ckpt,
 )
 from qharness.training.module import QuantLM
+from qharness.training.step_log import StepLog
 
 
 class QArgumentParser(LightningArgumentParser):
@@ -124,10 +125,12 @@ class QHarnessCLI(LightningCLI):
         trainer_cfg = self.config_init[self.subcommand]["trainer"]
         given = trainer_cfg.get("callbacks") or []
         given = given if isinstance(given, list) else [given]
+        extra = [] if any(isinstance(c, StepLog) for c in given) else [StepLog()]  # train.log, fitted threads
         if trainer_cfg.get("enable_progress_bar", True) is not False and not any(
             isinstance(c, ProgressBar) for c in given
         ):
-            kwargs["callbacks"] = [*given, lightning_progress_bar()]  # no "Epoch 0/-2" (see qharness.progress)
+            extra.append(lightning_progress_bar())  # no "Epoch 0/-2" (see qharness.progress)
+        kwargs["callbacks"] = [*given, *extra]
         plugins = trainer_cfg.get("plugins") or []
         plugins = plugins if isinstance(plugins, list) else [plugins]
         if "plugins" not in kwargs and not any(isinstance(p, CheckpointIO) for p in plugins):

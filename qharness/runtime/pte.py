@@ -29,21 +29,13 @@ from qharness.upstream import imports, quiet
 def free_cores(window_s: float = 0.3) -> int:
     """CPU cores of this process's affinity that were idle over the last ``window_s`` seconds (``/proc/stat``),
     rounded, at least 1; without ``/proc/stat``: the affinity size minus the 1-minute load average."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    from qharness.io.cpu import affinity, ticks
 
-    def sample() -> dict[int, tuple[int, int]]:
-        out = {}
-        for line in Path("/proc/stat").read_text().splitlines():
-            name, *ticks = line.split()
-            if name.startswith("cpu") and name[3:].isdigit() and int(name[3:]) in cpus:
-                ticks = [int(t) for t in ticks]
-                out[int(name[3:])] = (ticks[3] + ticks[4], sum(ticks[:8]))  # idle + iowait, total (no guest time)
-        return out
-
+    cpus = affinity()
     try:
-        a = sample()
+        a = ticks(cpus)
         time.sleep(window_s)
-        b = sample()
+        b = ticks(cpus)
         idle = sum((b[c][0] - a[c][0]) / max(1, b[c][1] - a[c][1]) for c in b)
     except (OSError, KeyError, ValueError):
         idle = len(cpus) - os.getloadavg()[0]

@@ -66,6 +66,9 @@ def _prepare(model, recipe, batch_size, seq_len, is_qat, layerwise, lora) -> tor
             # torch.export decomposes into round/clamp (zero gradient: nothing would train). Train the eager
             # modules instead; deployment re-exports the trained weights anyway.
             quantizer.prepare_qat(model)
+            from qharness.upstream import qat_speed
+
+            qat_speed.install(model)  # the same fake quantization and gradients in fewer passes over each tensor
             if lora is not None:  # onto torchao's FakeQuantizedLinear modules: their weight fake quantizer sees W + sBA
                 from qharness.training.lora import add_adapters
 
