@@ -98,3 +98,27 @@ def test_all_near_ties_leave_the_judgment_to_perplexity():
 @pytest.mark.parametrize("figures", [{"ppl_rel_diff": 0.0, "argmax_agreement": 0.5, "max_abs_diff": 0.1}])
 def test_figures_without_near_ties_are_judged_on_every_position(figures):
     assert "argmax agreement 0.500 < parity.min_argmax_agreement=0.9" in gate(figures, ParityConfig())[0]
+
+
+@pytest.mark.fast
+def test_the_rounding_twin_moves_every_result_one_unit_in_the_last_place():
+    """The gate's noise floor: the twin computes the same program with each op's result one ulp up or down, both
+    directions taken, and an infinite mask still masks."""
+    from qharness.checks.parity import rounding_twin
+
+    class Net(torch.nn.Module):
+        def forward(self, x):
+            scores = (x @ x.T).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), float("-inf"))
+            return (scores * 0.25).softmax(-1)
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    graph = torch.fx.symbolic_trace(Net())
+    twin = rounding_twin(graph)
+    a, b = graph(x), twin(x)
+    assert torch.isfinite(b).all() and not torch.equal(a, b)
+    assert ((b - a).abs() <= 8 * torch.finfo(torch.float32).eps * a.abs().clamp(min=1)).all()
+    assert (a.triu(1) == 0).all() and (b.triu(1) == 0).all()  # masked scores softmax to zero in both
+    moved = twin.get_submodule("_qharness_round_other_way")(torch.ones(4096))
+    assert (moved == torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))).sum() > 1000  # one ulp up
+    assert (moved == torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))).sum() > 1000  # one ulp down
+    assert ((moved != 1) & (moved.sub(1).abs() <= torch.finfo(torch.float32).eps)).all()

@@ -80,7 +80,10 @@ def gate_pte(
     converted model's, (QAT) against the trained fake-quant graph, and whether learned scales reached it exactly."""
     from qharness.runtime.pte import PteModel
 
-    ref = step_of(reference)  # called as the .pte is: last-token logits on the fast path (decode parity)
+    # the reference's every-position twin (its KV cache shared): a prompt's logits in one prefill, then one token at a
+    # time as the .pte decodes; the .pte's own prompt logits come one token at a time (``block_logits``)
+    ref = step_of(all_logits_twin(reference))
+    twin = step_of(rounding_twin(all_logits_twin(reference)))  # the same program, each result rounded the other way
 
     try:
         pte = PteModel(lowered.pending)
@@ -96,15 +99,14 @@ def gate_pte(
         cfg.decode_steps,
         desc="parity: .pte vs converted decoding",
         tie_margin=cfg.tie_margin,
-        twin=step_of(rounding_twin(reference)),  # the converted model's own rounding noise, on the same positions
+        twin=twin,  # the converted model's own rounding noise, on the same positions
     )
     figures["ppl_rel_diff"] = abs(scores["pte"]["ppl"] - scores["converted"]["ppl"]) / scores["converted"]["ppl"]
-    twin = score_deployed(  # the converted model's rounding twin on the same blocks: how far rounding moves its ppl
-        step_of(rounding_twin(all_logits_twin(reference))), data.x, data.y, desc="scoring its rounding twin"
-    )
+    # the converted model's rounding twin on the same blocks: how far rounding alone moves its perplexity
+    twin_score = score_deployed(twin, data.x, data.y, desc="scoring its rounding twin")
     converted = scores["converted"]
-    figures["noise"]["ppl_rel_diff"] = abs(twin["ppl"] - converted["ppl"]) / converted["ppl"]
-    figures["noise"]["ppl_bound"] = ppl_noise_bound(converted["block_losses"], twin["block_losses"])
+    figures["noise"]["ppl_rel_diff"] = abs(twin_score["ppl"] - converted["ppl"]) / converted["ppl"]
+    figures["noise"]["ppl_bound"] = ppl_noise_bound(converted["block_losses"], twin_score["block_losses"])
     reasons += gate(figures, cfg)
     if trained.fake_quant is not None:
         figures["fake_quant"] = against_fake_quant(trained, pte, data, scores, cfg)
