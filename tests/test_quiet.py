@@ -22,6 +22,8 @@ cli.main(sys.argv[1:])
 import torchao  # torch's pytree enum records; torchao's CUDA-only .so load failures
 warnings.warn_explicit("_check_is_size will be removed in a future PyTorch release", FutureWarning,
                        "custom_ops.py", 317, module="executorch.extension.llm.custom_ops.custom_ops")
+warnings.warn_explicit("`past_key_values` is deprecated and will be removed in version 5.40.0 for `LlamaForCausalLM.forward`. "
+                       "Use `cache` instead.", FutureWarning, "module.py", 1789, module="torch.nn.modules.module")
 warnings.warn_explicit("_check_is_size will be removed, said another module", FutureWarning, "other.py", 1, module="other")
 warnings.warn("a genuine warning nobody filtered")
 logging.getLogger("torchao").warning("Failed to load /x/torchao/_C_cpu_kernels.so: a CPU kernel missing")
@@ -39,6 +41,7 @@ NOISE = [
     "is an Enum subclass and is now natively supported",  # torch.utils._pytree
     "torchao/_C_mxfp8",  # torchao's .so load failures
     "custom_ops.py:317",  # the _check_is_size FutureWarning of ExecuTorch's custom ops
+    "`past_key_values` is deprecated",  # transformers 5.x's renamed KV-cache argument
     "fatal: not a git repository",  # lm-eval's git describe
     "[cpuinfo_utils.cpp:",  # ExecuTorch's threadpool, native stderr
 ]

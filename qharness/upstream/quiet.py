@@ -49,6 +49,14 @@ WARNINGS = (
         "(zero) contents, and every cache position is written before it is read",
     ),
     (
+        FutureWarning,
+        r"`past_key_values` is deprecated and will be removed in version [\d.]+ for `\w+\.forward`\. Use `cache` instead",
+        r"torch\.nn\.modules\.module$",
+        "transformers 5.x renames the forward argument that carries the KV cache; the deploy export and the eager "
+        "decoder pass the old name, which reaches the model the same way (every export and decode test checks its "
+        "logits), printed once per run in the middle of its progress lines",
+    ),
+    (
         UserWarning,
         r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable",
         r"lightning\.pytorch\.loops\.training_epoch_loop$",
