@@ -122,3 +122,18 @@ def test_the_rounding_twin_moves_every_result_one_unit_in_the_last_place():
     assert (moved == torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))).sum() > 1000  # one ulp up
     assert (moved == torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))).sum() > 1000  # one ulp down
     assert ((moved != 1) & (moved.sub(1).abs() <= torch.finfo(torch.float32).eps)).all()
+
+
+@pytest.mark.fast
+def test_a_reference_that_rounding_alone_scrambles_vouches_for_nothing():
+    """SmolLM2 with static int8 activations: the converted model's rounding twin kept 0.008 of its confident tokens,
+    the .pte 0.04; the KL and agreement checks, relative to that noise, would pass any program of it."""
+    noise = {"kl": 12.0, "argmax_agreement_decided": 0.008, "ppl_bound": 4.8}
+    figures = {
+        "max_abs_diff": 32.3, "argmax_agreement": 0.03, "positions": 160, "tie_margin": 0.2, "near_ties": 34,
+        "argmax_agreement_decided": 0.04, "non_finite_positions": 0, "kl": 9.6, "ppl_rel_diff": 0.19, "noise": noise,
+    }  # fmt: skip
+    reasons = gate(figures, ParityConfig())
+    assert len(reasons) == 1 and reasons[0].startswith("the converted model itself is unstable"), reasons
+    stable = {**figures, "noise": {**noise, "argmax_agreement_decided": 0.95}, "argmax_agreement_decided": 0.96}
+    assert gate(stable, ParityConfig()) == []  # the same figures with a stable reference: the KL is within the noise

@@ -381,6 +381,11 @@ KL_FLOOR = 1e-6  # nats per position: a .pte this close to its reference passes 
 # (a mean KL of 1e-6 moves perplexity by about 0.0001%)
 
 
+UNSTABLE_BELOW = 0.5  # the rounding twin's argmax agreement under which the converted model is too unstable to vouch
+# for: rounding alone changes most of its confident next tokens, so any program "agrees" as well as it does (SmolLM2
+# with static int8 activations: twin 0.008, the .pte 0.04, perplexity 7.5 -> 6,000,000)
+
+
 def ppl_noise_bound(reference: list[float], twin: list[float]) -> float:
     """How far rounding alone may move this model's perplexity over these blocks: from the per-block mean losses of the
     reference and of its rounding twin (``rounding_twin``), ``exp(|mean d| + 3 sd(d) / sqrt(n)) - 1`` of their
@@ -411,8 +416,9 @@ def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
     perplexity further, ``figures["noise"]["ppl_bound"]``: ``ppl_noise_bound``); the argmax agreement over the positions that are not near ties (with none,
     it compared nothing: perplexity and KL judge alone); with ``figures["noise"]`` (``compare_decoding``'s rounding
     twin) the mean KL divergence against ``parity.max_noise_ratio`` times the reference's own rounding noise
-    (or ``KL_FLOOR``), and the agreement against what that noise leaves (``required_agreement``); ``max_abs_diff``
-    when set.
+    (or ``KL_FLOOR``), the agreement against what that noise leaves (``required_agreement``), and a reference so
+    unstable that its twin keeps under ``UNSTABLE_BELOW`` of its confident tokens fails (nothing can be checked
+    against it); ``max_abs_diff`` when set.
     ``prefix``: ``fake_quant_`` judges with ``cfg.fake_quant_max_ppl_rel_diff`` / ``fake_quant_min_argmax_agreement``
     (the ``.pte`` against the trained fake-quant model; no ``max_abs_diff``, no noise)."""
     reasons = []
@@ -439,6 +445,13 @@ def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
                 f"parity.max_noise_ratio={cfg.max_noise_ratio:g} x the converted model's own rounding noise "
                 f"({noise['kl']:.3g}: its KL from itself with every result rounded the other way)"
             )
+    twin_agrees = (noise or {}).get("argmax_agreement_decided")
+    if twin_agrees is not None and not twin_agrees >= UNSTABLE_BELOW:
+        reasons.append(
+            f"the converted model itself is unstable: with every result rounded the other way it keeps only "
+            f"{twin_agrees:.3f} of its confident next tokens (< {UNSTABLE_BELOW}), so no program of it can be checked "
+            "against it; the recipe breaks this model (see its perplexity against FP)"
+        )
     decided = figures.get(
         "argmax_agreement_decided", figures["argmax_agreement"]
     )  # no near ties counted: every position
