@@ -122,6 +122,10 @@ def test_the_rounding_twin_moves_every_result_one_unit_in_the_last_place():
     assert (moved == torch.nextafter(torch.tensor(1.0), torch.tensor(2.0))).sum() > 1000  # one ulp up
     assert (moved == torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))).sum() > 1000  # one ulp down
     assert ((moved != 1) & (moved.sub(1).abs() <= torch.finfo(torch.float32).eps)).all()
+    for dtype in (torch.float64, torch.bfloat16):  # e.g. a dynamic quantizer's float64 scale computation
+        x = torch.ones(64, dtype=dtype)
+        out = twin.get_submodule("_qharness_round_other_way")(x)
+        assert out.dtype == dtype and ((out != 1) & (out.sub(1).abs() <= torch.finfo(dtype).eps)).all()
 
 
 @pytest.mark.fast
