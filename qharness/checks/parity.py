@@ -108,9 +108,8 @@ class _RoundOtherWay(torch.nn.Module):
             return x
         n, buf = x.numel(), self.toward.get(x.dtype)
         if buf is None or buf.numel() < 2 * n:
-            big = torch.finfo(x.dtype).max
             up = torch.rand(max(2 * n, 1 << 16), generator=self.generator) < 0.5
-            big = torch.tensor(big, dtype=x.dtype)  # float64's max is no float32 scalar
+            big = torch.tensor(torch.finfo(x.dtype).max, dtype=x.dtype)  # float64's max is no float32 scalar
             buf = self.toward[x.dtype] = torch.where(up, big, -big)
         start = int(torch.randint(buf.numel() - n + 1, (1,), generator=self.generator))
         return torch.nextafter(x, buf[start : start + n].view(x.shape))

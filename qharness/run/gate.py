@@ -54,7 +54,7 @@ def check_parity(
     scores["converted"] = score_deployed(step_of(scorer), data.x, data.y, desc="scoring the converted model")
     reasons = non_finite_scores(scores, "converted")  # NaN passes no gate, run here or not
     if trained.recipe.runs_here:
-        figures = gate_pte(trained, lowered, reference, data, cfg, scores, reasons)
+        figures = gate_pte(trained, lowered, scorer, data, cfg, scores, reasons)
     else:
         figures = {
             "passed": False if reasons else None,
@@ -70,20 +70,21 @@ def check_parity(
 def gate_pte(
     trained: Trained,
     lowered: Lowered,
-    reference: torch.fx.GraphModule,
+    scorer: torch.fx.GraphModule,
     data: HeldOut,
     cfg: ParityConfig,
     scores: dict[str, dict],
     reasons: list[str],
 ) -> dict:
     """The parity gate of a ``.pte`` that runs here: its scores (added to ``scores``), its decoding against the
-    converted model's, (QAT) against the trained fake-quant graph, and whether learned scales reached it exactly."""
+    converted model's, (QAT) against the trained fake-quant graph, and whether learned scales reached it exactly.
+    ``scorer``: the converted model's every-position twin (``all_logits_twin``), its KV cache shared."""
     from qharness.runtime.pte import PteModel
 
-    # the reference's every-position twin (its KV cache shared): a prompt's logits in one prefill, then one token at a
-    # time as the .pte decodes; the .pte's own prompt logits come one token at a time (``block_logits``)
-    ref = step_of(all_logits_twin(reference))
-    twin = step_of(rounding_twin(all_logits_twin(reference)))  # the same program, each result rounded the other way
+    # the reference takes a prompt's logits in one prefill, then one token at a time as the .pte decodes; the .pte's
+    # own prompt logits come one token at a time (``block_logits``)
+    ref = step_of(scorer)
+    twin = step_of(rounding_twin(scorer))  # the same program, each result rounded the other way
 
     try:
         pte = PteModel(lowered.pending)
