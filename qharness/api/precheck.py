@@ -15,13 +15,12 @@ Example::
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import yaml
 
 from qharness.config import deep_merge
 from qharness.errors import UserError
-from qharness.io.yaml_reader import load_yaml, read_yaml
+from qharness.io.yaml_reader import file_problem, load_yaml, read_yaml
 from qharness.schema import RunConfig
 from qharness.schema.fields import number
 from qharness.schema.trainer import check_writable_dir
@@ -37,16 +36,17 @@ _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")
 
 def read_config(path: str) -> dict:
     """A config file as a mapping; a missing file, bad YAML or a non-mapping is a ``UserError`` naming the file."""
-    file = Path(path)
-    if not file.is_file():
-        try:
-            inline = load_yaml(path)  # jsonargparse also takes the config itself as the argument
-        except yaml.YAMLError:
-            inline = None
+    problem = file_problem(path)
+    if problem:
+        inline = None
+        if problem == "does not exist" or problem.startswith("cannot be read"):
+            try:
+                inline = load_yaml(path)  # jsonargparse also takes the config itself as the argument
+            except yaml.YAMLError:
+                pass
         if isinstance(inline, dict):
             return inline
-        what = "is a directory" if file.is_dir() else "does not exist"
-        raise UserError(f"config file {path} {what}", fix="pass the path of a run config .yaml (e.g. configs/)")
+        raise UserError(f"config file {path} {problem}", fix="pass the path of a run config .yaml (e.g. configs/)")
     data = read_yaml(path, "config")
     if data is None:
         raise UserError(
@@ -65,7 +65,7 @@ def _value(text: str):
     if not text.strip():
         return text  # an empty value stays the empty string, as jsonargparse reads it (YAML would say null)
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)  # bounded: an alias bomb in an override is refused, not expanded
     except yaml.YAMLError:
         return text
 

@@ -1,10 +1,71 @@
-"""The one YAML reader: ``yaml.safe_load`` that refuses a key given twice, and a file's YAML with one-line errors."""
+"""The one YAML reader: ``yaml.safe_load`` that refuses a key given twice and bounds what a document may grow to
+(its size in bytes, the values its aliases expand to, its depth), and a file's YAML with one-line errors."""
 
 from __future__ import annotations
 
 import functools
 import os
-from pathlib import Path
+import stat
+
+from qharness.errors import UserError
+
+MAX_BYTES = 1 << 20  # a run config, recipe, sweep or ship file is a few KB; more is not one a person wrote
+MAX_VALUES = 100_000  # values of a document once its aliases are expanded (a "billion laughs" file expands to 10^9)
+MAX_CHARS = 8 << 20  # characters of its scalars once expanded (one long string repeated by aliases)
+MAX_DEPTH = 200  # nesting of mappings and lists (PyYAML composes recursively: deeper is a RecursionError)
+
+
+class YamlTooLarge(UserError):
+    """A YAML text past one of the reader's bounds; ``problem`` says which, without naming a file."""
+
+    def __init__(self, problem: str, fix: str):
+        super().__init__(f"the YAML text {problem}", fix)
+        self.problem, self.bound_fix = problem, fix
+
+
+def _check_expansion(root) -> None:
+    """Refuse a composed document (PyYAML's node graph, where an alias is the anchored node itself, shared) whose
+    expanded tree would pass ``MAX_VALUES`` values or ``MAX_CHARS`` characters, or that refers to itself: linear in
+    the number of distinct nodes, before anything is constructed or walked by a consumer."""
+    import yaml
+
+    done: dict[int, tuple[int, int]] = {}  # id(node) -> (values, characters) of its expanded tree
+    active: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if key in done:
+            continue
+        if isinstance(node, yaml.ScalarNode):
+            done[key] = (1, len(node.value))
+            continue
+        children = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+        if not children_done:
+            if key in active:  # a subtree is finished before its siblings start: an active node is an ancestor
+                raise YamlTooLarge(
+                    f"holds an alias to a mapping or list inside itself (line {node.start_mark.line + 1})",
+                    fix="remove the alias that refers to its own anchor",
+                )
+            active.add(key)
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in done)
+            if len(active) > MAX_DEPTH:
+                raise YamlTooLarge(
+                    f"nests mappings and lists more than {MAX_DEPTH} deep",
+                    fix="flatten it: a config is a few levels deep",
+                )
+            continue
+        values = 1 + sum(done[id(c)][0] for c in children)
+        chars = sum(done[id(c)][1] for c in children)
+        if values > MAX_VALUES or chars > MAX_CHARS:
+            raise YamlTooLarge(
+                f"expands to more than {MAX_VALUES:,} values or {MAX_CHARS:,} characters through its aliases "
+                f"(&anchor / *alias, line {node.start_mark.line + 1})",
+                fix="write the values out, or use fewer aliases of aliases",
+            )
+        done[key] = (values, chars)
+        active.discard(key)
 
 
 @functools.cache
@@ -34,32 +95,93 @@ def _unique_key_loader():
                         )
             return super().construct_mapping(node, deep)
 
+        def get_single_node(self):
+            node = super().get_single_node()
+            if node is not None:
+                _check_expansion(node)
+            return node
+
     return UniqueKeyLoader
 
 
 def load_yaml(text: str):
     """``yaml.safe_load(text)``, except that a key given twice in one mapping is an error (``yaml.YAMLError``) instead
-    of the last one silently winning. Every YAML qharness reads (run configs, recipes, sweep files) goes through it.
+    of the last one silently winning, and that a text past the bounds (``MAX_BYTES`` long, aliases expanding to more
+    than ``MAX_VALUES`` values or ``MAX_CHARS`` characters, an alias inside itself, ``MAX_DEPTH`` levels) is a
+    ``YamlTooLarge`` (a ``UserError``) at once, before any consumer walks it. Every YAML qharness reads (run configs,
+    their overrides, recipes, sweep and ship files) goes through it.
 
     Example: ``load_yaml("lr: 1\nlr: 2")`` raises ``ConstructorError: duplicate key 'lr' (lines 1 and 2)``
     """
     import yaml
 
-    return yaml.load(text, Loader=_unique_key_loader())
+    if len(text) > MAX_BYTES:
+        raise YamlTooLarge(
+            f"is {len(text):,} characters long (at most {MAX_BYTES:,})", fix="a config or recipe is a few KB: trim it"
+        )
+    try:
+        return yaml.load(text, Loader=_unique_key_loader())
+    except RecursionError as e:
+        raise YamlTooLarge(
+            f"nests mappings and lists more than {MAX_DEPTH} deep", fix="flatten it: a config is a few levels deep"
+        ) from e
+
+
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be read as a file, without opening it: ``"does not exist"``, ``"is a directory"``, ``"is
+    not a regular file (a FIFO)"`` (a FIFO, a device such as /dev/zero, a socket: reading one may block or never
+    end), or None for a regular file (or a link to one)."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "does not exist"
+    except (OSError, ValueError) as e:  # permission on a parent, a name too long, a NUL byte
+        return f"cannot be read ({getattr(e, 'strerror', None) or e})"
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    kind = (
+        "a FIFO"
+        if stat.S_ISFIFO(mode)
+        else "a character device"
+        if stat.S_ISCHR(mode)
+        else "a block device"
+        if stat.S_ISBLK(mode)
+        else "a socket"
+        if stat.S_ISSOCK(mode)
+        else "no regular file"
+    )
+    return f"is not a regular file ({kind})"
 
 
 def read_yaml(path: str | os.PathLike, what: str):
-    """The parsed YAML of ``path`` (``load_yaml``); a syntax error (with its line and column), a key given twice or
-    non-UTF-8 text is a one-line ``UserError`` naming ``what`` ("config", "recipe", "sweep config") and the file.
+    """The parsed YAML of ``path`` (``load_yaml``); a path that is no regular file (missing, a directory, a FIFO or a
+    device: never opened, so a FIFO cannot block), a file over ``MAX_BYTES``, a syntax error (with its line and
+    column), a key given twice, a text past the alias bounds or non-UTF-8 text is a one-line ``UserError`` naming
+    ``what`` ("config", "recipe", "sweep config") and the file.
 
     Example: ``read_yaml(Path("configs/qat_xnnpack.yaml"), "config")`` -> ``{"model": {...}, ...}``
     """
     import yaml
 
-    from qharness.errors import UserError
-
+    problem = file_problem(path)
+    if problem:
+        raise UserError(f"{what} file {path} {problem}", fix=f"give the path of a {what} .yaml file")
     try:
-        return load_yaml(Path(path).read_text())
+        with open(path, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise UserError(f"{what} file {path} cannot be read ({e.strerror or e})", fix=f"check the {what} file") from e
+    if len(data) > MAX_BYTES:
+        raise UserError(
+            f"{what} file {path} is over {MAX_BYTES:,} bytes ({os.path.getsize(path):,})",
+            fix=f"a {what} is a few KB: give the right file, or trim it",
+        )
+    try:
+        return load_yaml(data.decode())
+    except YamlTooLarge as e:
+        raise UserError(f"{what} file {path} {e.problem}", fix=e.bound_fix) from None
     except yaml.YAMLError as e:
         if str(getattr(e, "problem", "")).startswith("duplicate key"):
             raise UserError(

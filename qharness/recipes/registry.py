@@ -127,16 +127,56 @@ def known_recipes() -> list[str]:
     return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
 
 
-def _read(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
-    path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml"):
+def _is_path(name_or_path: str) -> bool:
+    """A recipe given as a YAML path (else a built-in name)."""
+    return Path(name_or_path).suffix in (".yaml", ".yml")
+
+
+def _recipe_path(name_or_path: str, folder: Path | None, what: str) -> Path:
+    """The file of a recipe name or path: a built-in name is ``builtin/<name>.yaml``; a relative path is resolved
+    against ``folder`` (the folder of the recipe whose ``base:`` names it; None: the working directory, as for
+    ``model.recipe``). Not found, or not a regular file: a ``UserError`` saying where it was looked for."""
+    from qharness.io.yaml_reader import file_problem
+
+    known = ", ".join(known_recipes())
+    if not _is_path(name_or_path):
         path = RECIPES_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
+        if path.is_file():
+            return path
+        if folder is None:
+            raise UserError(
+                f"unknown recipe {name_or_path!r}", fix=f"use one of: {known} (or a path to a recipe .yaml)"
+            )
         raise UserError(
-            f"unknown recipe {name_or_path!r}",
-            fix=f"use one of: {', '.join(known_recipes())} (or a path to a recipe .yaml)",
+            f"{what}: base {name_or_path!r} is not a known recipe",
+            fix=f"use one of: {known}, or a path to a recipe .yaml (a relative one is looked for in {folder})",
         )
-    if str(path) in seen:
+    path = Path(name_or_path).expanduser()
+    if folder is not None and not path.is_absolute():
+        path = folder / path
+    problem = file_problem(path)
+    if problem is None:
+        return path
+    if folder is None:
+        where = "" if Path(name_or_path).is_absolute() else f" (looked for in the working directory {Path.cwd()})"
+        raise UserError(
+            f"recipe file {name_or_path} {problem}{where}",
+            fix=f"give the path of a recipe .yaml, or one of: {known}",
+        )
+    where = "" if Path(name_or_path).expanduser().is_absolute() else f" (a relative base is looked for in {folder})"
+    raise UserError(
+        f"{what}: base {name_or_path!r} {problem}{where}",
+        fix=f"give its path relative to {folder}, an absolute path, or a built-in recipe: {known}",
+    )
+
+
+def _read(name_or_path: str, seen: tuple[str, ...] = (), folder: Path | None = None) -> dict[str, Any]:
+    """A recipe file's fields merged over its ``base:`` chain; a relative ``base:`` path is resolved against the
+    folder of the recipe that names it (never the working directory), ``folder`` for this one (None: the
+    working directory)."""
+    path = _recipe_path(name_or_path, folder, f"recipe {Path(seen[-1]).name}" if seen else "recipe")
+    key = str(path.resolve())
+    if key in seen:
         raise UserError(
             f"recipe {path} extends itself through {' -> '.join(seen)}", fix="break the cycle of base: fields"
         )
@@ -154,22 +194,16 @@ def _read(name_or_path: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
     base = raw.pop("base", None)
     if base is None:
         return raw
-    if not isinstance(base, str):
+    if not isinstance(base, str) or not base:
         raise UserError(
             f"recipe {path.name}: base must be a recipe name or path (got {base!r})", fix="e.g. base: xnnpack_8da4w"
         )
-    base_path = Path(base) if Path(base).suffix in (".yaml", ".yml") else RECIPES_DIR / f"{base}.yaml"
-    if not base_path.is_file():
-        raise UserError(
-            f"recipe {path.name}: base {base!r} is not a known recipe",
-            fix=f"use one of: {', '.join(known_recipes())} (or a path to a recipe .yaml)",
-        )
-    merged = _read(base, seen + (str(path),))
-    for key, value in raw.items():  # a mapping overrides key by key, anything else replaces
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = {**merged[key], **value}
+    merged = _read(base, seen + (key,), folder=path.resolve().parent)
+    for k, value in raw.items():  # a mapping overrides key by key, anything else replaces
+        if isinstance(value, dict) and isinstance(merged.get(k), dict):
+            merged[k] = {**merged[k], **value}
         else:
-            merged[key] = value
+            merged[k] = value
     return merged
 
 

@@ -1,0 +1,108 @@
+"""Inputs a hostile or careless user gives as configs and recipes, each refused in one line before any work (or given
+the right result): YAML alias bombs and huge files, FIFOs and devices given as files, recipe fields that contradict
+each other, relative paths in recipes."""
+
+import os
+import time
+
+import pytest
+from conftest import write_config
+
+from qharness.api.precheck import precheck
+from qharness.errors import UserError
+from qharness.io.yaml_reader import MAX_BYTES, load_yaml, read_yaml
+from qharness.recipes.registry import load_recipe
+
+# "billion laughs": nine levels of nine aliases, 9^9 values once expanded, in under 1 KB
+BOMB_LEVELS = "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8)
+)
+BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + BOMB_LEVELS
+
+
+def _quick(fn, *args, limit_s: float = 5.0, match: str = ""):
+    start = time.monotonic()
+    with pytest.raises(UserError, match=match) as e:
+        fn(*args)
+    assert time.monotonic() - start < limit_s, f"took {time.monotonic() - start:.1f} s"
+    assert "\n" not in str(e.value) and "fix:" in str(e.value)
+    return str(e.value)
+
+
+@pytest.mark.fast
+def test_an_alias_bomb_is_refused_at_once_in_any_yaml():
+    _quick(load_yaml, BOMB, match="expands to more than 100,000 values")
+    _quick(load_yaml, "a: &a [1, *a]\n", match="alias to a mapping or list inside itself")
+    _quick(load_yaml, "[" * 5000 + "]" * 5000, match="more than 200 deep")
+    # one long string repeated by aliases: few values, many characters
+    _quick(load_yaml, f"x: &x {'y' * 5000}\nl: [{', '.join(['*x'] * 5000)}]\n", match="characters through its aliases")
+    # aliases and merge keys as configs use them still load
+    assert load_yaml("b: &b {p: 1}\nc:\n  <<: *b\n  p: 2\nd: [*b, *b]\n")["d"] == [{"p": 1}, {"p": 1}]
+
+
+def _flow_bomb() -> str:
+    """A billion laughs in one flow-style YAML value (a list), as a config value or a command-line override."""
+    value = "&a0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"
+    for i in range(1, 9):
+        value = f"&a{i} [{value}, " + ", ".join([f"*a{i - 1}"] * 8) + "]"
+    return value
+
+
+@pytest.mark.fast
+def test_an_alias_bomb_in_a_run_config_its_wandb_tags_or_an_override_is_one_line(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(BOMB)
+    _quick(precheck, ["fit", "--config", str(bomb)], match=f"config file {bomb} expands to more than")
+    cfg = write_config(tmp_path / "c.yaml", "embedded", "embedded", tmp_path / "run")
+    cfg.write_text(cfg.read_text().replace("wandb:\n", f"wandb:\n  tags: {_flow_bomb()}\n"))
+    _quick(precheck, ["fit", "--config", str(cfg)], match=f"config file {cfg} expands to more than")
+    good = write_config(tmp_path / "d.yaml", "embedded", "embedded", tmp_path / "run")
+    _quick(precheck, ["fit", "--config", str(good), "--wandb.tags", _flow_bomb()], match="expands to more than")
+    _quick(precheck, ["fit", "--config", str(good), f"--wandb.tags={_flow_bomb()}"], match="expands to more than")
+
+
+@pytest.mark.fast
+def test_a_huge_recipe_or_config_file_is_refused_without_reading_it_all(tmp_path):
+    huge = tmp_path / "huge.yaml"
+    with open(huge, "w") as f:
+        f.write("description: d\nbackend: xnnpack\n")
+        line = "# " + "x" * 1000 + "\n"
+        for _ in range(MAX_BYTES // len(line) + 10):
+            f.write(line)
+    _quick(load_recipe, str(huge), match=f"recipe file {huge} is over 1,048,576 bytes")
+    _quick(precheck, ["fit", "--config", str(huge)], match=f"config file {huge} is over")
+
+
+@pytest.mark.fast
+def test_a_fifo_or_a_device_as_a_config_or_recipe_is_not_a_regular_file(tmp_path):
+    fifo = tmp_path / "fifo.yaml"
+    os.mkfifo(fifo)  # nobody writes to it: opening it for reading would block forever
+    for path, kind in ((str(fifo), "a FIFO"), ("/dev/zero", "a character device")):
+        _quick(precheck, ["fit", "--config", path], match=f"config file {path} is not a regular file \\({kind}\\)")
+        _quick(read_yaml, path, "sweep config", match=f"sweep config file {path} is not a regular file")
+    _quick(load_recipe, str(fifo), match=f"recipe file {fifo} is not a regular file \\(a FIFO\\)")
+
+
+@pytest.mark.fast
+def test_a_relative_base_is_resolved_against_the_recipes_own_folder(tmp_path, monkeypatch):
+    """A user's int8 recipe ``mine/child.yaml`` on ``sibling.yaml`` beside it: from a working directory holding
+    another (FP) ``sibling.yaml`` it still extends its own sibling, not the working directory's."""
+    mine, elsewhere = tmp_path / "mine", tmp_path / "elsewhere"
+    (mine / "sub").mkdir(parents=True)
+    elsewhere.mkdir()
+    (mine / "sibling.yaml").write_text("base: xnnpack_int8_dynamic\ndescription: the int8 sibling\n")
+    (mine / "sub" / "deeper.yaml").write_text("base: ../sibling.yaml\ndescription: two folders down\n")
+    (mine / "child.yaml").write_text("base: sibling.yaml\n")
+    (mine / "grandchild.yaml").write_text("base: sub/deeper.yaml\n")
+    (elsewhere / "sibling.yaml").write_text("base: xnnpack_fp32\ndescription: an FP recipe of the same name\n")
+    monkeypatch.chdir(elsewhere)
+    for name in ("child", "grandchild"):
+        r = load_recipe(str(mine / f"{name}.yaml"))
+        assert r.quantizer == "xnnpack" and r.kind == "pt2e", name
+    monkeypatch.chdir(tmp_path)
+    (mine / "orphan.yaml").write_text("base: missing.yaml\n")
+    message = _quick(load_recipe, str(mine / "orphan.yaml"), match="base 'missing.yaml' does not exist")
+    assert f"a relative base is looked for in {mine}" in message
+    (mine / "named.yaml").write_text("base: sibling\n")  # a name without .yaml is a built-in's
+    message = _quick(load_recipe, str(mine / "named.yaml"), match="base 'sibling' is not a known recipe")
+    assert f"a relative one is looked for in {mine}" in message
