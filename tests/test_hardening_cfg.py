@@ -14,9 +14,7 @@ from qharness.io.yaml_reader import MAX_BYTES, load_yaml, read_yaml
 from qharness.recipes.registry import load_recipe
 
 # "billion laughs": nine levels of nine aliases, 9^9 values once expanded, in under 1 KB
-BOMB_LEVELS = "".join(
-    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8)
-)
+BOMB_LEVELS = "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
 BOMB = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + BOMB_LEVELS
 
 
@@ -106,3 +104,75 @@ def test_a_relative_base_is_resolved_against_the_recipes_own_folder(tmp_path, mo
     (mine / "named.yaml").write_text("base: sibling\n")  # a name without .yaml is a built-in's
     message = _quick(load_recipe, str(mine / "named.yaml"), match="base 'sibling' is not a known recipe")
     assert f"a relative one is looked for in {mine}" in message
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            "base: xnnpack_int8_dynamic\nbackend: cuda\n",
+            "backend: cuda does not match its quantizer, which target xnnpack",
+        ),
+        (
+            "base: xnnpack_8da4w\nbackend: vulkan\n",
+            "backend: vulkan does not match its quantizer.*fix: backend: xnnpack",
+        ),
+        ("base: xnnpack_fp32\nbackend: cuda\n", "backend: cuda does not match its partitioners, which target xnnpack"),
+        ("base: xnnpack_fp32\nbackend: cuda\npartitioners: []\n", "backend: cuda is not a backend qharness lowers to"),
+        (
+            "base: xnnpack_int8_dynamic\npartitioners: [vulkan]\n",
+            "partitioner 'vulkan' delegates to vulkan, but quantizer",
+        ),
+        (
+            "base: vulkan_int8w\npartitioners: [xnnpack]\n",
+            "partitioner 'xnnpack' delegates to xnnpack, but quantizer 'vulkan'",
+        ),
+        (
+            "base: xnnpack_fp32\nexecutorch_config: {passes: [ConstPropPass]}\n",
+            "executorch_config.passes takes ExecuTorch objects",
+        ),
+        (
+            "base: xnnpack_fp32\nexecutorch_config: {memory_planning_pass: greedy}\n",
+            "memory_planning_pass takes ExecuTorch",
+        ),
+        (
+            "base: xnnpack_fp32\nexecutorch_config: {segment_alignment: 100}\n",
+            "segment_alignment must be a power of two",
+        ),
+        (
+            "base: xnnpack_fp32\nexecutorch_config: {segment_alignment: -128}\n",
+            "segment_alignment must be a power of two",
+        ),
+        (
+            "base: xnnpack_fp32\nexecutorch_config: {segment_alignment: null}\n",
+            "segment_alignment must be a power of two",
+        ),
+        (
+            "base: xnnpack_fp32\nexecutorch_config: {delegate_alignment: 3}\n",
+            "delegate_alignment must be a power of two",
+        ),
+        (
+            "base: xnnpack_fp32\nexecutorch_config: {emit_stacktrace: yes please}\n",
+            "emit_stacktrace must be true or false",
+        ),
+        ("base: xnnpack_fp32\nexecutorch_config: {external_constants: true}\n", "separate .ptd file"),
+    ],
+)
+def test_recipe_fields_that_contradict_the_recipe_are_refused_when_read(tmp_path, text, message):
+    """Each was found only after a 35-67 s one-layer deploy check (or never: ``backend: cuda`` was recorded)."""
+    path = tmp_path / "r.yaml"
+    path.write_text(text)
+    _quick(load_recipe, str(path), match=message)
+
+
+@pytest.mark.fast
+def test_recipe_fields_that_fit_still_load(tmp_path):
+    path = tmp_path / "r.yaml"
+    path.write_text(
+        "base: xnnpack_8da4w\nexecutorch_config: {segment_alignment: 4096, delegate_alignment: null, emit_stacktrace: true}\n"
+    )
+    r = load_recipe(str(path))
+    assert r.executorch_config["segment_alignment"] == 4096 and r.backend == "xnnpack"
+    path.write_text("base: xnnpack_fp32\nbackend: portable\npartitioners: []\n")
+    assert load_recipe(str(path)).backend == "portable"

@@ -33,30 +33,36 @@ class QuantizerEntry:
     settings: type
     kind: str
     build: Callable[[Any, bool], Any]
+    backend: str | None = None  # the backend its quantized graph lowers to (a recipe's ``backend:`` must name it)
 
 
 QUANTIZERS: dict[str, QuantizerEntry] = {}
 PARTITIONERS: dict[str, Callable[[], Any]] = {}
+PARTITIONER_BACKENDS: dict[str, str | None] = {}  # partitioner name -> the backend it delegates to
 
 
-def register_quantizer(name: str, settings: type, kind: str):
+def register_quantizer(name: str, settings: type, kind: str, backend: str | None = None):
     """Register ``builder(settings, is_qat) -> quantizer`` under ``name``; ``settings`` is the frozen dataclass
-    a recipe's ``quantizer:`` mapping is read into (type-checked, then its ``__post_init__`` checks ranges)."""
+    a recipe's ``quantizer:`` mapping is read into (type-checked, then its ``__post_init__`` checks ranges);
+    ``backend``: the backend its quantized operators are meant for (a recipe's ``backend:`` and partitioners must
+    match it, checked when the recipe is read; None: not checked)."""
     if kind not in KINDS:
         raise ValueError(f"quantizer kind {kind!r}: use one of {KINDS}")
 
     def wrap(builder):
-        QUANTIZERS[name] = QuantizerEntry(settings, kind, builder)
+        QUANTIZERS[name] = QuantizerEntry(settings, kind, builder, backend)
         return builder
 
     return wrap
 
 
-def register_partitioner(name: str):
-    """Register ``builder() -> Partitioner`` under ``name``."""
+def register_partitioner(name: str, backend: str | None = None):
+    """Register ``builder() -> Partitioner`` under ``name``; ``backend``: the backend it delegates to (a recipe's
+    ``backend:`` must name it; None: not checked)."""
 
     def wrap(builder):
         PARTITIONERS[name] = builder
+        PARTITIONER_BACKENDS[name] = backend
         return builder
 
     return wrap

@@ -25,7 +25,7 @@ from qharness.errors import UserError
 from qharness.io.yaml_reader import read_yaml
 from qharness.recipes import torchao, vulkan, xnnpack  # noqa: F401  the built-in quantizers and partitioners register here
 from qharness.recipes.layers import LayerRule, parse_layers, per_layer
-from qharness.recipes.registration import PARTITIONERS, QUANTIZERS, parse_settings
+from qharness.recipes.registration import PARTITIONER_BACKENDS, PARTITIONERS, QUANTIZERS, parse_settings
 
 RECIPES_DIR = Path(__file__).resolve().parent / "builtin"
 MODES = ("qat", "ptq")
@@ -274,6 +274,7 @@ def load_recipe(name_or_path: str) -> Recipe:
             f"recipe {name!r}: rotation must be null or one of {', '.join(ROTATIONS)} (got {rotation!r})",
             fix="rotation: hadamard (or leave it out)",
         )
+    _check_backend(name, raw["backend"], quantizer, partitioners)
     kind = "fp" if quantizer is None else QUANTIZERS[quantizer].kind
     layers = parse_layers(raw.get("layers"), name, quantizer, kind, settings)
     return Recipe(
@@ -320,12 +321,107 @@ EXECUTORCH_CONFIG_FIELDS = frozenset(
 )
 
 
+# The fields a YAML recipe can give (YAML holds no Python objects), by kind; the others (passes, memory planning,
+# symbolic shapes, ...) take ExecuTorch objects and are refused when the recipe is read.
+EXECUTORCH_CONFIG_BOOLS = frozenset(
+    {
+        "do_quant_fusion_and_const_prop",
+        "emit_mutable_buffer_names",
+        "emit_stacktrace",
+        "enable_non_cpu_memory_planning",
+        "external_constants",
+        "external_mutable_weights",
+        "extract_delegate_segments",
+        "remove_view_copy",
+        "run_reinplace_pass",
+    }
+)
+EXECUTORCH_CONFIG_ALIGNMENTS = frozenset({"segment_alignment", "constant_tensor_alignment", "delegate_alignment"})
+MAX_ALIGNMENT = 1 << 20  # bytes; ExecuTorch pads each segment or tensor to it: more only bloats the .pte
+# True would leave the weights in a .ptd file beside the program, which qharness neither writes nor loads
+EXECUTORCH_CONFIG_EXTERNAL = frozenset({"external_constants", "external_mutable_weights"})
+
+
 def _check_executorch_config(config: dict, name: str) -> None:
-    """Unknown ``ExecutorchBackendConfig`` fields fail here, not after training and lowering."""
+    """The recipe's ``executorch_config`` checked when it is read, not after training and lowering: unknown
+    ``ExecutorchBackendConfig`` fields, fields that take ExecuTorch objects (passes, memory planning), a boolean
+    that is not one, an alignment that is not a power of two up to ``MAX_ALIGNMENT`` bytes, and weights sent to an
+    external file."""
     known = EXECUTORCH_CONFIG_FIELDS
     unknown = sorted(set(config) - known)
     if unknown:
         raise UserError(
             f"recipe {name!r}: unknown executorch_config field(s) {', '.join(unknown)}",
             fix=f"known: {', '.join(sorted(known))}",
+        )
+    settable = EXECUTORCH_CONFIG_BOOLS | EXECUTORCH_CONFIG_ALIGNMENTS
+    for key, value in config.items():
+        if key not in settable:
+            raise UserError(
+                f"recipe {name!r}: executorch_config.{key} takes ExecuTorch objects (a pass, a planner), which a "
+                f"YAML recipe cannot give (got {value!r:.80})",
+                fix=f"leave {key} out (ExecuTorch's default); a recipe sets only: {', '.join(sorted(settable))}",
+            )
+        if key in EXECUTORCH_CONFIG_BOOLS and not isinstance(value, bool):
+            raise UserError(
+                f"recipe {name!r}: executorch_config.{key} must be true or false (got {value!r:.80})",
+                fix=f"executorch_config: {{{key}: true}}",
+            )
+        if key in EXECUTORCH_CONFIG_EXTERNAL and value:
+            raise UserError(
+                f"recipe {name!r}: executorch_config.{key}: true would put the weights in a separate .ptd file, "
+                "which qharness does not write: the .pte would have no weights",
+                fix=f"leave {key} out (or false)",
+            )
+        if key in EXECUTORCH_CONFIG_ALIGNMENTS and not (
+            (value is None and key != "segment_alignment")
+            or (
+                isinstance(value, int)
+                and not isinstance(value, bool)
+                and 0 < value <= MAX_ALIGNMENT
+                and not value & (value - 1)
+            )
+        ):
+            raise UserError(
+                f"recipe {name!r}: executorch_config.{key} must be a power of two of bytes up to {MAX_ALIGNMENT:,}"
+                f"{'' if key == 'segment_alignment' else ' (or null)'} (got {value!r:.80})",
+                fix=f"e.g. {key}: 128, or leave it out",
+            )
+
+
+def _check_backend(name: str, backend, quantizer: str | None, partitioners: tuple[str, ...]) -> None:
+    """``backend:`` names the backend the recipe's quantizer and partitioners target, checked when the recipe is read:
+    a quantizer's operators delegated by another backend's partitioner, or ``backend: cuda`` on an XNNPACK recipe,
+    would lower and be recorded as something it is not."""
+    known = sorted(
+        {b for b in PARTITIONER_BACKENDS.values() if b} | {q.backend for q in QUANTIZERS.values() if q.backend}
+    )
+    if not isinstance(backend, str) or not backend:
+        raise UserError(
+            f"recipe {name!r}: backend must be a backend's name (got {backend!r})", fix=f"one of: {', '.join(known)}"
+        )
+    q_backend = QUANTIZERS[quantizer].backend if quantizer else None
+    by_partitioner = {p: PARTITIONER_BACKENDS.get(p) for p in partitioners}
+    if q_backend:
+        other = [p for p, b in by_partitioner.items() if b and b != q_backend]
+        if other:
+            fitting = sorted(p for p, b in PARTITIONER_BACKENDS.items() if b == q_backend)
+            raise UserError(
+                f"recipe {name!r}: partitioner {other[0]!r} delegates to {by_partitioner[other[0]]}, but quantizer "
+                f"{quantizer!r} quantizes for {q_backend}",
+                fix=f"use {q_backend}'s partitioners ({', '.join(fitting)}) with this quantizer, or the quantizer of "
+                f"{by_partitioner[other[0]]}",
+            )
+    targets = sorted({b for b in (q_backend, *by_partitioner.values()) if b})
+    if targets and backend not in targets:
+        raise UserError(
+            f"recipe {name!r}: backend: {backend} does not match its "
+            f"{'quantizer' if q_backend else 'partitioners'}, which target {' and '.join(targets)}",
+            fix=f"backend: {targets[0]} (or pick a recipe for {backend}: qharness recipes lists them)",
+        )
+    if not targets and backend not in (*known, "portable"):
+        raise UserError(
+            f"recipe {name!r}: backend: {backend} is not a backend qharness lowers to (no quantizer or partitioner of "
+            f"it: the program runs on ExecuTorch's portable CPU kernels)",
+            fix=f"backend: portable, or one of {', '.join(known)} with its partitioners",
         )

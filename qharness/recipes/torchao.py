@@ -97,7 +97,7 @@ class Torchao8da4wSettings:
             )
 
 
-@register_quantizer("torchao_8da4w", Torchao8da4wSettings, kind="source")
+@register_quantizer("torchao_8da4w", Torchao8da4wSettings, kind="source", backend="xnnpack")
 def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantizer:
     import torch
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig

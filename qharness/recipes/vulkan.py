@@ -24,7 +24,7 @@ class VulkanSettings:
             )
 
 
-@register_quantizer("vulkan", VulkanSettings, kind="pt2e")
+@register_quantizer("vulkan", VulkanSettings, kind="pt2e", backend="vulkan")
 def vulkan_quantizer(settings: VulkanSettings, is_qat: bool):
     from qharness.upstream import imports
     from qharness.upstream.fixes import vulkan
@@ -33,7 +33,7 @@ def vulkan_quantizer(settings: VulkanSettings, is_qat: bool):
     return vulkan.vulkan_quantizer_cls()().set_global(config)
 
 
-@register_partitioner("vulkan")
+@register_partitioner("vulkan", backend="vulkan")
 def vulkan_partitioner():
     from qharness.upstream.fixes import vulkan
 

@@ -60,7 +60,7 @@ class XnnpackSettings:
                 )
 
 
-@register_quantizer("xnnpack", XnnpackSettings, kind="pt2e")
+@register_quantizer("xnnpack", XnnpackSettings, kind="pt2e", backend="xnnpack")
 def xnnpack_quantizer(settings: XnnpackSettings, is_qat: bool):
     from qharness.upstream import imports
     from qharness.upstream.fixes import xnnpack_scalars
@@ -150,14 +150,14 @@ def with_activation_observer(config, name: str):
     return dataclasses.replace(config, input_activation=act, output_activation=act)
 
 
-@register_partitioner("xnnpack")
+@register_partitioner("xnnpack", backend="xnnpack")
 def xnnpack_partitioner():
     from qharness.upstream import imports
 
     return imports.xnnpack_partitioner(dynamic_quant=False)
 
 
-@register_partitioner("xnnpack_dynamic_quant")
+@register_partitioner("xnnpack_dynamic_quant", backend="xnnpack")
 def xnnpack_dynamic_quant_partitioner():
     from qharness.upstream import imports
 
