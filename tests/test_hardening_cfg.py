@@ -176,3 +176,35 @@ def test_recipe_fields_that_fit_still_load(tmp_path):
     assert r.executorch_config["segment_alignment"] == 4096 and r.backend == "xnnpack"
     path.write_text("base: xnnpack_fp32\nbackend: portable\npartitioners: []\n")
     assert load_recipe(str(path)).backend == "portable"
+
+
+@pytest.mark.fast
+def test_a_data_source_of_an_unsupported_type_is_found_before_the_model_loads(tmp_path, monkeypatch):
+    """``data.source: notes.xlsx`` (an existing file no reader takes) was found after the architecture check."""
+    import jsonargparse
+
+    import qharness.deploy.architectures as architectures
+    import qharness.sources.embedded as embedded
+    import qharness.sources.models as models
+    from qharness.api.preflight import preflight
+
+    def too_late(*args, **kwargs):
+        raise AssertionError("the model was resolved or checked before data.source")
+
+    monkeypatch.setattr(models, "resolve_checkpoint", too_late)
+    monkeypatch.setattr(architectures, "check_architecture", too_late)
+    monkeypatch.setattr(architectures, "load_config", too_late)
+    monkeypatch.setattr(embedded, "embedded_config", too_late)
+    (tmp_path / "notes.xlsx").write_bytes(b"PK\x03\x04")
+    cfg = yaml_config(tmp_path, data={"source": str(tmp_path / "notes.xlsx")})
+    with pytest.raises(UserError, match=r"data.source .*notes.xlsx: unsupported file type '.xlsx'"):
+        preflight(jsonargparse.dict_to_namespace(cfg), "fit")
+
+
+def yaml_config(tmp_path, **sections) -> dict:
+    """A tiny run config (``write_config``) with every field, as the CLI's parser hands it to ``preflight``."""
+    from qharness.schema import RunConfig
+
+    return RunConfig.from_yaml(
+        write_config(tmp_path / "c.yaml", "embedded", "embedded", tmp_path / "run", **sections)
+    ).to_dict()

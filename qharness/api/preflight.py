@@ -55,9 +55,11 @@ def preflight(cfg, subcommand: str | None = None) -> None:
     run_config(cfg).validate(subcommand)  # every rule of the schema, as the pre-check ran them before torch loaded
     seq_len, deploy = cfg.data.seq_len, cfg.deploy
     check_strategy_and_accelerator(cfg.trainer.get("strategy"), cfg.trainer.get("accelerator"))
-    if cfg.calibration.source is not None:  # a missing path, a FIFO, empty files: now, not after training
-        from qharness.sources.text import local_files
+    from qharness.sources.text import local_files
 
+    # a missing path, a FIFO, empty files, a file type no reader takes: now, not after the model loads and is checked
+    local_files(cfg.data.source, "data.source")
+    if cfg.calibration.source is not None:
         local_files(cfg.calibration.source, "calibration.source")
     if cfg.eval.enabled or subcommand == "evaluate":
         from qharness.evaluation.harness import check_eval_config
