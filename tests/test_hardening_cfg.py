@@ -208,3 +208,28 @@ def yaml_config(tmp_path, **sections) -> dict:
     return RunConfig.from_yaml(
         write_config(tmp_path / "c.yaml", "embedded", "embedded", tmp_path / "run", **sections)
     ).to_dict()
+
+
+@pytest.mark.fast
+def test_a_fifo_or_a_device_as_a_pte_is_not_a_regular_file(tmp_path):
+    from qharness.runtime.pte import program_in
+
+    fifo = tmp_path / "model.pte"
+    os.mkfifo(fifo)
+    _quick(program_in, fifo, match=f".pte file {fifo} is not a regular file \\(a FIFO\\)")
+    _quick(program_in, "/dev/zero", match=".pte file /dev/zero is not a regular file \\(a character device\\)")
+    _quick(program_in, tmp_path / "none.pte", match="none.pte does not exist")
+
+
+@pytest.mark.fast
+def test_an_option_value_starting_with_a_dash_is_its_value_not_a_missing_argument(tmp_path):
+    """``qharness ship CONFIG --max_ppl_increase -1%`` said the option had no value; now the value is judged."""
+    from qharness.cli import commands
+    from qharness.cli.args import call
+
+    message = _quick(call, commands.ship, [str(tmp_path / "s.yaml"), "--max_ppl_increase", "-1%"], "qharness ship")
+    assert "--max_ppl_increase '-1%'" in message and "expected one argument" not in message
+    # an option still missing its value (the next token is another option) is said so
+    _quick(
+        call, commands.ship, ["s.yaml", "--max_ppl_increase", "--prefer", "size"], "qharness ship", match="expected one"
+    )

@@ -20,7 +20,8 @@ import yaml
 
 from qharness.config import deep_merge
 from qharness.errors import UserError
-from qharness.io.yaml_reader import file_problem, load_yaml, read_yaml
+from qharness.io.files import file_problem
+from qharness.io.yaml_reader import load_yaml, read_yaml
 from qharness.schema import RunConfig
 from qharness.schema.fields import number
 from qharness.schema.trainer import check_writable_dir

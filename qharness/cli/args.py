@@ -97,6 +97,31 @@ def parser_for(fn: Callable, prog: str) -> argparse.ArgumentParser:
     return p
 
 
+def _attach_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """``--opt -1%`` as ``--opt=-1%``: argparse reads a value that starts with ``-`` and is not a plain negative
+    number as an option, and refuses ``--opt`` as missing its value. A value after an option that takes one is kept
+    as its value when it starts with a single ``-`` and is no option of ``parser`` (its checks then judge it)."""
+    takes_value = {o for a in parser._actions if a.option_strings and a.nargs is None for o in a.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        if (
+            arg in takes_value
+            and following is not None
+            and following.startswith("-")
+            and not following.startswith("--")
+            and following not in parser._option_string_actions
+        ):
+            out.append(f"{arg}={following}")
+            i += 2
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
 def call(fn: Callable, argv: list[str], prog: str):
     """Parse ``argv`` by ``fn``'s signature and call it."""
-    return fn(**vars(parser_for(fn, prog).parse_args(argv)))
+    parser = parser_for(fn, prog)
+    return fn(**vars(parser.parse_args(_attach_dash_values(parser, argv))))

@@ -136,7 +136,7 @@ def _recipe_path(name_or_path: str, folder: Path | None, what: str) -> Path:
     """The file of a recipe name or path: a built-in name is ``builtin/<name>.yaml``; a relative path is resolved
     against ``folder`` (the folder of the recipe whose ``base:`` names it; None: the working directory, as for
     ``model.recipe``). Not found, or not a regular file: a ``UserError`` saying where it was looked for."""
-    from qharness.io.yaml_reader import file_problem
+    from qharness.io.files import file_problem
 
     known = ", ".join(known_recipes())
     if not _is_path(name_or_path):

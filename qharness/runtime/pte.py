@@ -98,12 +98,15 @@ def _check_inputs(path: Path, method: str, meta) -> None:
 
 
 def check_pte_file(path: str | Path) -> Path:
-    """``path`` if it is a file, else a one-line ``UserError`` (every command that takes ``--pte`` asks here)."""
+    """``path`` if it is a regular file, else a one-line ``UserError`` saying what it is instead (missing, a directory,
+    a FIFO or a device: never opened, so a FIFO cannot block); every command that takes ``--pte`` asks here."""
+    from qharness.io.files import file_problem
+
     path = Path(path)
-    if not path.is_file():
+    problem = file_problem(path)
+    if problem:
         raise UserError(
-            f".pte file {path} does not exist" + (" (it is a directory)" if path.is_dir() else ""),
-            fix="pass the program a run wrote, e.g. --pte runs/<run>/model.pte",
+            f".pte file {path} {problem}", fix="pass the program a run wrote, e.g. --pte runs/<run>/model.pte"
         )
     return path
 
