@@ -48,3 +48,23 @@ def test_other_impossible_sizes_are_refused(tmp_path, tiny_llama, fields, named)
 def test_unset_sizes_and_per_layer_lists_pass(tmp_path, tiny_llama):
     model = _with(tmp_path, tiny_llama, head_dim=None, intermediate_size=[128, 128])
     assert check_local_checkpoint(str(model)) == str(model)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"rope_theta": 0}, "rope_theta"),
+        ({"rope_theta": -10000.0}, "rope_theta"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}}, "rope_parameters.rope_theta"),
+        (
+            {"rope_parameters": {"sliding_attention": {"rope_theta": float("nan")}}},
+            "rope_parameters.sliding_attention.rope_theta",
+        ),
+        ({"text_config": {"rope_local_base_freq": "ten thousand"}}, "text_config.rope_local_base_freq"),
+    ],
+)
+def test_an_impossible_rotary_base_names_the_config_field_not_the_weights(tmp_path, tiny_llama, fields, named):
+    """``rope_theta: 0`` was caught only once loaded, as NaN/inf weights, with a fix about the weights."""
+    with pytest.raises(UserError, match=rf": {named} must be a finite number > 0 .*fix: set {named} in config.json"):
+        check_local_checkpoint(str(_with(tmp_path, tiny_llama, **fields)))

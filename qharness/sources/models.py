@@ -149,6 +149,39 @@ def check_config_sizes(path: Path) -> None:
                     f"model.checkpoint {path}: {prefix}{field} must be a whole number >= 1 (got {value!r})",
                     fix=f"set {prefix}{field} in config.json to the model's real size (as save_pretrained wrote it)",
                 )
+        _check_rope(path, prefix, section)
+
+
+# config.json's rotary bases: a base <= 0 (or not finite) makes the rotary frequencies inf/NaN, which surfaced as
+# "non-finite weights" of the loaded model
+ROPE_FIELDS = ("rope_theta", "rope_local_base_freq")
+
+
+def _check_rope(path: Path, prefix: str, section: dict) -> None:
+    """Each rotary base of a config section (at its top, in ``rope_parameters``/``rope_scaling``, also per attention
+    type) a finite number > 0, else a ``UserError`` naming the field."""
+    places = [(prefix, section)]
+    for key in ("rope_parameters", "rope_scaling"):
+        sub = section.get(key)
+        if isinstance(sub, dict):
+            places.append((f"{prefix}{key}.", sub))
+            places += [(f"{prefix}{key}.{k}.", v) for k, v in sub.items() if isinstance(v, dict)]
+    for where, values in places:
+        for field in ROPE_FIELDS:
+            value = values.get(field)
+            if value is None:
+                continue
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise UserError(
+                    f"model.checkpoint {path}: {where}{field} must be a finite number > 0 (got {value!r}): it is the "
+                    "base of the rotary position frequencies",
+                    fix=f"set {where}{field} in config.json to the model's own value (e.g. 10000.0, as its "
+                    "save_pretrained wrote it)",
+                )
 
 
 def check_safetensors(path: Path) -> None:
