@@ -233,3 +233,38 @@ def test_an_option_value_starting_with_a_dash_is_its_value_not_a_missing_argumen
     _quick(
         call, commands.ship, ["s.yaml", "--max_ppl_increase", "--prefer", "size"], "qharness ship", match="expected one"
     )
+
+
+@pytest.mark.fast
+def test_projections_the_group_size_does_not_divide_are_named_with_the_per_channel_rule(tmp_path, capsys):
+    """Gemma 3n-style widths (a per_layer_projection of input 48 under group_size 32) stay float by the recipe's own
+    rule, exit 0 at 97-98% coverage: the run says so, and the rule it prints quantizes them per channel."""
+    import re
+
+    import torch
+
+    from qharness.deploy import coverage
+    from qharness.deploy.coverage_record import Coverage, FloatWeight
+
+    why = "recipe settings: not among nn.Linear layers whose in_features group_size=32 divides"
+    cov = Coverage(
+        weights=3,
+        bytes=10_000,
+        quantized=2,
+        quantized_bytes=9_800,
+        fraction=0.98,
+        float={"model.layers.0.per_layer_projection": FloatWeight("recipe", why, False, "linear", 200)},
+    )
+    coverage.check(cov, "xnnpack_8da4w", "Gemma3nForCausalLM")
+    err = capsys.readouterr().err
+    assert "keeps 1 linear layer(s) in floating point, 2.0% of the linear weight bytes" in err
+    assert "model.layers.0.per_layer_projection" in err
+    rule = re.search(r"`(layers: \[.*\])`", err).group(1)
+    assert rule == 'layers: [{match: "*per_layer_projection", group_size: null}]'
+    # the printed rule is a recipe rule that quantizes the layer per channel
+    path = tmp_path / "pc.yaml"
+    path.write_text(f"base: xnnpack_8da4w\n{rule}\n")
+    model = torch.nn.Module()
+    model.per_layer_projection, model.up = torch.nn.Linear(48, 8), torch.nn.Linear(64, 8)
+    assignment = load_recipe(str(path)).make_quantizer(is_qat=False).check(model)
+    assert assignment == {"per_layer_projection": "8da4w-pc", "up": "8da4w-g32"}

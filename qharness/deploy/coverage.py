@@ -302,12 +302,17 @@ def measure(graph: torch.fx.GraphModule, layers: Inventory, recipe, quantizer, a
 
 
 def check(coverage: Coverage, recipe: str, arch: str) -> None:
-    """``UserError`` naming the projections ``recipe`` meant to quantize and left float; a warning for those its
-    settings do not take."""
-    settings = {n: f.why for n, f in coverage.float.items() if f.why.startswith("recipe settings")}
-    if settings:
-        why = next(iter(settings.values()))
-        log.warning("recipe %s keeps %d linear layers float (%s): %s", recipe, len(settings), why, ", ".join(settings))
+    """``UserError`` naming the projections ``recipe`` meant to quantize and left float (computed outside an
+    ``nn.Linear`` the quantizer takes). Those its settings do not take (an input width its ``group_size`` does not
+    divide: Gemma 3n's ``per_layer_projection``, ``laurel``, AltUp) stay float by the recipe's own rule: a note on
+    stderr names them, their bytes and the ``layers:`` rule that quantizes them per channel instead (``coverage.float``
+    records each with its ``why``)."""
+    note = settings_note(coverage, recipe)
+    if note:
+        import sys
+
+        log.info(note)
+        print(f"note: {note}", file=sys.stderr)
     failed = coverage.failures()
     if not failed:
         return
@@ -318,6 +323,25 @@ def check(coverage: Coverage, recipe: str, arch: str) -> None:
         f"point, computed outside an nn.Linear the quantizer takes: {shown}{more}",
         fix="use a model whose projections are nn.Linear layers (qharness swaps transformers' Conv1D and nn.Linear "
         "subclasses that compute a plain linear), or the FP recipe xnnpack_fp32",
+    )
+
+
+def settings_note(coverage: Coverage, recipe: str) -> str | None:
+    """The note of ``check`` on the projections the recipe's settings leave float, with the per-channel ``layers:``
+    rule a user would add (None: there are none)."""
+    kept = {n: f for n, f in coverage.float.items() if f.why.startswith("recipe settings")}
+    if not kept:
+        return None
+    nbytes = sum(f.bytes for f in kept.values())
+    names = list(kept)
+    # one glob per distinct leaf name (model.layers.3.per_layer_projection -> *per_layer_projection)
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+    rules = ", ".join(f'{{match: "*{leaf}", group_size: null}}' for leaf in leaves[:6])
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)} in all)" if len(names) > 4 else "")
+    return (
+        f"recipe {recipe} keeps {len(names)} linear layer(s) in floating point, {nbytes / max(coverage.bytes, 1):.1%} "
+        f"of the linear weight bytes ({next(iter(kept.values())).why}): {shown}; to quantize them per channel "
+        f"instead, add to the recipe `layers: [{rules}]` (or `quant: fp` rules to keep them float on purpose)"
     )
 
 
