@@ -48,6 +48,18 @@ def test_a_gptq_layer_is_rounded_onto_its_own_grid_and_inputs_that_never_fire_co
 
 
 @pytest.mark.fast
+def test_gptq_with_no_clipping_scales_clips_no_weight():
+    """With uncorrelated inputs GPTQ rounds to nearest, so its scales are the mapping's: ``max(min / -8, max / 7)``."""
+    w = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    codes, scales = gptq_layer(w, torch.eye(64, dtype=torch.float64), -8, 7, 32, no_clipping=True)
+    groups = w.double().view(8, 2, 32)
+    want = torch.maximum(groups.amin(-1).clamp(max=0) / -8, groups.amax(-1).clamp(min=0) / 7)
+    assert torch.allclose(scales.double(), want, rtol=1e-6)
+    err = (dequantize(codes, scales).double().view(8, 2, 32) - groups).abs()
+    assert (err <= scales.double()[..., None] / 2 + 1e-6).all()  # nothing clipped: every weight within half a step
+
+
+@pytest.mark.fast
 def test_rounding_is_a_checked_recipe_setting():
     assert load_recipe("xnnpack_8da4w_gptq").rounds_with_gptq and not load_recipe("xnnpack_8da4w").rounds_with_gptq
     with pytest.raises(UserError, match="rounding 'optimal' is unknown"):

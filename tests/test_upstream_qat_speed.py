@@ -205,14 +205,15 @@ def test_fake_quantized_model_trains_alike_with_and_without_the_fast_path(monkey
     assert qat_speed.upstream_qat() is False
 
 
-def test_fast_fake_quantized_weights_are_the_deployed_weights_bit_for_bit():
+@pytest.mark.parametrize("mapping", ["symmetric", "symmetric_no_clipping_err"])
+def test_fast_fake_quantized_weights_are_the_deployed_weights_bit_for_bit(mapping):
     from torchao.quantization import quantize_
 
-    from qharness.recipes.registry import load_recipe
+    from qharness.recipes.torchao import Torchao8da4wSettings, torchao_8da4w
     from qharness.upstream import qat_speed
     from qharness.upstream.fixes import xnnpack_bf16_scales
 
-    (step, _) = load_recipe("xnnpack_8da4w").make_quantizer(is_qat=False).configs
+    (step,) = torchao_8da4w(Torchao8da4wSettings(weight_mapping=mapping), is_qat=False).configs
     fp = torch.nn.Sequential(torch.nn.Linear(128, 48, bias=False))
     with torch.no_grad():
         fp[0].weight.copy_(_hard_weights(48, 128, seed=6))
@@ -222,3 +223,60 @@ def test_fast_fake_quantized_weights_are_the_deployed_weights_bit_for_bit():
     assert qat_speed.install(trained) == 2  # the weight's and the activation's fake quantizers
     fake = trained[0].weight_fake_quantizer(trained[0].weight)
     assert _same(fake, deployed[0].weight.dequantize())
+
+
+def test_no_clipping_scales_put_each_groups_extreme_on_a_code():
+    """``weight_mapping: symmetric_no_clipping_err``: a group whose negative extreme dominates gets scale ``-min / 8``
+    (the extreme is code -8, as llama.cpp's Q4_0 puts it), one whose positive extreme does ``max / 7``; nothing is
+    clipped. ``symmetric`` clips the positive extreme (``max|w| / 7.5``)."""
+    from torchao.quantization import quantize_
+
+    from qharness.recipes.torchao import Torchao8da4wSettings, torchao_8da4w
+
+    w = torch.zeros(2, 32)
+    w[0, 0], w[0, 1] = -1.6, 0.5  # negative extreme
+    w[1, 0], w[1, 1] = 1.4, -0.2  # positive extreme
+    out = {}
+    for mapping in ("symmetric", "symmetric_no_clipping_err"):
+        (step,) = torchao_8da4w(Torchao8da4wSettings(weight_mapping=mapping), is_qat=False).configs
+        m = torch.nn.Sequential(torch.nn.Linear(32, 2, bias=False))
+        with torch.no_grad():
+            m[0].weight.copy_(w)
+        quantize_(m, step.config)
+        out[mapping] = m[0].weight.dequantize()
+    exact = out["symmetric_no_clipping_err"]
+    assert exact[0, 0].item() == pytest.approx(-1.6, rel=1e-2) and exact[1, 0].item() == pytest.approx(1.4, rel=1e-2)
+    assert out["symmetric"][1, 0].item() == pytest.approx(1.4 * 7 / 7.5, rel=1e-2)  # clipped to code 7
+
+
+def test_no_clipping_is_refused_where_its_scales_would_not_hold():
+    from qharness.errors import UserError
+    from qharness.recipes.torchao import Torchao8da4wSettings
+
+    for bad in ({"learn_scales": True}, {"choose_qparams": "hqq_scale_only"}):
+        with pytest.raises(UserError, match="weight_mapping: symmetric"):
+            Torchao8da4wSettings(weight_mapping="symmetric_no_clipping_err", **bad)
+    with pytest.raises(UserError, match="weight_mapping 'sym' is unknown"):
+        Torchao8da4wSettings(weight_mapping="sym")
+
+
+def test_no_clipping_fake_quantization_never_falls_back_to_torchaos_forward(monkeypatch):
+    """torchao's own forward would compute a no-clipping config as asymmetric: a bf16 weight is refused, and so is
+    QAT with torchao's own fake quantizers."""
+    from torchao.quantization.qat import IntxFakeQuantizer
+
+    from qharness.errors import UserError
+    from qharness.recipes.torchao import Torchao8da4wSettings, torchao_8da4w
+    from qharness.upstream import qat_speed
+    from qharness.upstream.fixes import xnnpack_bf16_scales
+
+    (step,) = torchao_8da4w(Torchao8da4wSettings(weight_mapping="symmetric_no_clipping_err"), is_qat=True).configs
+    _, weight = xnnpack_bf16_scales.fake_quantize_configs(step.config)
+    fq = IntxFakeQuantizer(weight)
+    fq.__class__ = qat_speed._fast_class(IntxFakeQuantizer)
+    fq(torch.randn(4, 64))  # float32: the fast path
+    with pytest.raises(RuntimeError, match="asymmetric"):
+        fq(torch.randn(4, 64, dtype=torch.bfloat16))
+    monkeypatch.setenv("QHARNESS_UPSTREAM_QAT", "1")
+    with pytest.raises(UserError, match="QHARNESS_UPSTREAM_QAT"):
+        xnnpack_bf16_scales.fake_quantize_configs(step.config)

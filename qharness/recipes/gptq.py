@@ -31,6 +31,8 @@ import torch
 from qharness.progress import stage
 from qharness.sources.models import put_weights, tied
 
+NO_CLIPPING = "SYMMETRIC_NO_CLIPPING_ERR"  # torchao's MappingType name
+
 DAMP = 0.01  # of the mean Hessian diagonal, added to it (the reference's percdamp)
 BLOCK = 128  # columns rounded together before the error reaches the rest (a multiple of every group size)
 
@@ -43,9 +45,14 @@ def grid(config, in_features: int) -> tuple[int, int, int]:
     return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1, group
 
 
-def symmetric_scale(w: torch.Tensor, qmin: int, qmax: int) -> torch.Tensor:
-    """torchao's symmetric min-max scale of each row of ``w`` ``[out, n]``: ``max|w| / ((qmax - qmin) / 2)``."""
-    return (w.abs().amax(dim=1) / ((qmax - qmin) / 2)).clamp(min=torch.finfo(torch.float32).eps)
+def symmetric_scale(w: torch.Tensor, qmin: int, qmax: int, no_clipping: bool = False) -> torch.Tensor:
+    """torchao's symmetric min-max scale of each row of ``w`` ``[out, n]``: ``max|w| / ((qmax - qmin) / 2)``, or
+    (``no_clipping``: ``MappingType.SYMMETRIC_NO_CLIPPING_ERR``) ``max(min(w, 0) / qmin, max(w, 0) / qmax)``."""
+    if no_clipping:
+        scale = torch.maximum(w.amin(dim=1).clamp(max=0) / qmin, w.amax(dim=1).clamp(min=0) / qmax)
+    else:
+        scale = w.abs().amax(dim=1) / ((qmax - qmin) / 2)
+    return scale.clamp(min=torch.finfo(torch.float32).eps)
 
 
 def gptq_layer(
@@ -56,10 +63,12 @@ def gptq_layer(
     group: int,
     damp: float = DAMP,
     scale_dtype: torch.dtype | None = None,
+    no_clipping: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ of one weight ``[out, in]`` with its input Hessian ``[in, in]``: ``(codes [out, in] int8, scales
     [out, in // group])`` with ``codes * scales`` (per group) the rounded weight. ``scale_dtype``: the precision the
-    program's kernels compute the scales in (bf16 for XNNPACK's groups): GPTQ rounds onto that grid."""
+    program's kernels compute the scales in (bf16 for XNNPACK's groups): GPTQ rounds onto that grid. ``no_clipping``:
+    each group's scale by ``MappingType.SYMMETRIC_NO_CLIPPING_ERR`` (``symmetric_scale``)."""
     w = weight.detach().to(torch.float64).clone()
     h = hessian.to(torch.float64).clone()
     out_f, in_f = w.shape
@@ -79,7 +88,7 @@ def gptq_layer(
         for i in range(i2 - i1):
             col = i1 + i
             if col % group == 0:  # a new group: its scale from the weights as GPTQ has updated them
-                scale = symmetric_scale(w1[:, i : i + group], qmin, qmax)
+                scale = symmetric_scale(w1[:, i : i + group], qmin, qmax, no_clipping)
                 scales[:, col // group] = scale if scale_dtype is None else scale.float().to(scale_dtype).double()
             s = scales[:, col // group]
             q = torch.clamp(torch.round(w1[:, i] / s), qmin, qmax)
@@ -158,7 +167,8 @@ def gptq_round(
         for name, (m, config) in layers.items():
             qmin, qmax, group = grid(config, m.in_features)
             scale_dtype = getattr(config, "weight_scale_dtype", None)
-            codes, scales = gptq_layer(m.weight, hs[name], qmin, qmax, group, damp, scale_dtype)
+            no_clipping = getattr(getattr(config, "weight_mapping_type", None), "name", "") == NO_CLIPPING
+            codes, scales = gptq_layer(m.weight, hs[name], qmin, qmax, group, damp, scale_dtype, no_clipping)
             weights[f"{name}.weight"] = dequantize(codes, scales).to(m.weight.dtype)
             qparams[f"{name}.weight"] = (scales, torch.zeros_like(scales))
     return weights, qparams

