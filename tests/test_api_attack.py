@@ -105,7 +105,9 @@ def test_prepare_refuses_any_bad_argument_in_one_line(hf, name):
 def test_export_refuses_bad_arguments_in_one_line(hf, tmp_path):
     model, tok = hf
     text = "def f(x):\n    return x + 1\n" * 200
-    good = dict(recipe="xnnpack_int8_dynamic", tokenizer=tok, calibration=text, validation=text, seq_len=16, batch_size=2)
+    good = dict(
+        recipe="xnnpack_int8_dynamic", tokenizer=tok, calibration=text, validation=text, seq_len=16, batch_size=2
+    )
     cases = [
         (dict(out_dir=None), "out_dir"),
         (dict(out_dir=3), "out_dir"),
@@ -132,7 +134,12 @@ def test_export_refuses_bad_arguments_in_one_line(hf, tmp_path):
 def test_calibrate_and_forward_refuse_bad_batches(hf):
     model, tok = hf
     ptq = qharness.prepare(model, "xnnpack_int8_dynamic", mode="ptq", check_architecture=False, **SHAPE)
-    for batches, word in ((5, "batches"), (None, "batches"), ("text", "batches"), ([torch.full((2, 16), 10**6)], "vocab")):
+    for batches, word in (
+        (5, "batches"),
+        (None, "batches"),
+        ("text", "batches"),
+        ([torch.full((2, 16), 10**6)], "vocab"),
+    ):
         with pytest.raises(UserError) as e:
             qharness.calibrate(ptq, batches)
         one_line(e, word)
@@ -251,7 +258,9 @@ def test_hooks_are_refused(hf, kind):
 @pytest.mark.fast
 def test_a_compiled_model_is_prepared_as_its_module(hf):
     model, tok = hf
-    reference = qharness.prepare(copy.deepcopy(model), "xnnpack_8da4w", tokenizer=tok, check_architecture=False, **SHAPE)
+    reference = qharness.prepare(
+        copy.deepcopy(model), "xnnpack_8da4w", tokenizer=tok, check_architecture=False, **SHAPE
+    )
     qm = qharness.prepare(torch.compile(model), "xnnpack_8da4w", tokenizer=tok, check_architecture=False, **SHAPE)
     assert type(qm.fp_model).__name__ == "LlamaForCausalLM"
     x = torch.randint(0, len(tok), (2, 16))
@@ -267,7 +276,9 @@ def test_already_quantized_models_are_refused(hf):
     from torchao.quantization.granularity import PerGroup
     from torchao.quantization.qat import QATConfig
 
-    qm = qharness.prepare(copy.deepcopy(model), "xnnpack_int8_dynamic", tokenizer=tok, check_architecture=False, **SHAPE)
+    qm = qharness.prepare(
+        copy.deepcopy(model), "xnnpack_int8_dynamic", tokenizer=tok, check_architecture=False, **SHAPE
+    )
     with pytest.raises(UserError) as e:
         qharness.prepare(qm, "xnnpack_int8_dynamic", tokenizer=tok, **SHAPE)
     one_line(e, "QuantizedModel", "already")
