@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from qharness.api.arguments import unwrap_compiled
 from qharness.api.prepare import QuantizedModel, check_causal_lm, context_of
 from qharness.api.pte import Pte
 from qharness.errors import UserError
@@ -60,6 +61,10 @@ def evaluate(
     from qharness.config import EvalConfig
     from qharness.evaluation.tasks import OFFLINE_TASKS, check_tasks
 
+    if isinstance(tasks, str):
+        tasks = [tasks]  # one task name
+    if not isinstance(tasks, Sequence) or not all(isinstance(t, str) for t in tasks):
+        raise UserError(f"tasks must be task names (got {tasks!r:.80})", fix='e.g. tasks=["qharness_ppl"]')
     cfg = EvalConfig(
         enabled=True,
         tasks=list(tasks),
@@ -102,10 +107,11 @@ def _backend(model, tokenizer, max_length: int | None):
     from qharness.evaluation.lm_eval_adapter import BatchedForward, hf_backend, pte_backend
 
     if isinstance(model, Pte):
+        model.check_file(reopen=True)  # the backend loads the path again: it must be the program loaded
         if tokenizer is None:
             from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(model.path.parent / "tokenizer")
+            tokenizer = AutoTokenizer.from_pretrained(model.tokenizer_dir or model.path.parent / "tokenizer")
         return "pte", lambda: pte_backend(model.path, max_length), tokenizer
     if isinstance(model, QuantizedModel):
         if model.graph is None:
@@ -128,6 +134,7 @@ def _backend(model, tokenizer, max_length: int | None):
             lambda: BatchedForward(lambda x: model(x.to(device)).logits.cpu(), length, model.batch_size, shape=shape),
             tokenizer,
         )
+    model = unwrap_compiled(model)
     check_causal_lm(model)
     length = max_length or min(256, context_of(model) or 256)
     return "fp", lambda: hf_backend(model, length), _tokenizer(tokenizer)

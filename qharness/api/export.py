@@ -18,8 +18,24 @@ from pathlib import Path
 
 import torch
 
+from qharness.api.arguments import (
+    EXPORT_LOCK,
+    check_path,
+    check_preparable,
+    check_tokens,
+    unwrap_compiled,
+    vocab_size,
+)
 from qharness.api.blocks import Data, calibration_blocks, validation_blocks
-from qharness.api.prepare import QuantizedModel, calibrate, check_causal_lm, context_of, model_label, prepare
+from qharness.api.prepare import (
+    QuantizedModel,
+    calibrate,
+    check_causal_lm,
+    check_shape,
+    context_of,
+    model_label,
+    prepare,
+)
 from qharness.api.recipes import Recipe, load_recipe
 from qharness.config import ExportConfig, ParityConfig
 from qharness.errors import UserError
@@ -85,6 +101,13 @@ def export(
     """
     from qharness.io.names import check_output_dir
 
+    check_path(out_dir, "out_dir")
+    check_shape(batch_size, seq_len, None)
+    if max_seq_len is not None and (
+        isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 3
+    ):
+        raise UserError(f"max_seq_len must be a whole number >= 3 (got {max_seq_len!r})", fix="e.g. max_seq_len=256")
+    model = unwrap_compiled(model)
     parity_cfg = _parity_config(parity)  # default: ParityConfig's, its prompts cut to seq_len (below)
     qm, calibration = _quantized_model(model, recipe, tokenizer, calibration, seq_len, batch_size)
     tokenizer = _tokenizer(qm, tokenizer)
@@ -111,6 +134,7 @@ def _quantized_model(
             )
         check_causal_lm(model)
         recipe = load_recipe(recipe)
+        check_preparable(model, "ptq", recipe)  # before the data is cut: a quantized or hooked model said first
         if calibration is None:
             raise UserError("plain PTQ needs calibration data", fix="pass calibration= (text or token blocks)")
         blocks = calibration_blocks(calibration, tokenizer, seq_len)
@@ -153,6 +177,7 @@ def _validation(
             fix="pass validation= held-out text (or [n, seq_len + 1] token blocks)",
         )
     x, y = validation_blocks(validation, tokenizer, qm.seq_len)
+    check_tokens(torch.cat([x, y[:, -1:]], dim=1), vocab_size(qm.fp_model), "validation")
     n = min(parity_cfg.eval_blocks, len(x)) // qm.batch_size * qm.batch_size
     if n == 0:
         raise UserError(
@@ -165,7 +190,9 @@ def _validation(
 def _calibration(qm: QuantizedModel, calibration: Data | None, tokenizer) -> torch.Tensor:
     """The deploy graph's calibration blocks: ``calibration`` cut into blocks, else what ``calibrate`` gave."""
     if calibration is not None:
-        return calibration_blocks(calibration, tokenizer, qm.seq_len)
+        blocks = calibration_blocks(calibration, tokenizer, qm.seq_len)
+        check_tokens(blocks, vocab_size(qm.fp_model), "calibration")
+        return blocks
     if qm.calibration is not None:
         return qm.calibration
     raise UserError(
@@ -234,7 +261,8 @@ def _deploy(qm: QuantizedModel, tokenizer, x, y, calib, out_dir: Path, export_cf
     )
     held = HeldOut(x=x, y=y, batch_size=qm.batch_size, calibration=calib, texts=lambda: [])
     try:
-        summary = deploy_and_check(trained, held, out_dir, export_cfg, parity_cfg)
+        with EXPORT_LOCK:
+            summary = deploy_and_check(trained, held, out_dir, export_cfg, parity_cfg)
     finally:
         if was_training:
             qm.train(True)

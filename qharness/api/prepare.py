@@ -22,6 +22,16 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from qharness.api.arguments import (
+    EXPORT_LOCK,
+    PREPARED,
+    ROTATED,
+    check_flag,
+    check_preparable,
+    check_tokens,
+    unwrap_compiled,
+    vocab_size,
+)
 from qharness.api.recipes import Recipe, load_recipe
 from qharness.errors import UserError
 
@@ -66,11 +76,33 @@ class QuantizedModel(torch.nn.Module):
         self.batch_size, self.seq_len = batch_size, seq_len
         self.calibration: torch.Tensor | None = None
         self.register_buffer("trained_batches", torch.zeros((), dtype=torch.long))
+        # what the state was prepared with, in the state dict (a tensor: safetensors files keep it): a state of
+        # another recipe or mode whose keys and shapes happen to match (8da4w and 8da3w) is refused, not loaded
+        self.register_buffer("qharness_recipe", torch.tensor(list(self._record().encode()), dtype=torch.uint8))
         self.train(graph is not None)  # QAT starts in training mode, as any nn.Module
 
     @property
     def fp_model(self) -> torch.nn.Module:
         return self._fp[0]
+
+    def _record(self) -> str:
+        return f"{self.recipe.name} ({self.mode})"
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+        """The recipe record checked first (any loader: ``load_state_dict``, Lightning's); a state without one (saved
+        before it was recorded) loads as before."""
+        key = prefix + "qharness_recipe"
+        saved = state_dict.get(key)
+        if isinstance(saved, torch.Tensor):
+            record = bytes(saved.to(torch.uint8).tolist()).decode(errors="replace")
+            if record != self._record():
+                raise UserError(
+                    f"the state was saved from a model prepared with {record}; this QuantizedModel is {self._record()}",
+                    fix=f"prepare the model with the recipe and mode the state was saved from ({record}), or start "
+                    "from the FP model",
+                )
+        state_dict[key] = self.qharness_recipe
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing, unexpected, errors)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, **ignored):
         """``CausalLMOutput(loss, logits)``: ``loss`` is the shifted cross-entropy when ``labels`` are given (``labels =
@@ -78,7 +110,12 @@ class QuantizedModel(torch.nn.Module):
         from transformers.modeling_outputs import CausalLMOutput
 
         shape = (self.batch_size, self.seq_len)
-        if not isinstance(input_ids, torch.Tensor) or tuple(input_ids.shape) != shape:
+        if not isinstance(input_ids, torch.Tensor):
+            raise UserError(
+                f"input_ids is a {type(input_ids).__name__}",
+                fix=f"pass a LongTensor of token ids of shape {list(shape)}",
+            )
+        if tuple(input_ids.shape) != shape:
             got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
             raise UserError(
                 f"a batch of shape {got}: this model was prepared for the static shape {list(shape)} "
@@ -86,6 +123,7 @@ class QuantizedModel(torch.nn.Module):
                 fix=f"feed batches of exactly {list(shape)} tokens (drop the last partial batch: DataLoader(..., "
                 "drop_last=True)), or prepare again with that batch_size and seq_len",
             )
+        check_tokens(input_ids, vocab_size(self.fp_model), "input_ids")
         if self.graph is None:  # PTQ: the FP model (the observers run at export, on the deploy graph)
             logits = self.fp_model(input_ids=input_ids.cpu(), use_cache=False).logits
         else:
@@ -165,6 +203,11 @@ class QuantizedModel(torch.nn.Module):
 
 def check_causal_lm(model, what: str = "model") -> None:
     """``model`` is a float32 transformers causal LM (``AutoModelForCausalLM``), else one ``UserError`` line."""
+    if isinstance(model, QuantizedModel):
+        raise UserError(
+            f"{what} is a QuantizedModel, already prepared with {model._record()}",
+            fix="train or export it as it is; prepare takes the FP transformers model (its .fp_model is a copy of it)",
+        )
     config = getattr(model, "config", None)
     if not isinstance(model, torch.nn.Module) or not hasattr(config, "get_text_config"):
         raise UserError(
@@ -228,37 +271,43 @@ def prepare(
         model = AutoModelForCausalLM.from_pretrained("path/to/model", dtype=torch.float32)
         qm = qharness.prepare(model, "xnnpack_8da4w", batch_size=8, seq_len=128, tokenizer=tok)
     """
+    model = unwrap_compiled(model)
     recipe = load_recipe(recipe)
-    if mode not in MODES:
+    if not isinstance(mode, str) or mode not in MODES:
         raise UserError(f"mode must be one of {', '.join(MODES)} (got {mode!r})", fix='mode="qat" or mode="ptq"')
     recipe.check_mode(mode)  # the model section's rule for a recipe and mode (schema.ModelConfig.validate)
+    check_flag(check_architecture, "check_architecture")
     check_causal_lm(model)
+    check_preparable(model, mode, recipe)
     check_shape(batch_size, seq_len, context_of(model))
     if tokenizer is not None and not hasattr(tokenizer, "save_pretrained"):
         raise UserError(
             f"tokenizer is a {type(tokenizer).__name__}", fix="pass the model's transformers tokenizer (AutoTokenizer)"
         )
-    if check_architecture:
-        check_deploys(model, recipe, seq_len)
-    from qharness.sources.normalize import normalize_model
+    with EXPORT_LOCK:
+        if check_architecture:
+            check_deploys(model, recipe, seq_len)
+        from qharness.sources.normalize import normalize_model
 
-    normalize_model(model)
-    if recipe.rotation is not None:
-        from qharness.recipes.rotation import rotate
+        normalize_model(model)
+        if recipe.rotation is not None:
+            from qharness.recipes.rotation import rotate
 
-        rotate(model, recipe.rotation)
-    if mode == "qat" and recipe.rounds_with_gptq:
-        from qharness.recipes.gptq import untie_layers
+            rotate(model, recipe.rotation)
+            setattr(model, ROTATED, recipe.name)  # copies keep it: a second rotation is refused
+        if mode == "qat" and recipe.rounds_with_gptq:
+            from qharness.recipes.gptq import untie_layers
 
-        untie_layers(model, recipe.make_quantizer(is_qat=False))
-    model.eval()
-    if mode == "ptq":  # the FP model itself: nothing trains it
-        return QuantizedModel(None, model.cpu(), recipe, mode, tokenizer, batch_size, seq_len)
-    fp_model = copy.deepcopy(model).to("cpu").eval()
-    from qharness.training.prepare import prepare_for_training
+            untie_layers(model, recipe.make_quantizer(is_qat=False))
+        model.eval()
+        if mode == "ptq":  # the FP model itself: nothing trains it
+            return QuantizedModel(None, model.cpu(), recipe, mode, tokenizer, batch_size, seq_len)
+        fp_model = copy.deepcopy(model).to("cpu").eval()
+        from qharness.training.prepare import prepare_for_training
 
-    graph = prepare_for_training(model, recipe, batch_size, seq_len, is_qat=True)
-    return QuantizedModel(graph, fp_model, recipe, mode, tokenizer, batch_size, seq_len)
+        graph = prepare_for_training(model, recipe, batch_size, seq_len, is_qat=True)
+        setattr(model, PREPARED, f"{recipe.name} (qat)")  # its tensors are the graph's now: no second prepare
+        return QuantizedModel(graph, fp_model, recipe, mode, tokenizer, batch_size, seq_len)
 
 
 def check_deploys(model, recipe: Recipe, seq_len: int) -> None:
@@ -288,7 +337,15 @@ def calibrate(prepared: QuantizedModel, batches: Iterable[torch.Tensor]) -> Quan
             f"calibrate takes a model prepared with mode='ptq' (got {got!r})",
             fix="qharness.prepare(model, recipe, mode='ptq', ...); a QAT model is trained, then exported",
         )
+    if isinstance(batches, torch.Tensor) and batches.dim() == 2:
+        batches = [batches]  # one batch given as it is
+    if isinstance(batches, (str, bytes, dict, torch.Tensor)) or not isinstance(batches, Iterable):
+        raise UserError(
+            f"calibrate's batches is a {type(batches).__name__}",
+            fix=f"pass an iterable of [rows, {prepared.seq_len}] token tensors (a list, or your DataLoader)",
+        )
     blocks = []
+    vocab = vocab_size(prepared.fp_model)
     for i, batch in enumerate(batches):
         if (
             not isinstance(batch, torch.Tensor)
@@ -301,6 +358,7 @@ def calibrate(prepared: QuantizedModel, batches: Iterable[torch.Tensor]) -> Quan
                 f"calibration batch {i} is {got}",
                 fix=f"give integer token tensors of shape [rows, {prepared.seq_len}] (the prepared seq_len)",
             )
+        check_tokens(batch, vocab, f"calibration batch {i}")
         blocks.append(batch.detach().to("cpu", torch.long))
     if not blocks:
         raise UserError("calibrate got no batches", fix="give at least one [rows, seq_len] token tensor")

@@ -14,6 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
+import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +26,19 @@ from qharness.errors import UserError
 from qharness.runtime.bench_record import Bench
 
 __all__ = ["Pte"]
+
+
+def _serialized(method):
+    """One call at a time on a ``Pte`` (one program method, one KV cache: calls from several threads would interleave
+    their positions), after checking its file was not overwritten since it was loaded."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            self.check_file()
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class Pte:
@@ -41,6 +57,8 @@ class Pte:
         self.last: dict | None = None
         self._chat_tokenizer = None
         self._cached: list[int] | None = None  # the tokens the program's KV cache holds after the last chat turn
+        self._lock = threading.RLock()
+        self._identity = _identity(self.path)  # the file as loaded: the runtime reads it as it runs
 
     @classmethod
     def load(cls, path: str | Path, tokenizer: str | Path | None = None) -> Pte:
@@ -53,14 +71,40 @@ class Pte:
         from qharness.runtime.generate import load_tokenizer
         from qharness.runtime.pte import PteModel, program_in
 
+        for name, value in (("path", path), ("tokenizer", tokenizer)):
+            if not (value is None and name == "tokenizer") and (
+                not isinstance(value, (str, os.PathLike)) or value == ""
+            ):
+                raise UserError(
+                    f"Pte.load {name} must be a path (got {type(value).__name__} {value!r:.60})",
+                    fix=f"pass {name} as a str or Path" + (", e.g. out/model.pte" if name == "path" else ""),
+                )
         program = PteModel(program_in(path))
         tokenizer_dir = Path(tokenizer) if tokenizer else program.path.parent / "tokenizer"
         return cls(program, load_tokenizer(tokenizer_dir), tokenizer_dir)
 
+    def check_file(self, reopen: bool = False) -> None:
+        """The file is the one ``load`` read: overwritten in place since (the runtime reads the program from the
+        file as it runs: it would crash or compute garbage) is one ``UserError`` line; ``reopen`` (what loads the
+        path again: ``bench``, ``evaluate``): deleted or replaced since is one too, instead of another program."""
+        now = _identity(self.path)
+        if now == self._identity:
+            return
+        same_file = now is not None and now[:2] == self._identity[:2]
+        if not same_file and not reopen:
+            return  # deleted or moved over: the loaded program (its own inode) runs as loaded
+        what = "changed on disk" if same_file else "deleted" if now is None else "replaced by another file"
+        raise UserError(
+            f"{self.path} was {what} since Pte.load",
+            fix="qharness.Pte.load it again (a .pte being used is replaced by writing a new file and renaming it)",
+        )
+
+    @_serialized
     def metadata(self) -> dict:
         """The runner metadata: ``get_max_context_len``, ``get_vocab_size``, ``get_eos_ids``, ..."""
         return self.program.metadata()
 
+    @_serialized
     def generate(
         self,
         prompt: str,
@@ -86,6 +130,7 @@ class Pte:
         )
         return self.last["text"]
 
+    @_serialized
     def chat(
         self,
         messages: str | list[dict],
@@ -146,6 +191,7 @@ class Pte:
             self._chat_tokenizer = load_chat_tokenizer(self.tokenizer_dir)
         return self._chat_tokenizer
 
+    @_serialized
     def logits(self, tokens) -> torch.Tensor:
         """``logits[n, vocab]`` of every position of ``tokens`` (a list of ids or a 1-D / ``[1, n]`` tensor), from a
         fresh prefill at position 0. Example::
@@ -159,6 +205,7 @@ class Pte:
         with torch.no_grad():
             return block_logits(self.program, block).float()
 
+    @_serialized
     def perplexity(self, blocks: torch.Tensor) -> float:
         """Perplexity of ``blocks`` (``[n, L]`` token ids): each block's tokens 1..L-1 predicted from those before, scored
         as the parity gate scores the ``.pte`` (``checks/parity.score_deployed``). Example::
@@ -183,6 +230,7 @@ class Pte:
         """
         from qharness.runtime.bench import bench
 
+        self.check_file(reopen=True)  # each rep loads the path in a fresh process
         for name, value in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("reps", reps)):
             if value < 1:
                 raise UserError(f"bench {name} must be >= 1 (got {value})", fix=f"pass {name}=1 or more")
@@ -195,6 +243,15 @@ class Pte:
                 f"{n} tokens do not fit the .pte's KV cache of {context} positions",
                 fix=f"give at most {context} tokens (or export with a larger max_seq_len)",
             )
+
+
+def _identity(path: Path) -> tuple | None:
+    """(device, inode, size, modification time) of ``path``, None when it is gone."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _ignore(piece: str) -> None:
