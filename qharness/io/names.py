@@ -77,7 +77,8 @@ def check_inside(path: str | os.PathLike, root: str | os.PathLike, field: str, f
 
 
 # Directories no run, sweep, ship or report writes into: the filesystem root, system trees (nor anything under
-# them), the folders that hold homes or mounts (themselves), and the user's home directory itself.
+# them), the folders that hold homes or mounts (themselves), and the user's home directory itself. (/proc and /sys
+# take no directory: check_output_dir's probe says so.)
 SYSTEM_TREES = (
     "/bin",
     "/boot",
@@ -87,9 +88,7 @@ SYSTEM_TREES = (
     "/lib32",
     "/lib64",
     "/libx32",
-    "/proc",
     "/sbin",
-    "/sys",
     "/usr",
 )
 SYSTEM_DIRS = ("/", "/home", "/Users", "/mnt", "/media", "/opt", "/root", "/run", "/srv", "/var", "/tmp", "/private")
