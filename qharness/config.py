@@ -212,9 +212,18 @@ def check_lengths(prompt_len: int, decode_tokens: int, reps: int, max_context_le
         )
 
 
-def check_generate_args(max_new_tokens: int, temperature: float, top_k: int) -> None:
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes 0 .. 2**64 - 1
+
+
+def check_generate_args(max_new_tokens: int, temperature: float, top_k: int, seed: int | None = None) -> None:
     """``generate``'s numbers (``qharness generate`` and ``runtime.generate.generate``), before the .pte loads:
     ``UserError`` naming the option."""
+    whole = isinstance(seed, int) and not isinstance(seed, bool)
+    if seed is not None and not (whole and 0 <= seed < SEED_LIMIT):
+        shown = (
+            (str(seed) if abs(seed) < SEED_LIMIT**2 else f"a {seed.bit_length()}-bit number") if whole else repr(seed)
+        )
+        raise UserError(f"--seed must be a whole number from 0 to 2**64 - 1 (got {shown:.60})", fix="e.g. --seed 0")
     for name, value, ok in (
         ("max_new_tokens", max_new_tokens, max_new_tokens >= 1),
         ("temperature", temperature, math.isfinite(temperature) and temperature >= 0),

@@ -409,3 +409,33 @@ def test_embedded_chat_is_an_offline_instruction_dataset_with_its_template(tmp_p
     ids, trained = render(tok, first, TEMPLATE)
     assert tok.decode([i for i, t in zip(ids, trained) if t]) == records[0]["completion"] + EOS
     assert end_of_turn_ids(tok, TEMPLATE) == [tok.eos_token_id]  # the runner stops at an answer's EOS
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "template, what",
+    [
+        ("{% for m in messages %}{{ m.content * 10000000 }}{% endfor %}", "repeated 10,000,000 times"),
+        ("{{ 'x' * 10**9 }}", "repeated"),
+        (
+            "{% for i in range(90000) %}{% for j in range(90000) %}{{ messages[0].content }}{% endfor %}{% endfor %}",
+            "its rendered text",
+        ),
+        ("{{ 7 ** 100000000 }}", "bits"),
+        ("{{ messages[0].content | center(10**9) }}", "center"),
+    ],
+)
+def test_a_chat_template_of_huge_output_is_one_line_before_the_allocation(template, what):
+    """Training data and generate --chat render through sources/chat.py: the bound holds for both."""
+    from qharness.sources.chat import generation_prompt
+
+    tok = chat_tokenizer("chatml")
+    turn = [{"role": "user", "content": "hello there"}]
+    with pytest.raises(UserError, match=f"the chat template does not render .*SecurityError.*{what}") as e:
+        render(tok, [*turn, {"role": "assistant", "content": "hi"}], template=template)
+    assert "data.chat_template" in str(e.value)
+    with pytest.raises(UserError, match="exceed 10,000,000 characters") as e:
+        generation_prompt(tok, turn, template, "--chat_template")
+    assert "--chat_template" in str(e.value)
+    ok = "{% for m in messages %}{{ m.content * 3 }}{{ 2 ** 10 }}{% endfor %}"  # small ones still render
+    assert generation_prompt(tok, turn, ok, "--chat_template")

@@ -269,3 +269,55 @@ def test_calibrate_on_a_full_disk_names_the_pte_and_leaves_no_file(tmp_path, tin
     assert m and m["path"] == str(tmp_path / "run" / "model.pending.pte"), errors
     assert 0.2 <= float(m["needed"]) <= 0.4 and float(m["free"]) < float(m["needed"]), errors
     assert (out / "1.ls").read_text().split() == [".qharness.lock"]  # no .pte, no temporary file
+
+
+FSIZE_SCRIPT = """
+import resource, sys
+resource.setrlimit(resource.RLIMIT_FSIZE, (100 * 1024, resource.RLIM_INFINITY))  # ulimit -f 100
+from pathlib import Path
+from qharness.errors import UserError
+from qharness.io.atomic import write_bytes_atomic
+from qharness.deploy.memory import check_deploy_memory
+from qharness.sources.embedded import embedded_config
+try:
+    check_deploy_memory(embedded_config(), 64)
+except UserError as e:
+    print("before:", e)
+try:
+    write_bytes_atomic(Path(sys.argv[1]) / "model.pte", b"\\0" * 300_000)
+except UserError as e:
+    print("write:", e)
+"""
+
+
+def test_a_file_size_limit_is_said_before_work_and_named_at_the_write(tmp_path):
+    """Under ``ulimit -f 100``: the run refuses before any work, and a write past the limit says it is the limit,
+    not the free space (the disk has plenty)."""
+    r = subprocess.run(
+        [sys.executable, "-c", FSIZE_SCRIPT, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, write = r.stdout.splitlines()
+    assert before.startswith("before: the file-size limit (ulimit -f) is 0.1 MB, less than the .pte needs"), before
+    assert "fix: raise the limit (ulimit -f unlimited" in before
+    assert write.startswith(f"write: the file-size limit (ulimit -f, 0.1 MB) stopped writing {tmp_path}/model.pte")
+    assert "no space left" not in write and "free" not in write
+    assert not list(tmp_path.iterdir())  # the partial temporary is gone
+
+
+@pytest.mark.fast
+def test_the_file_size_check_passes_without_a_limit(monkeypatch):
+    from qharness.errors import UserError
+    from qharness.io import disk
+
+    monkeypatch.setattr(disk, "file_size_limit", lambda: None)
+    disk.check_file_size_limit(10**12, "the .pte")
+    monkeypatch.setattr(disk, "file_size_limit", lambda: 10**6)
+    disk.check_file_size_limit(10**6, "the .pte")
+    with pytest.raises(UserError, match=r"ulimit -f\) is 1.0 MB, less than the .pte needs \(at least 2.0 MB\)"):
+        disk.check_file_size_limit(2 * 10**6, "the .pte")

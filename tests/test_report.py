@@ -240,3 +240,81 @@ def test_summary_row_of_a_real_summary_layout():
         return summary_row(RunSummary.from_dict(d))
 
     assert row_of(s)["mode"] == "qat" and row_of({**s, "recipe": "xnnpack_fp32", "mode": "ptq"})["mode"] == "fp"
+
+
+@pytest.mark.fast
+def test_impossible_sizes_and_latencies_skip_the_run_with_a_note_naming_file_and_field(runs_dir):
+    for name, edit in (
+        ("int4-ptq", lambda s: s["pte"].update(size_bytes=-5)),  # was on both fronts
+        ("8da4w-qat", lambda s: s["bench"]["pte"]["decode_tok_s"].update(median=float("nan"))),
+    ):
+        path = runs_dir / name / "summary.json"
+        data = json.loads(path.read_text())
+        edit(data)
+        path.write_text(json.dumps(data))  # NaN as JSON's NaN, as a hand-written summary holds it
+    result = write_report(runs_dir, wandb=False)
+    assert {r["run"] for r in result["rows"]} == set(RUNS) - {"int4-ptq", "8da4w-qat"}
+    assert "int4-ptq" not in result["front"] + result["front_size"]
+    notes = [line for line in result["text"].splitlines() if line.startswith("Skipped")]
+    assert any(f"{runs_dir / 'int4-ptq' / 'summary.json'}: pte.size_bytes is -5" in n for n in notes), notes
+    assert any("8da4w-qat" in n and "bench.pte.decode_tok_s.median is nan" in n for n in notes), notes
+
+
+@pytest.mark.fast
+def test_a_huge_summary_or_text_field_is_skipped_before_matplotlib(runs_dir, monkeypatch):
+    from qharness.reporting import collect
+
+    path = runs_dir / "int8-qat" / "summary.json"
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "recipe": "r" * 5000}))  # a name no plot label can hold
+    big = runs_dir / "int4-ptq" / "summary.json"
+    big.write_text(big.read_text() + " " * 20_000)
+    monkeypatch.setattr(collect, "MAX_SUMMARY_BYTES", 10_000)  # stands for 16 MB
+    result = write_report(runs_dir, wandb=False)
+    assert {r["run"] for r in result["rows"]} == set(RUNS) - {"int8-qat", "int4-ptq"}
+    text = result["text"]
+    assert "int8-qat/summary.json: recipe is 5000 characters long (at most 1000)" in text
+    assert "int4-ptq/summary.json: 0 MB, more than a run summary holds" in text
+    assert max(len(line) for line in text.splitlines()) < 2000
+
+
+def _row(k: int, ms: float, ppl: float, mb: float) -> dict:
+    """A report row of run ``k`` with no noise estimate (so its comparisons are exact)."""
+    return {
+        "run": f"r{k:05d}",
+        "recipe": "x",
+        "mode": "ptq",
+        "parity_passed": True,
+        "decode_ms_per_token": ms,
+        "pte_size_mb": mb,
+        "ppl_pte": ppl,
+    }
+
+
+@pytest.mark.fast
+def test_the_ranking_of_thousands_of_runs_makes_a_near_linear_number_of_comparisons(monkeypatch):
+    import random
+
+    from qharness.reporting import ranking
+
+    rng = random.Random(0)
+    rows = [_row(k, rng.random(), 100 + 10 * rng.random(), 1 + rng.random()) for k in range(3000)]
+    rows += [dict(rows[0], run="copy")]  # the same figures as r00000: a tie
+    calls = 0
+    compare = ranking.compare_accuracy
+
+    def counted(*args):
+        nonlocal calls
+        calls += 1
+        if calls > 100 * len(rows):  # all pairs would be 9 million
+            raise AssertionError("the ranking compares (nearly) every pair of runs")
+        return compare(*args)
+
+    monkeypatch.setattr(ranking, "compare_accuracy", counted)
+    for axis in ("latency", "size"):
+        front, ties = ranking.noisy_front(rows, "ppl_pte", True, axis=axis)
+        exact = pareto_front([(r[ranking.AXES[axis]], r["ppl_pte"]) for r in rows], lower_is_better=True)
+        assert {r["run"] for r in front} == {rows[i]["run"] for i in exact}  # no noise: the exact front
+        assert ties["copy"] == ["r00000"]
+    best = ranking.best_choice(rows, "ppl_pte", True, max_latency_ms=0.5)["best"]
+    assert best["ppl_pte"] == min(r["ppl_pte"] for r in rows if r["decode_ms_per_token"] <= 0.5)

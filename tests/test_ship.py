@@ -405,6 +405,18 @@ def test_exclude_leaves_recipes_out_of_the_ladder(tmp_path, no_bench):
 
 
 @pytest.mark.fast
+def test_excluding_every_recipe_of_the_ladder_is_bad_input_before_any_work(tmp_path, no_bench):
+    from qharness.shipping.ladder import LADDERS
+
+    every = sorted({e["recipe"] for rung in LADDERS["xnnpack"] for e in rung.entries})
+    runner = FakeRunner()
+    with pytest.raises(UserError, match="--exclude .* leaves no recipe of the xnnpack ladder to try") as e:
+        climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner, exclude=every)
+    assert "fix: exclude fewer of" in str(e.value) and "--max_size_mb" in str(e.value)
+    assert runner.calls == [] and not list(tmp_path.rglob("ship.json"))  # nothing run, nothing written
+
+
+@pytest.mark.fast
 def test_the_joint_benchmark_is_kept_when_it_timed_these_candidates_together(tmp_path):
     write_json_atomic(tmp_path / "bench_joint.json", {"programs": {"a": {}, "b": {}}})
     timed = {"a": {"_decode_ms_samples": [1.0]}, "b": {"_decode_ms_samples": [2.0]}}

@@ -321,6 +321,33 @@ def test_bad_sweep_configs_fail_before_any_run(tmp_path, spec, message):
         plan(load_sweep(path))
 
 
+@pytest.mark.fast
+def test_a_sweep_of_thousands_of_runs_is_refused_until_max_runs_allows_it(tmp_path):
+    runs = [{"recipe": "xnnpack_int8_dynamic", "name": f"v{k}", "modes": ["ptq"]} for k in range(10_000)]
+    path = tmp_path / "huge.yaml"
+    path.write_text(yaml.safe_dump({"runs": runs, "sweep_dir": str(tmp_path / "s")}))
+    with pytest.raises(UserError, match=r"plans 10001 runs .*more than max_runs: 100.*fix: set max_runs: 10001"):
+        load_sweep(path)
+    path.write_text(yaml.safe_dump({"runs": runs, "sweep_dir": str(tmp_path / "s"), "max_runs": 10_001}))
+    assert load_sweep(path)["max_runs"] == 10_001  # said in the config: the sweep may plan them
+    path.write_text(yaml.safe_dump({"runs": runs[:1], "max_runs": 0}))
+    with pytest.raises(UserError, match="max_runs must be a whole number >= 1"):
+        load_sweep(path)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "where, what",
+    [("/", "the filesystem root"), ("~", "your home directory itself"), ("/etc/qh", "in a system directory")],
+)
+def test_a_sweep_dir_of_the_root_home_or_a_system_directory_is_refused(tmp_path, where, what):
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump({"runs": [{"recipe": "xnnpack_fp32", "modes": ["ptq"]}], "sweep_dir": where}))
+    with pytest.raises(UserError, match=f"sweep_dir {where} is {what}") as e:
+        load_sweep(path)
+    assert "\n" not in str(e.value) and "fix: name a directory of its own" in str(e.value)
+
+
 def test_sweep_cli_bad_config_is_one_line_exit_2(tmp_path):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump({"runs": [{"recipe": "xnnpack_fp32", "modes": ["qat"]}]}))

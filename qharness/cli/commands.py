@@ -71,7 +71,9 @@ def generate(
         what = "--prompt is required" if prompt is None else "--chat_template and --system need --chat"
         raise UserError(f"generate: {what}", fix='pass --prompt "TEXT", or --chat for a conversation')
     max_new_tokens = max_new_tokens if max_new_tokens is not None else 256 if chat else 64
-    check_generate_args(max_new_tokens, temperature, top_k)
+    check_generate_args(max_new_tokens, temperature, top_k, seed)
+    for option, text in (("--prompt", prompt), ("--system", system)):
+        check_utf8(text, option)
     program = Pte.load(path or pte, tokenizer)  # a missing or foreign program is named first: the tokenizer's follows
     sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed, on_token=_stream)
     if chat:
@@ -88,6 +90,40 @@ def generate(
             f"{out['prompt_tokens']} of them the prompt; export with a larger deploy.max_seq_len for more]",
             file=sys.stderr,
         )
+
+
+MAX_TURN_CHARS = 1_000_000  # characters of one user turn read from stdin (the KV cache holds far fewer tokens)
+
+
+def check_utf8(text: str | None, option: str) -> None:
+    """``text`` (from the command line, where bytes that are not UTF-8 arrive as surrogates) is UTF-8 text."""
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UserError(
+            f"{option} holds bytes that are not UTF-8 text (at character {e.start})",
+            fix=f"pass {option} as UTF-8 text (check the terminal's encoding, e.g. LANG=C.UTF-8)",
+        ) from None
+
+
+def _read_turn() -> str:
+    """One user turn (a line) from stdin as UTF-8 text; binary or overlong input is one line naming stdin."""
+    try:
+        line = sys.stdin.readline(MAX_TURN_CHARS + 1)
+    except UnicodeDecodeError as e:
+        raise UserError(
+            f"generate --chat: stdin holds bytes that are not UTF-8 text ({e.reason} at byte {e.start})",
+            fix="pipe UTF-8 text into generate --chat, a user turn per line",
+        ) from None
+    if len(line) > MAX_TURN_CHARS:
+        raise UserError(
+            f"generate --chat: a line of stdin is longer than {MAX_TURN_CHARS:,} characters",
+            fix="pipe text into generate --chat, a user turn per line",
+        )
+    check_utf8(line, "generate --chat: stdin")  # undecodable bytes as surrogates (a C locale's surrogateescape)
+    return line
 
 
 def _stream(piece: str) -> None:
@@ -114,7 +150,7 @@ def _chat(program, prompt: str | None, template: str | None, system: str | None,
     while True:
         if interactive:
             print("> ", end="", file=sys.stderr, flush=True)
-            line = sys.stdin.readline()
+            line = _read_turn()
             prompt = line.rstrip("\n")
             if not line or not prompt.strip() or prompt.strip() == "/exit":
                 return

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 from qharness.errors import UserError
+from qharness.io.disk import check_file_size_limit
 
 
 def deploy_memory_bytes(config, max_seq_len: int) -> tuple[int, int]:
@@ -58,9 +59,12 @@ def available_memory_bytes() -> int | None:
 def check_deploy_memory(config, max_seq_len: int, available: int | None = None) -> None:
     """``UserError`` when the KV cache and weights of the deployed model at ``deploy.max_seq_len`` (``deploy_memory_bytes``)
     exceed the memory available now (``available``: bytes, default ``available_memory_bytes()``): one line before any
-    work, instead of an allocation of gigabytes at export time."""
+    work, instead of an allocation of gigabytes at export time. The file-size limit (``ulimit -f``) is checked against
+    the least the ``.pte`` holds (``io/disk.check_file_size_limit``) at the same time."""
     available = available_memory_bytes() if available is None else available
     kv, weights = deploy_memory_bytes(config, max_seq_len)
+    # the .pte holds the weights: a quarter of their float32 bytes at 8 bits, an eighth at 4 (the least any recipe writes)
+    check_file_size_limit(weights // 8, "the .pte")
     if available is None or kv + weights <= available:
         return
     fits = max(0, (available - weights) * max_seq_len // max(kv, 1))

@@ -37,7 +37,7 @@ def atomic_writer(path: str | os.PathLike, needed: int | Callable[[], int] | Non
     except OSError as e:
         if disk_full_cause(e) is None:
             raise
-        raise disk_full_error(path, needed() if callable(needed) else needed) from e
+        raise disk_full_error(path, needed() if callable(needed) else needed, disk_full_cause(e).errno) from e
     try:
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp makes 0600; a result file gets the mode any new file would get
         with os.fdopen(fd, "wb") as f:
@@ -49,7 +49,7 @@ def atomic_writer(path: str | os.PathLike, needed: int | Callable[[], int] | Non
         Path(tmp).unlink(missing_ok=True)
         if disk_full_cause(e) is None:
             raise
-        raise disk_full_error(path, needed() if callable(needed) else needed) from e
+        raise disk_full_error(path, needed() if callable(needed) else needed, disk_full_cause(e).errno) from e
 
 
 @contextlib.contextmanager
@@ -82,7 +82,7 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
         if disk_full_cause(e) is None:
             raise
-        raise disk_full_error(path) from e
+        raise disk_full_error(path, err=disk_full_cause(e).errno) from e
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> Path:

@@ -50,7 +50,9 @@ def disk_full_error_of(exc: BaseException):
     if raised is not None:
         return raised
     cause = disk_full_cause(exc)
-    return None if cause is None else disk_full_error(cause.filename or next(iter(held_run_dirs()), None))
+    if cause is None:
+        return None
+    return disk_full_error(cause.filename or next(iter(held_run_dirs()), None), err=cause.errno)
 
 
 def _mb(n: int) -> str:
@@ -65,9 +67,37 @@ def _field_for(path: Path | None) -> str:
     return _OUTPUT_FIELD[0]
 
 
-def disk_full_error(path: str | os.PathLike | None, needed: int | None = None):
+def file_size_limit() -> int | None:
+    """The largest file this process may write (``RLIMIT_FSIZE``'s soft limit, ``ulimit -f``), in bytes; None when
+    unlimited (or unknown)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    except (ImportError, OSError, ValueError, AttributeError):
+        return None
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else soft
+
+
+def check_file_size_limit(needed: int, what: str) -> None:
+    """A one-line ``UserError`` before any work when the file-size limit (``ulimit -f``) is below ``needed`` bytes,
+    the least the run writes in one file (``what``: e.g. ``the .pte``)."""
+    from qharness.errors import UserError
+
+    limit = file_size_limit()
+    if limit is not None and needed > limit:
+        raise UserError(
+            f"the file-size limit (ulimit -f) is {_mb(limit)} MB, less than {what} needs (at least {_mb(needed)} MB); "
+            "the run would stop at that write",
+            fix=f"raise the limit (ulimit -f unlimited, or at least {needed // 1024 + 1} blocks of 1 KB) and run again",
+        )
+
+
+def disk_full_error(path: str | os.PathLike | None, needed: int | None = None, err: int | None = None):
     """The one-line ``DiskFullError`` for a write of about ``needed`` bytes to ``path`` that ran out of space, with
     the space now free on that device.
+
+    ``err``: the write's errno: ``EFBIG`` (past the file-size limit, ``ulimit -f``) says so instead of the space.
 
     Example: ``disk_full_error("runs/x/model.pte", 250_000)`` -> ``no space left on device writing runs/x/model.pte
     (needs about 0.3 MB, 0.1 MB free). fix: free space or point trainer.default_root_dir elsewhere``
@@ -75,6 +105,21 @@ def disk_full_error(path: str | os.PathLike | None, needed: int | None = None):
     from qharness.errors import DiskFullError
 
     where = Path(path) if path else None
+    limit = file_size_limit()
+    if err == errno.EFBIG:  # the write passed the largest file allowed: a limit, not the space free
+        what = (
+            f"the file-size limit (ulimit -f, {_mb(limit)} MB)"
+            if limit is not None
+            else "the file system's largest file"
+        )
+        return DiskFullError(
+            f"{what} stopped writing {where or 'the run directory'}"
+            + (f" (needs about {_mb(max(needed, 100_000))} MB)" if needed else ""),
+            fix="raise the limit (ulimit -f unlimited)"
+            if limit is not None
+            else f"point {_field_for(where)} at a file system that takes larger files",
+            path=where,
+        )
     free = None
     for parent in (where, *where.parents) if where else ():
         try:

@@ -76,8 +76,54 @@ def check_inside(path: str | os.PathLike, root: str | os.PathLike, field: str, f
     return full
 
 
+# Directories no run, sweep, ship or report writes into: the filesystem root, system trees (nor anything under
+# them), the folders that hold homes or mounts (themselves), and the user's home directory itself. (/proc and /sys
+# take no directory: check_output_dir's probe says so.)
+SYSTEM_TREES = (
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/sbin",
+    "/usr",
+)
+SYSTEM_DIRS = ("/", "/home", "/Users", "/mnt", "/media", "/opt", "/root", "/run", "/srv", "/var", "/tmp", "/private")
+
+
+def check_not_system_dir(path: str | os.PathLike, field: str) -> None:
+    """A one-line ``UserError`` naming ``field`` when ``path`` (resolved) is the filesystem root, the home directory
+    itself, a folder of ``SYSTEM_DIRS`` itself or anything in a ``SYSTEM_TREES`` tree: run folders written there
+    would mix with the system's.
+
+    Example: ``check_not_system_dir("/", "sweep_dir")`` -> ``UserError: sweep_dir / is the filesystem root ...``
+    """
+    from qharness.errors import UserError
+
+    where = Path(os.path.realpath(os.path.expanduser(path)))
+    home = Path(os.path.realpath(os.path.expanduser("~")))
+    if where == Path(where.anchor):
+        what = "the filesystem root"
+    elif where == home:
+        what = "your home directory itself"
+    elif str(where) in SYSTEM_DIRS:
+        what = "a system directory"
+    elif any(where == Path(t) or Path(t) in where.parents for t in SYSTEM_TREES):
+        what = "in a system directory"
+    else:
+        return
+    raise UserError(
+        f"{field} {path} is {what}: its run folders and files would be written among the system's",
+        fix=f"name a directory of its own for {field}, e.g. runs/my_sweep or ~/qharness-runs",
+    )
+
+
 def check_output_dir(path: str | os.PathLike, field: str) -> Path:
-    """``path`` if it is a directory or can be made one: a one-line ``UserError`` naming ``field`` when it, or the
+    """``path`` if it is a directory or can be made one: a one-line ``UserError`` naming ``field`` when it is a
+    system directory (``check_not_system_dir``), when it, or the
     nearest of its parents that exists, is a file (``mkdir`` would raise ``FileExistsError``/``NotADirectoryError``),
     or when nothing can be made there (``/proc``, a read-only place; tried with a directory made and removed).
 
@@ -86,6 +132,7 @@ def check_output_dir(path: str | os.PathLike, field: str) -> Path:
     from qharness.errors import UserError
 
     path = Path(path)
+    check_not_system_dir(path, field)
     for where in (path, *path.parents):
         if where.is_dir():
             break

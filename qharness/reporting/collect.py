@@ -7,11 +7,12 @@ naming it (``checked_row``); text from summaries and directory names is made one
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 
 from qharness.errors import UserError, one_line
 from qharness.io.names import bad_name_reason
-from qharness.reporting.rows import noise_of, summary_row
+from qharness.reporting.rows import STAGES, noise_of, summary_row
 from qharness.run.summary import RunSummary
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,10 @@ def collect(runs_dir: str | Path, skipped: list[str] | None = None) -> list[dict
         if "wandb" in path.relative_to(runs_dir).parts:
             continue
         try:
+            if (size := path.stat().st_size) > MAX_SUMMARY_BYTES:
+                raise UserError(
+                    f"{size / 1e6:.0f} MB, more than a run summary holds (at most {MAX_SUMMARY_BYTES // 10**6} MB)"
+                )
             summary = RunSummary.read(path)
             run = str(path.parent.relative_to(runs_dir)) if path.parent != runs_dir else runs_dir.name
             rows.append(checked_row(summary_row(summary, run=run) | noise_of(summary)))
@@ -47,6 +52,26 @@ def collect(runs_dir: str | Path, skipped: list[str] | None = None) -> list[dict
     return rows
 
 
+MAX_SUMMARY_BYTES = 16 * 10**6  # a run's summary.json is kilobytes; one past this is skipped unread
+MAX_TEXT = 1000  # characters of a text field (run, model, recipe, ...): a longer one skips the run
+# numbers that cannot be negative or NaN (sizes, times, rates, counts), by column: the summary field they come from
+NON_NEGATIVE = {
+    "pte_size_mb": "pte.size_bytes",
+    **{
+        f"{key}{end}": f"{key}.{stat}"  # the section is the row's latency_source (``_latency_field``)
+        for key in ("decode_ms_per_token", "decode_tok_s", "prefill_tok_s")
+        for end, stat in (("", "median"), ("_lo", "min"), ("_hi", "max"))
+    },
+    "peak_rss_mb": "bench.pte.peak_rss_mb",
+    "bandwidth_fraction": "bench.pte.bandwidth_fraction",
+    "decode_speedup_vs_eager": "bench.pte_vs_eager.decode_speedup",
+    "bench_load_avg": "bench.load_avg_1m",
+    "bench_cpus": "bench.cpus",
+    "quantized_fraction": "coverage.fraction",
+    "n_blocks": "metrics.pte.n_blocks",
+    **{f"ppl_{k}{end}": f"metrics.{k}.ppl{end and '_ci'}" for k in STAGES for end in ("", "_lo", "_hi")},
+}
+
 TEXT_COLUMNS = ("run", "model", "recipe", "backend", "mode", "latency_source", "latency_class")
 
 
@@ -57,6 +82,8 @@ def checked_row(row: dict) -> dict:
         if key in TEXT_COLUMNS:
             if value is not None and not isinstance(value, str):
                 raise UserError(f"{key} is {type(value).__name__}, not text")
+            if value is not None and len(value) > MAX_TEXT:
+                raise UserError(f"{key} is {len(value)} characters long (at most {MAX_TEXT})")
             row[key] = None if value is None else one_line(value)
         elif key == "parity_passed":
             if value is not None and not isinstance(value, bool):
@@ -77,6 +104,13 @@ def checked_row(row: dict) -> dict:
             and (isinstance(value, bool) or not isinstance(value, (int, float)))
         ):
             raise UserError(f"{key} is {value!r}, not a number")
+        elif key in NON_NEGATIVE and value is not None and (math.isnan(value) or value < 0):
+            shown = value * 1e6 if key == "pte_size_mb" else value  # the summary's bytes
+            field = NON_NEGATIVE[key]
+            if key.startswith(("decode_", "prefill_")):
+                joint = (row.get("latency_source") or "").startswith("joint")
+                field = ("bench_joint." if joint else "bench.pte.") + field
+            raise UserError(f"{field} is {shown:g}: a size, time or count is never negative or NaN")
         if key.startswith(("eval/", "chance/")) and (
             key.count("/") != (3 if key.startswith("eval/") else 2)
             or any(bad_name_reason(part) for part in key.split("/")[1:])

@@ -31,6 +31,9 @@ def paired_band(row: dict) -> tuple[float, float] | None:
     return (fp * (1 + lo), fp * (1 + hi)) if all(_number(v) for v in (fp, lo, hi)) else None
 
 
+LABEL_ALL = 60  # points up to which every one is labelled (and the legend placed where it covers the fewest)
+LABEL_CHARS = 60  # characters of a point's label
+
 MODE_COLORS = {"fp": "black", "ptq": "tab:blue", "qat": "tab:orange"}
 
 
@@ -77,7 +80,9 @@ def plot_pareto(
     ax.set_title(title)
     ax.grid(True, alpha=0.3)
     ax.margins(x=0.2, y=0.12)  # room for the labels
-    ax.legend(loc="best", fontsize=8, title=f"point area ~ .pte size (largest {biggest:.2f} MB)", title_fontsize=8)
+    # matplotlib's "best" place tests every point: slow past a few hundred (a report of thousands of runs)
+    where = "best" if len(pts) <= LABEL_ALL else "upper right"
+    ax.legend(loc=where, fontsize=8, title=f"point area ~ .pte size (largest {biggest:.2f} MB)", title_fontsize=8)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
@@ -100,25 +105,25 @@ def _draw_points(ax, pts: list[dict], x: str, column: str, biggest: float) -> No
                 linewidths=1,
             )
             ax.scatter([], [], s=60, c=color, alpha=0.55, label=mode)  # legend entry of a fixed size
+    bars: dict[str, list] = {}  # colour -> the bars' x, y, xerr, yerr: one errorbar call per colour, not per run
     for r in pts:
         (xlo, xhi), (ylo, yhi) = (
             interval(r, x),
             (paired_band(r) if column == "ppl_pte" else None) or interval(r, column),
         )
         color = MODE_COLORS.get(r["mode"], "gray") if r.get("parity_passed") is True else "gray"
+        b = bars.setdefault(color, [[], [], [[], []], [[], []]])
+        b[0].append(r[x])
+        b[1].append(r[column])
+        # clipped at 0: a band computed apart from its value (ppl vs the paired per-block ratio) can miss it by
+        # float rounding when it is ~1e-7 wide (the FP .pte against the FP model), which matplotlib refuses
+        b[2][0].append(max(0.0, r[x] - xlo))
+        b[2][1].append(max(0.0, xhi - r[x]))
+        b[3][0].append(max(0.0, r[column] - ylo))
+        b[3][1].append(max(0.0, yhi - r[column]))
+    for color, (xs, ys, xerr, yerr) in bars.items():
         ax.errorbar(
-            [r[x]],
-            [r[column]],
-            # clipped at 0: a band computed apart from its value (ppl vs the paired per-block ratio) can miss it by
-            # float rounding when it is ~1e-7 wide (the FP .pte against the FP model), which matplotlib refuses
-            xerr=[[max(0.0, r[x] - xlo)], [max(0.0, xhi - r[x])]],
-            yerr=[[max(0.0, r[column] - ylo)], [max(0.0, yhi - r[column])]],
-            fmt="none",
-            ecolor=color,
-            elinewidth=1,
-            capsize=3,
-            alpha=0.8,
-            zorder=2,
+            xs, ys, xerr=xerr, yerr=yerr, fmt="none", ecolor=color, elinewidth=1, capsize=3, alpha=0.8, zorder=2
         )
     failed = [r for r in pts if r.get("parity_passed") is not True]
     if failed:
@@ -150,12 +155,17 @@ def _draw_front(ax, pts: list[dict], x: str, column: str, front_runs: set[str]) 
 
 
 def _label_points(ax, pts: list[dict], x: str, column: str, front_runs: set[str], biggest: float) -> None:
-    """``recipe/mode`` beside each point (bold crimson on the front)."""
+    """``recipe/mode`` beside each point (bold crimson on the front); beyond ``LABEL_ALL`` points, beside the
+    front's only (thousands of labels are unreadable and slow). A label is cut to ``LABEL_CHARS`` characters."""
     for r in pts:
         on = r["run"] in front_runs
+        if not on and len(pts) > LABEL_ALL:
+            continue
+        text = f"{r['recipe']}/{r['mode']}"
+        text = text if len(text) <= LABEL_CHARS else text[: LABEL_CHARS - 3] + "..."
         radius = math.sqrt(60 + 540 * (r.get("pte_size_mb") or 0) / biggest) / 2  # points: label beside the marker
         ax.annotate(
-            f"{r['recipe']}/{r['mode']}",
+            text,
             (r[x], r[column]),
             xytext=(radius + 2, radius / 2 + 2),
             textcoords="offset points",

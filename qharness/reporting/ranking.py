@@ -12,6 +12,7 @@ the parity gate are never on the front or picked.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -30,18 +31,26 @@ def eligible(row: dict, column: str, axis: str = "latency") -> bool:
 def pareto_front(points: list[tuple[float, float]], lower_is_better: bool) -> list[int]:
     """Indices of the points (latency, metric) no other point dominates (lower latency is better; the metric's
     direction is ``lower_is_better``), sorted by latency: the front without noise (``noisy_front`` has ties).
+    One sort and one sweep (n log n): a point is on it when its metric beats every faster point's and is the best at
+    its latency (equal points are all on it).
 
     >>> pareto_front([(1, 10), (2, 8), (3, 9), (4, 5)], lower_is_better=True)
     [0, 1, 3]
     """
     sign = 1 if lower_is_better else -1
-    pts = [(x, sign * y) for x, y in points]  # now lower is better on both axes
-    front = [
-        i
-        for i, (x, y) in enumerate(pts)
-        if not any(xo <= x and yo <= y and (xo < x or yo < y) for j, (xo, yo) in enumerate(pts) if j != i)
-    ]
-    return sorted(front, key=lambda i: (points[i][0], sign * points[i][1]))
+    order = sorted(range(len(points)), key=lambda i: (points[i][0], sign * points[i][1]))
+    front, best, k = [], math.inf, 0  # best: the lowest (signed) metric of the strictly faster points
+    while k < len(order):
+        x = points[order[k]][0]
+        same = []
+        while k < len(order) and points[order[k]][0] == x:
+            same.append(order[k])
+            k += 1
+        low = sign * points[same[0]][1]  # the best metric at this latency (sorted)
+        if low < best:
+            front += [i for i in same if sign * points[i][1] == low]
+            best = low
+    return front
 
 
 @dataclass(frozen=True)
@@ -153,39 +162,131 @@ def dominates(acc: Comparison, lat: Comparison) -> bool:
     return (acc.sign > 0 and lat.sign >= 0) or (lat.sign > 0 and acc.sign >= 0)
 
 
+NEIGHBOURS = 8  # over 2 x this many runs, each run is compared with its neighbours only (``_candidates``)
+
+
+class Comparisons:
+    """The comparisons of one report (``compare_accuracy`` on ``column``, ``compare_latency``, ``compare_size``),
+    each pair of rows computed once: both fronts and the pick ask for the same pairs."""
+
+    def __init__(self, column: str, lower_is_better: bool):
+        self.column, self.lower_is_better, self.memo = column, lower_is_better, {}
+
+    def _get(self, kind: str, a: dict, b: dict, compute) -> Comparison:
+        key = (kind, id(a), id(b))
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
+
+    def accuracy(self, a: dict, b: dict) -> Comparison:
+        return self._get("acc", a, b, lambda: compare_accuracy(a, b, self.column, self.lower_is_better))
+
+    def latency(self, a: dict, b: dict) -> Comparison:
+        return self._get("lat", a, b, lambda: compare_latency(a, b))
+
+    def size(self, a: dict, b: dict) -> Comparison:
+        return self._get("size", a, b, lambda: compare_size(a, b))
+
+    def dominates(self, a: dict, b: dict, axis: str = "latency") -> bool:
+        """``dominates(accuracy(a, b), latency-or-size(a, b))``, the accuracy comparison skipped when the other
+        axis already decides (``a`` worse beyond the noise there)."""
+        other = (self.size if axis == "size" else self.latency)(a, b)
+        return other.sign >= 0 and dominates(self.accuracy(a, b), other)
+
+    def tie(self, a: dict, b: dict, axis: str = "latency") -> bool:
+        """A tie on both axes (the other axis asked first: ``.pte`` sizes tie only when equal)."""
+        return (self.size if axis == "size" else self.latency)(a, b).sign == 0 and self.accuracy(a, b).sign == 0
+
+
+def _window(order: list[int], pos: dict[int, int], i: int, k: int = NEIGHBOURS) -> list[int]:
+    """The ``k`` runs on each side of ``i`` in ``order``."""
+    p = pos[i]
+    return order[max(0, p - k) : p + k + 1]
+
+
+def _candidates(points: list[tuple[float, float]], lower_is_better: bool) -> list[list[int]]:
+    """For each point, the others it is compared with for domination and ties. Up to ``2 * NEIGHBOURS`` points:
+    all of them. Beyond: the ``NEIGHBOURS`` nearest on each side along each axis (where ties and noisy dominators
+    are) and the ``NEIGHBOURS`` at each end of the run of exact-front points that dominate it (the ones better by
+    the most on one axis), so a report of thousands of runs takes n log n comparisons, not n squared."""
+    n = len(points)
+    if n <= 2 * NEIGHBOURS:
+        return [[j for j in range(n) if j != i] for i in range(n)]
+    sign = 1 if lower_is_better else -1
+    by_x = sorted(range(n), key=lambda i: (points[i][0], sign * points[i][1]))
+    by_y = sorted(range(n), key=lambda i: (sign * points[i][1], points[i][0]))
+    pos_x, pos_y = {i: p for p, i in enumerate(by_x)}, {i: p for p, i in enumerate(by_y)}
+    front = pareto_front(points, lower_is_better)  # sorted by x, its metric getting better along it
+    fx = [points[i][0] for i in front]
+    fy = [-sign * points[i][1] for i in front]  # increasing along the front
+    out = []
+    for i in range(n):
+        x, y = points[i][0], sign * points[i][1]
+        hi = bisect.bisect_right(fx, x)  # front points at most as slow
+        lo = bisect.bisect_left(fy, -y)  # front points at least as good
+        doms = front[lo:hi]
+        near = {*_window(by_x, pos_x, i), *_window(by_y, pos_y, i), *doms[:NEIGHBOURS], *doms[-NEIGHBOURS:]}
+        near.discard(i)
+        out.append(sorted(near))
+    return out
+
+
 def noisy_front(
-    rows: list[dict], column: str, lower_is_better: bool, axis: str = "latency"
+    rows: list[dict], column: str, lower_is_better: bool, axis: str = "latency", cmp: Comparisons | None = None
 ) -> tuple[list[dict], dict[str, list[str]]]:
     """The Pareto front of the eligible rows with ties inside the noise (``compare_accuracy``, ``compare_latency``;
     ``axis="size"``: ``.pte`` size in place of latency, ``compare_size``), sorted by that axis, and each eligible
     run's ties (runs it ties with on both axes).
 
     Runs that tie on both axes with the same ``.pte`` size (or the same ``.pte``) are one program: they are on the
-    front together or not at all (on it when any of them is undominated)."""
+    front together or not at all (on it when any of them is undominated). Over ``2 * NEIGHBOURS`` runs each run is
+    compared with its ``_candidates`` only (its neighbours and the exact front's runs that dominate it)."""
     ok = [r for r in rows if eligible(r, column, axis)]
     n = len(ok)
-    acc = {
-        (i, j): compare_accuracy(ok[i], ok[j], column, lower_is_better) for i in range(n) for j in range(n) if i != j
-    }
-    other = compare_size if axis == "size" else compare_latency
-    lat = {(i, j): other(ok[i], ok[j]) for i in range(n) for j in range(n) if i != j}
-    undominated = [not any(dominates(acc[j, i], lat[j, i]) for j in range(n) if j != i) for i in range(n)]
-    tie = {(i, j) for (i, j) in acc if acc[i, j].sign == 0 and lat[i, j].sign == 0}
+    sign = 1 if lower_is_better else -1
+    cands = _candidates([(r[AXES[axis]], r[column]) for r in ok], lower_is_better)
+    cmp = cmp or Comparisons(column, lower_is_better)
+    undominated = [not any(cmp.dominates(ok[j], ok[i], axis) for j in cands[i]) for i in range(n)]
+    pairs = {(min(i, j), max(i, j)) for i in range(n) for j in cands[i]}
+    tie = {(i, j) for i, j in pairs if cmp.tie(ok[i], ok[j], axis)}
+    tie |= {(j, i) for i, j in tie}
     group = list(range(n))  # union-find of identical programs
 
     def root(i):
         while group[i] != i:
+            group[i] = group[group[i]]
             i = group[i]
         return i
 
     for i, j in sorted(tie):
         if same_program(ok[i], ok[j]) or ok[i].get("pte_size_mb") == ok[j].get("pte_size_mb"):
             group[max(root(i), root(j))] = min(root(i), root(j))
-    on = [any(undominated[k] for k in range(n) if root(k) == root(i)) for i in range(n)]
-    sign = 1 if lower_is_better else -1
-    front = sorted((ok[i] for i in range(n) if on[i]), key=lambda r: (r[AXES[axis]], sign * r[column], r["run"]))
-    ties = {ok[i]["run"]: sorted(ok[j]["run"] for j in range(n) if (i, j) in tie) for i in range(n)}
+    on_root = {root(k) for k in range(n) if undominated[k]}
+    front = sorted(
+        (ok[i] for i in range(n) if root(i) in on_root), key=lambda r: (r[AXES[axis]], sign * r[column], r["run"])
+    )
+    tied: dict[int, list[int]] = {i: [] for i in range(n)}
+    for i, j in tie:
+        tied[i].append(j)
+    ties = {ok[i]["run"]: sorted(ok[j]["run"] for j in tied[i]) for i in range(n)}
     return front, ties
+
+
+def _unbeaten(items: list[dict], key, beats) -> list[dict]:
+    """The items no other beats (``beats(o, r)``); over ``2 * NEIGHBOURS`` items each is checked against the
+    ``NEIGHBOURS`` best by ``key`` (lower is better) and its ``NEIGHBOURS`` neighbours on each side."""
+    if len(items) <= 2 * NEIGHBOURS:
+        return [r for r in items if not any(beats(o, r) for o in items if o is not r)]
+    order = sorted(range(len(items)), key=lambda i: key(items[i]))
+    pos = {i: p for p, i in enumerate(order)}
+    return [
+        items[i]
+        for i in range(len(items))
+        if not any(beats(items[j], items[i]) for j in {*order[:NEIGHBOURS], *_window(order, pos, i)} if j != i)
+    ]
+
+
+MAX_WORDED = 10  # runs of a tie worded in the pick's text
 
 
 def best_choice(
@@ -194,6 +295,7 @@ def best_choice(
     lower_is_better: bool,
     max_latency_ms: float | None = None,
     max_size_mb: float | None = None,
+    cmp: Comparisons | None = None,
 ) -> dict:
     """The eligible run to pick within the budgets, deterministically: keep the runs no other beats on the metric
     beyond the noise, then those no other of them beats on latency beyond the noise; among the rest (a tie) the
@@ -207,10 +309,10 @@ def best_choice(
     ]
     if not fits:
         return {"best": None, "tied": [], "text": "none"}
-    top = [
-        r for r in fits if not any(compare_accuracy(o, r, column, lower_is_better).sign > 0 for o in fits if o is not r)
-    ]
-    fast = [r for r in top if not any(compare_latency(o, r).sign > 0 for o in top if o is not r)]
+    sign = 1 if lower_is_better else -1
+    cmp = cmp or Comparisons(column, lower_is_better)
+    top = _unbeaten(fits, lambda r: sign * r[column], lambda o, r: cmp.accuracy(o, r).sign > 0)
+    fast = _unbeaten(top, lambda r: r["decode_ms_per_token"], lambda o, r: cmp.latency(o, r).sign > 0)
     best = min(fast, key=lambda r: (r["pte_size_mb"] if _number(r.get("pte_size_mb")) else math.inf, r["run"]))
     others = [r for r in fast if r is not best]
 
@@ -219,20 +321,21 @@ def best_choice(
         return lat if same_program(best, o) else f"{compare_accuracy(best, o, column, lower_is_better).text}, {lat}"
 
     if others:
-        names = ", ".join(label(r) for r in [best, *others][:-1]) + f" and {label(([best, *others])[-1])}"
-        why = "; ".join(f"vs {label(o)}: {both(o)}" for o in others)
+        shown = others[:MAX_WORDED]  # a tie of thousands is worded by its first runs and counted
+        more = f" and {len(others) - len(shown)} more" if len(others) > len(shown) else ""
+        names = ", ".join(label(r) for r in [best, *shown][:-1]) + f" and {label(([best, *shown])[-1])}" + more
+        why = "; ".join(f"vs {label(o)}: {both(o)}" for o in shown) + more
         by = "size" if len({r.get("pte_size_mb") for r in fast}) == len(fast) else "size, then name"
         text = f"tie between {names} ({why}); pick by {by}: {describe(best, column)}"
     elif len(top) > 1:
-        why = "; ".join(f"{label(o)}: {both(o)}" for o in top if o is not best)
+        rivals = [o for o in top if o is not best]
+        more = f"; and {len(rivals) - MAX_WORDED} more" if len(rivals) > MAX_WORDED else ""
+        why = "; ".join(f"{label(o)}: {both(o)}" for o in rivals[:MAX_WORDED]) + more
         text = f"{describe(best, column)}; ties on accuracy but is faster beyond the noise ({why})"
     else:
-        sign = 1 if lower_is_better else -1
         rest = sorted((r for r in fits if r is not best), key=lambda r: (sign * r[column], r["run"]))
         text = describe(best, column) + (
-            f"; vs the runner-up {label(rest[0])}: {compare_accuracy(best, rest[0], column, lower_is_better).text}"
-            if rest
-            else ""
+            f"; vs the runner-up {label(rest[0])}: {cmp.accuracy(best, rest[0]).text}" if rest else ""
         )
     return {"best": best, "tied": others, "text": text}
 

@@ -35,7 +35,7 @@ from qharness.reporting.answers import answer_lines
 from qharness.reporting.collect import collect
 from qharness.reporting.metric import resolve_metric
 from qharness.reporting.plot import plot_pareto
-from qharness.reporting.ranking import best_choice, noise_notes, noisy_front
+from qharness.reporting.ranking import Comparisons, best_choice, noise_notes, noisy_front
 from qharness.reporting.recovery import qat_recovery
 from qharness.reporting.render import (
     INTERVALS_NOTE,
@@ -67,15 +67,16 @@ def write_report(
     rows = collect(runs_dir, skipped)
     column, lower = resolve_metric(metric, rows)
     rows.sort(key=lambda r: (r["decode_ms_per_token"] is None, r["decode_ms_per_token"] or 0.0, r["run"]))
-    front, ties = noisy_front(rows, column, lower)
+    cmp = Comparisons(column, lower)  # each pair compared once for both fronts and the pick
+    front, ties = noisy_front(rows, column, lower, cmp=cmp)
     front_runs = {r["run"] for r in front}
-    size_front, _ = noisy_front(rows, column, lower, axis="size")  # accuracy vs .pte size (no latency needed)
+    size_front, _ = noisy_front(rows, column, lower, axis="size", cmp=cmp)  # accuracy vs .pte size
     size_runs = {r["run"] for r in size_front}
-    choice = best_choice(rows, column, lower, max_latency_ms, max_size_mb)
+    choice = best_choice(rows, column, lower, max_latency_ms, max_size_mb, cmp=cmp)
     for r in rows:
         r["pareto"] = r["run"] in front_runs
         r["pareto_size"] = r["run"] in size_runs
-        r["ties"] = "tie with " + ", ".join(ties[r["run"]]) if ties.get(r["run"]) else None
+        r["ties"] = "tie with " + names(ties[r["run"]]) if ties.get(r["run"]) else None
     classes = latency_class_lines(rows)  # before the columns: it names each class (latency_class_id)
     columns = list(dict.fromkeys(c for r in rows for c in r if not c.startswith("_")))
     name = ".pte perplexity" if column == "ppl_pte" else column
@@ -116,6 +117,15 @@ def write_report(
     return result
 
 
+MAX_NAMED = 10  # runs named in one "tie with" list; the rest counted
+
+
+def names(runs: list[str]) -> str:
+    """``a, b, c`` (at most ``MAX_NAMED``, then ``and N more``): a run can tie with thousands."""
+    more = f" and {len(runs) - MAX_NAMED} more" if len(runs) > MAX_NAMED else ""
+    return ", ".join(runs[:MAX_NAMED]) + more
+
+
 def budget_text(max_latency_ms: float | None, max_size_mb: float | None) -> str:
     """The budgets in words, e.g. ``decode <= 2 ms/token and .pte <= 1.5 MB`` (``no budget``)."""
     parts = [
@@ -133,7 +143,7 @@ def front_lines(
 
     def on_front(r):
         tied = [t for t in ties[r["run"]] if t in front_runs]
-        return f"{r['recipe']}/{r['mode']} ({r['run']}" + (f", tie with {', '.join(tied)})" if tied else ")")
+        return f"{r['recipe']}/{r['mode']} ({r['run']}" + (f", tie with {names(tied)})" if tied else ")")
 
     better = "lower" if lower else "higher"
     return [

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import types
 import typing
@@ -356,7 +357,9 @@ class RunSummary:
 _TYPED = ("gguf", "metrics", "parity", "pte", "layers", "coverage", "timings", "bench", "bench_joint", "answers")
 
 
+@functools.lru_cache(maxsize=None)
 def _hints(cls) -> dict:
+    """The type hints of a summary record's class, resolved once (a report reads thousands of summaries)."""
     return typing.get_type_hints(cls)
 
 

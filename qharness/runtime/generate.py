@@ -94,9 +94,11 @@ def generate_ids(
     (a chat template's end-of-turn tokens). ``cached``: the tokens whose keys and values the program's KV cache holds
     from the previous call on this ``pte`` (its ``"cached"``); only what follows their common prefix with ``ids`` is
     prefilled. The result's ``"cached"`` is what the cache holds afterwards."""
-    check_generate_args(max_new_tokens, temperature, top_k)
+    check_generate_args(max_new_tokens, temperature, top_k, seed)
     context = max_context(pte)
-    eos = set(pte.metadata().get("get_eos_ids", [])) | set(stop_ids)
+    meta = pte.metadata()
+    eos = set(meta.get("get_eos_ids", [])) | set(stop_ids)
+    check_vocabulary(tokenizer, meta.get("get_vocab_size"), ids)
     if not 0 < len(ids) < context:
         raise UserError(
             f"the prompt is {len(ids)} tokens; the .pte's KV cache holds {context}",
@@ -143,6 +145,27 @@ def generate_ids(
         "prefill_tok_s": (len(ids) - reused) / (t1 - t0),
         "decode_tok_s": calls / (t2 - t1) if calls else 0.0,
     }
+
+
+def check_vocabulary(tokenizer, vocab: int | None, ids: list[int]) -> None:
+    """The tokenizer belongs to the ``.pte``'s vocabulary of ``vocab`` ids (its metadata's ``get_vocab_size``): the
+    prompt's ids all inside it, and the tokenizer's size near it (up to ``max(64, 1%)`` more tokens: a few added
+    ones a model never resized for; up to ``max(4096, 5%)`` fewer: an embedding padded to a round size). Another
+    model's tokenizer gives garbage, or an index error inside the runtime: refused in one line naming ``--tokenizer``."""
+    if not isinstance(vocab, int) or vocab <= 0:
+        return  # a program without the runner metadata: nothing to check against
+    size = tokenizer.get_vocab_size(with_added_tokens=True) if hasattr(tokenizer, "get_vocab_size") else len(tokenizer)
+    past = [i for i in ids if not 0 <= i < vocab]
+    if past:
+        what = f"encodes the prompt with id {past[0]}, past the .pte's vocabulary of {vocab}"
+    elif size > vocab + max(64, vocab // 100) or size < vocab - max(4096, vocab // 20):
+        what = f"has {size} tokens, the .pte's vocabulary {vocab}"
+    else:
+        return
+    raise UserError(
+        f"the tokenizer (--tokenizer) {what}: it is another model's tokenizer",
+        fix="pass --tokenizer the tokenizer/ directory saved beside this .pte (or leave --tokenizer out)",
+    )
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -149,4 +149,10 @@ def ladder_for(
                 continue
             kept.append(entry)
         out.append(Rung(**{**rung.__dict__, "entries": tuple(kept)}))
+    if exclude and not any(rung.entries for rung in out):
+        raise UserError(
+            f"--exclude {', '.join(dict.fromkeys(exclude))} leaves no recipe of the {backend} ladder to try",
+            fix=f"exclude fewer of {', '.join(sorted(n for n in named if n))}"
+            + ("" if max_size_mb else " (or give --max_size_mb: the per-layer mixed rung then runs)"),
+        )
     return out

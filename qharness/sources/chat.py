@@ -32,6 +32,7 @@ from pathlib import Path
 from qharness.errors import UserError
 from qharness.sources.chat_demo import TEMPLATE
 from qharness.sources.text import _kind, local_files
+from qharness.upstream.jinja_bounds import bound_chat_templates
 
 ROLES = ("system", "user", "assistant")
 _GENERATION = re.compile(r"{%-?\s*generation\s*-?%}")  # a template that marks its answers itself
@@ -238,6 +239,7 @@ def _render_text(
     generation: bool = False,
     fix: str = "fix that record, or give a template that renders it in data.chat_template",
 ) -> str:
+    bound_chat_templates()  # a template's output bounded before it is allocated
     try:
         return tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False, add_generation_prompt=generation
@@ -317,6 +319,7 @@ def _tokens_in_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tupl
 
 
 def _render_generation(tokenizer, messages, template, where):
+    bound_chat_templates()
     try:
         enc = tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=True, return_dict=True, return_assistant_tokens_mask=True

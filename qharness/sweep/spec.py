@@ -8,7 +8,8 @@ from qharness.errors import UserError
 from qharness.io.names import check_name, check_output_dir
 from qharness.io.yaml_reader import read_yaml
 
-TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report", "jobs"}
+TOP_KEYS = {"sweep_dir", "baseline", "runs", "config", "report", "jobs", "max_runs"}
+MAX_RUNS = 100  # runs a sweep may plan unless its max_runs says more (each run takes minutes)
 RUN_KEYS = {"recipe", "modes", "mode", "config", "name", "autotune"}
 AUTOTUNE_KEYS = {"max_size_mb", "max_latency_ms", "candidates", "unit", "sensitivity"}  # qharness autotune's options
 REPORT_KEYS = {"metric", "max_latency_ms", "max_size_mb", "wandb", "bench_processes"}
@@ -62,6 +63,23 @@ def load_sweep(path: str | Path) -> dict:
             fix="set report.bench_processes: 5 (0 skips the joint benchmark)",
         )
     check_jobs(spec.setdefault("jobs", 1), processes, f"sweep config {path}: jobs")
+    limit = spec.setdefault("max_runs", MAX_RUNS)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
+        raise UserError(
+            f"sweep config {path}: max_runs must be a whole number >= 1 (got {limit!r})",
+            fix=f"e.g. max_runs: {MAX_RUNS}",
+        )
+    count = (1 if spec["baseline"] else 0) + sum(
+        len(m) if isinstance(m := run.get("modes", run.get("mode")), list) else 1
+        for run in spec["runs"]
+        if isinstance(run, dict)
+    )
+    if count > limit:
+        raise UserError(
+            f"sweep config {path} plans {count} runs (baseline included), more than max_runs: {limit}; each run takes "
+            "minutes",
+            fix=f"set max_runs: {count} in the sweep config to run them all, or list fewer runs",
+        )
     for i, run in enumerate(spec["runs"]):
         _check_run_entry(mapping(run, f"sweep config: runs[{i}]"), f"sweep config {path}: runs[{i}]")
     return spec
