@@ -260,23 +260,39 @@ def test_no_clipping_is_refused_where_its_scales_would_not_hold():
         Torchao8da4wSettings(weight_mapping="sym")
 
 
-def test_no_clipping_fake_quantization_never_falls_back_to_torchaos_forward(monkeypatch):
-    """torchao's own forward would compute a no-clipping config as asymmetric: a bf16 weight is refused, and so is
-    QAT with torchao's own fake quantizers."""
+def test_no_clipping_fake_quantization_never_falls_back_to_torchaos_forward():
+    """torchao's own forward would compute a no-clipping config as asymmetric: torchao's module computes what the
+    swapped one does (``route_no_clipping``), and a bf16 weight is refused."""
     from torchao.quantization.qat import IntxFakeQuantizer
 
-    from qharness.errors import UserError
     from qharness.recipes.torchao import Torchao8da4wSettings, torchao_8da4w
     from qharness.upstream import qat_speed
     from qharness.upstream.fixes import xnnpack_bf16_scales
 
     (step,) = torchao_8da4w(Torchao8da4wSettings(weight_mapping="symmetric_no_clipping_err"), is_qat=True).configs
     _, weight = xnnpack_bf16_scales.fake_quantize_configs(step.config)
-    fq = IntxFakeQuantizer(weight)
-    fq.__class__ = qat_speed._fast_class(IntxFakeQuantizer)
-    fq(torch.randn(4, 64))  # float32: the fast path
-    with pytest.raises(RuntimeError, match="asymmetric"):
-        fq(torch.randn(4, 64, dtype=torch.bfloat16))
-    monkeypatch.setenv("QHARNESS_UPSTREAM_QAT", "1")
-    with pytest.raises(UserError, match="QHARNESS_UPSTREAM_QAT"):
-        xnnpack_bf16_scales.fake_quantize_configs(step.config)
+    w, outs = torch.randn(4, 64), []
+    for swapped in (False, True):  # torchao's own module, or swapped by qat_speed.install
+        fq = IntxFakeQuantizer(weight)
+        if swapped:
+            fq.__class__ = qat_speed._fast_class(IntxFakeQuantizer)
+        outs.append(fq(w))
+        with pytest.raises(RuntimeError, match="asymmetric"):
+            fq(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert _same(outs[0], outs[1])
+    groups = w.view(4, 2, 32)
+    scale = torch.maximum(groups.amin(-1).clamp(max=0) / -8, groups.amax(-1).clamp(min=0) / 7)
+    assert ((outs[0].view(4, 2, 32) - groups).abs() <= scale[..., None] * 0.51).all()  # nothing clipped
+
+
+def test_upstream_torchao_still_refuses_no_clipping_fake_quantization():
+    """``route_no_clipping`` exists because torchao 0.18's fake-quantize config refuses ``SYMMETRIC_NO_CLIPPING_ERR``
+    (and its forward would compute a config that had it as asymmetric). When this fails, torchao takes it: check
+    that its forward computes ``choose_qparams_affine``'s no-clipping scales, then drop ``route_no_clipping`` and set
+    the mapping in ``fake_quantize_configs`` directly."""
+    from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.qat import IntxFakeQuantizeConfig
+    from torchao.quantization.quant_primitives import MappingType
+
+    with pytest.raises(ValueError, match="not supported"):
+        IntxFakeQuantizeConfig(torch.int4, PerGroup(32), MappingType.SYMMETRIC_NO_CLIPPING_ERR)

@@ -181,6 +181,33 @@ def _no_clipping(config) -> bool:
     return getattr(getattr(config, "mapping_type", None), "name", "") == "SYMMETRIC_NO_CLIPPING_ERR"
 
 
+def route_no_clipping() -> None:
+    """Make every torchao ``IntxFakeQuantizer`` whose config has ``SYMMETRIC_NO_CLIPPING_ERR`` scales (set by
+    ``fixes/xnnpack_bf16_scales.no_clipping_fake_quantize``; torchao 0.18's config refuses them and its forward would
+    compute them as asymmetric) fake-quantize with ``_per_group``, whether or not ``install`` swapped it; any input
+    ``_per_group`` cannot take is refused. Idempotent. Test that tells when to retire it:
+    tests/test_upstream_qat_speed.py::test_upstream_torchao_still_refuses_no_clipping_fake_quantization."""
+    from torchao.quantization.qat import IntxFakeQuantizer
+
+    if getattr(IntxFakeQuantizer.forward, "_qharness_no_clipping", False):
+        return
+    original = IntxFakeQuantizer.forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.enabled and _no_clipping(self.config):
+            if _fast_kind(self.config, x) != "group":
+                raise RuntimeError(
+                    f"symmetric_no_clipping_err fake quantization of a {x.dtype} {tuple(x.shape)} tensor: only "
+                    "contiguous float32 2-D weights whose width the group divides (torchao's own forward would "
+                    "compute it as asymmetric)"
+                )
+            return _per_group(self, x)
+        return original(self, x)
+
+    forward._qharness_no_clipping = True
+    IntxFakeQuantizer.forward = forward
+
+
 _FAST: dict[type, type] = {}
 
 
@@ -195,12 +222,6 @@ def _fast_class(base: type) -> type:
                 kind = _fast_kind(self.config, x) if self.enabled else None
                 if kind == "group":
                     return _per_group(self, x)
-                if self.enabled and _no_clipping(self.config):
-                    raise RuntimeError(
-                        f"symmetric_no_clipping_err fake quantization of a {x.dtype} {tuple(x.shape)} "
-                        "tensor: only float32 2-D weights whose width the group divides (torchao's own forward "
-                        "would compute it as asymmetric)"
-                    )
                 if kind == "token":
                     return _per_token(self, x)
                 return super().forward(x)

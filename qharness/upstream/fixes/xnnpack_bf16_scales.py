@@ -46,9 +46,9 @@ def fake_quantize_configs(config, range_learning: bool = False):
     scale precision set to it, so QAT's weights are the deployed ones bit for bit. ``range_learning``: the weight
     scale is a float32 parameter (a bf16 one would lose Adam's small steps) that computes through its bf16 value
     (``learned_kernel_scales``)."""
-    from qharness.upstream import imports
-
     from torchao.quantization.quant_primitives import MappingType
+
+    from qharness.upstream import imports
 
     dtype = getattr(config, "weight_scale_dtype", None)
     mapping = getattr(config, "weight_mapping_type", MappingType.SYMMETRIC)
@@ -68,27 +68,21 @@ def fake_quantize_configs(config, range_learning: bool = False):
 def no_clipping_fake_quantize(weight_config, mapping) -> None:
     """Give a weight fake-quantize config torchao's ``SYMMETRIC_NO_CLIPPING_ERR`` scales, which torchao 0.18's
     ``IntxFakeQuantizeConfig`` refuses (SYMMETRIC or ASYMMETRIC only) and its fake quantizer would compute as
-    asymmetric: set after construction, and computed by ``upstream/qat_speed.py``'s fake quantizer alone (it refuses
-    any input it cannot take rather than fall back to torchao's forward). ``QHARNESS_UPSTREAM_QAT=1`` (torchao's own
-    fake quantizers) cannot train it."""
-    from qharness.errors import UserError
-    from qharness.upstream.qat_speed import upstream_qat
+    asymmetric: set after construction, and computed by ``upstream/qat_speed.py``'s ``_per_group`` alone
+    (``route_no_clipping``: it refuses any input it cannot take rather than fall back to torchao's forward), also
+    under ``QHARNESS_UPSTREAM_QAT=1``."""
+    from qharness.upstream.qat_speed import route_no_clipping
 
-    if upstream_qat():
-        raise UserError(
-            f"weight_mapping {mapping.name.lower()}: torchao's own fake quantizers (QHARNESS_UPSTREAM_QAT=1) compute "
-            "no such scales",
-            fix="unset QHARNESS_UPSTREAM_QAT, or use a recipe with weight_mapping: symmetric",
-        )
+    route_no_clipping()
     object.__setattr__(weight_config, "mapping_type", mapping)
 
 
 def qat_config(config):
     """``QATConfig(config, step="prepare")``, for a ``config`` with ``weight_scale_dtype`` too
     (``fake_quantize_configs``)."""
-    from qharness.upstream import imports
-
     from torchao.quantization.quant_primitives import MappingType
+
+    from qharness.upstream import imports
 
     qat = imports.torchao_qat()
     plain = getattr(config, "weight_mapping_type", MappingType.SYMMETRIC) == MappingType.SYMMETRIC
