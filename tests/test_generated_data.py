@@ -106,7 +106,7 @@ def test_chat_samples_start_with_the_templated_prompt_which_is_not_trained(tiny_
         source="generated",
         tokenizer=str(tiny_llama),
         chat_template="embedded",
-        seq_len=64,
+        seq_len=128,
         batch_size=1,
         val_fraction=0.25,
         generated_samples=8,
