@@ -119,7 +119,8 @@ def test_bad_config_fails_before_torch(name, tmp_path):
 @pytest.mark.fast
 def test_shipped_and_test_configs_pass(tmp_path):
     shipped = [
-        ROOT / "configs" / name for name in ("qat_xnnpack.yaml", "ptq_xnnpack.yaml", "qat_fsdp.yaml", "qat_chat.yaml")
+        ROOT / "configs" / name
+        for name in ("qat_xnnpack.yaml", "ptq_xnnpack.yaml", "qat_fsdp.yaml", "qat_chat.yaml", "qat_generated.yaml")
     ]
     for config in [*shipped, _good(tmp_path)]:
         for sub in ("fit", "calibrate", "validate", "test", "export", "evaluate", "sensitivity"):

@@ -9,6 +9,9 @@ Chat and instruction records (``data.format``) are rendered with the chat templa
 same way (``qharness.sources.example_cache``); their targets are -100 wherever nothing is trained (prompts, the first
 token of each example), which the loss and the scores skip. Split, resume and DDP sharding index blocks as for text.
 
+``source: generated`` is the FP model's own samples (``qharness.sources.generated``, cached): a token stream with its
+targets (-100 on each sample's prompt) packed and split the same way.
+
 Example::
 
     dm = TextDataModule(source="../shared/data/tinyshakespeare/input.txt", seq_len=64, batch_size=8)
@@ -37,6 +40,9 @@ from qharness.sources.chat import (
 )
 from qharness.sources.chat_demo import EMBEDDED_CHAT, embedded_chat_file
 from qharness.sources.example_cache import IGNORE, describe, example_stream
+from qharness.sources.generated import GENERATED, GenerateSpec
+from qharness.sources.generated_cache import describe as describe_generated
+from qharness.sources.generated_cache import generated_stream
 from qharness.sources.token_cache import token_stream
 
 
@@ -114,6 +120,7 @@ class TextDataModule(L.LightningDataModule):
         self.config = config
         self.format: ChatFormat | None = None  # set up: the chat/instruction format of data.source (None: text)
         self.counts: dict | None = None  # set up, chat/instruction: examples, tokens, trained tokens, ...
+        self.sampled_chat: tuple[str | None] | None = None  # set up, generated answers: (their template,)
         self.train_x = self.train_y = self.val_x = self.val_y = self.val_tokens = None
         self.tokenizer = None
 
@@ -136,7 +143,8 @@ class TextDataModule(L.LightningDataModule):
         if self.train_x is not None:
             return
         self.load_tokenizer()
-        with progress_stage(f"reading and tokenizing data.source {self.source}"):
+        what = "preparing" if self.source == GENERATED else "reading and tokenizing"
+        with progress_stage(f"{what} data.source {self.source}"):
             stream, targets = self.tokens_of(self.source, self.text_field)  # memory-mapped token cache
         n_val = int(len(stream) * self.val_fraction)
         cut = len(stream) - n_val
@@ -149,7 +157,8 @@ class TextDataModule(L.LightningDataModule):
                 raise UserError(
                     f"data.source {self.source}: the {name} split has {len(x)} blocks of seq_len={self.seq_len}, "
                     f"fewer than one batch (batch_size={self.batch_size})",
-                    fix="use more text, a smaller seq_len/batch_size, or another val_fraction",
+                    fix=("raise data.generated_samples, or use" if self.source == GENERATED else "use more text,")
+                    + " a smaller seq_len/batch_size, or another val_fraction",
                 )
             if targets is not None and not bool((y != IGNORE).any()):  # its loss and perplexity would be 0 and 1
                 raise UserError(
@@ -184,6 +193,8 @@ class TextDataModule(L.LightningDataModule):
         """``(tokens, targets)`` of a source in this data's format: plain text (targets None: the tokens themselves)
         or chat/instruction examples (targets -100 where nothing is trained; the data line printed)."""
         tokenizer = self.load_tokenizer()
+        if source == GENERATED:  # the FP model's own samples, generated once into the cache
+            return self.generated(field)
         if source == EMBEDDED_CHAT:  # the offline instruction dataset, written once into the cache
             source = str(embedded_chat_file())
         fmt = self.chat_format(source, field)
@@ -193,6 +204,27 @@ class TextDataModule(L.LightningDataModule):
         if field == "data.source":
             self.format, self.counts = fmt, counts
         print(f"[qharness] {describe(counts, fmt)}", file=sys.stderr, flush=True)
+        return tokens, targets
+
+    def generated(self, field: str = "data.source"):
+        """``(tokens, targets)`` of ``source: generated``: the samples of ``data.tokenizer``'s model (linked to
+        ``model.checkpoint``; ``qharness.sources.generated``), cached. Answers to chat-templated prompts where there is
+        a template (``data.chat_template`` or the tokenizer's) and ``data.format`` is not ``text``; else LLM-QAT text.
+        The data line printed."""
+        c, tokenizer = self.config, self.load_tokenizer()
+        template = load_template(c.chat_template)
+        chat = c.format != "text" and (template is not None or bool(getattr(tokenizer, "chat_template", None)))
+        if c.format in ("chat", "instruction") and not chat:
+            check_template(tokenizer, template, other="set data.format: text", what=f"{field} {GENERATED}'s prompts")
+        spec = GenerateSpec(
+            samples=c.generated_samples, length=self.seq_len + 1, seed=self.seed, top_p=c.generated_top_p
+        )
+        tokens, targets, counts = generated_stream(
+            self.tokenizer_source, tokenizer, spec, chat, template, self.trust_remote_code, field
+        )
+        if field == "data.source" and chat:
+            self.sampled_chat = (template,)
+        print(f"[qharness] {describe_generated(counts, spec.length)}", file=sys.stderr, flush=True)
         return tokens, targets
 
     def conversations(self, source: str | None, limit: int) -> list[tuple[str, list[dict]]]:
@@ -217,9 +249,10 @@ class TextDataModule(L.LightningDataModule):
         return str(embedded_chat_file()) if self.source == EMBEDDED_CHAT else self.source
 
     def end_of_turn_ids(self) -> list[int]:
-        """Chat/instruction data: the template's end-of-turn tokens (the ``.pte`` stops at them); text: none."""
+        """Chat/instruction data and generated answers: the template's end-of-turn tokens (the ``.pte`` stops at them);
+        text: none."""
         if self.format is None:
-            return []
+            return [] if self.sampled_chat is None else end_of_turn_ids(self.load_tokenizer(), self.sampled_chat[0])
         return end_of_turn_ids(self.load_tokenizer(), self.format.template)
 
     def train_dataloader(self) -> DataLoader:

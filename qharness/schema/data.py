@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,13 +22,16 @@ class DataConfig:
     Args:
         source: ``embedded`` (text shipped with Python: documentation topics and stdlib sources),
             ``embedded-chat`` (question/answer pairs built from the stdlib's docstrings: instruction data, offline),
-            a local .txt/.json/.jsonl/.parquet/.csv file or directory, or a hub dataset id (online only).
+            ``generated`` (no data of yours: the FP model's own samples, ``generated_samples`` of them, answers to
+            chat-templated generic prompts for a model with a chat template, else LLM-QAT's text from a random
+            first token; QAT with it needs ``model.distill``), a local .txt/.json/.jsonl/.parquet/.csv file or
+            directory (``./generated`` for a directory of that name), or a hub dataset id (online only).
         text_field: Column holding the text (json/parquet/csv/hub sources).
         tokenizer: Where the tokenizer comes from; linked to ``model.checkpoint`` (you rarely set it).
         seq_len: Tokens per block: the sequence length the model is trained and evaluated on.
         batch_size: Blocks per batch. Training graphs are exported with this static batch size.
         val_fraction: Fraction of the token stream (its end) held out for validation and parity checks.
-        seed: Seed of the training-batch shuffle.
+        seed: Seed of the training-batch shuffle (and of ``source: generated``'s sampling).
         trust_remote_code: Allow the tokenizer's own code from the hub (off by default; only for sources you trust).
         format: ``text`` (language modelling on ``text_field``), ``chat`` (records with a ``messages_field`` list of
             ``role``/``content`` turns), ``instruction`` (``prompt_field``/``completion_field`` pairs, or alpaca
@@ -44,6 +48,10 @@ class DataConfig:
             of each example). Never across example boundaries.
         long_examples: Chat/instruction: an example longer than seq_len + 1 tokens is ``truncate``d to its first
             seq_len + 1 tokens, or ``drop``ped (counted and reported).
+        generated_samples: ``source: generated``: how many samples the FP model writes (each at most seq_len + 1
+            tokens, prompt included; sampled once, cached). The last ``val_fraction`` of their tokens is validation.
+        generated_top_p: ``source: generated``: the nucleus of each next-token distribution sampled from, in (0, 1]
+            (1.0: the whole distribution, as LLM-QAT samples; 0.9-0.95 leaves out the unlikely tail).
     """
 
     source: str = "embedded"
@@ -61,6 +69,8 @@ class DataConfig:
     chat_template: str | None = None
     train_on: Literal["answers", "all"] = "answers"
     long_examples: Literal["truncate", "drop"] = "truncate"
+    generated_samples: int = 128
+    generated_top_p: float = 1.0
 
     def __post_init__(self):
         self.validate()
@@ -91,6 +101,16 @@ class DataConfig:
         ):
             if not getattr(self, name).strip():
                 raise UserError(f"data.{name} is empty", fix=f"e.g. data.{name}: {example}")
+        if self.generated_samples < 1:
+            raise UserError(
+                f"data.generated_samples must be at least 1 (got {self.generated_samples})",
+                fix="e.g. data.generated_samples: 128",
+            )
+        if not (math.isfinite(self.generated_top_p) and 0.0 < self.generated_top_p <= 1.0):
+            raise UserError(
+                f"data.generated_top_p must lie in (0, 1] (got {self.generated_top_p})",
+                fix="1.0 samples the whole distribution; e.g. data.generated_top_p: 0.95",
+            )
         if self.chat_template is not None and not self.chat_template.strip():
             raise UserError("data.chat_template is empty", fix="give a Jinja template (file or text), or leave it null")
         check_source(

@@ -36,6 +36,7 @@ from qharness.schema.fields import build, coerce, hints
 from qharness.schema.model import ModelConfig, check_layer_units
 from qharness.schema.trainer import CheckpointConfig, TrainerConfig
 from qharness.sources.chat_demo import check_tuned_split
+from qharness.sources.generated import GENERATED
 
 # Sections backed by a Lightning class: names not in the dataclass are that class's own fields (Lightning checks them).
 LIGHTNING_SECTIONS = {"trainer", "checkpoint"}
@@ -147,6 +148,7 @@ class RunConfig:
             check_lengths(self.bench.prompt_len, self.bench.decode_tokens, self.bench.reps, self.deploy.max_seq_len)
         if readable("model", "data"):
             check_tuned_split(m.checkpoint, d.source, d.seq_len, d.val_fraction)
+            check_generated(d.source, m.mode, m.distill is not None)
         if readable("model", "trainer"):
             recipe = m.load_recipe()
             if t.strategy == "fsdp_layers":
@@ -155,6 +157,23 @@ class RunConfig:
                 check_precision(t.precision, recipe, m.mode)
             if subcommand == "fit" or (subcommand == "autotune" and m.mode == "qat"):
                 check_trains(t)
+
+
+def check_generated(source: str, mode: str, distills: bool) -> None:
+    """``data.source: generated`` in QAT trains on the FP model's own samples: the signal is the FP model's full
+    distribution at each position (distillation), not the one token it happened to sample, so QAT needs
+    ``model.distill``. Refused rather than turned on, so the config says what trains (PTQ needs nothing).
+
+    Example::
+
+        check_generated("generated", "qat", distills=False)   # UserError: ... needs model.distill
+    """
+    if source == GENERATED and mode == "qat" and not distills:
+        raise UserError(
+            "data.source generated trains QAT on the FP model's own samples, which needs model.distill (the FP "
+            "model's distributions are the signal, not its sampled tokens)",
+            fix="add model: {distill: {hard_loss: false}} (or --model.distill.hard_loss false), or use model.mode: ptq",
+        )
 
 
 def check_max_seq_len(max_seq_len: int, seq_len: int) -> None:

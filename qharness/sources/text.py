@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from qharness.errors import UserError
+from qharness.sources.generated import GENERATED
 
 EMBEDDED = "embedded"
 
@@ -190,10 +191,11 @@ def _skip_note(path: Path, why: str) -> None:
 
 def local_files(source: str, field: str = "data.source") -> list[Path] | None:
     """The data files of a local ``source`` (a file, or a directory searched recursively), in reading order;
-    ``None`` when ``source`` is ``embedded`` or names no local path (a hub dataset id). ``field`` names the setting
+    ``None`` when ``source`` is ``embedded``, ``generated`` (the model's own samples: ``sources.generated``; a
+    directory of that name is ``./generated``) or names no local path (a hub dataset id). ``field`` names the setting
     in errors. A path that does not exist but looks like one (``./``, ``/``, ``~``, a data-file suffix such as
     ``calib.txt``, or more than one ``/``) is refused; in a directory, empty files are skipped with a note."""
-    if source == EMBEDDED:
+    if source in (EMBEDDED, GENERATED):
         return None
     if not source.strip():  # Path("") is the current directory
         raise UserError(f"{field} is empty", fix="give a text file or directory, a hub dataset id, or 'embedded'")
@@ -268,6 +270,11 @@ def iter_documents(
     document, read ``chunk_bytes`` at a time; a row of a table or a hub dataset is one document, one piece).
     Memory stays bounded by the chunk and batch sizes, not the source's. Blank documents are not filtered here.
     """
+    if source == GENERATED:  # token ids sampled by the model, not text: read by TextDataModule.tokens_of alone
+        raise UserError(
+            f"{field} {GENERATED} (the FP model's own samples) is read as data.source or calibration.source only",
+            fix=f"leave {field} null (the run's held-out data), or give a text file",
+        )
     files = local_files(source, field)
     if source == EMBEDDED:
         for doc in embedded_corpus():
