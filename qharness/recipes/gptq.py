@@ -31,8 +31,6 @@ import torch
 from qharness.progress import stage
 from qharness.sources.models import put_weights, tied
 
-NO_CLIPPING = "SYMMETRIC_NO_CLIPPING_ERR"  # torchao's MappingType name
-
 DAMP = 0.01  # of the mean Hessian diagonal, added to it (the reference's percdamp)
 BLOCK = 128  # columns rounded together before the error reaches the rest (a multiple of every group size)
 
@@ -157,6 +155,8 @@ def gptq_round(
     rounded weights and their ``(scale, zero_point)``, both keyed by weight name (``put_weights`` puts the weights
     into a model; ``SourceQuantizer.convert`` takes the qparams). The Hessians come from one pass of the FP model
     over ``blocks``."""
+    from torchao.quantization.quant_primitives import MappingType
+
     layers = gptq_layers(model, quantizer)
     if not layers:
         raise ValueError("the recipe rounds no layer with GPTQ")
@@ -167,7 +167,7 @@ def gptq_round(
         for name, (m, config) in layers.items():
             qmin, qmax, group = grid(config, m.in_features)
             scale_dtype = getattr(config, "weight_scale_dtype", None)
-            no_clipping = getattr(getattr(config, "weight_mapping_type", None), "name", "") == NO_CLIPPING
+            no_clipping = getattr(config, "weight_mapping_type", None) == MappingType.SYMMETRIC_NO_CLIPPING_ERR
             codes, scales = gptq_layer(m.weight, hs[name], qmin, qmax, group, damp, scale_dtype, no_clipping)
             weights[f"{name}.weight"] = dequantize(codes, scales).to(m.weight.dtype)
             qparams[f"{name}.weight"] = (scales, torch.zeros_like(scales))

@@ -178,7 +178,9 @@ def _fast_kind(config, x: torch.Tensor) -> str | None:
 
 
 def _no_clipping(config) -> bool:
-    return getattr(getattr(config, "mapping_type", None), "name", "") == "SYMMETRIC_NO_CLIPPING_ERR"
+    from torchao.quantization.quant_primitives import MappingType
+
+    return getattr(config, "mapping_type", None) == MappingType.SYMMETRIC_NO_CLIPPING_ERR
 
 
 def route_no_clipping() -> None:
