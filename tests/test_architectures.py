@@ -28,6 +28,7 @@ FAMILIES = {
     "phi3": ("phi3", False, {}),  # fused qkv and gate_up projections
     "mistral": ("mistral", False, {}),
     "qwen3": ("qwen3", False, {}),  # q/k norms
+    "lfm2": ("lfm2", None, {"head_dim": None, "layer_types": ["conv", "full_attention"]}),  # a convolution state
 }
 
 
@@ -78,7 +79,11 @@ def _save_config_only(path, model_type, **kwargs):
     "model_type, kwargs, reason",
     [
         ("t5", dict(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2), "it is an encoder-decoder"),
-        ("mamba", dict(vocab_size=64, hidden_size=16, num_hidden_layers=1), "keeps a recurrent state, not a KV cache"),
+        (
+            "mamba",
+            dict(vocab_size=64, hidden_size=16, num_hidden_layers=1),
+            "keeps a recurrent .SSM / linear-attention. state",
+        ),
         ("distilbert", dict(vocab_size=64, dim=16, n_layers=1, n_heads=2, hidden_dim=32), "has no causal-LM class"),
     ],
 )
@@ -87,6 +92,57 @@ def test_unsupported_architecture_is_refused_with_the_reason(tmp_path, model_typ
     with pytest.raises(UserError, match=reason) as e:
         check_architecture(source)
     assert f"model_type '{model_type}'" in str(e.value)
+
+
+HYBRID = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "model_type, kwargs, kinds",
+    [
+        ("qwen3_5", dict(layer_types=["linear_attention", "full_attention"]), "linear_attention"),  # gated DeltaNet
+        ("granitemoehybrid", dict(layer_types=["mamba", "attention"]), "linear_attention"),  # Granite-4.0-H
+        ("falcon_h1", {}, "hybrid"),  # two layers: its two-entry time_step_limit is a setting, not per layer
+        ("bamba", {}, "linear_attention"),  # layers_block_type: a property derived from other settings
+        ("jamba", {}, "linear_attention"),
+    ],
+)
+def test_recurrent_state_hybrids_are_refused_in_one_line_naming_what_is_missing(tmp_path, model_type, kwargs, kinds):
+    """Hybrids whose layers keep an SSM / linear-attention state: refused before any work, in one line naming the
+    layers and the missing piece, with a fix that can help (LFM2's convolution hybrids deploy); never a traceback from
+    the one-layer-per-type probe."""
+    source = _save_config_only(tmp_path / model_type, model_type, **HYBRID, **kwargs)
+    with pytest.raises(UserError, match=f"in its .*{kinds}.* layers; .*not yet a recurrent state") as e:
+        check_architecture(source)
+    assert "LFM2" in e.value.fix and "\n" not in str(e.value)
+
+
+@pytest.mark.fast
+def test_probe_cuts_the_configs_own_per_layer_fields_only():
+    from transformers import AutoConfig
+
+    falcon = AutoConfig.for_model("falcon_h1", **HYBRID)  # time_step_limit has 2 entries: not per layer
+    probe = probe_config(falcon)
+    assert probe.time_step_limit == falcon.time_step_limit and probe.num_hidden_layers == 1
+    lfm2 = AutoConfig.for_model("lfm2", **HYBRID, layer_types=["conv", "full_attention"])
+    assert probe_config(lfm2).layer_types == ["conv", "full_attention"]
+    three = AutoConfig.for_model(
+        "lfm2", **dict(HYBRID, num_hidden_layers=3), layer_types=["conv", "full_attention", "conv"]
+    )
+    assert probe_config(three).layer_types == ["conv", "full_attention"]
+
+
+@pytest.mark.fast
+def test_a_config_the_probe_cannot_build_is_refused_in_one_line(tmp_path, monkeypatch):
+    import qharness.deploy.architectures as arch
+
+    source = _save_config_only(tmp_path / "lfm2", "lfm2", **HYBRID, layer_types=["conv", "full_attention"])
+    monkeypatch.setattr(arch, "probe_config", lambda config: (_ for _ in ()).throw(AttributeError("no setter")))
+    with pytest.raises(
+        UserError, match="cannot build a copy of it with one layer of each type .AttributeError: no setter."
+    ):
+        check_architecture(source)
 
 
 @pytest.mark.fast
@@ -180,7 +236,8 @@ def test_qwen2_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, family
 # --- slow: every family through the CLI, with lowering and the runtime parity gate -----------------------
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "name, command", [("gemma2", "fit"), ("phi3", "fit"), ("mistral", "fit"), ("qwen3", "fit"), ("gemma", "calibrate")]
+    "name, command",
+    [("gemma2", "fit"), ("phi3", "fit"), ("mistral", "fit"), ("qwen3", "fit"), ("lfm2", "fit"), ("gemma", "calibrate")],
 )
 def test_family_through_the_cli(name, command, tmp_path, family_dir, corpus):
     source = family_dir(name, layers=2)

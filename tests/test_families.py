@@ -37,6 +37,9 @@ MLA = dict(
     first_k_dense_replace=1,
 )
 
+LFM2 = dict(head_dim=None, layer_types=["conv", "full_attention"])
+MOE_LFM2 = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+
 # name: (model_type, config, linear weights the deploy must quantize (2 layers + the output head), export path,
 #        the default suite's recipe); the pattern each one stands for in the comment
 FAMILIES = {
@@ -59,7 +62,12 @@ FAMILIES = {
     "mistral_window": ("mistral", dict(sliding_window=8), 2 * 7 + 1, "fast", W4),
     # attention and final logit soft-capping, alternating window/full layers
     "gemma2": ("gemma2", dict(sliding_window=8), 2 * 7 + 1, "fast", INT8),
+    # a short gated convolution layer (a convolution state in the program, no KV cache) then an attention layer
+    "lfm2": ("lfm2", dict(LFM2), 5 + 7 + 1, "fast", W4),
+    # the same hybrid with MoE: a dense conv layer, then attention with batched 3-D experts (router, 4 x 3)
+    "lfm2_moe": ("lfm2_moe", dict(LFM2, num_dense_layers=1, **MOE_LFM2), 5 + 4 + 1 + 12 + 1, "fast", INT8),
 }
+CONVS = {name: ("model.layers.0.conv.conv",) for name in ("lfm2", "lfm2_moe")}  # layer 0: the convolution layer
 OTHER = {INT8: W4, W4: INT8}
 CLI_DEFAULT = ("gpt_neox",)  # the family the default suite also runs through `qharness calibrate` (test_moe: Mixtral)
 PROMPT = "def main():"
@@ -116,12 +124,15 @@ def deploy(source, recipe_name: str, run_dir, text: str, monkeypatch) -> tuple[d
     return summary.to_dict(), graphs[0]
 
 
-def check_coverage(summary: dict, expected_weights: int) -> None:
+def check_coverage(summary: dict, expected_weights: int, convolutions: tuple[str, ...] = ()) -> None:
     """Every linear weight of the model counted, and quantized by the recipe: none float, 100% of the bytes; parity
-    passed."""
+    passed. A recurrent layer's convolution (LFM2's) is recorded apart, float, with why."""
     cov = summary["coverage"]
     assert cov["weights"] == cov["quantized"] == expected_weights, cov
     assert cov["float"] == {} and cov["fraction"] == 1.0, cov
+    convs = cov.get("convolutions", {})
+    assert sorted(convs) == sorted(convolutions), convs
+    assert all(not c["quantized"] and "portable conv kernel" in c["note"] for c in convs.values()), convs
     parity = summary["parity"]
     assert summary["quantized"] and parity["passed"], parity
     assert parity["near_ties"] < parity["positions"], parity  # the argmax agreement counted some decided positions
@@ -159,7 +170,7 @@ def test_family_deploys_fully_quantized_passes_parity_and_runs_in_the_runner(
 ):
     _, _, weights, path, _ = FAMILIES[name]
     summary, graph = deploy(family_dir(name), recipe, tmp_path / "run", corpus.read_text(), monkeypatch)
-    check_coverage(summary, weights)
+    check_coverage(summary, weights, CONVS.get(name, ()))
     assert float_weight_matmuls(graph) == []  # counted apart from coverage.py: no projection reads a float weight
     assert summary["pte"]["export_path"] == path, summary["pte"]["fallback_reason"]
     check_runner(tmp_path / "run")
@@ -176,7 +187,7 @@ def test_family_through_calibrate(name, family_dir, corpus, tmp_path):
     result = run_cli("calibrate", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    check_coverage(summary, weights)
+    check_coverage(summary, weights, CONVS.get(name, ()))
     assert summary["pte"]["export_path"] == path, summary["pte"]["fallback_reason"]
     assert f"quantized: 100.0% of linear weight bytes ({weights} of {weights} weights)" in result.stdout
     gen = run_cli("generate", "--pte", tmp_path / "run" / "model.pte", "--prompt", PROMPT, "--max_new_tokens", "6")

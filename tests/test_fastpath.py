@@ -93,6 +93,8 @@ FAMILIES = {
     "granite": {},  # multipliers (same parts, no code of ours)
     "starcoder2": {},
     "gpt2": {},  # learned positions, no rotary
+    "lfm2": {"layer_types": ["conv", "full_attention"]},  # a convolution state (no KV cache) in layer 0
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1, "num_experts": 4},
 }
 
 

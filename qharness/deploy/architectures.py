@@ -4,7 +4,8 @@ qharness needs a decoder-only causal LM that ``torch.export`` traces in two form
 training graph (``prepare.export_for_training``, exported when ``fit`` starts) and transformers'
 static-KV-cache export (``lower.export_static_cache``, run after training). Nothing in qharness is
 written per architecture; ``check_architecture`` reads ``config.json``, rules out what cannot work
-(encoder-decoders, no causal-LM class, recurrent state instead of a KV cache) and, given the run's recipe,
+(encoder-decoders, no causal-LM class, a recurrent SSM / linear-attention state: convolution states, LFM2's, are
+carried) and, given the run's recipe,
 deploys a copy with one layer of each layer type, random weights and a small vocabulary exactly as deployment will
 after training (``check_deploy``: export, quantization, the coverage check, lowering), so a model that would fail
 after hours of training (an op the backend lacks, a quantizer error, a projection the recipe would leave float)
@@ -49,22 +50,43 @@ def load_config(source: str, trust_remote_code: bool = False):
         ) from e
 
 
+# a config's per-layer fields: one entry per hidden layer, cut with the layers a probe keeps (any other list, however
+# long, is a setting: Falcon-H1's two-entry time_step_limit in a two-layer model is not per layer)
+PER_LAYER_FIELDS = (
+    "layer_types",
+    "mlp_layer_types",
+    "layers_block_type",
+    "indexer_types",
+    "layer_rope_theta",
+    "no_rope_layers",
+    "activation_sparsity_pattern",
+)
+
+
 def probe_config(config):
     """A copy of ``config`` with one layer of each distinct layer type (same widths), for a cheap trace.
 
-    Per-layer lists (``layer_types`` and any other list as long as the layer count) keep the entries of
-    the kept layers.
+    The config's own per-layer fields (``PER_LAYER_FIELDS``: ``layer_types`` and the like) keep the entries of the
+    kept layers; a layer's type is its entries in all of them (attention kind, dense or sparse MLP, ...).
     """
     config = copy.deepcopy(config)
     text = config.get_text_config()
     n = getattr(text, "num_hidden_layers", None)
     if not isinstance(n, int) or n <= 1:
         return config
-    types = getattr(text, "layer_types", None) or ["layer"] * n
+    fields = [
+        key
+        for key in PER_LAYER_FIELDS
+        if isinstance(getattr(text, key, None), (list, tuple)) and len(getattr(text, key)) == n
+    ]
+    types = list(zip(*(getattr(text, key) for key in fields))) if fields else ["layer"] * n
     keep = sorted({t: i for i, t in reversed(list(enumerate(types)))}.values())  # first layer of each type
-    for key, value in list(vars(text).items()):
-        if isinstance(value, (list, tuple)) and len(value) == n:
-            setattr(text, key, type(value)(value[i] for i in keep))
+    for key in fields:
+        attr = getattr(type(text), getattr(text, "attribute_map", {}).get(key, key), None)  # an alias's target
+        if isinstance(attr, property) and attr.fset is None:  # derived from other settings (Jamba's layer_types)
+            continue
+        value = getattr(text, key)
+        setattr(text, key, type(value)(value[i] for i in keep))
     text.num_hidden_layers = len(keep)
     return config
 
@@ -216,17 +238,31 @@ def check_architecture(
     marker = cache_dir() / "architectures" / _cache_key(config, recipe, max_seq_len)
     if marker.is_file():
         return
-    probe = probe_config(config)
     try:
+        probe = probe_config(config)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(probe, trust_remote_code=trust_remote_code).eval()
-    except ValueError as e:  # "Unrecognized configuration class ... for this kind of AutoModel"
-        raise UserError(f"{what}: transformers has no causal-LM class (AutoModelForCausalLM) for it", fix=FIX) from e
-    if getattr(model, "_is_stateful", False):
+    except Exception as e:
+        if isinstance(e, ValueError) and "Unrecognized configuration class" in str(e):
+            raise UserError(
+                f"{what}: transformers has no causal-LM class (AutoModelForCausalLM) for it", fix=FIX
+            ) from e
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
         raise UserError(
-            f"{what}: {type(model).__name__} keeps a recurrent state, not a KV cache; "
-            "transformers' static-KV-cache export (what the .pte runs) needs attention layers with a KV cache",
-            fix=FIX,
+            f"{what}: the architecture check cannot build a copy of it with one layer of each type "
+            f"({type(e).__name__}: {first})",
+            fix="check the config's per-layer settings (layer_types and the like) against num_hidden_layers, or "
+            "report the config: the check needs that copy before any work",
+        ) from e
+    if getattr(model, "_is_stateful", False):
+        kinds = sorted(set(getattr(probe.get_text_config(), "layer_types", None) or []) - {"full_attention", "conv"})
+        raise UserError(
+            f"{what}: {type(model).__name__} keeps a recurrent (SSM / linear-attention) state"
+            + (f" in its {', '.join(kinds)} layers" if kinds else "")
+            + "; the .pte carries KV caches and convolution states (LFM2), not yet a recurrent state continued "
+            "from call to call (a chunked prefill scan and a one-step decode in one exported method)",
+            fix="deploy a hybrid whose other layers are short convolutions (LFM2, LFM2-MoE) or a KV-cache family "
+            "(Llama, Qwen3, Gemma3, ...)",
         )
     t = time.perf_counter()
     if recipe is not None:

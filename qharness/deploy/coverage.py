@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qharness.deploy.coverage_record import Coverage, EmbeddingTable, FloatWeight, RuleCoverage
+from qharness.deploy.coverage_record import CONV_FLOAT, Convolution, Coverage, EmbeddingTable, FloatWeight, RuleCoverage
 from qharness.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ THROUGH = frozenset(
         "access_subclass_inner_tensor",  # torchao's quantized weight: its int data, scale and zero point
     }
 )
+CONVOLUTIONS = frozenset({"conv1d", "conv2d", "convolution", "_convolution"})  # aten ops convolving with a weight
 FP_RECIPE, RULE = "fp recipe: the recipe quantizes nothing", "recipe rule"
 DEFAULT_RULE = "recipe"  # the rule of every weight no ``layers:`` rule takes
 
@@ -88,6 +89,7 @@ class Inventory:
     params: dict[str, int]
     embeddings: dict[str, tuple[int, int]] = field(default_factory=dict)  # {name: (rows, row width)}
     tied: dict[str, str] = field(default_factory=dict)  # {embedding name: the output head sharing its weight}
+    convs: dict[str, int] = field(default_factory=dict)  # {nn.Conv1d module name: weight bytes} (LFM2's convolutions)
 
 
 def inventory(model: torch.nn.Module) -> Inventory:
@@ -115,7 +117,12 @@ def inventory(model: torch.nn.Module) -> Inventory:
     tied = {}
     if head is not None and emb is not None and getattr(head, "weight", None) is emb.weight:
         tied[names[id(emb)]] = names[id(head)]
-    return Inventory(linears, frozenset(plain), params, embeddings, tied)
+    convs = {
+        name: m.weight.numel() * m.weight.element_size()
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Conv1d)
+    }
+    return Inventory(linears, frozenset(plain), params, embeddings, tied, convs)
 
 
 def _op(node: torch.fx.Node) -> str:
@@ -242,6 +249,28 @@ def embedding_tables(
     return tables
 
 
+def convolutions(graph: torch.fx.GraphModule, layers: Inventory) -> dict[str, Convolution]:
+    """The ``nn.Conv1d`` weights ``graph`` convolves with (``aten.conv1d`` / ``convolution``), quantized (read through a
+    dequantize op) or float, by module name: a recurrent layer's short convolution, outside the linear counts."""
+    params = {n for n, p in graph.named_parameters(remove_duplicate=False) if p.is_floating_point() and p.dim() >= 2}
+    found: dict[str, Convolution] = {}
+    for node in graph.graph.nodes:
+        op = _op(node)
+        if op not in CONVOLUTIONS or len(node.args) < 2:
+            continue
+        status, target = _origin(node.args[1], params)
+        if status == "activation":
+            continue
+        name = _module_of(node, layers.convs) or (target and _match(target.removesuffix(".weight"), layers.convs))
+        if name is None:
+            continue
+        quantized = status == "quantized"
+        found[name] = Convolution(
+            op=op, bytes=layers.convs[name], quantized=quantized, note=None if quantized else CONV_FLOAT
+        )
+    return found
+
+
 def rule_of(quantizer, name: str) -> str:
     """The recipe rule a module falls under: ``recipe`` or ``layers[i] (match 'pattern')`` (``recipes/layers.py``)."""
     owner = getattr(quantizer, "owner", None)
@@ -298,6 +327,7 @@ def measure(graph: torch.fx.GraphModule, layers: Inventory, recipe, quantizer, a
         float=floats,
         unused=sorted(unused),
         embeddings=embedding_tables(graph, layers, recipe, assignment),
+        convolutions=convolutions(graph, layers),
     )
 
 
@@ -383,4 +413,10 @@ def format_coverage(coverage: Coverage | None) -> str | None:
             + (f", a copy apart from the tied {t.tied_to}" if t.tied_to and not t.shared else "")
             for n, t in tables.items()
         )
+    convs = getattr(coverage, "convolutions", None) or {}
+    kept = [n for n, c in convs.items() if not c.quantized]
+    if kept:
+        nbytes = sum(convs[n].bytes for n in kept)
+        names = ", ".join(kept[:2]) + (f", ... ({len(kept)} in all)" if len(kept) > 2 else "")
+        line += f"; float convolutions ({nbytes / 1024:.1f} KiB, as recurrent layers keep them): {names}"
     return line

@@ -50,12 +50,30 @@ class EmbeddingTable:
 
 
 @dataclass(frozen=True)
+class Convolution:
+    """A convolution weight the program reads (a recurrent layer's short convolution, e.g. LFM2's depthwise
+    ``conv1d``): outside the linear counts; ``quantized`` or float, its float ``bytes``, the ``op``, and ``note``: why
+    a float one stays float."""
+
+    op: str
+    bytes: int
+    quantized: bool
+    note: str | None = None
+
+
+CONV_FLOAT = (
+    "the recipe quantizes linear projections: a recurrent layer's depthwise convolution and the state it keeps run "
+    "in float (ExecuTorch's portable conv kernel: XNNPACK's partitioner leaves a depthwise conv1d over a dynamic length)"
+)
+
+
+@dataclass(frozen=True)
 class Coverage:
     """How much of the model the ``.pte`` quantized: the model's linear ``weights`` and their float ``bytes``, how
     many (``quantized``, ``quantized_bytes``) the program quantized, ``fraction`` of the bytes (0 for an FP recipe),
     the same per recipe rule (``rules``), each float weight by name (``float``), the linear modules the program
-    never reads (``unused``, counted nowhere) and the embedding tables it looks up (``embeddings``, by module name;
-    not part of the linear counts)."""
+    never reads (``unused``, counted nowhere), the embedding tables it looks up (``embeddings``, by module name;
+    not part of the linear counts) and the convolution weights it reads (``convolutions``, likewise apart)."""
 
     weights: int
     bytes: int
@@ -67,6 +85,7 @@ class Coverage:
     unused: list[str] = field(default_factory=list)
     # left out of summary.json while empty: summaries of runs without quantized tables read and write the same
     embeddings: dict[str, EmbeddingTable] = field(default_factory=dict, metadata={"omit_empty": True})
+    convolutions: dict[str, Convolution] = field(default_factory=dict, metadata={"omit_empty": True})
 
     def failures(self) -> dict[str, str]:
         """``{weight name: why}`` of the float weights the recipe meant to quantize."""

@@ -97,7 +97,10 @@ def _static_cache_failure(model, error: Exception) -> str:
         shapes = kv_shapes(model, 8)
     except Exception:
         shapes = []
-    for i, (keys, values) in enumerate(shapes):
+    for i, layer in enumerate(shapes):
+        if not isinstance(layer, tuple):  # a state layer (state_cache.StateShapes): no keys and values
+            continue
+        keys, values = layer
         if keys[2:] != values[2:]:
             return (
                 f"layer {i} caches keys of {keys[2]} x {keys[3]} and values of {values[2]} x {values[3]} (heads x width)"

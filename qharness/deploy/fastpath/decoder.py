@@ -13,6 +13,7 @@ from torch.export import Dim
 from qharness.deploy.fastpath.attention import ATTENTION, register
 from qharness.deploy.fastpath.kv_cache import ACTIVE, kv_shapes, update_cache_kv
 from qharness.deploy.fastpath.rope import RopeTable
+from qharness.deploy.fastpath.state_cache import StateShapes, recurrent_state_reason
 from qharness.deploy.fastpath.transposes import sink_transposes
 from qharness.recipes.registry import KV_CACHES
 
@@ -52,7 +53,14 @@ class FastDecoder(torch.nn.Module):
         weight = model.get_input_embeddings().weight
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         buffers, int8 = [], kv_cache == "int8"
-        for i, shapes in enumerate(kv_shapes(model, max_seq_len)):
+        layout = kv_shapes(model, max_seq_len)
+        reason = recurrent_state_reason(type(model).__name__, layout)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        for i, shapes in enumerate(layout):
+            if isinstance(shapes, StateShapes):  # a layer that keeps a convolution state (state_cache.py)
+                buffers.append((self._state_buffers(i, shapes, dtype),))
+                continue
             for kv, shape in zip(("k", "v"), shapes):
                 self.register_buffer(
                     f"{kv}_cache_{i}", torch.zeros(shape, dtype=torch.int8 if int8 else dtype), persistent=False
@@ -76,6 +84,17 @@ class FastDecoder(torch.nn.Module):
             if path.rpartition(".")[2] == "rotary_emb":
                 self.rope_tables[path.replace(".", "__")] = RopeTable(module, max_seq_len, dtype, layer_types)
 
+    def _state_buffers(self, i: int, shapes: StateShapes, dtype) -> list[torch.Tensor | None]:
+        """Layer ``i``'s convolution state buffers (``conv_state_{i}_{j}``, zeros; ``None`` where it keeps none)."""
+        out = []
+        for j, shape in enumerate(shapes.conv):
+            if shape is None:
+                out.append(None)
+                continue
+            self.register_buffer(f"conv_state_{i}_{j}", torch.zeros(shape, dtype=dtype), persistent=False)
+            out.append(getattr(self, f"conv_state_{i}_{j}"))
+        return out
+
     def swapped(self):
         """``fast_modules`` of this decoder's model: the ``ATTENTION`` implementation and the rotary tables."""
         return fast_modules(self.model, {k.replace("__", "."): v for k, v in self.rope_tables.items()})
@@ -86,6 +105,7 @@ class FastDecoder(torch.nn.Module):
         torch._check(start >= 0)
         torch._check(start + n <= self.max_seq_len)
         self.cache.start = start
+        self.cache.carry = (input_pos > 0).to(torch.float32)  # state layers: continue the stored window, or a new one
         position_ids = (input_pos + torch.arange(n))[None]
         ACTIVE.append(self.cache)
         try:

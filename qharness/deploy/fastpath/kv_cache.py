@@ -88,8 +88,11 @@ def _cache_layer_class():
 
 
 def update_cache_kv(buffers: list[tuple]):
-    """``UpdateCacheKV``: a transformers ``Cache`` over ``buffers`` (one ``(keys, values, qparams or None)`` per layer)."""
+    """``UpdateCacheKV``: a transformers ``Cache`` over ``buffers``, one per layer: ``(keys, values, qparams or None)``
+    for an attention layer, ``(conv state buffers,)`` for a layer that keeps a convolution state (``state_cache.py``)."""
     from transformers.cache_utils import Cache
+
+    from qharness.deploy.fastpath.state_cache import state_layer
 
     class UpdateCacheKV(Cache):
         """transformers ``Cache`` over per-layer ``update_cache`` buffers; ``start`` is the position of the first
@@ -97,25 +100,34 @@ def update_cache_kv(buffers: list[tuple]):
 
         def __init__(self):
             layer = _cache_layer_class()
-            super().__init__(layers=[layer(self, *b) for b in buffers])
+            super().__init__(layers=[state_layer(self, *b) if len(b) == 1 else layer(self, *b) for b in buffers])
             self.start = 0
+            self.carry = torch.zeros(1)  # state layers: 1.0 when a call continues a sequence (FastDecoder sets it)
 
     return UpdateCacheKV()
 
 
-def kv_shapes(model, max_seq_len: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def kv_shapes(model, max_seq_len: int) -> list:
     """Each layer's key and value cache shapes ``[1, max_seq_len, heads, dim]``, read off the ``DynamicCache`` of a
     one-token forward of the model (its own attention): the heads the model really projects, whatever its config
     calls them. Keys and values may differ in heads and width: multi-head latent attention (DeepSeek-V2/V3) caches
     its compressed latent (``kv_lora_rank`` wide) as keys and its rotary key (``qk_rope_head_dim``) as values, one
-    head each."""
+    head each. A layer that keeps a state instead (LFM2's convolutions, SSMs) gives its ``state_cache.StateShapes``."""
     from transformers import DynamicCache
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    from qharness.deploy.fastpath.state_cache import state_shapes
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
         model(input_ids=torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
     shapes = []
     for layer in cache.layers:
+        if isinstance(layer, LinearAttentionCacheLayerMixin):
+            if hasattr(layer, "keys"):  # both a state and keys/values (Falcon-H1, Zamba2 "hybrid" layers)
+                raise ValueError(f"a {type(layer).__name__} cache layer holding both a state and keys/values")
+            shapes.append(state_shapes(layer))
+            continue
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if keys is None or values is None or keys.dim() != 4 or values.dim() != 4:
             raise ValueError(f"a {type(layer).__name__} cache layer without 4-D keys and values")

@@ -1,0 +1,160 @@
+"""Hybrid decode speed: an LFM2 ``.pte`` (short gated convolutions with a convolution state + attention layers with a
+KV cache) against a dense Llama ``.pte`` of the same parameter count (same width, depth, heads and vocabulary; the
+MLP width chosen so the totals match), in one joint run.
+
+qharness carries LFM2's convolution state as a ``[1, hidden, kernel]`` buffer of the program
+(``qharness/deploy/fastpath/state_cache.py``); its depthwise ``conv1d`` runs in float outside the XNNPACK delegate (the
+portable kernel). What a convolution layer saves against attention: no KV cache to read (it grows with the position),
+one ``3 x hidden`` input projection instead of q/k/v. What it costs: the portable convolution and the state copy per
+call. The script measures the net effect at two shapes: ``tiny`` (4 layers, hidden 256) and ``350m`` (LFM2-350M's
+config: 16 layers, 10 of them convolutions, hidden 1024, vocabulary 65536).
+
+Each model is random-init (speed depends on shapes, not values), built in-process, quantized by ``--recipe`` (PTQ,
+calibrated on random tokens) and lowered with qharness's own deploy functions; then ``qharness.runtime.joint.interleaved``
+times both in ``--processes`` fresh processes each, alternating rounds, one thread count. Printed: the joint table
+(median (min-max) over processes), the decode ratio LFM2 / dense per round (process k against process k), median
+(min-max), and each ``.pte``'s size and parameter count.
+
+    python scripts/bench_hybrid.py --shape tiny                   # a few minutes here
+    python scripts/bench_hybrid.py --shape 350m --processes 3     # export and lowering of two 350M models: ~15 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+# LFM2-350M's config.json (hidden, layers, heads, KV heads, vocabulary, the attention layers' indices, MLP width)
+SHAPES = {
+    "tiny": dict(hidden=256, layers=4, heads=4, kv_heads=2, vocab=4096, attention=(1, 3), intermediate=1024),
+    "350m": dict(
+        hidden=1024, layers=16, heads=16, kv_heads=8, vocab=65536, attention=(2, 5, 8, 10, 12, 14), intermediate=6656
+    ),
+}
+
+
+def lfm2_config(shape: dict, max_seq_len: int):
+    from transformers import AutoConfig
+
+    types = ["full_attention" if i in shape["attention"] else "conv" for i in range(shape["layers"])]
+    return AutoConfig.for_model(
+        "lfm2",
+        vocab_size=shape["vocab"],
+        hidden_size=shape["hidden"],
+        intermediate_size=shape["intermediate"],
+        num_hidden_layers=shape["layers"],
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        layer_types=types,
+        max_position_embeddings=max_seq_len,
+        tie_word_embeddings=True,
+    )
+
+
+def dense_config(shape: dict, max_seq_len: int, params: int):
+    """A tied Llama of the same width, depth, heads and vocabulary whose MLP width makes its parameter count
+    ``params`` (to the nearest multiple of 32, a group size every recipe takes)."""
+    from transformers import AutoConfig
+
+    h, n, head = shape["hidden"], shape["layers"], shape["hidden"] // shape["heads"]
+    attention = h * h * 2 + 2 * h * shape["kv_heads"] * head  # q, o; k, v
+    fixed = shape["vocab"] * h + n * (attention + 2 * h) + h  # embeddings (tied), attention, norms
+    width = max(32, round((params - fixed) / (3 * h * n) / 32) * 32)
+    return AutoConfig.for_model(
+        "llama",
+        vocab_size=shape["vocab"],
+        hidden_size=h,
+        intermediate_size=width,
+        num_hidden_layers=n,
+        num_attention_heads=shape["heads"],
+        num_key_value_heads=shape["kv_heads"],
+        head_dim=head,
+        max_position_embeddings=max_seq_len,
+        tie_word_embeddings=True,
+    )
+
+
+def build(kind: str, args) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    shape = SHAPES[args.shape]
+    torch.manual_seed(0)
+    lfm2 = AutoModelForCausalLM.from_config(lfm2_config(shape, args.max_seq_len)).eval()
+    if kind == "lfm2":
+        return lfm2
+    params = sum(p.numel() for p in lfm2.parameters())
+    del lfm2
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(dense_config(shape, args.max_seq_len, params)).eval()
+
+
+def export(kind: str, args, out: Path) -> tuple[Path, int]:
+    """``out/<kind>_<shape>_<recipe>.pte`` of ``build(kind)`` quantized by ``args.recipe`` (reused when present), and
+    the model's parameter count."""
+    from qharness.deploy.deployed import export_path
+    from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
+    from qharness.io.atomic import write_bytes_atomic
+    from qharness.recipes.registry import load_recipe
+
+    path = out / f"{kind}_{args.shape}_{args.recipe}.pte"
+    model = build(kind, args)
+    params = sum(p.numel() for p in model.parameters())
+    if path.is_file():
+        return path, params
+    print(f"exporting {kind} ({args.shape}, {params / 1e6:.1f}M parameters, {args.recipe}) ...", flush=True)
+    recipe = load_recipe(args.recipe)
+    tokens = torch.randint(0, SHAPES[args.shape]["vocab"], (1, 32))
+
+    def calibrate(graph):
+        for _ in range(2):
+            graph(tokens, torch.tensor([0]))
+
+    graph = quantize_for_deploy(model, recipe, args.max_seq_len, calibrate)
+    if export_path(graph) != "fast":
+        raise SystemExit(f"{kind}: not on the fast path")
+    meta = runner_metadata(args.max_seq_len, SHAPES[args.shape]["vocab"], None, [])
+    write_bytes_atomic(path, lower_to_pte(graph, recipe, args.max_seq_len, meta))
+    return path, params
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--recipe", default="xnnpack_8da4w")
+    p.add_argument("--max_seq_len", type=int, default=256)
+    p.add_argument("--prompt_len", type=int, default=64)
+    p.add_argument("--decode_tokens", type=int, default=64)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--processes", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None, help="default: the cores free now")
+    p.add_argument("--out", type=Path, default=Path("runs/bench_hybrid"), help="directory for the .pte files")
+    args = p.parse_args()
+
+    from qharness.runtime.joint import format_joint, interleaved
+    from qharness.runtime.spread import format_spread, pair_ratios
+    from qharness.upstream import quiet
+
+    quiet.install()
+    args.out.mkdir(parents=True, exist_ok=True)
+    kinds = ["lfm2", "dense"]
+    built = {k: export(k, args, args.out) for k in kinds}
+    vocab = SHAPES[args.shape]["vocab"]
+    programs = {k: {"kind": "pte", "path": str(path), "vocab_size": vocab} for k, (path, _) in built.items()}
+    joint = interleaved(programs, args.prompt_len, args.decode_tokens, args.reps, args.processes, threads=args.threads)
+    print(f"\nshape {args.shape} ({SHAPES[args.shape]}), recipe {args.recipe}, cache {args.max_seq_len} positions")
+    print(format_joint(joint))
+    for what in ("decode_tok_s", "prefill_tok_s"):
+        per = {k: joint["programs"][k][what]["per_process"] for k in kinds}
+        print(f"{what}, lfm2 / dense: {format_spread(pair_ratios(per['lfm2'], per['dense']))} (per round, median (min-max))")
+    for k, (path, params) in built.items():
+        print(f"{k}: {params / 1e6:.2f}M parameters, .pte {path.stat().st_size / 1e6:.2f} MB")
+
+
+if __name__ == "__main__":
+    main()
