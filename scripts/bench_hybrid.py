@@ -151,7 +151,9 @@ def main() -> None:
     print(format_joint(joint))
     for what in ("decode_tok_s", "prefill_tok_s"):
         per = {k: joint["programs"][k][what]["per_process"] for k in kinds}
-        print(f"{what}, lfm2 / dense: {format_spread(pair_ratios(per['lfm2'], per['dense']))} (per round, median (min-max))")
+        print(
+            f"{what}, lfm2 / dense: {format_spread(pair_ratios(per['lfm2'], per['dense']))} (per round, median (min-max))"
+        )
     for k, (path, params) in built.items():
         print(f"{k}: {params / 1e6:.2f}M parameters, .pte {path.stat().st_size / 1e6:.2f} MB")
 
