@@ -29,6 +29,7 @@ FAMILIES = {
     "mistral": ("mistral", False, {}),
     "qwen3": ("qwen3", False, {}),  # q/k norms
     "lfm2": ("lfm2", None, {"head_dim": None, "layer_types": ["conv", "full_attention"]}),  # a convolution state
+    "qwen3_5": ("qwen3_5_text", None, test_fastpath.DELTANET),  # gated DeltaNet: a convolution and a recurrent state
 }
 
 
@@ -82,7 +83,7 @@ def _save_config_only(path, model_type, **kwargs):
         (
             "mamba",
             dict(vocab_size=64, hidden_size=16, num_hidden_layers=1),
-            "keeps a recurrent .SSM / linear-attention. state",
+            "keeps a recurrent .SSM. state",
         ),
         ("distilbert", dict(vocab_size=64, dim=16, n_layers=1, n_heads=2, hidden_dim=32), "has no causal-LM class"),
     ],
@@ -101,7 +102,6 @@ HYBRID = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_val
 @pytest.mark.parametrize(
     "model_type, kwargs, kinds",
     [
-        ("qwen3_5", dict(layer_types=["linear_attention", "full_attention"]), "linear_attention"),  # gated DeltaNet
         ("granitemoehybrid", dict(layer_types=["mamba", "attention"]), "linear_attention"),  # Granite-4.0-H
         ("falcon_h1", {}, "hybrid"),  # two layers: its two-entry time_step_limit is a setting, not per layer
         ("bamba", {}, "linear_attention"),  # layers_block_type: a property derived from other settings
@@ -109,13 +109,13 @@ HYBRID = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_val
     ],
 )
 def test_recurrent_state_hybrids_are_refused_in_one_line_naming_what_is_missing(tmp_path, model_type, kwargs, kinds):
-    """Hybrids whose layers keep an SSM / linear-attention state: refused before any work, in one line naming the
-    layers and the missing piece, with a fix that can help (LFM2's convolution hybrids deploy); never a traceback from
-    the one-layer-per-type probe."""
+    """Hybrids whose layers keep a selective-scan (Mamba2) state: refused before any work, in one line naming the
+    layers and the missing piece, with a fix that can help (LFM2 and Qwen3.5 deploy); never a traceback from the
+    one-layer-per-type probe."""
     source = _save_config_only(tmp_path / model_type, model_type, **HYBRID, **kwargs)
-    with pytest.raises(UserError, match=f"in its .*{kinds}.* layers; .*not yet a recurrent state") as e:
+    with pytest.raises(UserError, match=f"in its .*{kinds}.* layers; .*not yet a selective scan's state") as e:
         check_architecture(source)
-    assert "LFM2" in e.value.fix and "\n" not in str(e.value)
+    assert "LFM2" in e.value.fix and "Qwen3.5" in e.value.fix and "\n" not in str(e.value)
 
 
 @pytest.mark.fast
@@ -237,7 +237,15 @@ def test_qwen2_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, family
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name, command",
-    [("gemma2", "fit"), ("phi3", "fit"), ("mistral", "fit"), ("qwen3", "fit"), ("lfm2", "fit"), ("gemma", "calibrate")],
+    [
+        ("gemma2", "fit"),
+        ("phi3", "fit"),
+        ("mistral", "fit"),
+        ("qwen3", "fit"),
+        ("lfm2", "fit"),
+        ("qwen3_5", "fit"),
+        ("gemma", "calibrate"),
+    ],
 )
 def test_family_through_the_cli(name, command, tmp_path, family_dir, corpus):
     source = family_dir(name, layers=2)

@@ -38,6 +38,13 @@ MLA = dict(
 )
 
 LFM2 = dict(head_dim=None, layer_types=["conv", "full_attention"])
+DELTANET = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+)
 MOE_LFM2 = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
 # name: (model_type, config, linear weights the deploy must quantize (2 layers + the output head), export path,
@@ -66,8 +73,21 @@ FAMILIES = {
     "lfm2": ("lfm2", dict(LFM2), 5 + 7 + 1, "fast", W4),
     # the same hybrid with MoE: a dense conv layer, then attention with batched 3-D experts (router, 4 x 3)
     "lfm2_moe": ("lfm2_moe", dict(LFM2, num_dense_layers=1, **MOE_LFM2), 5 + 4 + 1 + 12 + 1, "fast", INT8),
+    # gated DeltaNet (a convolution window and a recurrent state; in_proj_qkv, z, b, a, out_proj) then gated attention
+    "qwen3_5": ("qwen3_5_text", DELTANET, 5 + 3 + 4 + 3 + 1, "fast", W4),
+    # fused in_proj_qkvz / in_proj_ba (+ out_proj) and MoE layers (router, 4 experts x 3, shared expert 3 + its gate)
+    "qwen3_next": (
+        "qwen3_next",
+        dict(DELTANET, **MOE, num_experts=4, moe_intermediate_size=32),
+        3 + 17 + 4 + 17 + 1,
+        "fast",
+        INT8,
+    ),
 }
-CONVS = {name: ("model.layers.0.conv.conv",) for name in ("lfm2", "lfm2_moe")}  # layer 0: the convolution layer
+CONVS = {  # layer 0: the convolution (LFM2) or gated DeltaNet layer
+    **{name: ("model.layers.0.conv.conv",) for name in ("lfm2", "lfm2_moe")},
+    **{name: ("model.layers.0.linear_attn.conv1d",) for name in ("qwen3_5", "qwen3_next")},
+}
 OTHER = {INT8: W4, W4: INT8}
 CLI_DEFAULT = ("gpt_neox",)  # the family the default suite also runs through `qharness calibrate` (test_moe: Mixtral)
 PROMPT = "def main():"

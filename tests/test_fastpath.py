@@ -79,6 +79,13 @@ def _tiny(arch: str, **extra):
 
 
 # Families on the fast path (model_type, extra config): windows shorter than the 48-position cache, soft-capping.
+DELTANET = {
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+}
 FAMILIES = {
     "llama": {},
     "mistral": {"sliding_window": 8},  # every layer windowed
@@ -95,6 +102,8 @@ FAMILIES = {
     "gpt2": {},  # learned positions, no rotary
     "lfm2": {"layer_types": ["conv", "full_attention"]},  # a convolution state (no KV cache) in layer 0
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1, "num_experts": 4},
+    "qwen3_5_text": DELTANET,  # gated DeltaNet: a convolution window and the delta rule's recurrent state in layer 0
+    "qwen3_next": {**DELTANET, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
 }
 
 

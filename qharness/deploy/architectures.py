@@ -25,6 +25,7 @@ import copy
 import hashlib
 import logging
 
+from qharness.deploy.fastpath.state_cache import gated_delta_modules
 from qharness.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -254,15 +255,16 @@ def check_architecture(
             fix="check the config's per-layer settings (layer_types and the like) against num_hidden_layers, or "
             "report the config: the check needs that copy before any work",
         ) from e
-    if getattr(model, "_is_stateful", False):
+    if getattr(model, "_is_stateful", False) and not gated_delta_modules(model):
         kinds = sorted(set(getattr(probe.get_text_config(), "layer_types", None) or []) - {"full_attention", "conv"})
         raise UserError(
-            f"{what}: {type(model).__name__} keeps a recurrent (SSM / linear-attention) state"
+            f"{what}: {type(model).__name__} keeps a recurrent (SSM) state"
             + (f" in its {', '.join(kinds)} layers" if kinds else "")
-            + "; the .pte carries KV caches and convolution states (LFM2), not yet a recurrent state continued "
-            "from call to call (a chunked prefill scan and a one-step decode in one exported method)",
-            fix="deploy a hybrid whose other layers are short convolutions (LFM2, LFM2-MoE) or a KV-cache family "
-            "(Llama, Qwen3, Gemma3, ...)",
+            + "; the .pte carries KV caches, convolution states (LFM2) and the gated delta rule's state (Qwen3.5, "
+            "Qwen3-Next), not yet a selective scan's state continued from call to call (its chunked prefill scan and "
+            "one-step decode in one exported method)",
+            fix="deploy a hybrid qharness carries (LFM2, LFM2-MoE, Qwen3.5) or a KV-cache family (Llama, Qwen3, "
+            "Gemma3, ...)",
         )
     t = time.perf_counter()
     if recipe is not None:

@@ -33,12 +33,12 @@ Example::
     graph = export_fast(model, max_seq_len=256).module()     # (tokens, input_pos) -> last-token logits
     scorer = all_logits_twin(graph)                          # (tokens, input_pos) -> logits of every position
 
-A layer that keeps a convolution state instead of keys and values (LFM2's short convolutions) gets a ``StateLayer``
-(``state_cache.py``): a ``[1, channels, kernel]`` buffer beside the KV caches, continued by later calls and started over
-by a call at position 0.
+A layer that keeps states instead of keys and values (LFM2's short convolutions; gated DeltaNet's convolution window
+and recurrent state, Qwen3.5 / Qwen3-Next) gets a ``StateLayer`` (``state_cache.py``): buffers beside the KV caches,
+continued by later calls and started over by a call at position 0.
 
 Modules: ``kv_cache.py`` (``UpdateCacheKV`` and its layers, the int8 cache's per-token quantization, the cache of
-the decoder running now), ``state_cache.py`` (the convolution-state layers), ``attention.py`` (the attention and mask functions, ``register``), ``rope.py`` (rotary
+the decoder running now), ``state_cache.py`` (the state layers and the gated delta rule), ``attention.py`` (the attention and mask functions, ``register``), ``rope.py`` (rotary
 tables), ``decoder.py`` (``FastDecoder``, ``export_fast``), ``support.py`` (``unsupported_reason``),
 ``transposes.py`` (the ``sink_transposes`` FX pass), ``twin.py`` (``all_logits_twin``). What the deploy graph records
 (which export it took, its KV cache) is ``deploy/deployed.py``'s ``DeployRecord``.

@@ -13,18 +13,26 @@ from torch.export import Dim
 from qharness.deploy.fastpath.attention import ATTENTION, register
 from qharness.deploy.fastpath.kv_cache import ACTIVE, kv_shapes, update_cache_kv
 from qharness.deploy.fastpath.rope import RopeTable
-from qharness.deploy.fastpath.state_cache import StateShapes, recurrent_state_reason
+from qharness.deploy.fastpath.state_cache import (
+    StateShapes,
+    gated_delta_modules,
+    recurrent_state_reason,
+    swap_gated_delta,
+)
 from qharness.deploy.fastpath.transposes import sink_transposes
 from qharness.recipes.registry import KV_CACHES
 
 
 @contextlib.contextmanager
 def fast_modules(model, rope_tables: dict[str, torch.nn.Module] | None = None):
-    """Inside the block ``model`` (and its sub-models) runs with the ``ATTENTION`` implementation and, given
+    """Inside the block ``model`` (and its sub-models) runs with the ``ATTENTION`` implementation, the gated delta
+    rule of ``state_cache.gated_delta_rule`` where its layers run one, and, given
     ``rope_tables`` (``{module path: table}``, ``FastDecoder``'s), with those rotary modules swapped for their tables."""
     before = model.config._attn_implementation
     swapped = []
     model.set_attn_implementation(ATTENTION)
+    gated_delta = swap_gated_delta(model)  # the gated delta rule from the stored state (state_cache.py)
+    gated_delta.__enter__()
     try:
         for path, table in (rope_tables or {}).items():
             parent_path, _, name = path.rpartition(".")
@@ -35,6 +43,7 @@ def fast_modules(model, rope_tables: dict[str, torch.nn.Module] | None = None):
     finally:
         for parent, name, original in reversed(swapped):
             setattr(parent, name, original)
+        gated_delta.__exit__(None, None, None)
         model.set_attn_implementation(before)
 
 
@@ -54,12 +63,12 @@ class FastDecoder(torch.nn.Module):
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         buffers, int8 = [], kv_cache == "int8"
         layout = kv_shapes(model, max_seq_len)
-        reason = recurrent_state_reason(type(model).__name__, layout)
+        reason = recurrent_state_reason(type(model).__name__, layout, bool(gated_delta_modules(model)))
         if reason is not None:
             raise NotImplementedError(reason)
         for i, shapes in enumerate(layout):
             if isinstance(shapes, StateShapes):  # a layer that keeps a convolution state (state_cache.py)
-                buffers.append((self._state_buffers(i, shapes, dtype),))
+                buffers.append(self._state_buffers(i, shapes, dtype))
                 continue
             for kv, shape in zip(("k", "v"), shapes):
                 self.register_buffer(
@@ -84,15 +93,20 @@ class FastDecoder(torch.nn.Module):
             if path.rpartition(".")[2] == "rotary_emb":
                 self.rope_tables[path.replace(".", "__")] = RopeTable(module, max_seq_len, dtype, layer_types)
 
-    def _state_buffers(self, i: int, shapes: StateShapes, dtype) -> list[torch.Tensor | None]:
-        """Layer ``i``'s convolution state buffers (``conv_state_{i}_{j}``, zeros; ``None`` where it keeps none)."""
-        out = []
-        for j, shape in enumerate(shapes.conv):
-            if shape is None:
-                out.append(None)
-                continue
-            self.register_buffer(f"conv_state_{i}_{j}", torch.zeros(shape, dtype=dtype), persistent=False)
-            out.append(getattr(self, f"conv_state_{i}_{j}"))
+    def _state_buffers(self, i: int, shapes: StateShapes, dtype) -> tuple[list, list]:
+        """Layer ``i``'s state buffers, zeros: ``conv_state_{i}_{j}`` and ``recurrent_state_{i}_{j}`` (float32: the
+        gated delta rule's state), ``None`` where it keeps none."""
+        out = ([], [])
+        for kind, kind_shapes, kind_dtype, into in (
+            ("conv", shapes.conv, dtype, out[0]),
+            ("recurrent", shapes.recurrent, torch.float32, out[1]),
+        ):
+            for j, shape in enumerate(kind_shapes):
+                if shape is None:
+                    into.append(None)
+                    continue
+                self.register_buffer(f"{kind}_state_{i}_{j}", torch.zeros(shape, dtype=kind_dtype), persistent=False)
+                into.append(getattr(self, f"{kind}_state_{i}_{j}"))
         return out
 
     def swapped(self):

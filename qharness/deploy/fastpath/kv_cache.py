@@ -89,7 +89,8 @@ def _cache_layer_class():
 
 def update_cache_kv(buffers: list[tuple]):
     """``UpdateCacheKV``: a transformers ``Cache`` over ``buffers``, one per layer: ``(keys, values, qparams or None)``
-    for an attention layer, ``(conv state buffers,)`` for a layer that keeps a convolution state (``state_cache.py``)."""
+    for an attention layer, ``(conv state buffers, recurrent state buffers)`` for a layer that keeps states instead
+    (``state_cache.py``)."""
     from transformers.cache_utils import Cache
 
     from qharness.deploy.fastpath.state_cache import state_layer
@@ -100,9 +101,10 @@ def update_cache_kv(buffers: list[tuple]):
 
         def __init__(self):
             layer = _cache_layer_class()
-            super().__init__(layers=[state_layer(self, *b) if len(b) == 1 else layer(self, *b) for b in buffers])
+            super().__init__(layers=[state_layer(self, *b) if len(b) == 2 else layer(self, *b) for b in buffers])
             self.start = 0
             self.carry = torch.zeros(1)  # state layers: 1.0 when a call continues a sequence (FastDecoder sets it)
+            self.current = None  # the state layer whose convolution state was updated last (state_cache.py)
 
     return UpdateCacheKV()
 

@@ -1,22 +1,24 @@
-"""The fast path's recurrent-state cache layer: the convolution window of a layer that keeps a state instead of keys
-and values (LFM2's short gated convolutions), as mutable buffers of the program beside the KV caches.
+"""The fast path's recurrent-state cache layers: what a layer keeps instead of keys and values (LFM2's short gated
+convolutions; the gated DeltaNet of Qwen3.5 / Qwen3-Next: a convolution window and a recurrent state), as mutable
+buffers of the program beside the KV caches.
 
 transformers' own ``LinearAttentionLayer`` decides prefill or decode in Python (``has_previous_state``) and
 allocates its state on first use; a program exported once must do both through one graph. ``StateLayer`` keeps each
-state in a ``[1, channels, kernel]`` buffer registered on ``FastDecoder`` and answers every call in the prefill form
-the model's code already has (``get_conv_state`` returns ``None``): ``update_conv_state`` hands back the stored window
-followed by the new inputs, and keeps the last ``kernel`` of them in place. A call at ``input_pos`` 0 starts a new
-sequence: the stored window counts as zeros (what the model's own prefill pads with), so a runner needs no reset.
-A later chunk or a decode step continues from the stored window, as a KV cache continues from its positions.
+state in a buffer registered on ``FastDecoder`` and answers every call in the prefill form the model's code already
+has (``get_conv_state`` / ``get_recurrent_state`` return ``None``): ``update_conv_state`` hands back the stored window
+followed by the new inputs and keeps the last ``kernel`` of them in place; the gated delta rule (swapped into the
+model's module for the export, ``gated_delta_rule``) starts from the stored recurrent state, which
+``update_recurrent_state`` then overwrites. A call at ``input_pos`` 0 starts a new sequence: the stored states count
+as zeros (what the model's own prefill starts from), so a runner needs no reset. A later chunk or a decode step
+continues from them, as a KV cache continues from its positions.
 
-SSM and linear-attention *recurrent* states (Mamba2, gated DeltaNet) are not held here: those families' prefill
-code starts from a zero state, so a chunk after the first would forget the past. ``recurrent_state_reason`` says so
-before any work, and ``update_recurrent_state`` refuses instead of computing something else.
+Other recurrent states (Mamba2's selective scan: Falcon-H1, Granite-4.0-H, Bamba, Jamba) are not held:
+``recurrent_state_reason`` says so before any work, and ``update_recurrent_state`` refuses a state no route reads.
 
 Example::
 
-    layer = StateLayer(cache, conv=[torch.zeros(1, 64, 3)])   # cache.carry: 1.0 after position 0, else 0.0
-    window = layer.update_conv_state(x)                         # x [1, 64, n] -> [1, 64, 3 + n]
+    layer = StateLayer(cache, conv=[torch.zeros(1, 64, 3)], recurrent=[None])  # cache.carry: 1.0 after position 0
+    window = layer.update_conv_state(x)                                        # x [1, 64, n] -> [1, 64, 3 + n]
 """
 
 from __future__ import annotations
@@ -45,37 +47,126 @@ def state_shapes(layer) -> StateShapes:
     return StateShapes(conv, recurrent)
 
 
-def recurrent_state_reason(arch: str, shapes: list) -> str | None:
+GATED_DELTA = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")  # transformers' module functions
+
+
+def gated_delta_modules(model) -> list:
+    """The transformers modeling modules of ``model`` whose layers call the gated delta rule through module functions
+    (``GATED_DELTA``: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, ...), which ``swap_gated_delta`` replaces for the export."""
+    import sys
+
+    found = {}
+    for m in model.modules():
+        module = sys.modules.get(type(m).__module__)
+        if module is not None and all(hasattr(module, name) for name in GATED_DELTA):
+            found[module.__name__] = module
+    return list(found.values())
+
+
+def recurrent_state_reason(arch: str, shapes: list, gated_delta: bool = False) -> str | None:
     """Why the fast path cannot hold these layers' states (``None``: it can): a recurrent (SSM / linear-attention)
-    state, which the families' prefill code would not continue from."""
+    state that no route carries from call to call (``gated_delta``: the model's layers run the gated delta rule, which
+    ``gated_delta_rule`` carries)."""
     for i, layer in enumerate(shapes):
-        if isinstance(layer, StateShapes) and any(s is not None for s in layer.recurrent):
+        if isinstance(layer, StateShapes) and any(s is not None for s in layer.recurrent) and not gated_delta:
             return (
-                f"{arch}: layer {i} keeps a recurrent (SSM / linear-attention) state; the fast path holds "
-                "convolution states (LFM2's short convolutions) but not a recurrent state a chunked prefill continues from"
+                f"{arch}: layer {i} keeps a recurrent (SSM) state; the fast path carries convolution states (LFM2) and "
+                "the gated delta rule's state (Qwen3.5, Qwen3-Next), not a selective scan's"
             )
     return None
+
+
+def gated_delta_rule(
+    query,
+    key,
+    value,
+    g,
+    beta,
+    chunk_size: int = 64,
+    initial_state=None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **kwargs,
+):
+    """transformers' ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` (same arguments, same
+    results: ``[B, T, H_v, D_v]`` and the final ``[B, H_v, D_k, D_v]`` state) computed by ExecuTorch's
+    ``llama::gated_delta_rule`` kernel, starting from the state the layer running now keeps (``StateLayer``, times
+    the cache's ``carry``) when the model passes none: the model's prefill branch, continued."""
+    from qharness.deploy.fastpath.kv_cache import ACTIVE
+    from qharness.upstream.fixes.custom_sdpa import llm_custom_ops
+
+    llm_custom_ops()
+    dtype = query.dtype
+    heads_k, heads_v = key.shape[2], value.shape[2]
+    if heads_k != heads_v:  # each query/key head serves heads_v // heads_k consecutive value heads
+        query = query.repeat_interleave(heads_v // heads_k, dim=2)
+        key = key.repeat_interleave(heads_v // heads_k, dim=2)
+    query, key, value, beta, g = (
+        x.transpose(1, 2).to(torch.float32).contiguous() for x in (query, key, value, beta, g)
+    )
+    if use_qk_l2norm_in_kernel:  # transformers' l2norm
+        query = query * torch.rsqrt((query * query).sum(dim=-1, keepdim=True) + 1e-6)
+        key = key * torch.rsqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
+    query = query / (query.shape[-1] ** 0.5)
+    if initial_state is None:
+        layer = getattr(ACTIVE[-1], "current", None) if ACTIVE else None
+        state = None if layer is None else layer.recurrent_states[0]
+        if state is None:
+            state = torch.zeros(*value.shape[:2], key.shape[-1], value.shape[-1])
+        else:
+            state = state.to(torch.float32) * ACTIVE[-1].carry
+        initial_state = state
+    out, final = torch.ops.llama.gated_delta_rule.default(
+        query, key, value, g.exp(), beta, initial_state.to(torch.float32)
+    )
+    return out.transpose(1, 2).contiguous().to(dtype), (final if output_final_state else None)
+
+
+class swap_gated_delta:
+    """Inside the block the modules ``gated_delta_modules(model)`` call ``gated_delta_rule`` for both of their
+    gated delta rule functions."""
+
+    def __init__(self, model):
+        self.modules = gated_delta_modules(model)
+        self.saved = []
+
+    def __enter__(self):
+        for module in self.modules:
+            for name in GATED_DELTA:
+                self.saved.append((module, name, getattr(module, name)))
+                setattr(module, name, gated_delta_rule)
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, original in reversed(self.saved):
+            setattr(module, name, original)
+        self.saved.clear()
 
 
 def _state_layer_class():
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     class StateLayer(LinearAttentionCacheLayerMixin):
-        """One recurrent layer's convolution states over registered buffers (``conv``: one ``[1, C, K]`` buffer or
-        ``None`` per state index), read and written in the prefill form; ``cache.carry`` (a tensor, 1.0 when the
-        call continues a sequence, 0.0 at position 0) decides whether the stored window is the past or zeros."""
+        """One recurrent layer's states over registered buffers (``conv``: ``[1, C, K]`` buffers, ``recurrent``: any
+        shape; ``None`` where it keeps none, one per state index), read and written in the prefill form;
+        ``cache.carry`` (a tensor, 1.0 when the call continues a sequence, 0.0 at position 0) decides whether the
+        stored states are the past or zeros. Updating the convolution state makes this layer the cache's ``current``
+        one, whose recurrent state ``gated_delta_rule`` starts from."""
 
         is_sliding = False
 
-        def __init__(self, cache, conv: list[torch.Tensor | None]):
+        def __init__(self, cache, conv: list[torch.Tensor | None], recurrent: list[torch.Tensor | None]):
             super().__init__(number_of_states=len(conv))
             self.cache = cache
-            for i, buffer in enumerate(conv):
-                if buffer is not None:
-                    self.conv_states[i] = buffer
-                    self.conv_kernel_size[i] = buffer.shape[-1]
+            for i, (window, state) in enumerate(zip(conv, recurrent)):
+                if window is not None:
+                    self.conv_states[i] = window
+                    self.conv_kernel_size[i] = window.shape[-1]
                     self.is_conv_states_initialized[i] = True
-                    self.dtype, self.device = buffer.dtype, buffer.device
+                    self.dtype, self.device = window.dtype, window.device
+                if state is not None:
+                    self.recurrent_states[i] = state
+                    self.is_recurrent_states_initialized[i] = True
             # has_previous_state stays False: the model's code takes its prefill branch, which this layer continues
 
         def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0, **kwargs) -> None:
@@ -88,23 +179,30 @@ def _state_layer_class():
                     f"conv states {tuple(conv_states.shape)} do not fit a state buffer "
                     f"{None if state is None else tuple(state.shape)}"
                 )
+            self.cache.current = self
             full = torch.cat([state * self.cache.carry.to(state.dtype), conv_states.to(state.dtype)], dim=-1)
             state.copy_(full[..., -state.shape[-1] :])
             return full
 
         def update_recurrent_state(self, recurrent_states: torch.Tensor, state_idx: int = 0, **kwargs):
-            raise NotImplementedError(
-                "a recurrent (SSM / linear-attention) state: the fast path holds convolution states only"
-            )
+            state = self.recurrent_states[state_idx]
+            if state is None or recurrent_states.shape != state.shape:
+                raise NotImplementedError(
+                    f"a recurrent state {tuple(recurrent_states.shape)} with no buffer of its shape (the fast path "
+                    "carries the gated delta rule's state)"
+                )
+            state.copy_(recurrent_states.to(state.dtype))
+            return state
 
         def reset(self) -> None:
-            for i in range(self.number_of_states):
-                if self.conv_states[i] is not None:
-                    self.conv_states[i].zero_()
+            for states in (self.conv_states, self.recurrent_states):
+                for i in range(self.number_of_states):
+                    if states[i] is not None:
+                        states[i].zero_()
 
     return StateLayer
 
 
-def state_layer(cache, conv: list[torch.Tensor | None]):
-    """A ``StateLayer`` of ``cache`` (an ``UpdateCacheKV``) over the buffers ``conv``."""
-    return _state_layer_class()(cache, conv)
+def state_layer(cache, conv: list[torch.Tensor | None], recurrent: list[torch.Tensor | None]):
+    """A ``StateLayer`` of ``cache`` (an ``UpdateCacheKV``) over the buffers ``conv`` and ``recurrent``."""
+    return _state_layer_class()(cache, conv, recurrent)

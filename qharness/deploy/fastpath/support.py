@@ -24,8 +24,8 @@ def unsupported_reason(model, max_seq_len: int) -> str | None:
     if not model._can_set_attn_implementation():
         return f"{arch}: its attention does not use transformers' AttentionInterface"
     types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if not types <= {"full_attention", "sliding_attention", "conv"}:
-        return f"{arch}: layer types {sorted(types)} (fast path: full_attention, sliding_attention, conv)"
+    if not types <= {"full_attention", "sliding_attention", "conv", "linear_attention"}:
+        return f"{arch}: layer types {sorted(types)} (fast path: full_attention, sliding_attention, conv, linear_attention)"
     if getattr(config, "num_kv_shared_layers", 0):
         return f"{arch}: layers sharing another layer's KV cache are not implemented"
     dynamic = rope_types(config) - STATIC_ROPE
