@@ -134,6 +134,13 @@ def main() -> None:
     p.add_argument("--processes", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="default: the cores free now")
     p.add_argument("--out", type=Path, default=Path("runs/bench_hybrid"), help="directory for the .pte files")
+    p.add_argument(
+        "--export_llm",
+        type=Path,
+        default=None,
+        help="also time this .pte of the same shape from ExecuTorch's own export_llm (random weights, 8da4w; "
+        "how it was built: docs/benchmarks/speed.md, hybrids)",
+    )
     args = p.parse_args()
 
     from qharness.runtime.joint import format_joint, interleaved
@@ -146,16 +153,21 @@ def main() -> None:
     built = {k: export(k, args, args.out) for k in kinds}
     vocab = SHAPES[args.shape]["vocab"]
     programs = {k: {"kind": "pte", "path": str(path), "vocab_size": vocab} for k, (path, _) in built.items()}
+    if args.export_llm is not None:
+        kinds.append("export_llm")
+        programs["export_llm"] = {"kind": "pte", "path": str(args.export_llm), "vocab_size": vocab}
     joint = interleaved(programs, args.prompt_len, args.decode_tokens, args.reps, args.processes, threads=args.threads)
     print(f"\nshape {args.shape} ({SHAPES[args.shape]}), recipe {args.recipe}, cache {args.max_seq_len} positions")
     print(format_joint(joint))
     for what in ("decode_tok_s", "prefill_tok_s"):
         per = {k: joint["programs"][k][what]["per_process"] for k in kinds}
-        print(
-            f"{what}, lfm2 / dense: {format_spread(pair_ratios(per['lfm2'], per['dense']))} (per round, median (min-max))"
-        )
+        for other in kinds[1:]:
+            ratio = format_spread(pair_ratios(per["lfm2"], per[other]))
+            print(f"{what}, lfm2 / {other}: {ratio} (per round, median (min-max))")
     for k, (path, params) in built.items():
         print(f"{k}: {params / 1e6:.2f}M parameters, .pte {path.stat().st_size / 1e6:.2f} MB")
+    if args.export_llm is not None:
+        print(f"export_llm: .pte {args.export_llm.stat().st_size / 1e6:.2f} MB")
 
 
 if __name__ == "__main__":
