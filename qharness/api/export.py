@@ -257,7 +257,7 @@ def _deploy(qm: QuantizedModel, tokenizer, x, y, calib, out_dir: Path, export_cf
         model_dir=model_label(qm.fp_model),
         fake_quant=fake_quant,
         load_trained=(lambda hf_model: load_weights_into(weights, hf_model)) if qat else None,
-        weight_qparams=qm.learned_qparams() if qat else None,
+        weight_qparams=qm.deploy_qparams() if qat else None,
     )
     held = HeldOut(x=x, y=y, batch_size=qm.batch_size, calibration=calib, texts=lambda: [])
     try:

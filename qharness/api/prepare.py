@@ -176,6 +176,11 @@ class QuantizedModel(torch.nn.Module):
         """QAT with learned scales: ``{HF weight name: (scale, zero_point)}`` as trained; else None."""
         return self._lm[0].learned_qparams()
 
+    def deploy_qparams(self) -> dict | None:
+        """QAT: ``{HF weight name: (scale, zero_point)}`` the trained graph quantizes its weights with (learned, or the
+        min-max scales its PT2E weight fake-quants hold), which export carries into the ``.pte``; else None."""
+        return self._lm[0].deploy_qparams()
+
     def cpu_fake_quant(self) -> torch.nn.Module:
         """The trained fake-quant graph on CPU in evaluation mode: this graph, or (trained on another device, whose
         devices the export baked in) ``rebuilt_on_cpu()``."""

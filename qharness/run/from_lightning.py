@@ -28,7 +28,7 @@ def trained(module) -> Trained:
         model_dir=module.model_source(),
         fake_quant=fake_quant,
         load_trained=module.load_into if fake_quant is not None else None,
-        weight_qparams=module.learned_qparams() if fake_quant is not None else None,
+        weight_qparams=module.deploy_qparams() if fake_quant is not None else None,
         distill=module.hparams.get("distill"),
         lora=module.lora_summary(),
     )

@@ -233,15 +233,39 @@ class QuantLM(L.LightningModule):
         if self.hparams.mode != "qat" or not self.recipe.learns_scales:
             return None
         from qharness.recipes.learned_scales import learned_qparams
-        from qharness.training.layerwise import graph_modules, hf_name
+        from qharness.training.layerwise import graph_modules
 
         graphs = graph_modules(self.graph)
         if not graphs:  # eager modules (torchao source-level)
             return learned_qparams(self.graph, prefix="model.")
+        return self._by_hf_name([(path, learned_qparams(graph)) for path, graph in graphs])
+
+    def deploy_qparams(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
+        """QAT: ``{HF weight name: (scale, zero_point)}`` that the trained graph quantizes its weights with, for the
+        deployed program to use exactly: the learned scales (``learned_qparams``), or a PT2E graph's min-max scales as
+        its weight fake-quants hold them (the weights they last observed, before the optimizer's last step, or where
+        ``freeze_observers_after_n_steps`` froze them: ``graph_weight_qparams``). None otherwise (PTQ; torchao
+        source-level fake quantizers compute min-max of the current weights, as deployment does; a graph whose weight
+        fake-quants have observed nothing): deployment computes min-max scales of the trained weights."""
+        if self.hparams.mode != "qat" or self.recipe.learns_scales:
+            return self.learned_qparams()
+        from qharness.recipes.learned_scales import graph_weight_qparams
+        from qharness.training.layerwise import graph_modules
+
+        found = [(path, graph_weight_qparams(graph)) for path, graph in graph_modules(self.graph)]
+        if not found or any(q is None for _, q in found):
+            return None
+        return self._by_hf_name(found) or None
+
+    @staticmethod
+    def _by_hf_name(found: list[tuple[str, dict]]) -> dict:
+        """The qparams of each graph (``(path, {name in the graph: qparams})``) keyed by HF weight name."""
+        from qharness.training.layerwise import hf_name
+
         out = {}
-        for path, graph in graphs:
-            for name, qparams in learned_qparams(graph).items():
-                out[hf_name(f"{path}.{name}" if path else name)] = qparams
+        for path, qparams in found:
+            for name, q in qparams.items():
+                out[hf_name(f"{path}.{name}" if path else name)] = q
         return {k[len("model.") :]: v for k, v in out.items()}
 
     def load_into(self, hf_model) -> None:
