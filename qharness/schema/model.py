@@ -202,9 +202,9 @@ class ModelConfig:
             quantization off, observers recording), then with fake quantization (torchtune's
             ``fake_quant_after_n_steps``). Validation before step N measures the FP model. PT2E recipes only.
         freeze_observers_after_n_steps: QAT: from step N on, weight (and static-activation) quantization
-            ranges stop following the weights; training goes on with the frozen scales. Deployment still
-            computes min-max scales from the final weights, so freeze late (small weight changes after N).
-            None: never. PT2E recipes only.
+            ranges stop following the weights; training goes on with the frozen scales, and deployment
+            quantizes the final weights with them (the scales the trained graph computes with). None: never.
+            PT2E recipes only.
         distill: QAT: also train against the FP model's logits (knowledge distillation; its fields:
             ``qharness fit --model.distill.help``), e.g. ``--model.distill.kl_weight 1.0
             --model.distill.temperature 2.0``. Costs one more FP copy of the model per process. None: plain
