@@ -156,7 +156,7 @@ CASES = {
     "unsupported architecture": (lambda t: _cfg(t, model={"checkpoint": str(_t5_dir(t))}), "unsupported model"),
     "recurrent architecture": (
         lambda t: _cfg(t, model={"checkpoint": str(_mamba_dir(t))}),
-        "keeps a recurrent state, not a KV cache",
+        "keeps a recurrent (SSM) state",
     ),
     "torchtune builder with positional args": (
         lambda t: _cfg(t, model={"checkpoint": "torchtune:llama3_2.llama3_2(2048)"}),

@@ -113,50 +113,6 @@ def learned_qparams(graph: torch.nn.Module, prefix: str = "") -> dict[str, tuple
     return out
 
 
-def graph_weight_qparams(graph: torch.fx.GraphModule) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
-    """``{weight name: (scale, zero_point)}`` that each weight fake-quant of a trained PT2E QAT graph computes with now
-    (its ``scale``/``zero_point`` buffers: min-max of the weights its observer last saw, i.e. before the optimizer's
-    last step, or where ``freeze_observers_after_n_steps`` froze it), for deployment to quantize with exactly
-    (``use_learned_qparams``); a LoRA layer's merged weight is named by its base weight. None when a weight
-    fake-quant has observed nothing yet (it holds no scale; deployment then computes min-max of the weights).
-
-    Deployment computing min-max of the final weights instead is not the same model: at 4 bits ([-8, 7], scale
-    ``amax / 7.5``) each channel's negative extreme sits on the rounding tie -7.5, which any scale difference sends to
-    -8 or -7 (issue 52: SmolLM2-135M's converted model scored perplexity 21.3, its fake-quant graph 17.2).
-    """
-    from qharness.training.lora import is_adapter
-    from qharness.training.prepare import _has_observed
-
-    modules = dict(graph.named_modules())
-    params = {n for n, _ in graph.named_parameters(remove_duplicate=False)}
-    weights_only: dict[torch.fx.Node, set[str]] = {}  # node computed from constants alone -> the base weights it reads
-    out = {}
-    for node in graph.graph.nodes:
-        if node.op == "get_attr":
-            weights_only[node] = {node.target} if node.target in params and not is_adapter(node.target) else set()
-            continue
-        inputs = node.all_input_nodes
-        if node.op not in ("call_function", "call_module") or not inputs or not all(i in weights_only for i in inputs):
-            continue
-        weights_only[node] = set().union(*(weights_only[i] for i in inputs))
-        fq = modules.get(node.target) if node.op == "call_module" else None
-        if not isinstance(fq, _pt2e.FakeQuantizeBase):
-            continue
-        if len(weights_only[inputs[0]]) != 1:  # one weight (a LoRA merge: its base weight and adapters)
-            raise RuntimeError(
-                f"weight fake-quant {node.target} quantizes {sorted(weights_only[inputs[0]])}, not one weight"
-            )
-        (target,) = weights_only[inputs[0]]
-        if isinstance(fq, LearnedScaleFakeQuantize):
-            scale, zero_point = fq.calculate_qparams()
-        elif not _has_observed(fq):
-            return None
-        else:
-            scale, zero_point = fq.scale, fq.zero_point.long()  # int64, as a min-max observer gives it
-        out[target] = (scale.detach().cpu().clone(), zero_point.detach().cpu().clone())
-    return out
-
-
 def _attr(module, target: str):
     for name in target.split("."):
         module = getattr(module, name)

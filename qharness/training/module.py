@@ -249,8 +249,8 @@ class QuantLM(L.LightningModule):
         fake-quants have observed nothing): deployment computes min-max scales of the trained weights."""
         if self.hparams.mode != "qat" or self.recipe.learns_scales:
             return self.learned_qparams()
-        from qharness.recipes.learned_scales import graph_weight_qparams
         from qharness.training.layerwise import graph_modules
+        from qharness.training.weights import graph_weight_qparams
 
         found = [(path, graph_weight_qparams(graph)) for path, graph in graph_modules(self.graph)]
         if not found or any(q is None for _, q in found):

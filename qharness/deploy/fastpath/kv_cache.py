@@ -104,7 +104,6 @@ def update_cache_kv(buffers: list[tuple]):
             super().__init__(layers=[state_layer(self, *b) if len(b) == 2 else layer(self, *b) for b in buffers])
             self.start = 0
             self.carry = torch.zeros(1)  # state layers: 1.0 when a call continues a sequence (FastDecoder sets it)
-            self.current = None  # the state layer whose convolution state was updated last (state_cache.py)
 
     return UpdateCacheKV()
 

@@ -47,6 +47,7 @@ def state_shapes(layer) -> StateShapes:
     return StateShapes(conv, recurrent)
 
 
+CURRENT: list = []  # the state layer whose convolution state was updated last: the one the gated delta rule continues
 GATED_DELTA = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")  # transformers' module functions
 
 
@@ -92,7 +93,6 @@ def gated_delta_rule(
     results: ``[B, T, H_v, D_v]`` and the final ``[B, H_v, D_k, D_v]`` state) computed by ExecuTorch's
     ``llama::gated_delta_rule`` kernel, starting from the state the layer running now keeps (``StateLayer``, times
     the cache's ``carry``) when the model passes none: the model's prefill branch, continued."""
-    from qharness.deploy.fastpath.kv_cache import ACTIVE
     from qharness.upstream.fixes.custom_sdpa import llm_custom_ops
 
     llm_custom_ops()
@@ -109,12 +109,12 @@ def gated_delta_rule(
         key = key * torch.rsqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
     query = query / (query.shape[-1] ** 0.5)
     if initial_state is None:
-        layer = getattr(ACTIVE[-1], "current", None) if ACTIVE else None
+        layer = CURRENT[-1] if CURRENT else None
         state = None if layer is None else layer.recurrent_states[0]
         if state is None:
             state = torch.zeros(*value.shape[:2], key.shape[-1], value.shape[-1])
         else:
-            state = state.to(torch.float32) * ACTIVE[-1].carry
+            state = state.to(torch.float32) * layer.cache.carry
         initial_state = state
     out, final = torch.ops.llama.gated_delta_rule.default(
         query, key, value, g.exp(), beta, initial_state.to(torch.float32)
@@ -179,7 +179,7 @@ def _state_layer_class():
                     f"conv states {tuple(conv_states.shape)} do not fit a state buffer "
                     f"{None if state is None else tuple(state.shape)}"
                 )
-            self.cache.current = self
+            CURRENT[:] = [self]  # the layer gated_delta_rule continues (it runs next, in the same layer's forward)
             full = torch.cat([state * self.cache.carry.to(state.dtype), conv_states.to(state.dtype)], dim=-1)
             state.copy_(full[..., -state.shape[-1] :])
             return full
