@@ -31,19 +31,17 @@ def fast_modules(model, rope_tables: dict[str, torch.nn.Module] | None = None):
     before = model.config._attn_implementation
     swapped = []
     model.set_attn_implementation(ATTENTION)
-    gated_delta = swap_gated_delta(model)  # the gated delta rule from the stored state (state_cache.py)
-    gated_delta.__enter__()
     try:
         for path, table in (rope_tables or {}).items():
             parent_path, _, name = path.rpartition(".")
             parent = model.get_submodule(parent_path)
             swapped.append((parent, name, getattr(parent, name)))
             setattr(parent, name, table)
-        yield
+        with swap_gated_delta(model):  # the gated delta rule from the stored state (state_cache.py)
+            yield
     finally:
         for parent, name, original in reversed(swapped):
             setattr(parent, name, original)
-        gated_delta.__exit__(None, None, None)
         model.set_attn_implementation(before)
 
 

@@ -23,6 +23,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -122,25 +123,20 @@ def gated_delta_rule(
     return out.transpose(1, 2).contiguous().to(dtype), (final if output_final_state else None)
 
 
-class swap_gated_delta:
+@contextlib.contextmanager
+def swap_gated_delta(model):
     """Inside the block the modules ``gated_delta_modules(model)`` call ``gated_delta_rule`` for both of their
     gated delta rule functions."""
-
-    def __init__(self, model):
-        self.modules = gated_delta_modules(model)
-        self.saved = []
-
-    def __enter__(self):
-        for module in self.modules:
+    saved = []
+    try:
+        for module in gated_delta_modules(model):
             for name in GATED_DELTA:
-                self.saved.append((module, name, getattr(module, name)))
+                saved.append((module, name, getattr(module, name)))
                 setattr(module, name, gated_delta_rule)
-        return self
-
-    def __exit__(self, *exc):
-        for module, name, original in reversed(self.saved):
+        yield
+    finally:
+        for module, name, original in reversed(saved):
             setattr(module, name, original)
-        self.saved.clear()
 
 
 def _state_layer_class():
