@@ -273,12 +273,12 @@ FAST_FAMILIES = {
 }
 
 
-DEFAULT_PARITY = {("gemma2", "xnnpack_8da4w"), ("olmo2", "xnnpack_8da4w")}
+DEFAULT_PARITY = {("olmo2", "xnnpack_8da4w")}  # gemma2 deploys and passes parity in the default suite in test_families
 
 
 @pytest.mark.parametrize(
     "family, recipe_name",
-    [  # ~10-20 s each: the default suite keeps the two families the issue names, quantized (the rest: -m slow)
+    [  # ~10-30 s each: the default suite keeps one, quantized (the rest: -m slow)
         pytest.param(f, recipe, marks=() if (f, recipe) in DEFAULT_PARITY else pytest.mark.slow)
         for recipe in ("xnnpack_fp32", "xnnpack_8da4w")
         for f in sorted(FAST_FAMILIES)

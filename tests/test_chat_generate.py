@@ -98,7 +98,7 @@ def stats(stderr: str) -> list[tuple[int, int]]:
     ]
 
 
-@pytest.mark.parametrize("which", ["chatml_run", "llama3_run"])
+@pytest.mark.parametrize("which", ["chatml_run", pytest.param("llama3_run", marks=pytest.mark.slow)])  # one in default
 def test_generate_chat_answers_one_turn_and_stops_at_end_of_turn(request, which):
     run = request.getfixturevalue(which)
     r = run_cli("generate", run, "--chat", "--prompt", QUESTIONS[0], "--temperature", "0", "--max_new_tokens", "20")

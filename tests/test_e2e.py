@@ -46,6 +46,8 @@ def test_the_pte_decodes_token_by_token_like_a_full_prefill(fitted):
     assert full[0, -1].argmax() == tokens[0, -1]
 
 
+@pytest.mark.slow  # ~75 s: four CLI runs; the default suite resumes a killed run (SIGKILL, below), exports from a
+# checkpoint after a crash (test_a_crash_while_lowering_...) and fails the gate through the CLI (test_parity_faults)
 def test_resume_continues_from_the_checkpoint_and_export_finishes_from_it(tmp_path, tiny_llama, corpus):
     run = tmp_path / "run"
     cfg = write_config(
@@ -72,6 +74,28 @@ def test_resume_continues_from_the_checkpoint_and_export_finishes_from_it(tmp_pa
     export = run_cli("export", cfg, "--ckpt_path", "last")
     assert export.returncode == 0, export.stderr[-3000:]
     assert "parity PASSED" in export.stdout and (run / "model.pte").is_file()
+
+
+def test_a_failed_gate_through_the_cli_keeps_the_program_apart_and_says_what_to_try(
+    fitted, tiny_llama, corpus, tmp_path
+):
+    """``qharness export`` with a gate no ``.pte`` can pass: exit 1, one line naming the failed tolerance and what to
+    try, the program kept as ``model.FAILED_PARITY.pte`` (no ``model.pte``), ``summary.json`` saying so, and
+    ``qharness generate RUN`` naming the file that is there."""
+    import shutil
+
+    run = tmp_path / "run"  # a copy: the export rewrites summary.json, which other tests read
+    shutil.copytree(fitted[0], run)
+    (run / "model.pte").unlink()
+    cfg = write_config(tmp_path / "run.yaml", tiny_llama, corpus, run, bench={"enabled": False})
+    strict = run_cli("export", cfg, "--parity.max_abs_diff", "1e-12")
+    assert strict.returncode == 1, strict.stderr[-3000:]
+    error = [line for line in strict.stderr.splitlines() if "parity gate failed" in line]
+    assert len(error) == 1 and "parity.max_abs_diff" in error[0] and "qharness ship" in error[0], strict.stderr[-3000:]
+    assert (run / "model.FAILED_PARITY.pte").is_file() and not (run / "model.pte").exists()
+    assert json.loads((run / "summary.json").read_text())["parity"]["passed"] is False
+    gen = run_cli("generate", run, "--prompt", "To be", "--max_new_tokens", "2")
+    assert gen.returncode != 0 and "model.FAILED_PARITY.pte" in gen.stderr, gen.stderr[-2000:]
 
 
 def test_export_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_llama, corpus):
@@ -172,6 +196,7 @@ def _final_val_loss(run):
     return [float(r["val/loss"]) for r in rows if r.get("val/loss")][-1]
 
 
+@pytest.mark.slow  # ~45 s; the default suite's killed-run test compares two fresh fits to 1e-6
 def test_same_config_and_seed_give_the_same_final_validation_loss(tmp_path, tiny_llama, corpus):
     off = {"deploy": {"enabled": False, "max_seq_len": 64}, "bench": {"enabled": False}}
     losses = []
@@ -237,7 +262,8 @@ def _kill_after_first_checkpoint(cfg, run, sig):
     return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
 
 
-@pytest.mark.parametrize("sig_name", ["SIGTERM", "SIGKILL"])
+# SIGTERM in the slow tier (~45 s): the default suite has SIGKILL here and SIGTERM's save in test_api_lightning
+@pytest.mark.parametrize("sig_name", [pytest.param("SIGTERM", marks=pytest.mark.slow), "SIGKILL"])
 def test_killed_run_resumes_to_the_uninterrupted_result(sig_name, tmp_path, tiny_llama, corpus):
     import signal
 

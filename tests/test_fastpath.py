@@ -273,7 +273,9 @@ def _lowered_ops(graph, recipe, max_seq_len):
         return operators(path)["operators"]
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+@pytest.mark.parametrize(
+    "family", ["llama", "mistral", pytest.param("gemma2", marks=pytest.mark.slow)]
+)  # gemma2: ~14 s
 def test_lowered_fast_program_has_no_permute_copies(family):
     """No layer moves data between layouts: custom SDPA layers (causal, or windowed by a mask), and Gemma2's
     soft-capped attention (plain matmuls: ``custom_sdpa`` cannot soft-cap), which reads the caches as they lie."""

@@ -60,6 +60,19 @@ def test_an_alias_bomb_in_a_run_config_its_wandb_tags_or_an_override_is_one_line
 
 
 @pytest.mark.fast
+def test_an_alias_bomb_among_the_users_lm_eval_task_files_is_one_line_before_lm_eval_reads_it(tmp_path):
+    from qharness.evaluation.tasks import check_tasks
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    # lm-eval's own tags (!function) are not constructed, so a real task file passes
+    (tasks / "mine.yaml").write_text("task: mine\nprocess_docs: !function utils.process\n")
+    check_tasks(["mine"], str(tasks))
+    (tasks / "bomb.yaml").write_text("task: bomb\n" + BOMB)
+    _quick(check_tasks, ["mine"], str(tasks), match=f"eval.include_path task file {tasks / 'bomb.yaml'} expands to")
+
+
+@pytest.mark.fast
 def test_a_huge_recipe_or_config_file_is_refused_without_reading_it_all(tmp_path):
     huge = tmp_path / "huge.yaml"
     with open(huge, "w") as f:
@@ -228,7 +241,8 @@ def test_an_option_value_starting_with_a_dash_is_its_value_not_a_missing_argumen
     from qharness.cli.args import call
 
     message = _quick(call, commands.ship, [str(tmp_path / "s.yaml"), "--max_ppl_increase", "-1%"], "qharness ship")
-    assert "--max_ppl_increase '-1%'" in message and "expected one argument" not in message
+    assert "--max_ppl_increase '-1%' is negative: a perplexity increase must be >= 0%" in message
+    assert "expected one argument" not in message
     # an option still missing its value (the next token is another option) is said so
     _quick(
         call, commands.ship, ["s.yaml", "--max_ppl_increase", "--prefer", "size"], "qharness ship", match="expected one"

@@ -18,7 +18,7 @@ def built(tiny_llama, recipe: str, layerwise: bool, **kw) -> QuantLM:
     return m
 
 
-@pytest.mark.parametrize("recipe", ["xnnpack_int8_dynamic", "xnnpack_int4w_lsq"])
+@pytest.mark.parametrize("recipe", ["xnnpack_int8_dynamic", pytest.param("xnnpack_int4w_lsq", marks=pytest.mark.slow)])
 def test_layerwise_graph_computes_what_the_whole_model_graph_computes(tiny_llama, recipe):
     whole, layers = built(tiny_llama, recipe, False), built(tiny_llama, recipe, True)
     x = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))

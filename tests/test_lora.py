@@ -196,6 +196,7 @@ def test_layerwise_graphs_carry_the_adapters(tiny_llama):
     assert all(torch.equal(ours[k], weights[k]) for k in common)  # merged alike
 
 
+@pytest.mark.slow  # ~45 s through the CLI; the default suite trains, restores and deploys adapters in process above
 def test_fit_with_lora_resumes_and_passes_parity(tmp_path, tiny_llama, corpus):
     """The key end-to-end check: ``qharness fit`` with ``model.lora`` (PT2E int8), 3 steps, resumed to 6 from
     last.ckpt, deployed: the ``.pte`` passes the parity gate; the checkpoint holds the adapters and optimizer state

@@ -141,3 +141,19 @@ def test_a_reference_that_rounding_alone_scrambles_vouches_for_nothing():
     assert len(reasons) == 1 and reasons[0].startswith("the converted model itself is unstable"), reasons
     stable = {**figures, "noise": {**noise, "argmax_agreement_decided": 0.95}, "argmax_agreement_decided": 0.96}
     assert gate(stable, ParityConfig()) == []  # the same figures with a stable reference: the KL is within the noise
+
+
+@pytest.mark.fast
+def test_a_failed_gate_on_a_model_the_recipe_breaks_says_so_first():
+    """SmolLM2 with per-channel 3-bit weights (QAT): FP 7.52, the converted model 21,957, the .pte 23,040; its
+    rounding twin keeps 0.630 of its confident tokens and the .pte 0.377. The gate fails, and its reasons lead with
+    what the recipe did to the model rather than with an agreement figure that decides little."""
+    from qharness.checks.parity import recipe_breaks_model
+
+    why = recipe_breaks_model(7.52, 21956.7, 0.630)
+    assert why.startswith("the recipe breaks this model: its converted model's perplexity is 22,000 against FP's 7.52")
+    assert "(x2,920)" in why and "rounding alone changes 37% of its confident next tokens" in why
+    assert "more bits, or QAT" in why
+    assert recipe_breaks_model(7.52, 8.1, 0.95) is None  # a working recipe: the gate's own reasons stand alone
+    assert recipe_breaks_model(7.52, 1e8, 0.3) is None  # the unstable-reference reason already says it
+    assert recipe_breaks_model(7.52, float("nan"), None) is None  # NaN has its own reason

@@ -148,7 +148,16 @@ def generic_run(tmp_path_factory, corpus):
 
 @pytest.mark.parametrize(
     "which",
-    ["fast_run", "emb4_run", "kv8_run", "gemma2_run", "olmo2_run", pytest.param("generic_run", marks=pytest.mark.slow)],
+    # the snippet itself runs in the default suite on fast_run; the other program kinds (4-bit table, int8 KV cache,
+    # sliding window, another family, the generic export) in the slow tier (TextLLMRunner runs them in the default
+    # suite in process: test_families, test_llm_runtime)
+    [
+        "fast_run",
+        *(
+            pytest.param(f, marks=pytest.mark.slow)
+            for f in ("emb4_run", "kv8_run", "gemma2_run", "olmo2_run", "generic_run")
+        ),
+    ],
 )
 def test_readme_snippet_generates_text_in_a_fresh_process(request, which, tmp_path):
     _check_generates(request.getfixturevalue(which), tmp_path)

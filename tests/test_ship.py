@@ -248,6 +248,34 @@ def test_a_tolerance_4bit_ptq_meets_ends_without_training(tmp_path, no_bench):
     assert (tmp_path / "ship" / "chosen.pte").read_bytes() == b"xnnpack_8da4w_gptq-ptq"
 
 
+@pytest.mark.fast
+def test_the_chosen_recipe_file_reads_the_same_from_the_ship_folder_when_its_base_is_relative(tmp_path):
+    """A user's recipe ``mine/child.yaml`` with ``base: sibling.yaml``: copied verbatim into the ship folder, its
+    relative base would be looked for there and not be found; ``chosen_recipe.yaml`` carries the merged fields."""
+    from qharness.recipes.registry import load_recipe
+    from qharness.sweep.plan import SweepRun
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "sibling.yaml").write_text("base: xnnpack_8da4w\ndescription: the user's 4-bit sibling\n")
+    (mine / "child.yaml").write_text("base: sibling.yaml\ndescription: the user's recipe\n")
+    run_dir = tmp_path / "runs" / "xnnpack_8da4w-ptq"
+    run_dir.mkdir(parents=True)
+    config = {
+        "model": {"recipe": str(mine / "child.yaml"), "mode": "ptq"},
+        "trainer": {"default_root_dir": str(run_dir)},
+    }
+    (run_dir / "c.yaml").write_text(yaml.safe_dump(config))
+    FakeRunner()(["qharness", "calibrate", "--config", str(run_dir / "c.yaml")], tmp_path / "log")
+    ship_dir = tmp_path / "ship"
+    ship_dir.mkdir()
+    run = SweepRun("xnnpack_8da4w-ptq", str(mine / "child.yaml"), "ptq", config, run_dir)
+    climb.write_chosen(ship_dir, run, {})
+    chosen = load_recipe(str(ship_dir / "chosen_recipe.yaml"))
+    assert chosen.settings == load_recipe(str(mine / "child.yaml")).settings == load_recipe("xnnpack_8da4w").settings
+    assert chosen.description == "the user's recipe"
+
+
 def test_a_tolerance_only_qat_meets_ends_at_qat(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("0.5%", max_size_mb=2.0), runner=runner)

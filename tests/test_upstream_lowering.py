@@ -99,6 +99,7 @@ def test_fast_lowering_writes_the_same_pte(upstream_ptes, toy):
     assert _TOYS[toy](lowering.PATCHES) == upstream_ptes[toy]
 
 
+@pytest.mark.slow  # ~90 s: which patch broke; all patches together run in the default suite above
 @pytest.mark.parametrize("toy", sorted(_TOYS))
 @pytest.mark.parametrize("patch", lowering.PATCHES, ids=lambda p: p.__name__.rsplit(".", 1)[-1])
 def test_each_patch_alone_writes_the_same_pte(upstream_ptes, patch, toy):

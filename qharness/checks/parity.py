@@ -386,6 +386,33 @@ UNSTABLE_BELOW = 0.5  # the rounding twin's argmax agreement under which the con
 # with static int8 activations: twin 0.008, the .pte 0.04, perplexity 7.5 -> 6,000,000)
 
 
+BROKEN_RATIO = 2.0  # the converted model's perplexity over FP's from which a failed gate is first the recipe's doing:
+# SmolLM2 with 2-bit or per-channel 3-bit weights, perplexity 7.5 -> 20,000 and more, where rounding alone changes
+# 40-50% of the converted model's confident next tokens and the .pte's agreement with it decides little
+
+
+def recipe_breaks_model(fp_ppl: float, converted_ppl: float, twin_agreement: float | None) -> str | None:
+    """The reason a failed gate leads with when the recipe itself breaks the model (the converted model's perplexity
+    ``BROKEN_RATIO`` x FP's or more): what the recipe did to the model, which no program of it can undo; None
+    otherwise, or where the gate already says so (a twin agreement under ``UNSTABLE_BELOW``)."""
+    if not converted_ppl >= BROKEN_RATIO * fp_ppl or (twin_agreement is not None and twin_agreement < UNSTABLE_BELOW):
+        return None
+    noise = (
+        ""
+        if twin_agreement is None
+        else f"; rounding alone changes {1 - twin_agreement:.0%} of its confident next tokens, so the .pte's "
+        "agreement with it decides little"
+    )
+
+    def num(x: float) -> str:
+        return f"{float(f'{x:.3g}'):,.0f}" if x >= 100 else f"{x:.3g}"
+
+    return (
+        f"the recipe breaks this model: its converted model's perplexity is {num(converted_ppl)} against FP's "
+        f"{num(fp_ppl)} (x{num(converted_ppl / fp_ppl)}){noise}; use a recipe with more bits, or QAT"
+    )
+
+
 def ppl_noise_bound(reference: list[float], twin: list[float]) -> float:
     """How far rounding alone may move this model's perplexity over these blocks: from the per-block mean losses of the
     reference and of its rounding twin (``rounding_twin``), ``exp(|mean d| + 3 sd(d) / sqrt(n)) - 1`` of their

@@ -33,6 +33,7 @@ import yaml
 
 from qharness.errors import UserError
 from qharness.io.atomic import atomic_dir, write_text_atomic
+from qharness.io.yaml_reader import check_yaml_file
 
 OFFLINE_TASKS = ("qharness_ppl", "qharness_mc", "qharness_gen")
 TEMPLATES = Path(__file__).parent / "lm_eval_tasks"
@@ -176,24 +177,30 @@ def offline_metrics() -> dict[str, set[str]]:
 _NAME = re.compile(rb"^(?:task|group|tag):[ \t]*(.*)$((?:\n[ \t]+-.*)*)", re.M)
 
 
+def task_files(root: str) -> list[str]:
+    """The YAML files under ``root``, as lm-eval's ``TaskManager`` finds them."""
+    return [
+        os.path.join(dirpath, f)
+        for dirpath, _dirs, files in os.walk(root)
+        for f in sorted(files)
+        if f.endswith((".yaml", ".yml"))
+    ]
+
+
 def scan_task_names(root: str) -> dict[str, str]:
     """Task, group and tag names declared in the YAML files under ``root`` -> the file declaring each."""
     names: dict[str, str] = {}
-    for dirpath, _dirs, files in os.walk(root):
-        for f in files:
-            if not f.endswith((".yaml", ".yml")):
-                continue
-            path = os.path.join(dirpath, f)
-            with open(path, "rb") as fh:
-                data = fh.read()
-            for m in _NAME.finditer(data):
-                first, rest = m.group(1).strip(), m.group(2)
-                values = first.strip(b"[]").split(b",") if first.startswith(b"[") else [first]
-                values += [line.strip()[1:] for line in rest.split(b"\n") if line.strip()]
-                for v in values:
-                    v = v.strip().strip(b"'\"").decode(errors="ignore")
-                    if v:
-                        names.setdefault(v, path)
+    for path in task_files(root):
+        with open(path, "rb") as fh:
+            data = fh.read()
+        for m in _NAME.finditer(data):
+            first, rest = m.group(1).strip(), m.group(2)
+            values = first.strip(b"[]").split(b",") if first.startswith(b"[") else [first]
+            values += [line.strip()[1:] for line in rest.split(b"\n") if line.strip()]
+            for v in values:
+                v = v.strip().strip(b"'\"").decode(errors="ignore")
+                if v:
+                    names.setdefault(v, path)
     return names
 
 
@@ -251,9 +258,13 @@ def check_tasks(names: list[str], include_path: str | None = None) -> None:
     """Fail early (UserError) on an unknown task name, or a standard task whose data cannot be reached."""
     if not names:
         raise UserError("eval.tasks is empty", fix=f"name at least one task, e.g. {', '.join(OFFLINE_TASKS)}")
-    own = scan_task_names(include_path) if include_path else {}
     if include_path and not Path(include_path).is_dir():
         raise UserError(f"eval.include_path {include_path} is not a directory")
+    own = {}
+    if include_path:
+        for path in task_files(include_path):  # lm-eval's loader bounds nothing: an alias bomb would hang it
+            check_yaml_file(path, "eval.include_path task")
+        own = scan_task_names(include_path)
     offline_fix = (
         f"use the offline tasks {', '.join(OFFLINE_TASKS)} (built from the run's data, or eval.source: a local text file), "
         "run once with network access so the dataset lands in the Hugging Face cache, "

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -135,8 +136,26 @@ def read_yaml(path: str | os.PathLike, what: str):
 
     Example: ``read_yaml(Path("configs/qat_xnnpack.yaml"), "config")`` -> ``{"model": {...}, ...}``
     """
-    import yaml
+    text = _file_text(path, what)
+    with _one_line(path, what):
+        return load_yaml(text)
 
+
+def check_yaml_file(path: str | os.PathLike, what: str) -> None:
+    """``read_yaml``'s checks of a YAML file that another program will construct (lm-eval's task files, whose
+    ``!function`` tags qharness does not construct): the file, its size, its syntax and the alias bounds, each a
+    one-line ``UserError``, without building any value.
+
+    Example: ``check_yaml_file("tasks/my_task.yaml", "lm-eval task")`` -> None
+    """
+    text = _file_text(path, what)
+    with _one_line(path, what):
+        import yaml
+
+        yaml.compose(text, Loader=_unique_key_loader())  # composing is what the bounds check: no value is built
+
+
+def _file_text(path: str | os.PathLike, what: str) -> str:
     problem = file_problem(path)
     if problem:
         raise UserError(f"{what} file {path} {problem}", fix=f"give the path of a {what} .yaml file")
@@ -151,9 +170,25 @@ def read_yaml(path: str | os.PathLike, what: str):
             fix=f"a {what} is a few KB: give the right file, or trim it",
         )
     try:
-        return load_yaml(data.decode())
+        return data.decode()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{what} file {path} is not UTF-8 text", fix=f"save the {what} as UTF-8 YAML") from e
+
+
+@contextlib.contextmanager
+def _one_line(path: str | os.PathLike, what: str):
+    """YAML errors while reading ``path`` as one-line ``UserError``s naming it."""
+    import yaml
+
+    try:
+        yield
     except YamlTooLarge as e:
         raise UserError(f"{what} file {path} {e.problem}", fix=e.bound_fix) from None
+    except RecursionError as e:
+        raise UserError(
+            f"{what} file {path} nests mappings and lists more than {MAX_DEPTH} deep",
+            fix="flatten it: a config is a few levels deep",
+        ) from e
     except yaml.YAMLError as e:
         if str(getattr(e, "problem", "")).startswith("duplicate key"):
             raise UserError(
@@ -162,5 +197,3 @@ def read_yaml(path: str | os.PathLike, what: str):
         mark = getattr(e, "problem_mark", None)
         at = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         raise UserError(f"{what} file {path} is not valid YAML{at}", fix="fix the YAML syntax") from e
-    except UnicodeDecodeError as e:
-        raise UserError(f"{what} file {path} is not UTF-8 text", fix=f"save the {what} as UTF-8 YAML") from e

@@ -207,6 +207,18 @@ def _read(name_or_path: str, seen: tuple[str, ...] = (), folder: Path | None = N
     return merged
 
 
+def flattened_recipe(name_or_path: str) -> str:
+    """The recipe's YAML with its ``base:`` chain merged in: one file that reads the same from any folder (``ship``
+    copies a user's recipe this way, where a relative ``base:`` would no longer be found).
+
+    Example: ``flattened_recipe("my_recipe.yaml")`` -> ``"description: ...\nquantizer:\n  name: xnnpack\n..."``
+    """
+    import yaml
+
+    header = f"# {name_or_path} with its base: chain merged in\n"
+    return header + yaml.safe_dump(_read(name_or_path), sort_keys=False)
+
+
 _EXAMPLE = {"modes": "qat, ptq", "partitioners": "xnnpack"}
 
 

@@ -17,6 +17,7 @@ from qharness.checks.parity import (
     gate,
     learned_scales_carried,
     ppl_noise_bound,
+    recipe_breaks_model,
     rounding_twin,
     score_deployed,
 )
@@ -109,6 +110,10 @@ def gate_pte(
     figures["noise"]["ppl_rel_diff"] = abs(twin_score["ppl"] - converted["ppl"]) / converted["ppl"]
     figures["noise"]["ppl_bound"] = ppl_noise_bound(converted["block_losses"], twin_score["block_losses"])
     reasons += gate(figures, cfg)
+    if reasons and "fp" in scores:
+        twin_agrees = figures["noise"].get("argmax_agreement_decided")
+        broken = recipe_breaks_model(scores["fp"]["ppl"], converted["ppl"], twin_agrees)
+        reasons = [broken] + reasons if broken else reasons
     if trained.fake_quant is not None:
         figures["fake_quant"] = against_fake_quant(trained, pte, data, scores, cfg)
         if figures["fake_quant"]["gated"]:

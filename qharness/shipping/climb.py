@@ -178,10 +178,10 @@ def _timed_together(ship_dir: Path, names: set[str], rows: dict[str, dict]) -> b
 
 
 def write_chosen(ship_dir: Path, run: SweepRun, row: dict) -> dict:
-    """The chosen ``.pte`` copied to ``chosen.pte``; its recipe file (the autotuned one, or the recipe's YAML) to
-    ``chosen_recipe.yaml``; ``chosen.yaml``: the candidate's run config naming that recipe file, run into
+    """The chosen ``.pte`` copied to ``chosen.pte``; its recipe (the autotuned one, or the recipe's YAML) to
+    ``chosen_recipe.yaml`` with its ``base:`` chain merged in (a relative ``base:`` would not be found from there); ``chosen.yaml``: the candidate's run config naming that recipe file, run into
     ``chosen_rerun/`` (its first line the command), which makes the same program again."""
-    from qharness.recipes.registry import RECIPES_DIR
+    from qharness.recipes.registry import RECIPES_DIR, flattened_recipe
     from qharness.run.summary import RunSummary
 
     summary = RunSummary.read(run.run_dir / "summary.json")
@@ -190,7 +190,7 @@ def write_chosen(ship_dir: Path, run: SweepRun, row: dict) -> dict:
     source = run.run_dir / "autotuned.yaml" if run.autotune else Path(run.recipe)
     if not run.autotune and not source.is_file():
         source = RECIPES_DIR / f"{run.recipe}.yaml"
-    write_bytes_atomic(ship_dir / CHOSEN_RECIPE, source.read_bytes())
+    write_bytes_atomic(ship_dir / CHOSEN_RECIPE, flattened_recipe(str(source)).encode())  # no relative base: left
     config = {k: v for k, v in run.config.items() if not (run.autotune and k in AUTOTUNE_OPTIONS)}
     config = {**config, "model": {**config["model"], "recipe": str(ship_dir / CHOSEN_RECIPE)}}
     config["trainer"] = {**config.get("trainer", {}), "default_root_dir": str(ship_dir / RERUN_DIR)}

@@ -31,7 +31,9 @@ def parse_tolerance(value) -> float:
     if isinstance(value, str):
         m = _PERCENT.match(value)
         if not m:
-            raise UserError(f"--max_ppl_increase {value!r} is not a percentage", fix=fix)
+            negative = re.fullmatch(r"\s*-\s*\d+(\.\d*)?\s*%\s*", value)
+            what = "is negative: a perplexity increase must be >= 0%" if negative else "is not a percentage"
+            raise UserError(f"--max_ppl_increase {value!r} {what}", fix=fix)
         return float(m.group(1)) / 100
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise UserError(f"max_ppl_increase must be a fraction >= 0 or a percentage string (got {value!r})", fix=fix)
