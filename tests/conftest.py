@@ -228,22 +228,47 @@ def write_config(path, model_dir, data_source, run_dir, **sections):
     return path
 
 
+def once_per_session(tmp_path_factory, name: str, build):
+    """``build(folder)`` run once in a whole test session, not once per xdist worker (pytest-xdist's recipe for a
+    session fixture: the first worker to ask builds it under a file lock, the others wait and read the same folder).
+    Only for results the tests read; a test that writes into one works on a copy."""
+    import json
+
+    from filelock import FileLock
+
+    if "PYTEST_XDIST_WORKER" not in os.environ:  # one process: an ordinary session fixture
+        folder = tmp_path_factory.mktemp(name)
+        return build(folder)
+    root = tmp_path_factory.getbasetemp().parent  # this session's folder, shared by its workers
+    folder, done = root / name, root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.is_file():
+            folder.mkdir()
+            done.write_text(json.dumps(build(folder)))
+    return json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
 def fitted(tmp_path_factory, tiny_llama, corpus):
-    """``qharness fit`` of the tiny Llama, logged to wandb offline: (run dir, config, CompletedProcess)."""
-    tmp = tmp_path_factory.mktemp("e2e")
-    cfg = write_config(
-        tmp / "run.yaml",
-        tiny_llama,
-        corpus,
-        tmp / "run",
-        trainer={"log_every_n_steps": 2},
-        bench={"enabled": True},
-        wandb={"enabled": True},
-        eval={"enabled": True, "tasks": ["qharness_ppl", "qharness_mc", "qharness_gen"]},  # gen too: through the .pte
-    )
-    result = run_cli("fit", cfg)
-    return tmp / "run", cfg, result
+    """``qharness fit`` of the tiny Llama, logged to wandb offline: (run dir, config, CompletedProcess); run once per
+    session (``once_per_session``; the tests read it, and copy it to write into it)."""
+
+    def build(tmp):
+        cfg = write_config(
+            tmp / "run.yaml",
+            tiny_llama,
+            corpus,
+            tmp / "run",
+            trainer={"log_every_n_steps": 2},
+            bench={"enabled": True},
+            wandb={"enabled": True},
+            eval={"enabled": True, "tasks": ["qharness_ppl", "qharness_mc", "qharness_gen"]},  # gen: through the .pte
+        )
+        r = run_cli("fit", cfg)
+        return [str(tmp / "run"), str(cfg), r.returncode, r.stdout, r.stderr]
+
+    run, cfg, code, out, err = once_per_session(tmp_path_factory, "fitted", build)
+    return Path(run), Path(cfg), subprocess.CompletedProcess(["qharness", "fit", cfg], code, out, err)
 
 
 def tiny_run_config(tmp_path, model_dir, corpus, model: dict, trainer: dict | None = None):
