@@ -83,10 +83,19 @@ FAMILIES = {
         "fast",
         INT8,
     ),
+    # Qwen3.5's MoE: separate in_proj_qkv / z / b / a (+ out_proj), batched 3-D experts (router, 4 x 3) and a shared
+    # expert (3 + its gate)
+    "qwen3_5_moe": (
+        "qwen3_5_moe_text",
+        dict(DELTANET, **MOE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+        5 + 17 + 4 + 17 + 1,
+        "fast",
+        INT8,
+    ),
 }
 CONVS = {  # layer 0: the convolution (LFM2) or gated DeltaNet layer
     **{name: ("model.layers.0.conv.conv",) for name in ("lfm2", "lfm2_moe")},
-    **{name: ("model.layers.0.linear_attn.conv1d",) for name in ("qwen3_5", "qwen3_next")},
+    **{name: ("model.layers.0.linear_attn.conv1d",) for name in ("qwen3_5", "qwen3_next", "qwen3_5_moe")},
 }
 OTHER = {INT8: W4, W4: INT8}
 CLI_DEFAULT = (
@@ -182,7 +191,7 @@ def check_runner(run_dir, new_tokens: int = 8) -> None:
 # families whose deploy path the default suite covers elsewhere (slow tier here, to keep the default suite short):
 # MoE experts (mixtral here, Mixtral QAT through the CLI in test_coverage), MLA (test_mla's CLI run), sliding windows
 # (gemma2), parallel residuals (phi3, falcon), recurrent states (lfm2, qwen3_5)
-DEPLOY_SLOW = {"qwen3_moe", "qwen3_next", "deepseek_v3", "lfm2_moe", "mistral_window", "gpt_neox"}
+DEPLOY_SLOW = {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "deepseek_v3", "lfm2_moe", "mistral_window", "gpt_neox"}
 
 
 @pytest.mark.parametrize(
