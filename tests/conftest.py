@@ -271,6 +271,23 @@ def fitted(tmp_path_factory, tiny_llama, corpus):
     return Path(run), Path(cfg), subprocess.CompletedProcess(["qharness", "fit", cfg], code, out, err)
 
 
+def copy_of_fitted(fitted, tmp_path: Path, **sections) -> tuple[Path, Path]:
+    """A copy of the ``fitted`` run to write into (other tests read the original) and its own run config pointed at
+    the copy (the fit's model and data, which another xdist worker may have made), ``sections`` updating its groups:
+    (run dir, config)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(fitted[0], run)
+    cfg = yaml.safe_load(Path(fitted[1]).read_text())
+    cfg["trainer"]["default_root_dir"] = str(run)
+    for key, value in sections.items():
+        cfg[key].update(value)
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return run, path
+
+
 def tiny_run_config(tmp_path, model_dir, corpus, model: dict, trainer: dict | None = None):
     """A tiny run config for a small model (16-token blocks, a 32-position ``.pte``, a short parity check)."""
     return write_config(

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_cli, write_config
+from conftest import copy_of_fitted, run_cli, write_config
 
 
 def test_fit_writes_a_pte_that_passes_parity(fitted):
@@ -76,18 +76,13 @@ def test_resume_continues_from_the_checkpoint_and_export_finishes_from_it(tmp_pa
     assert "parity PASSED" in export.stdout and (run / "model.pte").is_file()
 
 
-def test_a_failed_gate_through_the_cli_keeps_the_program_apart_and_says_what_to_try(
-    fitted, tiny_llama, corpus, tmp_path
-):
+def test_a_failed_gate_through_the_cli_keeps_the_program_apart_and_says_what_to_try(fitted, tmp_path):
     """``qharness export`` with a gate no ``.pte`` can pass: exit 1, one line naming the failed tolerance and what to
     try, the program kept as ``model.FAILED_PARITY.pte`` (no ``model.pte``), ``summary.json`` saying so, and
     ``qharness generate RUN`` naming the file that is there."""
-    import shutil
-
-    run = tmp_path / "run"  # a copy: the export rewrites summary.json, which other tests read
-    shutil.copytree(fitted[0], run)
+    off = {"enabled": False}
+    run, cfg = copy_of_fitted(fitted, tmp_path, bench=off, eval=off, wandb=off)
     (run / "model.pte").unlink()
-    cfg = write_config(tmp_path / "run.yaml", tiny_llama, corpus, run, bench={"enabled": False})
     strict = run_cli("export", cfg, "--parity.max_abs_diff", "1e-12")
     assert strict.returncode == 1, strict.stderr[-3000:]
     error = [line for line in strict.stderr.splitlines() if "parity gate failed" in line]

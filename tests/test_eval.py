@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import run_cli, write_config
+from conftest import copy_of_fitted, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -192,17 +192,16 @@ def test_fit_ends_with_the_three_way_table(fitted):
     assert pte["word_perplexity"] == pytest.approx(fq["word_perplexity"], rel=0.02)  # parity tolerance
 
 
-def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, tiny_llama, corpus, tmp_path):
-    import shutil
-
+def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, tmp_path):
     from transformers import AutoTokenizer
 
     from qharness.runtime.pte import PteModel
 
-    run_dir = tmp_path / "run"  # a copy: evaluate adds to summary.json, which other tests read
-    shutil.copytree(fitted[0], run_dir)
+    off = {"enabled": False}
+    run_dir, cfg = copy_of_fitted(
+        fitted, tmp_path, eval=off, bench=off, wandb=off
+    )  # a copy: evaluate adds to summary.json, which other tests read
     own_eval = (run_dir / "eval.json").read_text()
-    cfg = write_config(tmp_path / "run.yaml", tiny_llama, corpus, run_dir)
     r = run_cli("evaluate", cfg, "--tasks", "qharness_ppl", "--limit", "2", "--models", "converted,pte")
     assert r.returncode == 0, r.stderr[-3000:]
     assert re.search(r"word_perplexity\s+\S+\s+\S+", r.stdout)
