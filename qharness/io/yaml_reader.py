@@ -116,12 +116,18 @@ def load_yaml(text: str):
     """
     import yaml
 
+    return _bounded(text, yaml.load)
+
+
+def _bounded(text: str, parse):
+    """``parse(text, Loader=...)`` (``yaml.load``, or ``yaml.compose`` to check without building values) with the
+    reader's bounds: ``YamlTooLarge`` past ``MAX_BYTES`` or ``MAX_DEPTH``, and past the alias bounds as it composes."""
     if len(text) > MAX_BYTES:
         raise YamlTooLarge(
             f"is {len(text):,} characters long (at most {MAX_BYTES:,})", fix="a config or recipe is a few KB: trim it"
         )
     try:
-        return yaml.load(text, Loader=_unique_key_loader())
+        return parse(text, Loader=_unique_key_loader())
     except RecursionError as e:
         raise YamlTooLarge(
             f"nests mappings and lists more than {MAX_DEPTH} deep", fix="flatten it: a config is a few levels deep"
@@ -148,11 +154,11 @@ def check_yaml_file(path: str | os.PathLike, what: str) -> None:
 
     Example: ``check_yaml_file("tasks/my_task.yaml", "lm-eval task")`` -> None
     """
+    import yaml
+
     text = _file_text(path, what)
     with _one_line(path, what):
-        import yaml
-
-        yaml.compose(text, Loader=_unique_key_loader())  # composing is what the bounds check: no value is built
+        _bounded(text, yaml.compose)  # composing is what the bounds check: no value is built
 
 
 def _file_text(path: str | os.PathLike, what: str) -> str:
@@ -184,11 +190,6 @@ def _one_line(path: str | os.PathLike, what: str):
         yield
     except YamlTooLarge as e:
         raise UserError(f"{what} file {path} {e.problem}", fix=e.bound_fix) from None
-    except RecursionError as e:
-        raise UserError(
-            f"{what} file {path} nests mappings and lists more than {MAX_DEPTH} deep",
-            fix="flatten it: a config is a few levels deep",
-        ) from e
     except yaml.YAMLError as e:
         if str(getattr(e, "problem", "")).startswith("duplicate key"):
             raise UserError(

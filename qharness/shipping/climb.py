@@ -179,8 +179,9 @@ def _timed_together(ship_dir: Path, names: set[str], rows: dict[str, dict]) -> b
 
 def write_chosen(ship_dir: Path, run: SweepRun, row: dict) -> dict:
     """The chosen ``.pte`` copied to ``chosen.pte``; its recipe (the autotuned one, or the recipe's YAML) to
-    ``chosen_recipe.yaml`` with its ``base:`` chain merged in (a relative ``base:`` would not be found from there); ``chosen.yaml``: the candidate's run config naming that recipe file, run into
-    ``chosen_rerun/`` (its first line the command), which makes the same program again."""
+    ``chosen_recipe.yaml`` with its ``base:`` chain merged in (a relative ``base:`` would not be found from there);
+    ``chosen.yaml``: the candidate's run config naming that recipe file, run into ``chosen_rerun/`` (its first line
+    the command), which makes the same program again."""
     from qharness.recipes.registry import RECIPES_DIR, flattened_recipe
     from qharness.run.summary import RunSummary
 
