@@ -25,7 +25,13 @@ CORPUS_CHARS = 1_100_000  # about Tiny Shakespeare's size: tests slice up to 340
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
-    os.environ["QHARNESS_CACHE"] = str(tmp_path_factory.mktemp("qharness_cache"))
+    """One qharness cache for the whole session, shared by its xdist workers as by a user's concurrent runs (its
+    writers lock and write atomically): a deploy probe or token cache one worker built is not built again by the
+    other. A test that needs an empty cache, or counts what is in it, sets its own QHARNESS_CACHE."""
+    shared = "PYTEST_XDIST_WORKER" in os.environ
+    root = tmp_path_factory.getbasetemp().parent if shared else tmp_path_factory.mktemp("session")
+    (root / "qharness_cache").mkdir(exist_ok=True)
+    os.environ["QHARNESS_CACHE"] = str(root / "qharness_cache")
     os.environ["HF_DATASETS_CACHE"] = str(tmp_path_factory.mktemp("hf_datasets"))
 
 

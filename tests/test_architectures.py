@@ -168,6 +168,33 @@ def test_a_failing_trace_is_refused_and_a_success_is_remembered(tmp_path, family
     check_architecture(source)  # remembered: not traced again
 
 
+@pytest.mark.fast
+def test_models_that_differ_only_in_what_the_probe_drops_share_one_deploy_check(tmp_path, monkeypatch):
+    """The deploy probe's success is keyed by the one-layer, small-vocabulary copy it deploys, the recipe and the
+    cache length: a deeper model with a larger vocabulary in another folder is not probed again (each tiny model of
+    the test suite was probed anew for its folder), while another width, recipe or cache length is."""
+    import qharness.deploy.architectures as arch
+    from qharness.recipes.registry import load_recipe
+
+    monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
+    deployed = []
+    monkeypatch.setattr(arch, "_deploy", lambda model, recipe, msl: deployed.append((model.config.hidden_size, msl)))
+    shape = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    small = _save_config_only(tmp_path / "a", "llama", num_hidden_layers=2, vocab_size=384, **shape)
+    large = _save_config_only(tmp_path / "b", "llama", num_hidden_layers=6, vocab_size=1024, **shape)
+    wider = _save_config_only(
+        tmp_path / "c", "llama", num_hidden_layers=2, vocab_size=384, **{**shape, "hidden_size": 128}
+    )
+    int8, fp32 = load_recipe("xnnpack_int8_dynamic"), load_recipe("xnnpack_fp32")
+    check_architecture(small, recipe=int8, max_seq_len=64)
+    check_architecture(large, recipe=int8, max_seq_len=64)
+    assert deployed == [(64, 64)]
+    check_architecture(wider, recipe=int8, max_seq_len=64)
+    check_architecture(small, recipe=fp32, max_seq_len=64)
+    check_architecture(small, recipe=int8, max_seq_len=32)
+    assert deployed == [(64, 64), (128, 64), (64, 64), (64, 32)]
+
+
 @pytest.mark.parametrize(
     "name", ["gemma2", pytest.param("qwen2-tied", marks=pytest.mark.slow), pytest.param("phi3", marks=pytest.mark.slow)]
 )

@@ -132,8 +132,10 @@ def check_claims(run_dir: Path, done: set[str]) -> dict | None:
     return summary
 
 
-def test_fit_killed_in_every_stage_finishes_and_never_claims_more(tmp_path, tiny_llama, corpus):
+def test_fit_killed_in_every_stage_finishes_and_never_claims_more(tmp_path, tiny_llama, corpus, monkeypatch):
     t0 = time.time()
+    # a cache of its own: the session's is shared with the other worker, whose builds may be half-way at the end
+    monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
     run_dir = tmp_path / "run"
     steps, every = 12, 3
     # a text of its own: the shared corpus's tokens may already be cached by an earlier test in this process, and a

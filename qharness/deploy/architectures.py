@@ -10,8 +10,11 @@ deploys a copy with one layer of each layer type, random weights and a small voc
 after training (``check_deploy``: export, quantization, the coverage check, lowering), so a model that would fail
 after hours of training (an op the backend lacks, a quantizer error, a projection the recipe would leave float)
 fails at once with a named reason. Without a recipe it traces the static-cache export of a weightless (``meta``)
-copy. A success is remembered under ``$QHARNESS_CACHE/architectures`` (keyed by the config, the recipe, the cache
-length and the torch/transformers versions). Per-architecture code, if one ever needs it, belongs in this module.
+copy. A success is remembered under ``$QHARNESS_CACHE/architectures``, keyed by what the check ran: the copy's
+config (without the model's path, unless remote code comes from it), the recipe, the cache length and the
+torch/transformers/executorch/torchao versions; so models that differ only in what the copy drops (their depth, their
+vocabulary beyond the probe's, their folder) share one check. Per-architecture code, if one ever needs it, belongs in
+this module.
 
 Example::
 
@@ -97,13 +100,20 @@ PROBE_VOCAB = (
 )
 
 
-def _cache_key(config, recipe=None, max_seq_len: int | None = None) -> str:
-    import torch
-    import transformers
+def _cache_key(copy_config, trust_remote_code: bool, recipe=None, max_seq_len: int | None = None) -> str:
+    """The key of a check of the copy built from ``copy_config`` (``probe_config``; ``small_vocab`` of it for the
+    deploy probe): its outcome depends on that config, not on the model's folder (``_name_or_path``, kept when remote
+    code is loaded from it), and on the recipe, the cache length and the versions of the stack."""
+    import json
+    from importlib.metadata import version
 
-    text = config.to_json_string(use_diff=False) + transformers.__version__ + torch.__version__ + "v1"
+    fields = json.loads(copy_config.to_json_string(use_diff=False))
+    if not trust_remote_code:
+        fields.pop("_name_or_path", None)
+    stack = " ".join(version(name) for name in ("torch", "transformers", "executorch", "torchao"))
+    text = json.dumps(fields, sort_keys=True) + stack + "v2"
     if recipe is not None:  # the deploy probe: per recipe and cache length
-        text += f"deploy v2 {recipe!r} {max_seq_len}"
+        text += f"deploy v3 {recipe!r} {max_seq_len}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -236,9 +246,6 @@ def check_architecture(
     what = f"unsupported model {source!r} (model_type {config.model_type!r})"
     if getattr(config, "is_encoder_decoder", False):
         raise UserError(f"{what}: it is an encoder-decoder; qharness needs a decoder-only causal LM", fix=FIX)
-    marker = cache_dir() / "architectures" / _cache_key(config, recipe, max_seq_len)
-    if marker.is_file():
-        return
     try:
         probe = probe_config(config)
         with torch.device("meta"):
@@ -266,6 +273,10 @@ def check_architecture(
             fix="deploy a hybrid qharness carries (LFM2, LFM2-MoE, Qwen3.5) or a KV-cache family (Llama, Qwen3, "
             "Gemma3, ...)",
         )
+    checked = probe if recipe is None else small_vocab(copy.deepcopy(probe))  # the config of the copy checked
+    marker = cache_dir() / "architectures" / _cache_key(checked, trust_remote_code, recipe, max_seq_len)
+    if marker.is_file():
+        return
     t = time.perf_counter()
     if recipe is not None:
         check_deploy(config, recipe, max_seq_len, what, trust_remote_code)
