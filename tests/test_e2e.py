@@ -6,6 +6,8 @@ import pytest
 import torch
 from conftest import copy_of_fitted, run_cli, write_config
 
+from qharness.errors import UserError
+
 
 def test_fit_writes_a_pte_that_passes_parity(fitted):
     run, _, r = fitted
@@ -27,7 +29,7 @@ def test_fit_writes_a_pte_that_passes_parity(fitted):
     assert (run / "checkpoints" / "last.ckpt").is_file()
 
 
-@pytest.mark.fast
+# not in the fast tier: it reads the session's `qharness fit` run (a subprocess, ~40 s on the tier's critical path)
 def test_the_pte_decodes_token_by_token_like_a_full_prefill(fitted):
     from qharness.runtime.pte import PteModel
 
@@ -94,10 +96,19 @@ def test_a_failed_gate_through_the_cli_keeps_the_program_apart_and_says_what_to_
 
 
 def test_export_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_llama, corpus):
+    from qharness.api.precheck import precheck
+
     cfg = write_config(tmp_path / "r.yaml", tiny_llama, corpus, tmp_path / "nothing_here")
     r = run_cli("export", cfg)
     assert r.returncode == 2
     assert "last.ckpt does not exist" in r.stderr and "Traceback" not in r.stderr
+    # found by the config's own check, before Lightning, the model or the architecture check loads (was after them)
+    for argv in (["export", "--config", str(cfg)], ["fit", "--config", str(cfg), "--ckpt_path=last"]):
+        with pytest.raises(UserError, match=r"nothing_here/checkpoints/last.ckpt does not exist"):
+            precheck(argv)
+    with pytest.raises(UserError, match=r"checkpoint .*elsewhere.ckpt does not exist"):
+        precheck(["export", "--config", str(cfg), "--ckpt_path", str(tmp_path / "elsewhere.ckpt")])
+    assert precheck(["fit", "--config", str(cfg)]) is not None  # a fit that starts afresh needs none
 
 
 @pytest.mark.fast
@@ -140,9 +151,13 @@ def test_calibrate_ptq_static_with_its_own_calibration_data(tmp_path, tiny_llama
 
 
 def test_calibrate_refuses_qat_mode(tmp_path, tiny_llama, corpus):
+    from qharness.api.precheck import precheck
+
     cfg = write_config(tmp_path / "q.yaml", tiny_llama, corpus, tmp_path / "q")
     r = run_cli("calibrate", cfg)
     assert r.returncode == 2 and "calibrate needs model.mode: ptq" in r.stderr
+    with pytest.raises(UserError, match="calibrate needs model.mode: ptq"):  # before torch loads (was after the model)
+        precheck(["calibrate", "--config", str(cfg)])
 
 
 @pytest.mark.slow  # ~40 s; the default suite resumes killed runs to the same result (test_killed_run_resumes_...)

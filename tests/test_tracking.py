@@ -10,7 +10,7 @@ from qharness.reporting.tracking import wandb_logged_in, wandb_mode
 from qharness.run.summary import RunSummary
 
 
-@pytest.mark.fast
+# not in the fast tier: it reads the session's `qharness fit` run (a subprocess, ~40 s on the tier's critical path)
 def test_fit_logs_config_curves_and_the_final_row_offline(fitted):
     run_dir, _, r = fitted
     assert r.returncode == 0, r.stderr[-3000:]

@@ -101,17 +101,6 @@ def run_argv(argv: list[str]):
     return run_lightning_cli(argv)
 
 
-def _option(argv: list[str], name: str):
-    """The last value given to ``--name VALUE`` or ``--name=VALUE`` (None if absent)."""
-    value = None
-    for i, a in enumerate(argv):
-        if a == name and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif a.startswith(name + "="):
-            value = a[len(name) + 1 :]
-    return value
-
-
 def check_tasks_early(argv: list[str], run) -> None:
     """lm-eval task names (and whether their data can be reached) checked before Lightning is even imported, so a
     typo or an offline machine fails in a second or two: ``eval.tasks`` of the pre-check's ``RunConfig`` (``run``;
@@ -120,7 +109,9 @@ def check_tasks_early(argv: list[str], run) -> None:
         return
     if argv[0] != "evaluate" and not run.eval.enabled:
         return
-    given = _option(argv, "--tasks") if argv[0] == "evaluate" else None
+    from qharness.api.precheck import option
+
+    given = option(argv, "--tasks") if argv[0] == "evaluate" else None
     tasks = [t.strip() for t in given.strip("[]").split(",") if t.strip()] if given else run.eval.tasks
     from qharness.evaluation.tasks import check_tasks
 

@@ -31,14 +31,8 @@ from qharness.errors import UserError, usage_error
 from qharness.progress import lightning_progress_bar
 from qharness.schema import CheckpointConfig, RunConfig, TrainerConfig
 from qharness.schema.fields import field_docs
-from qharness.training.checkpoints import (
-    AtomicCheckpointIO,
-    SaveOnSigterm,
-    check_resume_data,
-    checkpoint_dir,
-    read_checkpoint,
-    resolve_ckpt,
-)
+from qharness.schema.trainer import checkpoint_dir, resolve_ckpt
+from qharness.training.checkpoints import AtomicCheckpointIO, SaveOnSigterm, check_resume_data, read_checkpoint
 from qharness.training.module import QuantLM
 from qharness.training.step_log import StepLog
 

@@ -24,7 +24,7 @@ from qharness.io.files import file_problem
 from qharness.io.yaml_reader import load_yaml, read_yaml
 from qharness.schema import RunConfig
 from qharness.schema.fields import number
-from qharness.schema.trainer import check_writable_dir
+from qharness.schema.trainer import check_writable_dir, resolve_ckpt
 
 # Top-level keys of the subcommands' configs: the schema's sections, and the subcommands' own options
 # (``qharness fit --print_config``; evaluate, sensitivity and autotune add theirs).
@@ -69,6 +69,22 @@ def _value(text: str):
         return load_yaml(text)  # bounded: an alias bomb in an override is refused, not expanded
     except yaml.YAMLError:
         return text
+
+
+def option(args: list[str], name: str):
+    """The last value given to ``--name VALUE`` or ``--name=VALUE`` (None if absent)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a[len(name) + 1 :]
+    return value
+
+
+def _read_by_lightning(value) -> bool:
+    """A config section given as a file or a class path: LightningCLI reads it, this quick look does not."""
+    return isinstance(value, str) or (isinstance(value, dict) and bool({"class_path", "init_args"} & set(value)))
 
 
 def merged_config(args: list[str]) -> tuple[dict, set[str]]:
@@ -116,9 +132,8 @@ def check_config(cfg: dict, unclear: set[str] = frozenset(), subcommand: str | N
         )
     skip = set(unclear)
     for name in RunConfig.sections():
-        value = cfg.get(name)
-        if isinstance(value, str) or (isinstance(value, dict) and {"class_path", "init_args"} & set(value)):
-            skip.add(name)  # a file of the section, or a class path: LightningCLI reads it
+        if _read_by_lightning(cfg.get(name)):
+            skip.add(name)
     run = RunConfig.from_dict(cfg, skip=frozenset(skip))
     run.validate(subcommand, skip=frozenset(skip))
     return run
@@ -140,6 +155,19 @@ def check_cache_dir() -> None:
     check_writable_dir(
         cache_dir().expanduser(), what, fix="point QHARNESS_CACHE at a writable directory (default ~/.cache/qharness)"
     )
+
+
+def check_checkpoint(subcommand: str, args: list[str], cfg: dict, unclear: set[str], run: RunConfig) -> None:
+    """The checkpoint that ``export`` reads (``ckpt_path``, default ``last``) or that ``fit`` resumes from exists:
+    otherwise one line here rather than after Lightning, the model and the architecture check have loaded."""
+    if subcommand not in ("fit", "export") or "trainer" in unclear or _read_by_lightning(cfg.get("trainer")):
+        return  # the run directory is not known here
+    path = option(args, "--ckpt_path")
+    path = cfg.get("ckpt_path") if path is None else path
+    if path is None and subcommand == "export":
+        path = "last"
+    if isinstance(path, str):
+        resolve_ckpt(path, run.trainer.default_root_dir)
 
 
 def precheck(argv: list[str]) -> RunConfig | None:
@@ -168,6 +196,7 @@ def precheck(argv: list[str]) -> RunConfig | None:
             check_budget(*(b if number(b) is None else number(b) for b in budgets.values()))
         run = check_config(cfg, unclear, argv[0])
         check_cache_dir()
+        check_checkpoint(argv[0], args, cfg, unclear, run)
         return run
     except UserError:
         raise

@@ -13,7 +13,7 @@ from qharness.data.datamodule import TextDataModule
 from qharness.run import tuning, workflows
 from qharness.run.summary import RunSummary
 from qharness.run.workflows import RunSettings
-from qharness.training.checkpoints import checkpoint_dir
+from qharness.schema.trainer import checkpoint_dir
 from qharness.training.module import QuantLM
 
 

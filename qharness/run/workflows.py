@@ -21,7 +21,9 @@ from qharness.data.datamodule import TextDataModule
 from qharness.errors import ParityError, UserError
 from qharness.run.from_lightning import held_out, trained
 from qharness.run.summary import RunSummary
-from qharness.training.checkpoints import load_checkpoint, resolve_ckpt
+from qharness.schema.run import check_calibrates
+from qharness.schema.trainer import resolve_ckpt
+from qharness.training.checkpoints import load_checkpoint
 from qharness.training.module import QuantLM
 
 OnSummary = Callable[[RunSummary], None]
@@ -92,11 +94,7 @@ def calibrate(
 ) -> RunSummary:
     """PTQ: calibrate the recipe's observers (``calibration.*``), convert, export, lower and check the ``.pte``
     (``deploy``). Needs ``model.mode: ptq``."""
-    if model.hparams.mode != "ptq":
-        raise UserError(
-            f"calibrate needs model.mode: ptq (got {model.hparams.mode!r})",
-            fix="set --model.mode ptq, or use qharness fit for QAT",
-        )
+    check_calibrates(model.hparams.mode)
     datamodule.setup("fit")
     return deploy(model, datamodule, settings, on_summary)
 

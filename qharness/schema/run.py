@@ -157,6 +157,8 @@ class RunConfig:
                 check_precision(t.precision, recipe, m.mode)
             if subcommand == "fit" or (subcommand == "autotune" and m.mode == "qat"):
                 check_trains(t)
+        if readable("model") and subcommand == "calibrate":
+            check_calibrates(m.mode)
 
 
 def check_generated(source: str, mode: str, distills: bool) -> None:
@@ -228,6 +230,15 @@ def check_precision(precision, recipe: Recipe, mode: str) -> None:
         raise UserError(
             f"trainer.precision={p} does not work with recipe {recipe.name!r} (torchao's fake quantizer needs float32 inputs)",
             fix="use trainer.precision 32-true with this recipe, or a PT2E recipe (xnnpack_int8_dynamic, xnnpack_int4w_dynamic) for mixed precision",
+        )
+
+
+def check_calibrates(mode: str) -> None:
+    """``qharness calibrate`` is PTQ: a QAT config is refused before anything loads (and by the Python API's
+    ``Trainer.calibrate``, which calls this too)."""
+    if mode != "ptq":
+        raise UserError(
+            f"calibrate needs model.mode: ptq (got {mode!r})", fix="set --model.mode ptq, or use qharness fit for QAT"
         )
 
 

@@ -9,6 +9,7 @@ Lightning takes and then refuses only when it builds the Trainer (a traceback af
 from __future__ import annotations
 
 import math
+import os
 import re
 import tempfile
 from dataclasses import dataclass
@@ -246,3 +247,18 @@ def check_writable_dir(path: Path, what: str, fix: str) -> None:
             except OSError as e:
                 raise UserError(f"{what}: {parent} is not writable ({e.strerror})", fix=fix) from e
             return
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> str:
+    """Where a run keeps its checkpoints: ``<trainer.default_root_dir>/checkpoints``."""
+    return os.path.join(run_dir, "checkpoints")
+
+
+def resolve_ckpt(ckpt_path: str | None, run_dir: str) -> str | None:
+    """``last`` -> ``<run_dir>/checkpoints/last.ckpt``; a missing file is a clear error."""
+    if ckpt_path is None:
+        return None
+    path = Path(checkpoint_dir(run_dir)) / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist", fix="train first (qharness fit) or pass --ckpt_path PATH")
+    return str(path)

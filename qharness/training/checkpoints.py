@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -21,20 +20,6 @@ from qharness.training.module import QuantLM
 from qharness.training.weights import check_finite_state
 
 log = logging.getLogger("qharness")
-
-
-def checkpoint_dir(run_dir: str | os.PathLike) -> str:
-    return os.path.join(run_dir, "checkpoints")
-
-
-def resolve_ckpt(ckpt_path: str | None, run_dir: str) -> str | None:
-    """``last`` -> ``<run_dir>/checkpoints/last.ckpt``; a missing file is a clear error."""
-    if ckpt_path is None:
-        return None
-    path = Path(checkpoint_dir(run_dir)) / "last.ckpt" if ckpt_path == "last" else Path(ckpt_path)
-    if not path.is_file():
-        raise UserError(f"checkpoint {path} does not exist", fix="train first (qharness fit) or pass --ckpt_path PATH")
-    return str(path)
 
 
 def read_checkpoint(ckpt_path: str, model_cfg) -> dict:
