@@ -370,21 +370,29 @@ def test_qat_fit_on_an_alpaca_file_with_a_llama3_template(tmp_path):
 
 def test_qat_fit_on_conversations_exports_a_pte_that_stops_at_end_of_turn(tmp_path):
     from conftest import run_cli, write_config
+    from transformers import AutoTokenizer
 
     from qharness.runtime.pte import PteModel
 
     model = make_tiny_chat_llama(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    template = tok.chat_template  # given by the config instead: the tokenizer leaves it out
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    tok.chat_template = None
+    tok.save_pretrained(model)
+    assert AutoTokenizer.from_pretrained(model).chat_template is None
     path = write_jsonl(tmp_path / "chats.jsonl", conversations(200))
-    cfg = write_config(tmp_path / "run.yaml", model, path, tmp_path / "run", data={"seq_len": 48})
+    data = {"seq_len": 48, "chat_template": template}
+    cfg = write_config(tmp_path / "run.yaml", model, path, tmp_path / "run", data=data)
     result = run_cli("fit", "--config", cfg)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "data: 200 chat examples" in result.stderr and "trained (answers)" in result.stderr
     assert "truncated to their first 49 tokens" in result.stderr  # two-round conversations exceed seq_len + 1
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["parity"]["passed"] is True
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model)
+    # the run's tokenizer carries the template it was given, for generate --chat and the runner
+    assert (tmp_path / "run" / "tokenizer" / "chat_template.jinja").read_text() == template
+    assert AutoTokenizer.from_pretrained(tmp_path / "run" / "tokenizer").chat_template == template
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     assert eot in PteModel(tmp_path / "run" / "model.pte").metadata()["get_eos_ids"]
 

@@ -109,6 +109,8 @@ def test_generate_chat_answers_one_turn_and_stops_at_end_of_turn(request, which)
     assert "[stopped: end of turn (or EOS)]" in r.stderr
 
 
+@pytest.mark.slow  # a chat run of its own (~17 s); the default suite's chat fit (test_chat_data) is given its template by
+# data.chat_template and checks that its run saves it
 def test_the_run_saves_the_template_it_was_given_with_its_tokenizer(llama3_run, tmp_path):
     from transformers import AutoTokenizer
 

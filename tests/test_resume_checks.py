@@ -48,10 +48,13 @@ def test_resume_with_another_seq_len_or_batch_size_is_refused_before_training(tm
         "batches it was trained on). fix: resume with data.seq_len: 16, or start a new run (another "
         "trainer.default_root_dir, no --ckpt_path)"
     )
+    # the batch size by the same check (the CLI's path is the one above)
+    from qharness.errors import UserError
+    from qharness.training.checkpoints import check_resume_data
+
     ckpt = _ckpt(tmp_path / "b.ckpt", qat_state, data={"seq_len": 32, "batch_size": 8})
-    assert "was trained with data.batch_size=8, this config has 4" in _last_line(
-        run_cli("fit", cfg, "--ckpt_path", ckpt)
-    )
+    with pytest.raises(UserError, match="was trained with data.batch_size=8, this config has 4"):
+        check_resume_data(torch.load(ckpt, weights_only=True), str(ckpt), DATA)
 
 
 def test_a_resumed_checkpoint_with_a_wrongly_shaped_tensor_is_one_line(tmp_path, qat_state, tiny_llama, corpus):

@@ -206,6 +206,8 @@ def test_kernel_libraries_of_an_int8_kv_cache_program(fast_run, kv8_run):
     }
 
 
+@pytest.mark.slow  # ~25 s to build both; the default suite reads the table's rows off Llama programs (above) and deploys
+# both families on the fast path in process (test_families: gemma2; test_architectures: olmo2)
 def test_kernel_libraries_of_gemma2_and_olmo2_programs(gemma2_run, olmo2_run):
     """Other families on the fast path need the same libraries as Llama's (Gemma2's soft-capped layers run
     portable ops: bmm, tanh, softmax); OLMo2's xnnpack_8da4w looks its 4-bit embedding table up with the quantized
