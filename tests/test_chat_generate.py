@@ -171,20 +171,20 @@ print("RESULT", json.dumps({{"pieces": pieces, "generated": stats[0].num_generat
     assert result == {"pieces": [" plus", " is", "<|im_end|>"], "generated": 2}, result
 
 
-def test_chat_refuses_a_tokenizer_without_template_and_a_template_that_does_not_render(llama3_run, tmp_path):
+def test_chat_refuses_a_tokenizer_without_template_and_a_template_that_does_not_render(chatml_run, tmp_path):
     import shutil
 
     bare = tmp_path / "tokenizer"
-    shutil.copytree(llama3_run / "tokenizer", bare)
+    shutil.copytree(chatml_run / "tokenizer", bare)
     (bare / "chat_template.jinja").unlink()
-    r = run_cli("generate", llama3_run, "--chat", "--tokenizer", bare)
+    r = run_cli("generate", chatml_run, "--chat", "--tokenizer", bare)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1] == (
         "error: the tokenizer has no chat template to render the conversation with. fix: give one in --chat_template "
         "(a Jinja file or string), or pass a run that trained with a template (the run saves data.chat_template with "
         "its tokenizer)"
     )
-    r = run_cli("generate", llama3_run, "--chat", "--chat_template", "{{ messages | nofilter }}", "--prompt", "Hi")
+    r = run_cli("generate", chatml_run, "--chat", "--chat_template", "{{ messages | nofilter }}", "--prompt", "Hi")
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert "error: the chat template does not render the conversation" in last and "fix: give a template" in last

@@ -230,8 +230,8 @@ def test_every_projection_is_quantized_in_the_summary_and_parity_passes(
     assert f"quantized: 100.0% of linear weight bytes ({PROJECTIONS[name]} of {PROJECTIONS[name]} weights)" in r.stdout
 
 
-@pytest.mark.slow  # ~40 s; the default suite deploys a Mixtral in-process (test_families: int8, parity, the runner),
-# refuses MoE experts a recipe would leave float before work (test_moe) and drives an MoE through the CLI (test_mla)
+@pytest.mark.slow  # ~40 s; the default suite deploys a Mixtral and a DeepSeek-V3 in process (test_families: int8,
+# parity, the runner) and refuses MoE experts a recipe would leave float before work (test_moe)
 def test_a_mixtral_is_never_lost_after_training(family, tmp_path, corpus):
     """Tiny Mixtral (MoE) with int8: whatever of it does not deploy (its routing's aten.histc does not lower on this
     stack) stops the run before any training step, in one line; a Mixtral that deploys is fully quantized."""

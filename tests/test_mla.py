@@ -107,6 +107,8 @@ def test_source_recipe_quantizes_every_mla_projection_and_the_router():
     assert coverage.fraction == 1.0 and coverage.float == {}, coverage
 
 
+@pytest.mark.slow  # ~35 s; the default suite deploys DeepSeek-V3 in process (test_families: fast path, coverage, parity,
+# the runner) and drives other families through qharness calibrate
 def test_calibrate_cli_deploys_deepseek_v3(tmp_path, corpus):
     """``qharness calibrate`` (PTQ, int8 dynamic) of a one-layer DeepSeek-V3 MoE: the architecture check passes,
     the ``.pte`` takes the fast path, passes the parity gate and generates (before: exit 2, the architecture check's

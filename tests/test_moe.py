@@ -205,7 +205,7 @@ def check_run(run_dir, tokenizer_dir=None) -> dict:
     return summary
 
 
-@pytest.mark.slow  # ~35 s; the default suite drives a Mixtral through the CLI in test_coverage (QAT fit)
+@pytest.mark.slow  # ~35 s; the default suite deploys a Mixtral in process (test_families), the CLI on other families
 def test_calibrate_cli_deploys_mixtral(tmp_path, tiny_mixtral, corpus):
     """``qharness calibrate`` (PTQ, int8 dynamic) of a Mixtral writes a ``.pte`` that passes the parity gate and
     generates (before the rewrite: ``SpecViolationError`` on ``aten.histc`` at lowering, exit 1)."""
