@@ -222,7 +222,7 @@ def test_bench_refuses_a_count_below_one_before_loading_anything(tmp_path, optio
     )
 
 
-def test_the_runtime_sets_executorch_and_torch_threads(tiny_pte, tmp_path):
+def test_the_runtime_sets_executorch_and_torch_threads(tiny_pte, tmp_path, monkeypatch):
     """QHARNESS_THREADS sizes ExecuTorch's threadpool and caps torch's threads in a process that loads a .pte."""
     code = (
         f"import torch; torch.set_num_threads(2); from qharness.runtime.pte import PteModel; PteModel({str(tiny_pte)!r});"
@@ -237,14 +237,13 @@ def test_the_runtime_sets_executorch_and_torch_threads(tiny_pte, tmp_path):
     )
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.split() == ["1", "1"]
-    r = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, "QHARNESS_THREADS": "two"},
-    )
-    assert r.returncode != 0 and "QHARNESS_THREADS='two' is not a thread count" in r.stderr
+    import qharness.runtime.pte as pte
+    from qharness.errors import UserError
+
+    monkeypatch.setattr(pte, "_THREADS", None)  # this process's choice not made yet: the variable is read
+    monkeypatch.setenv("QHARNESS_THREADS", "two")
+    with pytest.raises(UserError, match="QHARNESS_THREADS='two' is not a thread count"):
+        pte.runtime_threads()
 
 
 def test_profile_shows_where_two_programs_spend_their_time_through_the_cli(tiny_pte, tmp_path):

@@ -218,9 +218,6 @@ def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, tm
     )  # both tables
     evaluation = summary["evaluations"][-1]
     assert evaluation["pte_sha256"] == summary["pte"]["sha256"]  # which program it scored
-    again = run_cli("export", cfg, "--bench.enabled", "false")  # a re-export writes a new summary.json ...
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert json.loads((run_dir / "summary.json").read_text())["evaluations"] == [evaluation]  # ... and keeps them
     L = ev["max_length"]
     docs = [
         json.loads(line)["text"]
@@ -244,6 +241,35 @@ def test_evaluate_pte_perplexity_matches_a_direct_runtime_computation(fitted, tm
     got = ev["tasks"]["qharness_ppl"]
     assert got["pte"]["word_perplexity"] == pytest.approx(math.exp(-total / words), rel=1e-4)
     assert got["pte"]["word_perplexity"] == pytest.approx(got["converted"]["word_perplexity"], rel=0.02)
+
+
+@pytest.mark.slow  # ~30 s (an evaluate and a deploy); the default suite evaluates the run above and reads back
+# earlier evaluations of a summary in process (test_a_new_summary_keeps_the_evaluations_of_the_one_it_replaces)
+def test_a_re_export_keeps_the_evaluations(fitted, tmp_path):
+    off = {"enabled": False}
+    run_dir, cfg = copy_of_fitted(fitted, tmp_path, eval=off, bench=off, wandb=off)
+    r = run_cli("evaluate", cfg, "--tasks", "qharness_ppl", "--limit", "2", "--models", "pte")
+    assert r.returncode == 0, r.stderr[-3000:]
+    evaluation = json.loads((run_dir / "summary.json").read_text())["evaluations"][-1]
+    again = run_cli("export", cfg)  # a re-export writes a new summary.json ...
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((run_dir / "summary.json").read_text())["evaluations"] == [evaluation]  # ... and keeps them
+
+
+@pytest.mark.fast
+def test_a_new_summary_keeps_the_evaluations_of_the_one_it_replaces(tmp_path):
+    from qharness.run.results import earlier_evaluations
+    from qharness.run.summary import RunSummary
+
+    path = tmp_path / "summary.json"
+    assert earlier_evaluations(path) == []  # no summary yet
+    evaluations = [{"file": "eval-1.json", "pte_sha256": "ab" * 32, "tasks": {"qharness_ppl": {}}}]
+    summary = RunSummary(run_dir=str(tmp_path), model="m", recipe="r", backend="xnnpack", mode="ptq", quantized=True,
+                         seq_len=16, eval_blocks=1, evaluations=evaluations)  # fmt: skip
+    path.write_text(json.dumps(summary.to_dict()))
+    assert earlier_evaluations(path) == evaluations
+    path.write_text("{ not json")
+    assert earlier_evaluations(path) == []  # an unreadable summary is replaced; its evaluations' files stay beside it
 
 
 def test_standard_task_offline_fails_fast_with_how_to_provide_the_data(fitted):

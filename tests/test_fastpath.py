@@ -375,3 +375,22 @@ def test_all_logits_twin_of_a_generic_graph_is_the_graph():
 
     graph = quantize_for_deploy(_bloom(), load_recipe("xnnpack_fp32"), 32, calibrate=lambda g: None)
     assert fast_twin.all_logits_twin(graph) is graph
+
+
+@pytest.mark.fast
+def test_a_config_the_model_itself_cannot_run_is_named_as_such_not_blamed_on_the_fast_path(tmp_path, monkeypatch):
+    """A Mixtral choosing 4 of its 2 experts fails in transformers' own forward: the architecture check says that,
+    naming the config (it said "its forward fails with the fast path's cache", and a user looked at the fast path)."""
+    from qharness.deploy.architectures import check_architecture
+    from qharness.errors import UserError
+    from qharness.recipes.registry import load_recipe
+
+    model = _tiny("MixtralForCausalLM", num_local_experts=2, num_experts_per_tok=4)
+    with pytest.raises(
+        UserError, match=r"MixtralForCausalLM: the model's own forward fails on 6 tokens \(RuntimeError"
+    ):
+        fast_support.unsupported_reason(model, 32)
+    model.config.save_pretrained(tmp_path / "mixtral")
+    monkeypatch.setenv("QHARNESS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(UserError, match=r"the model's own forward fails .* fix: check its config"):
+        check_architecture(str(tmp_path / "mixtral"), recipe=load_recipe("xnnpack_int8_dynamic"), max_seq_len=32)

@@ -8,6 +8,7 @@ import torch
 
 from qharness.deploy.fastpath.decoder import FastDecoder
 from qharness.deploy.fastpath.rope import STATIC_ROPE, rope_types
+from qharness.errors import UserError
 
 
 def unsupported_reason(model, max_seq_len: int) -> str | None:
@@ -42,9 +43,18 @@ def _eager_mismatch(model, max_seq_len: int) -> str | None:
     n = min(6, max_seq_len)
     x = torch.randint(0, model.config.get_text_config().vocab_size, (1, n), generator=torch.Generator().manual_seed(0))
     try:
-        decoder = FastDecoder(model, max_seq_len, all_logits=True)
         with torch.no_grad():
             ref = model(input_ids=x, use_cache=False).logits[0].float()
+    except Exception as e:  # the model fails on its own: its config, not the fast path (nor any export) is at fault
+        first = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        raise UserError(
+            f"{arch}: the model's own forward fails on {n} tokens ({type(e).__name__}: {first})",
+            fix="check its config (e.g. num_experts_per_tok against the number of experts, head sizes against "
+            "hidden_size): transformers cannot run it as it is",
+        ) from e
+    try:
+        decoder = FastDecoder(model, max_seq_len, all_logits=True)
+        with torch.no_grad():
             cut = max(1, n - 3)
             got = [decoder(x[:, :cut], torch.tensor([0]))[0]]
             if n - cut > 1:
