@@ -172,10 +172,10 @@ class ProbeFailed(Exception):
         self.stage = stage
 
 
-def check_deploy(config, recipe, max_seq_len: int, what: str, trust_remote_code: bool = False) -> None:
-    """Deploy a one-layer copy of the model (``probe_config``, random weights, a small vocabulary) with ``recipe``
-    as deployment will after training: a ``UserError`` naming the stage and the reason when anything fails (an op
-    the backend lacks, a quantizer error, a projection the recipe would leave float)."""
+def check_deploy(probe, recipe, max_seq_len: int, what: str, trust_remote_code: bool = False) -> None:
+    """Deploy a one-layer copy of the model (``probe``: ``small_vocab(probe_config(config))``, random weights) with
+    ``recipe`` as deployment will after training: a ``UserError`` naming the stage and the reason when anything fails
+    (an op the backend lacks, a quantizer error, a projection the recipe would leave float)."""
     import dataclasses
 
     import torch
@@ -184,10 +184,9 @@ def check_deploy(config, recipe, max_seq_len: int, what: str, trust_remote_code:
     from qharness.progress import stage
     from qharness.sources.normalize import normalize_model
 
-    probe = small_vocab(probe_config(config))
     # a recipe's layers: rules name the full model's layers; they are checked on the model itself before training
     probe_recipe = dataclasses.replace(recipe, layers=()) if recipe.layers else recipe
-    arch = (getattr(config, "architectures", None) or [config.model_type])[0]  # the class, once it is built
+    arch = (getattr(probe, "architectures", None) or [probe.model_type])[0]  # the class, once it is built
     try:
         with torch.random.fork_rng(devices=[]):  # the run's random state stays as it was seeded
             torch.manual_seed(0)
@@ -279,7 +278,7 @@ def check_architecture(
         return
     t = time.perf_counter()
     if recipe is not None:
-        check_deploy(config, recipe, max_seq_len, what, trust_remote_code)
+        check_deploy(checked, recipe, max_seq_len, what, trust_remote_code)
     else:
         _check_trace(model, probe, source, what, trust_remote_code)
     log.info("architecture check of %s: %.1f s", source, time.perf_counter() - t)
