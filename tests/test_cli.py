@@ -77,3 +77,23 @@ def test_a_bench_longer_than_the_kv_cache_fails_before_training(tmp_path):
     r = run_cli("fit", "--bench.prompt_len", "250", "--trainer.default_root_dir", tmp_path)
     assert r.returncode == 2
     assert "bench.prompt_len + bench.decode_tokens = 314 exceeds" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("entry", ["python -m qharness", "console script"])
+def test_the_command_exits_without_the_final_garbage_collection(entry):
+    """Both ways of running ``qharness`` end with ``gc.freeze()`` (``upstream/process.exit_without_final_collection``:
+    CPython's collection over the objects of an export and a lowering took 2 s at shutdown), and the exit still runs
+    its atexit handlers (registered first, this one runs last)."""
+    start = {
+        "python -m qharness": "runpy.run_module('qharness', run_name='__main__')",
+        "console script": "entry_points(group='console_scripts')['qharness'].load()()",
+    }[entry]
+    script = (
+        "import atexit, gc, runpy, sys\n"
+        "from importlib.metadata import entry_points\n"
+        "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))\n"
+        "sys.argv = ['qharness', '--help']\n" + start
+    )
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "fit" in r.stdout, r.stderr[-2000:]
+    assert int(r.stdout.rsplit("frozen at exit:", 1)[1]) > 0

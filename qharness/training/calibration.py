@@ -16,7 +16,7 @@ from qharness.config import CalibrationConfig
 from qharness.data.datamodule import pack
 from qharness.errors import UserError
 from qharness.progress import stage
-from qharness.upstream import imports
+from qharness.upstream import imports, pt2e_modes
 
 
 class Calibrator(L.LightningModule):
@@ -27,7 +27,7 @@ class Calibrator(L.LightningModule):
         # Not a submodule: Lightning's move to the (CPU) device would try to swap every parameter, which fails on a
         # torchao-quantized weight (a PT2E recipe's quantized embedding table, recipes/embedding.py). Calibration runs
         # on the CPU graph as it is; its mode is switched here.
-        object.__setattr__(self, "graph", imports.pt2e().allow_train_eval(graph))
+        object.__setattr__(self, "graph", pt2e_modes.allow_train_eval(graph))
 
     def on_predict_start(self) -> None:
         self.graph.eval()

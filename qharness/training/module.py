@@ -4,8 +4,8 @@ The graph comes from ``training/prepare.py`` (``export_for_training`` -> ``prepa
 distillation from ``training/teacher.py``, its loss from ``training/losses.py``, the optimizer and schedule from
 ``training/optim.py``; weights go back into the HF model through ``training/weights.py``.
 
-Exported graphs ignore ``.train()/.eval()``; the validation/test hooks below switch them with
-``move_exported_model_to_train/eval`` and freeze static observers so validation never moves
+Exported graphs ignore ``.train()/.eval()``; the validation/test hooks below switch them with torchao's
+``move_exported_model_to_train/eval`` (``upstream/pt2e_modes.py``: without re-tracing where nothing changes) and freeze static observers so validation never moves
 quantization ranges (dynamic-activation fake-quants keep observing: that *is* dynamic quantization).
 
 Why ~400 lines: one class that Lightning drives, its hooks and the accessors deployment reads (``trained_weights``,
@@ -27,7 +27,7 @@ from qharness.training.optim import adamw_with_schedule
 from qharness.training.prepare import LogitsOnly, prepare_for_training, set_fake_quant, set_static_observers
 from qharness.training.teacher import load_teacher
 from qharness.training.weights import hf_weights, load_weights_into, state_on
-from qharness.upstream import imports
+from qharness.upstream import pt2e_modes
 
 
 class QuantLM(L.LightningModule):
@@ -283,14 +283,14 @@ class QuantLM(L.LightningModule):
 
     def to_eval(self) -> None:
         if isinstance(self.graph, torch.fx.GraphModule):
-            imports.pt2e().move_to_eval(self.graph)
+            pt2e_modes.move_to_eval(self.graph)
         else:  # eager torchao QAT modules
             self.graph.eval()
         set_static_observers(self.graph, enabled=False)
 
     def to_train(self) -> None:
         if isinstance(self.graph, torch.fx.GraphModule):
-            imports.pt2e().move_to_train(self.graph)
+            pt2e_modes.move_to_train(self.graph)
         else:
             self.graph.train()
         set_static_observers(self.graph, enabled=self.observers_on(self.global_step))

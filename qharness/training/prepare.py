@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from qharness.schema import LoRA
-from qharness.upstream import imports
+from qharness.upstream import imports, pt2e_modes
 
 
 class LogitsOnly(torch.nn.Module):
@@ -84,13 +84,13 @@ def _prepare(model, recipe, batch_size, seq_len, is_qat, layerwise, lora) -> tor
     def prepare(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
         pt2e = imports.pt2e()
         if quantizer is None:
-            return pt2e.allow_train_eval(graph)
+            return pt2e_modes.allow_train_eval(graph)
         prepared = (pt2e.prepare_qat_pt2e if is_qat else pt2e.prepare_pt2e)(graph, quantizer)
         if is_qat and recipe.learns_scales:
             from qharness.recipes.learned_scales import init_learned_scales
 
             init_learned_scales(prepared)  # the scales are parameters before the optimizer (or a checkpoint) sees them
-        return pt2e.allow_train_eval(prepared)
+        return pt2e_modes.allow_train_eval(prepared)
 
     if recipe.embedding is not None:  # PT2E takes linears only: the tables are quantized at source level
         from qharness.recipes import embedding

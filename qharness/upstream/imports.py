@@ -19,7 +19,7 @@ def pt2e():
     import types
 
     from torchao.quantization import pt2e as _pt2e
-    from torchao.quantization.pt2e import quantize_pt2e
+    from torchao.quantization.pt2e import export_utils, quantize_pt2e
 
     return types.SimpleNamespace(
         prepare_pt2e=quantize_pt2e.prepare_pt2e,
@@ -27,7 +27,7 @@ def pt2e():
         convert_pt2e=quantize_pt2e.convert_pt2e,
         move_to_train=_pt2e.move_exported_model_to_train,
         move_to_eval=_pt2e.move_exported_model_to_eval,
-        allow_train_eval=_pt2e.allow_exported_model_train_eval,
+        TRAINING_ATTR=export_utils._EXPORTED_TRAINING_ATTR,  # the mode the switches above record (private in 0.18)
         FakeQuantize=_pt2e.FakeQuantize,
         FakeQuantizeBase=_pt2e.FakeQuantizeBase,
         LearnableFakeQuantize=_pt2e.LearnableFakeQuantize,

@@ -66,3 +66,21 @@ def python_command(*args: str) -> list[str]:
     import sys
 
     return [sys.executable, "-P", *args]
+
+
+def exit_without_final_collection() -> None:
+    """Let this process exit without CPython's final garbage collection over the objects it holds.
+
+    After an export and a lowering the interpreter holds millions of objects (FX graphs, sympy and dynamo caches);
+    the collection CPython runs over them at shutdown took 2.2 s after a 2-layer model's 20-second ``qharness fit``,
+    with nothing left to do. ``gc.freeze()`` puts them out of the collector's reach: that exit takes 0.2 s. The rest
+    of the exit runs as before (atexit handlers: wandb, logging, temporary folders; objects freed by reference
+    counting); only garbage in reference cycles is left to the operating system, and every qharness output is
+    written atomically and closed before its command returns. Call it at the end of a process only: a process that
+    goes on never collects those objects again.
+
+    Example: ``try: main() finally: exit_without_final_collection()`` (``qharness/__main__.py``)
+    """
+    import gc
+
+    gc.freeze()
