@@ -23,6 +23,18 @@ ROOT = Path(__file__).resolve().parent.parent
 CORPUS_CHARS = 1_100_000  # about Tiny Shakespeare's size: tests slice up to 340k characters from the front
 
 
+def pytest_collection_modifyitems(config, items):
+    """The longest files first (``tests/durations.json``: seconds per file in a default-suite run, written by
+    ``scripts/test_durations.py``), each file's tests in their own order: the two xdist workers take whole files in
+    this order (``--dist loadfile --no-loadscope-reorder``), so the last files handed out are short and the workers
+    end together (in xdist's own order, by test count, a 40-second file of two tests was often handed out last). A
+    file not listed runs after the listed ones."""
+    import json
+
+    seconds = json.loads((ROOT / "tests" / "durations.json").read_text())
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable: in-file order kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory):
     """One qharness cache for the whole session, shared by its xdist workers as by a user's concurrent runs (its
