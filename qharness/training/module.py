@@ -5,8 +5,9 @@ distillation from ``training/teacher.py``, its loss from ``training/losses.py``,
 ``training/optim.py``; weights go back into the HF model through ``training/weights.py``.
 
 Exported graphs ignore ``.train()/.eval()``; the validation/test hooks below switch them with torchao's
-``move_exported_model_to_train/eval`` (``upstream/pt2e_modes.py``: without re-tracing where nothing changes) and freeze static observers so validation never moves
-quantization ranges (dynamic-activation fake-quants keep observing: that *is* dynamic quantization).
+``move_exported_model_to_train/eval`` (``upstream/pt2e_modes.py``: without re-tracing where nothing changes) and
+freeze static observers so validation never moves quantization ranges (dynamic-activation fake-quants keep
+observing: that *is* dynamic quantization).
 
 Why ~400 lines: one class that Lightning drives, its hooks and the accessors deployment reads (``trained_weights``,
 ``learned_qparams``, ``lora_summary``) all methods of it; the work they call lives in the modules above.

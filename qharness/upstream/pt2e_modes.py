@@ -10,7 +10,8 @@ without the tracing. A graph with either op goes to torchao.
 
 tests/test_upstream_pt2e_modes.py checks that torchao's switch leaves such a graph as this one does (and fails once
 torchao rewrites other ops). Retire: when torchao caches its traced patterns or matches only graphs that hold their
-ops, delete this module and call ``imports.pt2e()``'s ``move_to_train`` / ``move_to_eval`` / ``allow_train_eval``.
+ops, delete this module and call torchao's switches (``imports.pt2e()``'s ``move_to_train`` / ``move_to_eval``, and
+``allow_exported_model_train_eval`` added there) where this module's are called.
 
 Example::
 
