@@ -102,11 +102,7 @@ def model_gguf(arg: str) -> tuple[str, str, Path]:
     path = Path(arg)
     if path.suffix != ".gguf" or not path.is_file():
         raise SystemExit(f"--gguf {arg}: neither a .gguf file nor one of {', '.join(PRESETS)}")
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(path)).fields.get("general.name")
-    title = bytes(field.parts[field.data[0]]).decode() if field is not None else path.stem
-    return path.stem.lower(), title, path
+    return path.stem.lower(), gguf_values(path, "general.name")[0] or path.stem, path
 
 
 def llama_cpp(build: Path | None) -> Path:
@@ -191,17 +187,18 @@ def llama_logprobs(bindir: Path, gguf: Path, text: Path, ctx: int, chunks: int, 
     return tokens, logp, argmax, clamped
 
 
-def gguf_bos(gguf: Path) -> int | None:
-    """The BOS id llama-perplexity puts first in each window, or None when the vocabulary adds none."""
+def gguf_values(gguf: Path, *keys: str) -> list:
+    """The metadata values of ``keys`` in ``gguf`` (None where it has no such key)."""
     from gguf import GGUFReader
 
     fields = GGUFReader(str(gguf)).fields
+    return [fields[key].contents() if key in fields else None for key in keys]
 
-    def value(key):
-        f = fields.get(key)
-        return None if f is None else f.parts[f.data[0]][0].item()
 
-    return value("tokenizer.ggml.bos_token_id") if value("tokenizer.ggml.add_bos_token") else None
+def gguf_bos(gguf: Path) -> int | None:
+    """The BOS id llama-perplexity puts first in each window, or None when the vocabulary adds none."""
+    bos, add_bos = gguf_values(gguf, "tokenizer.ggml.bos_token_id", "tokenizer.ggml.add_bos_token")
+    return bos if add_bos else None
 
 
 def windows(tokens: np.ndarray, bos: int | None) -> list[list[int]]:

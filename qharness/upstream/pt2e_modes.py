@@ -42,10 +42,10 @@ def has_mode_ops(graph: torch.fx.GraphModule) -> bool:
 
 def _switch(graph: torch.fx.GraphModule, training: bool) -> torch.fx.GraphModule:
     pt2e = imports.pt2e()
-    if has_mode_ops(graph):
-        return (pt2e.move_to_train if training else pt2e.move_to_eval)(graph)
     if getattr(graph, pt2e.TRAINING_ATTR, not training) == training:
         return graph  # already in that mode: torchao returns at once too
+    if has_mode_ops(graph):
+        return (pt2e.move_to_train if training else pt2e.move_to_eval)(graph)
     setattr(graph, pt2e.TRAINING_ATTR, training)
     if graph.graph.eliminate_dead_code():  # torchao's rewrite runs this pass first
         graph.recompile()
