@@ -72,8 +72,9 @@ def exit_without_final_collection() -> None:
     """Let this process exit without CPython's final garbage collection over the objects it holds.
 
     After an export and a lowering the interpreter holds millions of objects (FX graphs, sympy and dynamo caches);
-    the collection CPython runs over them at shutdown took 2.2 s after a 2-layer model's 20-second ``qharness fit``,
-    with nothing left to do. ``gc.freeze()`` puts them out of the collector's reach: that exit takes 0.2 s. The rest
+    the collection CPython runs over them at shutdown took 2.2 s after a 2-layer model's 20-second ``qharness fit``
+    and 4.4 s after SmolLM2-135M's ``qharness calibrate configs/smollm2.yaml``, with nothing left to do. ``gc.freeze()``
+    puts them out of the collector's reach: those exits take 0.2 s and 0.4 s (one run each). The rest
     of the exit runs as before (atexit handlers: wandb, logging, temporary folders; objects freed by reference
     counting); only garbage in reference cycles is left to the operating system, and every qharness output is
     written atomically and closed before its command returns. Call it at the end of a process only: a process that
