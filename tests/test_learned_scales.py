@@ -203,7 +203,7 @@ def test_fit_with_learned_scales_passes_parity_against_its_fake_quant_graph(
     tmp_path, tiny_llama, corpus, recipe, q_scales
 ):
     """``qharness fit`` with an LSQ recipe (PT2E; torchao source-level), resumed from its step-3 checkpoint: the
-    ``.pte`` passes the gate against the converted model and, gated, against the trained fake-quant graph.
+    ``.pte`` passes the gate against the converted model and against the trained fake-quant graph.
     ``q_scales``: how many scales a q_proj weight has (per channel; per group of 32)."""
     run = tmp_path / "run"
     cfg = write_config(tmp_path / "r.yaml", tiny_llama, corpus, run, model={"recipe": recipe}, bench={"enabled": False})

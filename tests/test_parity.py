@@ -157,3 +157,32 @@ def test_a_failed_gate_on_a_model_the_recipe_breaks_says_so_first():
     assert recipe_breaks_model(7.52, 8.1, 0.95) is None  # a working recipe: the gate's own reasons stand alone
     assert recipe_breaks_model(7.52, 1e8, 0.3) is None  # the unstable-reference reason already says it
     assert recipe_breaks_model(7.52, float("nan"), None) is None  # NaN has its own reason
+
+
+@pytest.mark.fast
+def test_the_trained_model_check_allows_what_rounding_alone_costs_the_model():
+    """QAT's ``.pte``-vs-fake-quant check on a model that rounding alone moves far (SmolLM2 with per-channel 3-bit
+    weights, QAT: the converted model's twin keeps 0.621 of its confident tokens, the ``.pte`` agrees with the
+    fake-quant model on 0.664 of 845): its floor comes down as the main gate's does; a model rounding leaves alone
+    keeps the 0.8 floor."""
+    figures = {"argmax_agreement": 0.66, "argmax_agreement_decided": 0.664, "positions": 1024, "near_ties": 179}
+    figures |= {"tie_margin": 0.2}
+    figures |= {"ppl_rel_diff": 0.0184, "non_finite_positions": 0}
+    cfg = ParityConfig()
+    (why,) = gate(figures, cfg, prefix="fake_quant_")
+    assert why.startswith("argmax agreement 0.664 < parity.fake_quant_min_argmax_agreement=0.8 over the 845 of 1024")
+    assert gate(figures, cfg, prefix="fake_quant_", twin_agreement=0.621) == []
+    (why,) = gate(figures, cfg, prefix="fake_quant_", twin_agreement=0.99)
+    assert "< parity.fake_quant_min_argmax_agreement=0.8" in why
+    (why,) = gate({**figures, "argmax_agreement_decided": 0.5}, cfg, prefix="fake_quant_", twin_agreement=0.621)
+    assert "less what rounding alone costs this model: its rounding twin agrees 0.621" in why
+
+
+@pytest.mark.fast
+def test_a_refusal_by_the_trained_model_check_alone_says_so():
+    from qharness.run.pipeline import PARITY_FIX, TRAINED_FIX, parity_fix
+
+    assert parity_fix([".pte vs trained fake-quant: argmax agreement 0.5 < 0.8"]) == TRAINED_FIX
+    assert "not what QAT trained" in TRAINED_FIX and "--ckpt_path last" in TRAINED_FIX
+    both = ["KL divergence from the converted model 2 > ...", ".pte vs trained fake-quant: perplexity differs"]
+    assert parity_fix(both) == PARITY_FIX

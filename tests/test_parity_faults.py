@@ -121,3 +121,36 @@ def test_a_layer_left_float_fails_the_gate(setup, tmp_path):
     p = _gate(setup, tmp_path, recipe=fp_layer)
     assert p.passed is False, p
     assert any("KL divergence" in r for r in p.reasons), p.reasons
+
+
+def _as_trained(graph):
+    """A converted graph called as a trained fake-quant model is: ``model(x[B, T]) -> logits[B, T, V]``."""
+    from qharness.checks.parity import fold_constants
+    from qharness.deploy.fastpath.twin import all_logits_twin
+
+    every = all_logits_twin(fold_constants(graph))
+    return lambda x: torch.cat([every(row[None], torch.tensor([0])) for row in x])
+
+
+def test_a_qat_program_is_held_to_the_model_it_trained(setup, tmp_path):
+    """QAT, whatever the recipe (here one without learned scales): the ``.pte`` is gated against the trained
+    fake-quant model too. A program that computes it passes; the same program against a "trained" model that has
+    one projection's weights doubled (what a deployment that lost the trained weights would ship) fails."""
+    from qharness.checks.parity import score_batched
+
+    t, data, reference, parity, meta = setup
+    assert not t.recipe.learns_scales
+    path = tmp_path / "model.pending.pte"
+    path.write_bytes(lower_to_pte(deploy_graph(t, data.calibration, MAX_SEQ_LEN), t.recipe, MAX_SEQ_LEN, meta))
+    other = deploy_graph(dataclasses.replace(t, load_trained=_wrong_scale), data.calibration, MAX_SEQ_LEN)
+    verdicts = {}
+    for name, graph in (("itself", reference), ("another model", other)):
+        model = _as_trained(graph)
+        scores = {"fake_quant": score_batched(model, data.x, data.y, data.batch_size, desc="scoring")}
+        qat = dataclasses.replace(t, mode="qat", fake_quant=model)
+        verdicts[name] = check_parity(qat, Lowered(reference, b"", path), data, parity, scores, Timings()).parity
+    assert verdicts["itself"].passed and verdicts["itself"].fake_quant.passed, verdicts["itself"].reasons
+    assert verdicts["itself"].fake_quant.gated
+    failed = verdicts["another model"]
+    assert failed.passed is False and failed.reasons, failed
+    assert all(r.startswith(".pte vs trained fake-quant: ") for r in failed.reasons), failed.reasons

@@ -429,9 +429,10 @@ def test_per_token_fake_quantization_is_the_rewritten_graphs_and_passes_gradient
     assert torch.equal(y.grad, torch.ones_like(y))
 
 
-def _group_linear(scale_dtype):
-    """A 4-bit group-wise linear (``xnnpack_8da4w``'s layers) quantized with ``scale_dtype`` scales (None: float32),
-    its weights spread over 4 decades so that most scales are not bf16 numbers."""
+def _group_linear(scale_dtype, granularity=None, weight_dtype=torch.int4):
+    """A 4-bit group-wise linear (``xnnpack_8da4w``'s layers; or ``granularity``, e.g. per channel) quantized with
+    ``scale_dtype`` scales (None: float32), its weights spread over 4 decades so that most scales are not bf16
+    numbers."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerGroup
 
@@ -440,7 +441,7 @@ def _group_linear(scale_dtype):
     with torch.no_grad():
         model[0].weight *= torch.logspace(-2, 2, 32)[:, None]
     config = Int8DynamicActivationIntxWeightConfig(
-        weight_dtype=torch.int4, weight_granularity=PerGroup(32), weight_scale_dtype=scale_dtype
+        weight_dtype=weight_dtype, weight_granularity=granularity or PerGroup(32), weight_scale_dtype=scale_dtype
     )
     quantize_(model, config)
     return model
@@ -449,13 +450,58 @@ def _group_linear(scale_dtype):
 def test_upstream_xnnpack_still_computes_group_scales_in_bf16():
     """When this fails, XNNPACK computes group-wise weights with float32 scales: retire xnnpack_bf16_scales."""
     model, x = _group_linear(None), torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    as_float32, as_bf16 = _lowered_against_its_scales(model, x)
+    assert as_float32 > 10 * as_bf16
+
+
+def _lowered_against_its_scales(model, x):
+    """``(|.pte - model with its float32 scales|, |.pte - the same codes with the scales as bf16|)``, largest."""
     weight = model[0].weight
     assert weight.scale.dtype == torch.float32 and not torch.equal(weight.scale, weight.scale.bfloat16().float())
     got = _run_pte(_lower(model, x), x)
     as_float32 = model(x)
-    weight.scale = weight.scale.bfloat16().float()  # the same codes with the scales XNNPACK keeps
-    as_bf16 = model(x)
-    assert (got - as_float32).abs().max() > 10 * (got - as_bf16).abs().max()
+    weight.scale = weight.scale.bfloat16().float()  # the same codes with bf16 scales
+    return (got - as_float32).abs().max(), (got - model(x)).abs().max()
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_upstream_xnnpack_still_computes_torchao_per_channel_4bit_scales_in_bf16(bits):
+    """When this fails, ExecuTorch lowers a torchao per-channel 4-bit weight as ``qc4w`` with float32 scales (its
+    QuantParams "need more fixes to map qb4w to qc4w"): narrow xnnpack_bf16_scales.scale_dtype to groups."""
+    from torchao.quantization.granularity import PerAxis
+
+    from qharness.upstream.fixes.xnnpack_subbyte import store_as_int4
+
+    model = _group_linear(None, PerAxis(0), getattr(torch, f"int{bits}"))
+    store_as_int4(model)  # 3-bit ships as 4-bit
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    as_float32, as_bf16 = _lowered_against_its_scales(model, x)
+    assert as_float32 > 10 * as_bf16
+
+
+def test_torchao_per_channel_8bit_weights_compute_with_float32_scales():
+    """The other side of ``scale_dtype``: 8-bit per channel lowers as ``qc8w``, float32 scales kept."""
+    from torchao.quantization.granularity import PerAxis
+
+    from qharness.upstream.fixes import xnnpack_bf16_scales
+
+    assert xnnpack_bf16_scales.scale_dtype(PerAxis(0), torch.int8) is None
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(2))
+    as_float32, as_bf16 = _lowered_against_its_scales(_group_linear(None, PerAxis(0), torch.int8), x)
+    assert as_bf16 > 10 * as_float32
+
+
+@pytest.mark.fast
+def test_per_channel_4bit_recipes_quantize_with_bf16_scales():
+    from torchao.quantization import quantize_
+
+    from qharness.recipes.registry import load_recipe
+
+    (step, _) = load_recipe("xnnpack_8da3w_pc").make_quantizer(is_qat=False).configs
+    assert step.config.weight_scale_dtype == torch.bfloat16
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+    quantize_(model, step.config)
+    assert model[0].weight.scale.dtype == torch.bfloat16
 
 
 @pytest.mark.fast

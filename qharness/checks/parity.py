@@ -436,7 +436,7 @@ def required_agreement(figures: dict, min_agree: float) -> float:
     return min(min_agree, noise - 3 * math.sqrt(noise * (1 - noise) / decided))
 
 
-def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
+def gate(figures: dict, cfg, prefix: str = "", twin_agreement: float | None = None) -> list[str]:
     """The reasons the ``.pte`` fails the gate (empty: it passes); a NaN figure or a non-finite logit fails it.
 
     Judged: the perplexity difference (against ``max_ppl_rel_diff``, or where rounding alone moves this model's
@@ -447,7 +447,8 @@ def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
     unstable that its twin keeps under ``UNSTABLE_BELOW`` of its confident tokens fails (nothing can be checked
     against it); ``max_abs_diff`` when set.
     ``prefix``: ``fake_quant_`` judges with ``cfg.fake_quant_max_ppl_rel_diff`` / ``fake_quant_min_argmax_agreement``
-    (the ``.pte`` against the trained fake-quant model; no ``max_abs_diff``, no noise)."""
+    (the ``.pte`` against the trained fake-quant model; no ``max_abs_diff``, no KL), its agreement floor lowered as
+    above by ``twin_agreement``, the converted model's rounding twin's (the same model's noise, measured there)."""
     reasons = []
     max_ppl, min_agree = getattr(cfg, prefix + "max_ppl_rel_diff"), getattr(cfg, prefix + "min_argmax_agreement")
     max_abs = None if prefix else cfg.max_abs_diff
@@ -482,7 +483,9 @@ def gate(figures: dict, cfg, prefix: str = "") -> list[str]:
     decided = figures.get(
         "argmax_agreement_decided", figures["argmax_agreement"]
     )  # no near ties counted: every position
-    required = required_agreement(figures, min_agree) if noise is not None else min_agree
+    if prefix and twin_agreement is not None:
+        noise = {"argmax_agreement_decided": twin_agreement}
+    required = required_agreement({**figures, "noise": noise}, min_agree) if noise is not None else min_agree
     if decided is not None and not decided >= required:
         over = ""
         if "near_ties" in figures:

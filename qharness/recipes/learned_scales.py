@@ -108,7 +108,8 @@ def learned_qparams(graph: torch.nn.Module, prefix: str = "") -> dict[str, tuple
             from qharness.upstream.fixes import xnnpack_bf16_scales
 
             _keep_positive(fq)
-            scale, zero_point = xnnpack_bf16_scales.kernel_scale(fq.scale, fq.config.granularity), fq.zero_point
+            scale = xnnpack_bf16_scales.kernel_scale(fq.scale, fq.config.granularity, fq.config.dtype)
+            zero_point = fq.zero_point
         out[target[len(prefix) :]] = (scale.detach().cpu().clone(), zero_point.detach().cpu().clone())
     return out
 

@@ -143,7 +143,8 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
                 weight_granularity=granularity,
                 intx_choose_qparams_algorithm=settings.choose_qparams,
                 weight_mapping_type=MappingType[settings.weight_mapping.upper()],
-                weight_scale_dtype=xnnpack_bf16_scales.scale_dtype(granularity),  # what XNNPACK computes groups with
+                # what XNNPACK computes groups and per-channel 4-bit weights with
+                weight_scale_dtype=xnnpack_bf16_scales.scale_dtype(granularity, bits[settings.weight_bits]),
             ),
             (lambda m, fqn: isinstance(m, torch.nn.Linear))
             if group is None

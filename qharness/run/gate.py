@@ -115,9 +115,9 @@ def gate_pte(
         broken = recipe_breaks_model(scores["fp"]["ppl"], converted["ppl"], twin_agrees)
         reasons = [broken] + reasons if broken else reasons
     if trained.fake_quant is not None:
-        figures["fake_quant"] = against_fake_quant(trained, pte, data, scores, cfg)
-        if figures["fake_quant"]["gated"]:
-            reasons += [f".pte vs trained fake-quant: {r}" for r in figures["fake_quant"]["reasons"]]
+        twin_agrees = figures["noise"].get("argmax_agreement_decided")
+        figures["fake_quant"] = against_fake_quant(trained, pte, data, scores, cfg, twin_agrees)
+        reasons += [f".pte vs trained fake-quant: {r}" for r in figures["fake_quant"]["reasons"]]
     if trained.weight_qparams is not None:
         figures["learned_scales"] = carried = learned_scales_carried(lowered.deployed, trained.weight_qparams)
         if carried["exact"] != carried["weights"]:
@@ -141,15 +141,19 @@ def non_finite_scores(metrics: dict, key: str) -> list[str]:
     return [] if math.isfinite(loss) else [f"{names[key]}'s validation loss is {loss} (stage: scoring {names[key]})"]
 
 
-def against_fake_quant(trained: Trained, pte, data: HeldOut, metrics: dict, cfg: ParityConfig) -> dict:
+def against_fake_quant(
+    trained: Trained, pte, data: HeldOut, metrics: dict, cfg: ParityConfig, twin_agreement: float | None = None
+) -> dict:
     """The ``.pte`` against the trained fake-quant graph (QAT): ``compare_blocks`` over the first batch of validation
-    blocks and the perplexity difference over all of them; ``gated`` (the verdict counts) when the run deploys
-    learned scales, whose whole point is that the ``.pte`` is the trained model."""
+    blocks and the perplexity difference over all of them. Its verdict counts for every QAT run: QAT is worth only
+    what its trained numerics are to the program that ships them (PT2E runs deploy the scales their graph trained
+    with, learned or observed; source-level runs recompute the same min-max scales from the final weights).
+    ``twin_agreement``: how many of the converted model's confident tokens its rounding twin keeps; on a model that
+    rounding alone moves that far, the agreement floor is lowered alike (``checks.parity.gate``)."""
     with stage(".pte vs trained fake-quant"):
         figures = compare_blocks(pte, trained.fake_quant, data.x[: data.batch_size], tie_margin=cfg.tie_margin)
     ref = metrics["fake_quant"]["ppl"]
     figures["ppl_rel_diff"] = abs(metrics["pte"]["ppl"] - ref) / ref
-    figures["reasons"] = gate(figures, cfg, prefix="fake_quant_")
+    figures["reasons"] = gate(figures, cfg, prefix="fake_quant_", twin_agreement=twin_agreement)
     figures["passed"] = not figures["reasons"]
-    figures["gated"] = trained.recipe.learns_scales  # (every PT2E QAT run now deploys its graph's scales: reported)
     return figures

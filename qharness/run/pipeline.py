@@ -26,6 +26,19 @@ PARITY_FIX = (
     "another recipe of the same size (qharness recipes), or let qharness ship pick one that passes; the refused "
     "program is kept for inspection"
 )
+# ... and, QAT, with the fake-quant model it trained: a refusal of that check alone
+TRAINED_FIX = (
+    "the program computes its converted model, but not what QAT trained (its fake-quant model): the recipe trains "
+    "other numerics than it ships; the trained checkpoint is kept (qharness export CONFIG --ckpt_path last deploys "
+    "it again); train with another recipe (qharness recipes), or let qharness ship pick one that passes; the "
+    "refused program is kept for inspection"
+)
+
+
+def parity_fix(reasons: list[str]) -> str:
+    """What to try after the gate refused a program for ``reasons``."""
+    trained_only = reasons and all(r.startswith(".pte vs trained fake-quant: ") for r in reasons)
+    return TRAINED_FIX if trained_only else PARITY_FIX
 
 
 def check_export_config(cfg: ExportConfig, seq_len: int, context: int | None) -> None:
@@ -96,7 +109,10 @@ def deploy_and_check(
     summary = write_summary(trained, data, lowered, checked, run_dir, export_cfg, timings)
     if summary.parity.reasons:
         raise ParityError(
-            f"parity gate failed for {summary.pte.path}: " + "; ".join(summary.parity.reasons) + ". fix: " + PARITY_FIX
+            f"parity gate failed for {summary.pte.path}: "
+            + "; ".join(summary.parity.reasons)
+            + ". fix: "
+            + parity_fix(summary.parity.reasons)
         )
     if bench_cfg.enabled and trained.recipe.runs_here:
         bench_run(summary, trained, bench_cfg, run_dir)

@@ -116,9 +116,10 @@ class Agreement:
 
 @dataclass
 class FakeQuantAgreement(Agreement):
-    """QAT: the ``.pte`` against the trained fake-quant graph; ``gated``: the verdict counts (learned scales)."""
+    """QAT: the ``.pte`` against the trained fake-quant graph; ``gated``: the verdict counts (every QAT run now;
+    summaries written before 2026-11-28 say false where the recipe did not learn its scales)."""
 
-    gated: bool = False
+    gated: bool = True
 
 
 @dataclass

@@ -1,17 +1,31 @@
-"""Adaptation: XNNPACK computes group-wise (blockwise) 4-bit weights with bfloat16 scales.
+"""Adaptation: XNNPACK computes group-wise 4-bit weights, and torchao's per-channel 4-bit ones, with bf16 scales.
 
 XNNPACK's ``qb4w`` kernels take their block scales as bf16 (google/XNNPACK PR #6751), and ExecuTorch 1.5.1's
 serializer casts a group-wise weight's float32 scales to bf16 (``backends/xnnpack/operators/node_visitor.py``,
 ``get_quant_params``; pytorch/executorch PR #11031). A program quantized with float32 scales therefore computes with
 other weights than its converted graph: on SmolLM2-135M (30 layers, 8da4w) the ``.pte`` and the converted model agreed
 on 93% of the decided next tokens, against 95% with bf16 scales, where 95% is what one unit in the last place of the
-model's own weights changes (the model's rounding noise). Group-wise recipes therefore quantize with bf16 scales
-everywhere: torchao's ``weight_scale_dtype=torch.bfloat16`` at deployment (the weights are quantized with the bf16
-scale, whatever chose it: min-max, HQQ, GPTQ or training) and the same scale precision in QAT's fake quantizers; learned
-scales train in float32 and compute through their bf16 value. Per-channel scales (``qc4w``, ``qc8w``) stay float32.
-Not a bug upstream (no issue): the kernels' choice. Test that tells when to revisit it:
-tests/test_upstream_fixes.py::test_upstream_xnnpack_still_computes_group_scales_in_bf16.
-Retire: when that test fails, drop ``weight_scale_dtype`` in ``recipes/torchao.py`` and this module's calls.
+model's own weights changes (the model's rounding noise).
+
+A torchao per-channel weight of 4 bits or fewer (``PerAxis(0)``; 2- and 3-bit ones ship as 4-bit,
+``xnnpack_subbyte.py``) computes the same way: it exports as ``dequantize_affine`` with one block per row, and
+ExecuTorch 1.5.1 keeps a 4-bit group as wide as the row group-wise (``qb4w``, bf16 scales included), where it makes
+a wider-than-4-bit one per-channel (``backends/xnnpack/operators/quant_params.py``, ``QuantParams.__init__``: "int4
+case need more fixes to map qb4w to qc4w. Incorrect scales being passed down to xnnpack"). One real SmolLM2
+linear (layer 0's ``q_proj``, 4-bit per channel, 8-bit dynamic activations) lowered alone differs from its converted
+graph by 1.2e-3 of its largest output with float32 scales, and by 2.5e-7 (float rounding) with bf16 ones; on the whole
+model the ``.pte`` of ``xnnpack_8da3w_pc`` sat at 3.05x the KL of its rounding twin. A torchao 8-bit per-channel
+weight lowers as ``qc8w`` and a PT2E per-channel 4-bit one (``quantize_per_channel``) as ``qc4w``: both compute with
+their float32 scales (2.9e-7 on the same linear), and stay so.
+
+So every weight XNNPACK computes with bf16 scales is quantized with bf16 scales everywhere: torchao's
+``weight_scale_dtype=torch.bfloat16`` at deployment (the weights are quantized with the bf16 scale, whatever chose it:
+min-max, HQQ, GPTQ or training) and the same scale precision in QAT's fake quantizers; learned scales train in float32
+and compute through their bf16 value. Not a bug upstream (no issue): the kernels' choice. Tests that tell when to
+revisit it: tests/test_upstream_fixes.py::test_upstream_xnnpack_still_computes_group_scales_in_bf16 and
+::test_upstream_xnnpack_still_computes_torchao_per_channel_4bit_scales_in_bf16.
+Retire: when both fail, drop ``weight_scale_dtype`` in ``recipes/torchao.py`` and this module's calls (one of them
+failing: narrow ``scale_dtype``).
 
 Example::
 
@@ -28,16 +42,32 @@ import torch
 SCALE_DTYPE = torch.bfloat16
 
 
-def scale_dtype(granularity) -> torch.dtype | None:
-    """The scale dtype XNNPACK computes a weight of ``granularity`` with: bf16 for groups, None (the weight's own
-    float32) per channel."""
-    return SCALE_DTYPE if getattr(granularity, "group_size", None) is not None else None
+def scale_dtype(granularity, weight_dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The scale dtype XNNPACK computes a weight of ``granularity`` and torchao ``weight_dtype`` with: bf16 for groups
+    and for per-channel weights of 4 bits or fewer, None (the weight's own float32) for per-channel 8-bit ones.
+
+    >>> scale_dtype(PerAxis(0), torch.int4), scale_dtype(PerAxis(0), torch.int8)
+    (torch.bfloat16, None)
+    """
+    if getattr(granularity, "group_size", None) is not None:
+        return SCALE_DTYPE
+    return SCALE_DTYPE if weight_dtype is not None and _bits(weight_dtype) <= 4 else None
 
 
-def kernel_scale(scale: torch.Tensor, granularity) -> torch.Tensor:
-    """``scale`` as the kernel computes with it (bf16 values for groups), in ``scale``'s own dtype."""
-    dtype = scale_dtype(granularity)
-    return scale if dtype is None else scale.detach().to(dtype).to(scale.dtype)
+def _bits(dtype: torch.dtype) -> int:
+    from torchao.quantization.quant_primitives import _DTYPE_TO_BIT_WIDTH
+
+    return _DTYPE_TO_BIT_WIDTH[dtype]
+
+
+def kernel_scale(scale: torch.Tensor, granularity, weight_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``scale`` as the kernel computes with it (bf16 values where ``scale_dtype`` says so), in ``scale``'s own dtype."""
+    dtype = scale_dtype(granularity, weight_dtype)
+    return scale if dtype is None else _as_bf16(scale.detach())
+
+
+def _as_bf16(scale: torch.Tensor) -> torch.Tensor:
+    return scale.to(SCALE_DTYPE).to(scale.dtype)
 
 
 def fake_quantize_configs(config, range_learning: bool = False):
@@ -93,12 +123,12 @@ def qat_config(config):
 
 
 def learned_kernel_scales(model: torch.nn.Module) -> int:
-    """Make each group-wise range-learning weight fake quantizer of ``model`` compute with its (float32, trained)
-    scale cast to bf16, as the deployed program will; returns how many."""
+    """Make each range-learning weight fake quantizer of ``model`` that XNNPACK computes in bf16 (``scale_dtype``)
+    compute with its (float32, trained) scale cast to bf16, as the deployed program will; returns how many."""
     n = 0
     for m in model.modules():
         fq = getattr(m, "weight_fake_quantizer", None)
-        if fq is not None and fq.config.range_learning and scale_dtype(fq.config.granularity) is not None:
+        if fq is not None and fq.config.range_learning and scale_dtype(fq.config.granularity, fq.config.dtype):
             fq.__class__ = _learned_class(type(fq))
             n += 1
     return n
@@ -113,7 +143,7 @@ def _learned_class(base: type) -> type:
     if base not in _LEARNED:
 
         class KernelScaleFakeQuantizer(base):
-            """A range-learning group-wise weight fake quantizer whose trained float32 scale computes as bf16."""
+            """A range-learning weight fake quantizer whose trained float32 scale computes as bf16."""
 
             def _per_channel_or_group_forward(self, x):
                 from torchao.quantization.qat import fake_quantizer
@@ -128,7 +158,7 @@ def _learned_class(base: type) -> type:
                     self.zero_point,
                     qmin,
                     qmax,
-                    self.config.granularity.group_size,
+                    getattr(self.config.granularity, "group_size", None) or x.shape[-1],  # per channel: one group
                     self.config.zero_point_domain,
                 )
 
