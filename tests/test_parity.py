@@ -186,3 +186,20 @@ def test_a_refusal_by_the_trained_model_check_alone_says_so():
     assert "not what QAT trained" in TRAINED_FIX and "--ckpt_path last" in TRAINED_FIX
     both = ["KL divergence from the converted model 2 > ...", ".pte vs trained fake-quant: perplexity differs"]
     assert parity_fix(both) == PARITY_FIX
+
+
+@pytest.mark.fast
+def test_a_refusal_of_a_model_the_recipe_breaks_points_at_the_recipe_not_the_program():
+    """SmolLM2 with 2-bit weights: the gate calls the converted model uncheckable; the fix must not say the program
+    computes something else, but that the recipe ruined the model."""
+    from qharness.run.pipeline import BROKEN_FIX, parity_fix
+
+    unstable = "the converted model itself is unstable: with every result rounded the other way it keeps only 0.358"
+    broken = "the recipe breaks this model: its converted model's perplexity is 22,000 against FP's 7.52 (x2,920)"
+    for reasons in (
+        [unstable],
+        [broken, "argmax agreement 0.305 < 0.472 ..."],
+        [broken, ".pte vs trained fake-quant: x"],
+    ):
+        assert parity_fix(reasons) == BROKEN_FIX
+    assert "does not compute" not in BROKEN_FIX and "more bits, or QAT" in BROKEN_FIX

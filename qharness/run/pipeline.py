@@ -35,8 +35,19 @@ TRAINED_FIX = (
 )
 
 
+# ... and where the recipe ruined the model the program was lowered from: no program of it can be checked
+BROKEN_FIX = (
+    "the recipe breaks this model, so whether the program computes it decides nothing (see its perplexity against "
+    "FP); use a recipe with more bits, or QAT, or let qharness ship pick one within a tolerance of FP; the refused "
+    "program is kept for inspection"
+)
+BROKEN = ("the recipe breaks this model", "the converted model itself is unstable")
+
+
 def parity_fix(reasons: list[str]) -> str:
     """What to try after the gate refused a program for ``reasons``."""
+    if any(r.startswith(BROKEN) for r in reasons):
+        return BROKEN_FIX
     trained_only = reasons and all(r.startswith(".pte vs trained fake-quant: ") for r in reasons)
     return TRAINED_FIX if trained_only else PARITY_FIX
 
