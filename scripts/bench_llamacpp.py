@@ -381,9 +381,11 @@ def llama_prompt_ids(bindir: Path, gguf: Path, prompt: Path) -> list[int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def llama_answers(bindir: Path, gguf: Path, texts: list[str], ids: list[list[int]], max_new: int, work: Path):
-    """llama.cpp's greedy answer to each prompt (``llama-completion --temp 0``, one process per prompt, weight
-    repacking off as for prefill elsewhere here), after checking that it reads the prompt as the same tokens."""
+def llama_answers(
+    bindir: Path, gguf: Path, texts: list[str], ids: list[list[int]], max_new: int, work: Path, threads: int
+):
+    """llama.cpp's greedy answer to each prompt (``llama-completion --temp 0`` at ``threads``, one process per prompt,
+    weight repacking off as for prefill elsewhere here), after checking that it reads the prompt as the same tokens."""
     answers = []
     for text, want in zip(texts, ids):
         prompt = work / "prompt.txt"
@@ -391,24 +393,8 @@ def llama_answers(bindir: Path, gguf: Path, texts: list[str], ids: list[list[int
         got = llama_prompt_ids(bindir, gguf, prompt)
         if got != want:
             raise SystemExit(f"llama.cpp tokenizes a chat prompt otherwise than qharness: {got[:12]} vs {want[:12]}")
-        cmd = [
-            bindir / "llama-completion",
-            "-m",
-            gguf,
-            "-f",
-            prompt,
-            "-n",
-            max_new,
-            "--temp",
-            0,
-            "-nr",
-            "--no-display-prompt",
-            "-no-cnv",
-            "--threads",
-            2,
-            "--seed",
-            0,
-        ]  # fmt: skip (its logs: stderr)
+        flags = ["-n", max_new, "--temp", 0, "-nr", "--no-display-prompt", "-no-cnv", "--threads", threads, "--seed", 0]
+        cmd = [bindir / "llama-completion", "-m", gguf, "-f", prompt, *flags]  # its logs go to stderr
         out = subprocess.run([str(c) for c in cmd], check=True, capture_output=True, text=True)
         answers.append(out.stdout.replace("[end of text]", "").strip())
     return answers
@@ -438,7 +424,9 @@ def measure_answers(args, ggufs: dict[str, Path], bindir: Path, hf_dir: Path, ru
     del fp
     for name, path in ggufs.items():
         log(f"answers: llama.cpp {name}")
-        answers[f"llama.cpp {name}"] = llama_answers(bindir, path, texts, ids, args.answer_tokens, args.work)
+        answers[f"llama.cpp {name}"] = llama_answers(
+            bindir, path, texts, ids, args.answer_tokens, args.work, args.threads
+        )
     for name, pte in runs.items():
         log(f"answers: {name}")
         backend = pte_backend(pte)

@@ -381,6 +381,8 @@ KL_FLOOR = 1e-6  # nats per position: a .pte this close to its reference passes 
 # (a mean KL of 1e-6 moves perplexity by about 0.0001%)
 
 
+# how the reasons that blame the recipe, not the program, begin (``run/pipeline.parity_fix`` reads them)
+BREAKS_MODEL, UNSTABLE = "the recipe breaks this model", "the converted model itself is unstable"
 UNSTABLE_BELOW = 0.5  # the rounding twin's argmax agreement under which the converted model is too unstable to vouch
 # for: rounding alone changes most of its confident next tokens, so any program "agrees" as well as it does (SmolLM2
 # with static int8 activations: twin 0.008, the .pte 0.04, perplexity 7.5 -> 6,000,000)
@@ -408,7 +410,7 @@ def recipe_breaks_model(fp_ppl: float, converted_ppl: float, twin_agreement: flo
         return f"{float(f'{x:.3g}'):,.0f}" if x >= 100 else f"{x:.3g}"
 
     return (
-        f"the recipe breaks this model: its converted model's perplexity is {num(converted_ppl)} against FP's "
+        f"{BREAKS_MODEL}: its converted model's perplexity is {num(converted_ppl)} against FP's "
         f"{num(fp_ppl)} (x{num(converted_ppl / fp_ppl)}){noise}; use a recipe with more bits, or QAT"
     )
 
@@ -425,11 +427,10 @@ def ppl_noise_bound(reference: list[float], twin: list[float]) -> float:
     return math.expm1(abs(mean) + 3 * sd / math.sqrt(len(d)))
 
 
-def required_agreement(figures: dict, min_agree: float) -> float:
-    """The argmax agreement a ``.pte`` must reach over the decided positions: ``min_agree``, or, where the reference
-    itself agrees less with its rounding twin (a model that rounding alone moves that far: ``figures["noise"]``), that
-    agreement less three standard errors."""
-    noise = (figures.get("noise") or {}).get("argmax_agreement_decided")
+def required_agreement(figures: dict, min_agree: float, noise: float | None) -> float:
+    """The argmax agreement a ``.pte`` must reach over the decided positions of ``figures``: ``min_agree``, or, where
+    the reference itself agrees less with its rounding twin (``noise``: that twin's agreement over its decided
+    positions; a model that rounding alone moves that far), that agreement less three standard errors."""
     if noise is None:
         return min_agree
     decided = figures["positions"] - figures["near_ties"]
@@ -473,19 +474,18 @@ def gate(figures: dict, cfg, prefix: str = "", twin_agreement: float | None = No
                 f"parity.max_noise_ratio={cfg.max_noise_ratio:g} x the converted model's own rounding noise "
                 f"({noise['kl']:.3g}: its KL from itself with every result rounded the other way)"
             )
-    twin_agrees = (noise or {}).get("argmax_agreement_decided")
-    if twin_agrees is not None and not twin_agrees >= UNSTABLE_BELOW:
+    # the rounding twin's agreement: measured here (the main gate) or handed in (the trained-model check)
+    twin_agrees = twin_agreement if prefix else (noise or {}).get("argmax_agreement_decided")
+    if not prefix and twin_agrees is not None and not twin_agrees >= UNSTABLE_BELOW:
         reasons.append(
-            f"the converted model itself is unstable: with every result rounded the other way it keeps only "
+            f"{UNSTABLE}: with every result rounded the other way it keeps only "
             f"{twin_agrees:.3f} of its confident next tokens (< {UNSTABLE_BELOW}), so no program of it can be checked "
             "against it; the recipe breaks this model (see its perplexity against FP)"
         )
     decided = figures.get(
         "argmax_agreement_decided", figures["argmax_agreement"]
     )  # no near ties counted: every position
-    if prefix and twin_agreement is not None:
-        noise = {"argmax_agreement_decided": twin_agreement}
-    required = required_agreement({**figures, "noise": noise}, min_agree) if noise is not None else min_agree
+    required = required_agreement(figures, min_agree, twin_agrees)
     if decided is not None and not decided >= required:
         over = ""
         if "near_ties" in figures:
@@ -497,7 +497,7 @@ def gate(figures: dict, cfg, prefix: str = "", twin_agreement: float | None = No
         if required < min_agree:
             floor = (
                 f"{required:.3f} ({floor}, less what rounding alone costs this model: its rounding twin agrees "
-                f"{noise['argmax_agreement_decided']:.3f})"
+                f"{twin_agrees:.3f})"
             )
         reasons.append(f"argmax agreement {decided:.3f} < {floor}{over}")
     if max_abs is not None and not figures["max_abs_diff"] <= max_abs:

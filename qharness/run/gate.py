@@ -31,6 +31,7 @@ from qharness.run.summary import Parity, Score, Timings, typed
 from qharness.run.trained import HeldOut, Trained
 
 log = logging.getLogger(__name__)
+TRAINED_CHECK = ".pte vs trained fake-quant: "  # how the reasons of the trained-model check begin
 
 
 @dataclass
@@ -110,14 +111,13 @@ def gate_pte(
     figures["noise"]["ppl_rel_diff"] = abs(twin_score["ppl"] - converted["ppl"]) / converted["ppl"]
     figures["noise"]["ppl_bound"] = ppl_noise_bound(converted["block_losses"], twin_score["block_losses"])
     reasons += gate(figures, cfg)
+    twin_agrees = figures["noise"].get("argmax_agreement_decided")
     if reasons and "fp" in scores:
-        twin_agrees = figures["noise"].get("argmax_agreement_decided")
         broken = recipe_breaks_model(scores["fp"]["ppl"], converted["ppl"], twin_agrees)
         reasons = [broken] + reasons if broken else reasons
     if trained.fake_quant is not None:
-        twin_agrees = figures["noise"].get("argmax_agreement_decided")
         figures["fake_quant"] = against_fake_quant(trained, pte, data, scores, cfg, twin_agrees)
-        reasons += [f".pte vs trained fake-quant: {r}" for r in figures["fake_quant"]["reasons"]]
+        reasons += [TRAINED_CHECK + r for r in figures["fake_quant"]["reasons"]]
     if trained.weight_qparams is not None:
         figures["learned_scales"] = carried = learned_scales_carried(lowered.deployed, trained.weight_qparams)
         if carried["exact"] != carried["weights"]:

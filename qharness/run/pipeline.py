@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from qharness.checks.parity import BREAKS_MODEL, UNSTABLE
 from qharness.config import BenchConfig, EvalConfig, ExportConfig, ParityConfig
 from qharness.errors import ParityError, UserError
-from qharness.run.gate import check_parity
+from qharness.run.gate import TRAINED_CHECK, check_parity
 from qharness.run.results import answer_run, bench_run, evaluate_run, write_summary
 from qharness.run.stages import export_and_quantize, lower_and_write, score_trained
 from qharness.run.summary import RunSummary, Timings
@@ -41,14 +42,13 @@ BROKEN_FIX = (
     "FP); use a recipe with more bits, or QAT, or let qharness ship pick one within a tolerance of FP; the refused "
     "program is kept for inspection"
 )
-BROKEN = ("the recipe breaks this model", "the converted model itself is unstable")
 
 
 def parity_fix(reasons: list[str]) -> str:
     """What to try after the gate refused a program for ``reasons``."""
-    if any(r.startswith(BROKEN) for r in reasons):
+    if any(r.startswith((BREAKS_MODEL, UNSTABLE)) for r in reasons):
         return BROKEN_FIX
-    trained_only = reasons and all(r.startswith(".pte vs trained fake-quant: ") for r in reasons)
+    trained_only = reasons and all(r.startswith(TRAINED_CHECK) for r in reasons)
     return TRAINED_FIX if trained_only else PARITY_FIX
 
 
