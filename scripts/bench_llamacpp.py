@@ -539,6 +539,7 @@ def main() -> None:
     key, title, gguf_src = model_gguf(args.gguf)
     if args.sweep:
         run([sys.executable, "-m", "qharness", "sweep", args.sweep], cwd=ROOT)
+    from qharness.runtime.pte import program_bytes
     from qharness.sources.models import resolve_checkpoint
 
     hf_dir = Path(resolve_checkpoint(str(gguf_src)))
@@ -557,7 +558,7 @@ def main() -> None:
         answers = measure_answers(args, ggufs, bindir, hf_dir, runs)
 
     sizes = {f"llama.cpp {n}": p.stat().st_size for n, p in ggufs.items()}
-    sizes |= {f"qharness {n}": p.stat().st_size for n, p in runs.items()}
+    sizes |= {f"qharness {n}": program_bytes(p) for n, p in runs.items()}  # a .pte and its data file, if any
     speed: dict[str, list[dict]] = {}
     if args.rounds and not args.skip_speed:
         programs = {f"llama.cpp {q}": ("gguf", ggufs[q]) for q in ("Q4_0", "Q8_0")}

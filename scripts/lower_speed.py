@@ -157,7 +157,7 @@ def child(path: str, recipe_name: str, max_seq_len: int, graph: str, profile: st
         profiler = cProfile.Profile()
         profiler.enable()
     wall, cpu = time.perf_counter(), time.process_time()
-    pte, _ = lower_program(deployed, recipe, max_seq_len, metadata)
+    pte = lower_program(deployed, recipe, max_seq_len, metadata).pte
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     if profiler is not None:
         profiler.disable()

@@ -44,8 +44,13 @@ def test_builtin_4bit_recipes_quantize_embeddings_by_default_and_null_keeps_them
 
     four_bit = [n for n in known_recipes() if n.startswith(("xnnpack_8da", "xnnpack_int4w"))]
     assert len(four_bit) >= 14
-    for name in four_bit:
-        assert load_recipe(name).embedding == EmbeddingQuant(4, 32), name
+    for name in four_bit:  # but the recipe whose table is the 8-bit head's (stored once: test_shared_table.py)
+        want = (
+            EmbeddingQuant(8, None, "symmetric_no_clipping_err")
+            if name == "xnnpack_8da4w_tied8"
+            else EmbeddingQuant(4, 32)
+        )
+        assert load_recipe(name).embedding == want, name
     for name in ("xnnpack_fp32", "xnnpack_int8_dynamic", "xnnpack_int8_static", "vulkan_int8w"):
         assert load_recipe(name).embedding is None, name
     assert _recipe(tmp_path, "base: xnnpack_8da4w\nquantizer: {embedding_bits: null}\n").embedding is None
@@ -94,7 +99,9 @@ def _deployed_table(weight, quant):
     return emb.weight.dequantize()
 
 
-@pytest.mark.parametrize("recipe_name", ["xnnpack_int4w_dynamic", "xnnpack_8da4w"])  # PT2E (exported), torchao (eager)
+@pytest.mark.parametrize(  # PT2E (exported), torchao (eager), torchao with the head's no-clipping scales (8-bit rows)
+    "recipe_name", ["xnnpack_int4w_dynamic", "xnnpack_8da4w", "xnnpack_8da4w_tied8"]
+)
 def test_qat_trains_the_deployed_table_fake_quantized_and_gradients_reach_it(recipe_name):
     """The QAT-prepared model's embedding lookup equals the lookup of the table deployment stores (the same torchao
     config), and the loss's gradient reaches the FP table (the straight-through estimator survives torch.export)."""

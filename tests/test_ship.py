@@ -251,7 +251,8 @@ def test_a_tolerance_4bit_ptq_meets_ends_without_training(tmp_path, no_bench):
 @pytest.mark.fast
 def test_the_chosen_recipe_file_reads_the_same_from_the_ship_folder_when_its_base_is_relative(tmp_path):
     """A user's recipe ``mine/child.yaml`` with ``base: sibling.yaml``: copied verbatim into the ship folder, its
-    relative base would be looked for there and not be found; ``chosen_recipe.yaml`` carries the merged fields."""
+    relative base would be looked for there and not be found; ``chosen_recipe.yaml`` carries the merged fields. A chosen
+    program with a data file (``model.ptd``: a tied table stored once) is copied with it (``chosen.ptd``)."""
     from qharness.recipes.registry import load_recipe
     from qharness.sweep.plan import SweepRun
 
@@ -274,6 +275,10 @@ def test_the_chosen_recipe_file_reads_the_same_from_the_ship_folder_when_its_bas
     chosen = load_recipe(str(ship_dir / "chosen_recipe.yaml"))
     assert chosen.settings == load_recipe(str(mine / "child.yaml")).settings == load_recipe("xnnpack_8da4w").settings
     assert chosen.description == "the user's recipe"
+    assert not (ship_dir / "chosen.ptd").exists()  # a self-contained .pte
+    (run_dir / "model.ptd").write_bytes(b"the tied table, stored once")  # a program with a data file: it goes along
+    climb.write_chosen(ship_dir, run, {})
+    assert (ship_dir / "chosen.ptd").read_bytes() == b"the tied table, stored once"
 
 
 def test_a_tolerance_only_qat_meets_ends_at_qat(tmp_path, no_bench):

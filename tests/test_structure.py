@@ -42,8 +42,8 @@ def _program(recipe_name: str, seed: int, calibration_seed: int = 0) -> tuple[st
     from qharness.deploy.lower import lower_program, runner_metadata
 
     recipe, graph = _deployed(recipe_name, seed, calibration_seed)
-    pte, digest = lower_program(graph, recipe, 32, runner_metadata(32, 128, 0, [0], True))
-    return digest, hashlib.sha256(pte).hexdigest()
+    program = lower_program(graph, recipe, 32, runner_metadata(32, 128, 0, [0], True))
+    return program.structure, hashlib.sha256(program.pte).hexdigest()
 
 
 def test_graph_lines_leave_out_weights_scales_and_zero_points():

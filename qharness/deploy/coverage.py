@@ -411,6 +411,7 @@ def format_coverage(coverage: Coverage | None) -> str | None:
         line += "; embeddings: " + ", ".join(
             f"{n} {t.bits}-bit ({'per row' if t.group_size is None else f'groups of {t.group_size}'})"
             + (f", a copy apart from the tied {t.tied_to}" if t.tied_to and not t.shared else "")
+            + (f", one copy with the tied {t.tied_to}" if t.tied_to and t.shared else "")
             for n, t in tables.items()
         )
     convs = getattr(coverage, "convolutions", None) or {}

@@ -69,3 +69,25 @@ def graph_coverage(graph: torch.fx.GraphModule) -> Coverage | None:
     per recipe rule, the float ones with why); None for a graph it did not make."""
     record = record_of(graph)
     return None if record is None else record.coverage
+
+
+def mark_shared_tables(graph: torch.fx.GraphModule, data_name: str) -> None:
+    """Record that the lowering stored ``graph``'s tied tables once (``deploy/shared_table.py``), in the data file
+    ``data_name``: each tied table's coverage entry becomes ``shared``, its second copy costing nothing."""
+    import dataclasses
+
+    record = record_of(graph)
+    if record is None or record.coverage is None:
+        return
+    tables = {
+        name: dataclasses.replace(
+            t,
+            shared=True,
+            note=f"stored once: the lookup table and {t.tied_to} hold the same int8 values, kept in {data_name}",
+        )
+        if t.tied_to and t.bits is not None
+        else t
+        for name, t in record.coverage.embeddings.items()
+    }
+    coverage = dataclasses.replace(record.coverage, embeddings=tables)
+    stamp(graph, dataclasses.replace(record, coverage=coverage))

@@ -23,6 +23,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -231,20 +232,37 @@ def runner_metadata(
 
 
 def lower_to_pte(graph: torch.fx.GraphModule, recipe, max_seq_len: int, metadata: dict | None = None) -> bytes:
-    """Re-export, decompose to core ATen, lower with the recipe's partitioners, serialize (``lower_program``'s
-    bytes).
+    """Re-export, decompose to core ATen, lower with the recipe's partitioners, serialize: one self-contained ``.pte``
+    (``lower_program``'s bytes; a tied table is not shared with a data file here).
 
     ``metadata`` becomes constant methods of the program (``runner_metadata``); its
     ``use_sdpa_with_kv_cache`` is set to whether ``graph`` is a fast-path graph.
     """
-    return lower_program(graph, recipe, max_seq_len, metadata)[0]
+    return lower_program(graph, recipe, max_seq_len, metadata).pte
+
+
+@dataclass(frozen=True)
+class Program:
+    """A lowered program: the ``.pte`` bytes, the bytes of its data file (``<name>.ptd``: a tied table stored once,
+    ``deploy/shared_table.py``; None: the ``.pte`` holds everything) and its structure digest
+    (``structure.structure_digest`` of the lowered edge program: equal for programs that differ only in weight
+    values)."""
+
+    pte: bytes
+    data: bytes | None
+    structure: str
 
 
 def lower_program(
-    graph: torch.fx.GraphModule, recipe, max_seq_len: int, metadata: dict | None = None
-) -> tuple[bytes, str]:
-    """``lower_to_pte``'s bytes and the program's structure digest (``structure.structure_digest`` of the lowered
-    edge program: equal for programs that differ only in weight values)."""
+    graph: torch.fx.GraphModule,
+    recipe,
+    max_seq_len: int,
+    metadata: dict | None = None,
+    share_tables: bool = False,
+) -> Program:
+    """``lower_to_pte``'s program, with its structure digest; with ``share_tables`` a tied table whose lookup and
+    ``lm_head`` hold the same int8 values is stored once, in the program's data file (``Program.data``)."""
+    from qharness.deploy import shared_table
     from qharness.deploy.structure import structure_digest
 
     if metadata is not None and "use_sdpa_with_kv_cache" in metadata:
@@ -261,12 +279,18 @@ def lower_program(
             ep = lowering.export_for_lowering(graph, _example(max_seq_len), _dynamic_shapes(max_seq_len))
         with phases.stage("decompositions"):
             ep = lowering.decompose_for_lowering(ep, partitioners)
+        shared = shared_table.tag_shared_tables(ep) if share_tables else set()
         with phases.stage("Edge dialect, partitioning, delegation"):
             edge = imports.to_edge_transform_and_lower(ep, partitioner=partitioners, constant_methods=metadata)
         digest = structure_digest(edge)  # before to_executorch's passes rewrite the graph
-        config = imports.executorch_backend_config(**executorch_config(recipe))
+        fields = executorch_config(recipe)
+        if shared:
+            fields["external_constants"] = shared_table.external_tag_fn(shared)
+        config = imports.executorch_backend_config(**fields)
         with phases.stage(f"to_executorch ({delegated_partitions(edge)} delegated parts): memory planning, emitting"):
-            return edge.to_executorch(config).buffer, digest
+            manager = edge.to_executorch(config)
+            data = imports.program_data(manager, shared_table.DATA_TAG) if shared else None
+            return Program(manager.buffer, data, digest)
 
 
 class LoweringProgress:

@@ -15,7 +15,9 @@ copy costs). One shared 4-bit table for both is what ExecuTorch's ``export_llm``
 ``backend.torchao.use_torchao_kernels_tied_embedding``: it needs torchao's low-bit CPU kernels
 (``torchao::_shared_embedding_4bit``), which only an ExecuTorch runtime built with torchao's kernels registers; the
 pip ``executorch`` 1.5.1 runtime has ``quantized_decomposed::embedding_{2,4}bit`` and ``embedding_byte`` only
-(``tests/test_embeddings.py`` fails once it has the shared op).
+(``tests/test_embeddings.py`` fails once it has the shared op). Where both copies hold the same int8 values (an 8-bit
+per-row table quantized by the 8-bit head's rule: ``embedding_mapping``, recipe ``xnnpack_8da4w_tied8``) the lowering
+stores them once, in the program's data file (``deploy/shared_table.py``).
 
 Example (a recipe YAML)::
 
@@ -32,16 +34,20 @@ EMBEDDING_BITS = (4, 8)
 # The op the shared table would need and why the program stores two copies instead (summary.json, recipe docs).
 SHARED_TABLE_MISSING = (
     "stored twice (the lookup table and the head's own copy): one shared table needs torchao::_shared_embedding_4bit "
-    "(torchao's low-bit CPU kernels), which the pip executorch 1.5.1 runtime lacks"
+    "(torchao's low-bit CPU kernels), which the pip executorch 1.5.1 runtime lacks; xnnpack_8da4w_tied8 stores an "
+    "8-bit table once"
 )
 
 
 @dataclass(frozen=True)
 class EmbeddingQuant:
-    """A recipe's embedding quantization: ``bits`` (4 or 8) and ``group_size`` (None: one scale per row)."""
+    """A recipe's embedding quantization: ``bits`` (4 or 8), ``group_size`` (None: one scale per row) and ``mapping``
+    (how a row's or group's scale is chosen: torchao's ``symmetric``, or ``symmetric_no_clipping_err`` as the
+    recipe's linears may have it; the same rule as an 8-bit ``lm_head``'s makes a tied table's two copies equal)."""
 
     bits: int
     group_size: int | None
+    mapping: str = "symmetric"
 
     @property
     def scheme(self) -> str:
@@ -87,9 +93,14 @@ class EmbeddingQuant:
         import torch
         from torchao.quantization import IntxWeightOnlyConfig
         from torchao.quantization.granularity import PerAxis, PerGroup
+        from torchao.quantization.quant_primitives import MappingType
 
         granularity = PerAxis(0) if self.group_size is None else PerGroup(self.group_size)
-        return IntxWeightOnlyConfig(weight_dtype={4: torch.int4, 8: torch.int8}[self.bits], granularity=granularity)
+        return IntxWeightOnlyConfig(
+            weight_dtype={4: torch.int4, 8: torch.int8}[self.bits],
+            granularity=granularity,
+            mapping_type=MappingType[self.mapping.upper()],
+        )
 
     def stored_bytes(self, num_embeddings: int, embedding_dim: int) -> int:
         """Bytes of the lowered table: packed ``bits``-bit rows and one fp32 scale per group (or row)."""
@@ -97,8 +108,17 @@ class EmbeddingQuant:
         return num_embeddings * (embedding_dim * self.bits // 8 + 4 * groups)
 
 
-def embedding_quant(where: str, bits: int | None, group_size: int | None) -> EmbeddingQuant | None:
+EMBEDDING_MAPPINGS = ("symmetric", "symmetric_no_clipping_err")
+
+
+def embedding_quant(
+    where: str, bits: int | None, group_size: int | None, mapping: str = "symmetric"
+) -> EmbeddingQuant | None:
     """The checked settings (``UserError`` naming ``where`` and the field otherwise), None for float embeddings."""
+    if mapping not in EMBEDDING_MAPPINGS:
+        raise UserError(
+            f"{where}: embedding_mapping {mapping!r} is unknown", fix=f"use {' or '.join(EMBEDDING_MAPPINGS)}"
+        )
     if bits is not None and bits not in EMBEDDING_BITS:
         raise UserError(f"{where}: embedding_bits={bits} is not supported", fix="use null (FP embeddings), 4 or 8")
     if group_size is not None and (group_size < 2 or group_size & (group_size - 1)):
@@ -106,12 +126,13 @@ def embedding_quant(where: str, bits: int | None, group_size: int | None) -> Emb
             f"{where}: embedding_group_size={group_size} must be a power of two >= 2",
             fix="use 32 (or 64, 128, ...), or null for one scale per row",
         )
-    return None if bits is None else EmbeddingQuant(bits, group_size)
+    return None if bits is None else EmbeddingQuant(bits, group_size, mapping)
 
 
-def check_fields(where: str, bits: int | None, group_size: int | None) -> None:
-    """A settings dataclass's ``__post_init__`` check of its ``embedding_bits`` / ``embedding_group_size``."""
-    embedding_quant(where, bits, group_size)
+def check_fields(where: str, bits: int | None, group_size: int | None, mapping: str = "symmetric") -> None:
+    """A settings dataclass's ``__post_init__`` check of its ``embedding_bits`` / ``embedding_group_size`` (and
+    ``embedding_mapping``, where the quantizer has one)."""
+    embedding_quant(where, bits, group_size, mapping)
 
 
 def source_config(quant: EmbeddingQuant):

@@ -74,7 +74,8 @@ class Recipe:
             return None
         from qharness.recipes.embedding import EmbeddingQuant
 
-        return EmbeddingQuant(bits, self.settings.embedding_group_size)
+        mapping = getattr(self.settings, "embedding_mapping", "symmetric")
+        return EmbeddingQuant(bits, self.settings.embedding_group_size, mapping)
 
     @property
     def embedding_scheme(self) -> str:

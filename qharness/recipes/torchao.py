@@ -38,6 +38,11 @@ class Torchao8da4wSettings:
         (``recipes/embedding.py``: QAT trains them fake-quantized, the ``.pte`` looks them up with ExecuTorch's
         quantized-embedding kernels).
     embedding_group_size: the embedding's weights per scale (a power of two); null: one scale per row.
+    embedding_mapping: how the embedding's scales are chosen, as ``weight_mapping`` below (default ``symmetric``). A
+        tied table (one weight for the input embedding and ``lm_head``) whose lookup is 8-bit per row
+        (``embedding_bits: 8, embedding_group_size: null``) with the ``lm_head``'s rule (an 8-bit per-channel
+        ``layers:`` rule, ``embedding_mapping`` equal to ``weight_mapping``) holds the same int8 values in both
+        copies: the program stores them once, in a data file beside the ``.pte`` (``deploy/shared_table.py``).
     choose_qparams: ``affine`` (min-max scales, what QAT's fake quantization trains against) or ``hqq_scale_only``
         (HQQ-optimised scales, export_llm's default for 8da4w PTQ; PTQ-only recipes).
     rounding: ``nearest`` (each weight to its nearest level) or ``gptq``: the linear weights are rounded by GPTQ on the
@@ -60,6 +65,7 @@ class Torchao8da4wSettings:
     weight_bits: int = 4
     embedding_bits: int | None = None
     embedding_group_size: int | None = 32
+    embedding_mapping: str = "symmetric"
     choose_qparams: str = "affine"
     rounding: str = "nearest"
     learn_scales: bool = False
@@ -76,7 +82,9 @@ class Torchao8da4wSettings:
                 f"torchao_8da4w quantizer: weight_bits={self.weight_bits} is not supported",
                 fix=f"use one of {', '.join(map(str, WEIGHT_BITS))}",
             )
-        embedding.check_fields("torchao_8da4w quantizer", self.embedding_bits, self.embedding_group_size)
+        embedding.check_fields(
+            "torchao_8da4w quantizer", self.embedding_bits, self.embedding_group_size, self.embedding_mapping
+        )
         if self.weight_bits == 8 and self.group_size is not None:
             raise UserError(
                 f"torchao_8da4w quantizer: weight_bits=8 with group_size={self.group_size}: XNNPACK lowers int8 "
@@ -155,7 +163,9 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             scheme=scheme_name(settings.weight_bits, group, dynamic_activations=True),
         )
     ]
-    quant = embedding.embedding_quant("torchao_8da4w quantizer", settings.embedding_bits, settings.embedding_group_size)
+    quant = embedding.embedding_quant(
+        "torchao_8da4w quantizer", settings.embedding_bits, settings.embedding_group_size, settings.embedding_mapping
+    )
     if quant is not None:  # min-max scales, learned or not
         configs.append(embedding.source_config(quant))
     return SourceQuantizer(configs)

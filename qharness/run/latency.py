@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from pathlib import Path
 
 from qharness.config import BenchConfig
@@ -26,6 +25,7 @@ from qharness.run.from_lightning import trained
 from qharness.run.summary import Timings
 from qharness.run.trained import HeldOut
 from qharness.run.workflows import RunSettings
+from qharness.runtime.pte import move_program
 from qharness.training.checkpoints import init_args
 from qharness.training.module import QuantLM
 
@@ -121,7 +121,7 @@ def variant_program(model: QuantLM, data: HeldOut, settings: RunSettings, table:
     timings = Timings()
     deployed = export_and_quantize(t, calibration, settings.deploy, False, timings)
     lowered = lower_and_write(deployed, t, metadata, settings.deploy, out / scheme, timings)
-    os.replace(lowered.pending, final)
+    move_program(lowered.pending, final)
     return final
 
 

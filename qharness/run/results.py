@@ -4,7 +4,6 @@ the benchmark (``bench_run``), lm-eval (``evaluate_run``) and the answer-quality
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ from qharness.run.stages import Lowered
 from qharness.run.summary import LayerPlan, PteInfo, RunSummary, Timings
 from qharness.run.table import format_table
 from qharness.run.trained import HeldOut, Trained
+from qharness.runtime.pte import data_file, move_program, program_bytes
 
 
 def validation_blocks_id(x: torch.Tensor, y: torch.Tensor) -> str:
@@ -48,9 +48,10 @@ def write_summary(
     final = run_dir / export_cfg.filename
     failed = final.with_name(final.stem + ".FAILED_PARITY.pte")
     pte_path = failed if checked.parity.reasons else final
-    os.replace(lowered.pending, pte_path)
+    move_program(lowered.pending, pte_path)
     if not checked.parity.reasons:
         failed.unlink(missing_ok=True)  # a stale failure from an earlier export of this run
+        data_file(failed).unlink(missing_ok=True)
     layers = quantized_layers(deployed)
     summary = RunSummary(
         run_dir=str(run_dir),
@@ -69,13 +70,14 @@ def write_summary(
         parity=checked.parity,
         pte=PteInfo(
             path=str(pte_path),
-            size_bytes=pte_path.stat().st_size,
+            size_bytes=program_bytes(pte_path),
             max_seq_len=export_cfg.max_seq_len,
             export_path=export_path(deployed),
             fallback_reason=fallback_reason(deployed),
             kv_cache=kv_cache_dtype(deployed),
             sha256=hashlib.sha256(lowered.pte_bytes).hexdigest(),
             structure=lowered.structure,
+            data_file=None if lowered.data_bytes is None else data_file(pte_path).name,
         ),
         layers=None
         if layers is None

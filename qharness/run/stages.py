@@ -12,6 +12,7 @@ import torch
 
 from qharness.checks.parity import score_batched
 from qharness.config import ExportConfig
+from qharness.deploy.deployed import mark_shared_tables
 from qharness.errors import UserError
 from qharness.io.atomic import atomic_dir, write_bytes_atomic
 from qharness.progress import stage
@@ -29,6 +30,7 @@ class Lowered:
     pte_bytes: bytes
     pending: Path
     structure: str | None = None
+    data_bytes: bytes | None = None  # the program's data file (``<name>.pending.ptd``), if it has one
 
 
 def score_trained(trained: Trained, data: HeldOut) -> dict[str, dict]:
@@ -87,19 +89,27 @@ def lower_and_write(
     chat_template: str | None = None,
 ) -> Lowered:
     """Lower ``deployed`` to ExecuTorch with the runner's ``metadata``, write it as ``<name>.pending.pte`` (not the
-    name anyone ships) and the tokenizer beside it, with ``chat_template`` (the run's ``data.chat_template``) as its
-    template, so ``qharness generate --chat`` renders what training rendered."""
+    name anyone ships; a tied table stored once goes to its data file ``<name>.pending.ptd``, written first) and the
+    tokenizer beside it, with ``chat_template`` (the run's ``data.chat_template``) as its template, so ``qharness
+    generate --chat`` renders what training rendered."""
     from qharness.deploy.lower import lower_program
+    from qharness.runtime.pte import data_file
 
     recipe, tokenizer = trained.recipe, trained.tokenizer
     t = time.perf_counter()
     with stage(f"lowering to ExecuTorch ({recipe.name}, {recipe.backend})"):
-        pte_bytes, structure = lower_program(deployed, recipe, export_cfg.max_seq_len, metadata)
+        program = lower_program(deployed, recipe, export_cfg.max_seq_len, metadata, share_tables=True)
     timings.lower_s = time.perf_counter() - t
     final = run_dir / export_cfg.filename
-    pending = write_bytes_atomic(final.with_name(final.stem + ".pending.pte"), pte_bytes)
+    pending = final.with_name(final.stem + ".pending.pte")
+    if program.data is not None:
+        write_bytes_atomic(data_file(pending), program.data)
+        mark_shared_tables(deployed, data_file(final).name)
+    else:
+        data_file(pending).unlink(missing_ok=True)  # a stale one of an earlier export
+    write_bytes_atomic(pending, program.pte)
     with atomic_dir(run_dir / "tokenizer") as tokenizer_dir:
         tokenizer.save_pretrained(tokenizer_dir)
         if chat_template is not None:
             save_template(tokenizer_dir, chat_template)
-    return Lowered(deployed, pte_bytes, pending, structure)
+    return Lowered(deployed, program.pte, pending, program.structure, program.data)

@@ -149,7 +149,7 @@ class PteInfo:
 
     Args:
         path: As the run was given it (``RunSummary.pte_file`` finds it in the run directory).
-        size_bytes: File size.
+        size_bytes: What the program stores: the file, and its data file if it has one (``data_file``).
         max_seq_len: Its static KV cache's length.
         export_path: How it was exported (the fast path, or HF's static cache).
         fallback_reason: Why the fast path was not taken (None: it was).
@@ -158,6 +158,8 @@ class PteInfo:
         structure: Digest of its structure: operators, shapes, dtypes and delegate partitions, weight values left out
             (``deploy/structure.py``). Programs with one structure (a PTQ, a GPTQ and a QAT program of one recipe)
             are one latency class in the joint benchmark.
+        data_file: The data file the runtime loads with it (``model.ptd`` beside ``model.pte``: a tied table stored
+            once, ``deploy/shared_table.py``); unset: the ``.pte`` holds everything.
     """
 
     path: str | None = _kept()
@@ -168,6 +170,7 @@ class PteInfo:
     kv_cache: str | None = _kept()
     sha256: str | None = _kept()
     structure: str | None = None  # left out when unset (summaries written before it was recorded)
+    data_file: str | None = None  # left out when unset (a self-contained .pte)
 
 
 @dataclass

@@ -148,9 +148,9 @@ def _sizes(kind: str, path: str, step) -> tuple[int, int]:
     """``(size_bytes, weight_bytes)`` of the model: its file size(s), and what one decode step reads of the weights:
     all but the embedding tables (one row each), the lm_head whole (also when it shares the embedding's weight)."""
     if kind == "pte":
-        from qharness.runtime.pte import embedding_bytes
+        from qharness.runtime.pte import embedding_bytes, program_bytes
 
-        size_bytes = Path(path).stat().st_size
+        size_bytes = program_bytes(path)
         return size_bytes, size_bytes - embedding_bytes(path)
     model = step.model
     embedding = model.get_input_embeddings().weight

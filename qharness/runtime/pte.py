@@ -111,6 +111,30 @@ def check_pte_file(path: str | Path) -> Path:
     return path
 
 
+def data_file(path: str | Path) -> Path:
+    """The data file of the ``.pte`` at ``path``: ``model.pte`` -> ``model.ptd`` (a tied table stored once,
+    ``deploy/shared_table.py``), which the runtime loads with it; most programs have none."""
+    return Path(path).with_suffix(".ptd")
+
+
+def program_bytes(path: str | Path) -> int:
+    """Bytes of the program at ``path``: the ``.pte`` and its data file, if it has one."""
+    data = data_file(path)
+    return Path(path).stat().st_size + (data.stat().st_size if data.is_file() else 0)
+
+
+def move_program(src: str | Path, dst: str | Path) -> Path:
+    """Rename the ``.pte`` ``src`` (and its data file, first, so that no ``.pte`` is found without it) to ``dst``; a
+    stale data file at ``dst`` of a program that has none is removed."""
+    src, dst = Path(src), Path(dst)
+    if data_file(src).is_file():
+        os.replace(data_file(src), data_file(dst))
+    else:
+        data_file(dst).unlink(missing_ok=True)
+    os.replace(src, dst)
+    return dst
+
+
 def program_in(path: str | Path) -> Path:
     """The ``.pte`` that ``path`` names: the file itself, or a run directory's program (``model.pte``, else its one
     ``.pte`` that passed the parity gate: not ``*.pending.pte`` nor ``*.FAILED_PARITY.pte``)."""
@@ -142,8 +166,9 @@ class PteModel:
         self.path = path
         runtime = imports.executorch_runtime()
         runtime_threads()
+        data = data_file(path)
         try:
-            self.program = runtime.load_program(path)
+            self.program = runtime.load_program(path, data_path=data if data.is_file() else None)
         except Exception as e:
             raise UserError(
                 f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e})", fix="re-run qharness export"
@@ -158,6 +183,12 @@ class PteModel:
         try:
             self.method = self.program.load_method(method)
         except Exception as e:
+            if not data.is_file() and imports.pte_external_constants(path):
+                raise UserError(
+                    f"{path} keeps {len(imports.pte_external_constants(path))} constant(s) in its data file {data}, "
+                    "which is missing",
+                    fix=f"put {data.name}, written with it, beside {path.name}",
+                ) from e
             raise UserError(
                 f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e})", fix="re-run qharness export"
             ) from e

@@ -184,9 +184,14 @@ def write_chosen(ship_dir: Path, run: SweepRun, row: dict) -> dict:
     the command), which makes the same program again."""
     from qharness.recipes.registry import RECIPES_DIR, flattened_recipe
     from qharness.run.summary import RunSummary
+    from qharness.runtime.pte import data_file
 
     summary = RunSummary.read(run.run_dir / "summary.json")
     pte = summary.pte_file(run.run_dir)
+    if data_file(pte).is_file():  # its data file first: a chosen.pte is never found without it
+        write_bytes_atomic(data_file(ship_dir / CHOSEN_PTE), data_file(pte).read_bytes())
+    else:
+        data_file(ship_dir / CHOSEN_PTE).unlink(missing_ok=True)
     write_bytes_atomic(ship_dir / CHOSEN_PTE, pte.read_bytes())
     source = run.run_dir / "autotuned.yaml" if run.autotune else Path(run.recipe)
     if not run.autotune and not source.is_file():

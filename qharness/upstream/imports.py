@@ -100,6 +100,25 @@ def quantized_decomposed_ops() -> None:
     import torch.ao.quantization.fx._decomposed  # noqa: F401
 
 
+def tag_delegate_constant(node, tag: str) -> None:
+    """Have a delegate write the constant that ``node`` (a weight, or the dequantize of one) reads to the data file
+    ``tag`` instead of the ``.pte``: ExecuTorch 1.5.1's XNNPACK serializer reads ``meta["custom"]
+    ["delegate_constant_tag"]`` (``backends/xnnpack/operators/node_visitor.py``; what ``exir.passes.
+    external_constants_pass.delegate_external_constants_pass_unlifted`` sets), and the named-data store writes equal
+    bytes once (``exir/_serialize/_named_data_store.py``)."""
+    node.meta.setdefault("custom", {})["delegate_constant_tag"] = tag
+    source = node.args[0] if node.args else None
+    if hasattr(source, "meta"):  # the weight itself, where the serializer reads the tag off the placeholder
+        source.meta.setdefault("custom", {})["delegate_constant_tag"] = tag
+
+
+def program_data(program_manager, tag: str) -> bytes | None:
+    """The bytes of the data file ``tag`` of an ``ExecutorchProgramManager`` (what ``write_tensor_data_to_file``
+    writes as ``<tag>.ptd``), or None when the program keeps everything in the ``.pte``."""
+    data = getattr(program_manager, "_tensor_data", None) or {}
+    return bytes(data[tag]) if tag in data else None
+
+
 def executorch_runtime():
     """The ExecuTorch Python runtime, with the quantized kernels (e.g. quantized embeddings) registered."""
     import executorch.kernels.quantized  # noqa: F401  registers quantized_decomposed ops
@@ -191,6 +210,21 @@ def pte_program(path):
         eh = _get_extended_header(head)  # absent: no segments, the whole file is the flatbuffer
         f.seek(0)
         return _flatbuffer_to_program(f.read(eh.program_size) if eh else f.read())
+
+
+def pte_external_constants(path) -> list[str]:
+    """The names of the constants the program at ``path`` reads from a data file (``.ptd``) instead of itself
+    (``schema.TensorDataLocation.EXTERNAL`` in 1.5.1)."""
+    from executorch.exir.schema import Tensor, TensorDataLocation
+
+    names = []
+    for plan in pte_program(path).execution_plan:
+        for value in plan.values:
+            t = value.val
+            info = getattr(t, "extra_tensor_info", None) if isinstance(t, Tensor) else None
+            if info is not None and info.location == TensorDataLocation.EXTERNAL and t.allocation_info is None:
+                names.append(info.fully_qualified_name)
+    return names
 
 
 def pte_constant_bytes(tensor) -> int | None:

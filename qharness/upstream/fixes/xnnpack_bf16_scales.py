@@ -81,10 +81,13 @@ def fake_quantize_configs(config, range_learning: bool = False):
     from qharness.upstream import imports
 
     dtype = getattr(config, "weight_scale_dtype", None)
-    mapping = getattr(config, "weight_mapping_type", MappingType.SYMMETRIC)
+    field = _mapping_field(config)
+    mapping = getattr(config, field, MappingType.SYMMETRIC)
     plain = config
-    if dtype is not None or mapping != MappingType.SYMMETRIC:
-        plain = dataclasses.replace(config, weight_scale_dtype=None, weight_mapping_type=MappingType.SYMMETRIC)
+    if dtype is not None:
+        plain = dataclasses.replace(plain, weight_scale_dtype=None)
+    if mapping != MappingType.SYMMETRIC:
+        plain = dataclasses.replace(plain, **{field: MappingType.SYMMETRIC})
     activation, weight = imports.torchao_qat().infer_configs(plain)
     if range_learning:
         weight = dataclasses.replace(weight, is_dynamic=False, range_learning=True)
@@ -93,6 +96,12 @@ def fake_quantize_configs(config, range_learning: bool = False):
     if mapping != MappingType.SYMMETRIC:
         no_clipping_fake_quantize(weight, mapping)
     return activation, weight
+
+
+def _mapping_field(config) -> str:
+    """The field of a torchao base config that holds its weights' ``MappingType``: ``weight_mapping_type``
+    (``Int8DynamicActivationIntxWeightConfig``) or ``mapping_type`` (``IntxWeightOnlyConfig``: embedding tables)."""
+    return "weight_mapping_type" if hasattr(config, "weight_mapping_type") else "mapping_type"
 
 
 def no_clipping_fake_quantize(weight_config, mapping) -> None:
@@ -115,7 +124,7 @@ def qat_config(config):
     from qharness.upstream import imports
 
     qat = imports.torchao_qat()
-    plain = getattr(config, "weight_mapping_type", MappingType.SYMMETRIC) == MappingType.SYMMETRIC
+    plain = getattr(config, _mapping_field(config), MappingType.SYMMETRIC) == MappingType.SYMMETRIC
     if getattr(config, "weight_scale_dtype", None) is None and plain:
         return qat.QATConfig(config, step="prepare")
     activation, weight = fake_quantize_configs(config)
