@@ -4,6 +4,7 @@ and coverage)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -74,8 +75,6 @@ def graph_coverage(graph: torch.fx.GraphModule) -> Coverage | None:
 def mark_shared_tables(graph: torch.fx.GraphModule, data_name: str) -> None:
     """Record that the lowering stored ``graph``'s tied tables once (``deploy/shared_table.py``), in the data file
     ``data_name``: each tied table's coverage entry becomes ``shared``, its second copy costing nothing."""
-    import dataclasses
-
     record = record_of(graph)
     if record is None or record.coverage is None:
         return

@@ -108,17 +108,15 @@ class EmbeddingQuant:
         return num_embeddings * (embedding_dim * self.bits // 8 + 4 * groups)
 
 
-EMBEDDING_MAPPINGS = ("symmetric", "symmetric_no_clipping_err")
+SCALE_MAPPINGS = ("symmetric", "symmetric_no_clipping_err")  # torchao MappingTypes a recipe may name
 
 
 def embedding_quant(
     where: str, bits: int | None, group_size: int | None, mapping: str = "symmetric"
 ) -> EmbeddingQuant | None:
     """The checked settings (``UserError`` naming ``where`` and the field otherwise), None for float embeddings."""
-    if mapping not in EMBEDDING_MAPPINGS:
-        raise UserError(
-            f"{where}: embedding_mapping {mapping!r} is unknown", fix=f"use {' or '.join(EMBEDDING_MAPPINGS)}"
-        )
+    if mapping not in SCALE_MAPPINGS:
+        raise UserError(f"{where}: embedding_mapping {mapping!r} is unknown", fix=f"use {' or '.join(SCALE_MAPPINGS)}")
     if bits is not None and bits not in EMBEDDING_BITS:
         raise UserError(f"{where}: embedding_bits={bits} is not supported", fix="use null (FP embeddings), 4 or 8")
     if group_size is not None and (group_size < 2 or group_size & (group_size - 1)):

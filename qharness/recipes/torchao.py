@@ -19,7 +19,7 @@ from qharness.recipes import embedding
 from qharness.recipes.registration import SourceConfig, SourceQuantizer, register_quantizer
 
 CHOOSE_QPARAMS = ("affine", "hqq_scale_only")
-WEIGHT_MAPPINGS = ("symmetric", "symmetric_no_clipping_err")
+WEIGHT_MAPPINGS = embedding.SCALE_MAPPINGS  # the linears' scale rules are the tables' ones
 ROUNDING = ("nearest", "gptq")
 WEIGHT_BITS = (2, 3, 4, 8)  # linear weights; 2 and 3 are stored as int4 on XNNPACK
 

@@ -77,7 +77,7 @@ def write_summary(
             kv_cache=kv_cache_dtype(deployed),
             sha256=hashlib.sha256(lowered.pte_bytes).hexdigest(),
             structure=lowered.structure,
-            data_file=None if lowered.data_bytes is None else data_file(pte_path).name,
+            data_file=data_file(pte_path).name if data_file(pte_path).is_file() else None,  # move_program's
         ),
         layers=None
         if layers is None

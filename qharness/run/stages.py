@@ -30,7 +30,6 @@ class Lowered:
     pte_bytes: bytes
     pending: Path
     structure: str | None = None
-    data_bytes: bytes | None = None  # the program's data file (``<name>.pending.ptd``), if it has one
 
 
 def score_trained(trained: Trained, data: HeldOut) -> dict[str, dict]:
@@ -112,4 +111,4 @@ def lower_and_write(
         tokenizer.save_pretrained(tokenizer_dir)
         if chat_template is not None:
             save_template(tokenizer_dir, chat_template)
-    return Lowered(deployed, program.pte, pending, program.structure, program.data)
+    return Lowered(deployed, program.pte, pending, program.structure)

@@ -183,10 +183,10 @@ class PteModel:
         try:
             self.method = self.program.load_method(method)
         except Exception as e:
-            if not data.is_file() and imports.pte_external_constants(path):
+            external = [] if data.is_file() else imports.pte_external_constants(path)
+            if external:
                 raise UserError(
-                    f"{path} keeps {len(imports.pte_external_constants(path))} constant(s) in its data file {data}, "
-                    "which is missing",
+                    f"{path} keeps {len(external)} constant(s) in its data file {data}, which is missing",
                     fix=f"put {data.name}, written with it, beside {path.name}",
                 ) from e
             raise UserError(
