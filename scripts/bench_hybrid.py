@@ -1,22 +1,30 @@
-"""Hybrid decode speed: an LFM2 ``.pte`` (short gated convolutions with a convolution state + attention layers with a
-KV cache) against a dense Llama ``.pte`` of the same parameter count (same width, depth, heads and vocabulary; the
-MLP width chosen so the totals match), in one joint run.
+"""Hybrid decode speed: a hybrid ``.pte`` (layers that keep a recurrent state beside attention layers with a KV cache)
+against a dense Llama ``.pte`` of the same parameter count (same width, depth, heads and vocabulary; the MLP width
+chosen so the totals match), in one joint run. ``--family``:
 
-qharness carries LFM2's convolution state as a ``[1, hidden, kernel]`` buffer of the program
-(``qharness/deploy/fastpath/state_cache.py``); its depthwise ``conv1d`` runs in float outside the XNNPACK delegate (the
-portable kernel). What a convolution layer saves against attention: no KV cache to read (it grows with the position),
-one ``3 x hidden`` input projection instead of q/k/v. What it costs: the portable convolution and the state copy per
-call. The script measures the net effect at two shapes: ``tiny`` (4 layers, hidden 256) and ``350m`` (LFM2-350M's
-config: 16 layers, 10 of them convolutions, hidden 1024, vocabulary 65536).
+- ``lfm2``: short gated convolutions (a ``[1, hidden, kernel]`` convolution state; LFM2);
+- ``qwen3_5``: gated DeltaNet (a convolution window and the delta rule's ``[heads, key, value]`` state, ExecuTorch's
+  ``llama::gated_delta_rule`` kernel; Qwen3.5);
+- ``granite_h``: Mamba2 mixers (a convolution window and the selective scan's ``[heads, head_dim, state]`` state, the
+  scan as batched matmuls over each call's tokens; Granite-4.0-H, dense);
+- ``falcon_h1``: a Mamba2 mixer beside attention in every layer (both a KV cache and the states; Falcon-H1).
+
+qharness carries these states as buffers of the program (``qharness/deploy/fastpath/state_cache.py``); the depthwise
+``conv1d`` runs in float outside the XNNPACK delegate (the portable kernel). What a recurrent layer saves against
+attention: no KV cache to read (it grows with the position). What it costs: its own math (the convolution, the
+recurrence) and the state copy per call. The script measures the net effect at two shapes: ``tiny`` (4 layers, hidden
+256) and ``350m`` (LFM2-350M's config: 16 layers, 6 of them attention, hidden 1024, vocabulary 65536; the other
+families take the same widths, depth and attention layers).
 
 Each model is random-init (speed depends on shapes, not values), built in-process, quantized by ``--recipe`` (PTQ,
 calibrated on random tokens) and lowered with qharness's own deploy functions; then ``qharness.runtime.joint.interleaved``
 times both in ``--processes`` fresh processes each, alternating rounds, one thread count. Printed: the joint table
-(median (min-max) over processes), the decode ratio LFM2 / dense per round (process k against process k), median
+(median (min-max) over processes), the decode ratio hybrid / dense per round (process k against process k), median
 (min-max), and each ``.pte``'s size and parameter count.
 
-    python scripts/bench_hybrid.py --shape tiny                   # a few minutes here
-    python scripts/bench_hybrid.py --shape 350m --processes 3     # export and lowering of two 350M models: ~15 min
+    python scripts/bench_hybrid.py --shape tiny                       # LFM2, a few minutes here
+    python scripts/bench_hybrid.py --shape tiny --family granite_h    # Mamba2 + attention
+    python scripts/bench_hybrid.py --shape 350m --processes 3         # export and lowering of two 350M models: ~15 min
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+FAMILIES = ("lfm2", "qwen3_5", "granite_h", "falcon_h1")
 # LFM2-350M's config.json (hidden, layers, heads, KV heads, vocabulary, the attention layers' indices, MLP width)
 SHAPES = {
     "tiny": dict(hidden=256, layers=4, heads=4, kv_heads=2, vocab=4096, attention=(1, 3), intermediate=1024),
@@ -39,21 +48,47 @@ SHAPES = {
 }
 
 
-def lfm2_config(shape: dict, max_seq_len: int):
+def hybrid_config(family: str, shape: dict, max_seq_len: int):
+    """``family``'s config at ``shape``: its recurrent layers everywhere but ``shape["attention"]`` (Falcon-H1: a
+    mixer beside attention in every layer)."""
     from transformers import AutoConfig
 
-    types = ["full_attention" if i in shape["attention"] else "conv" for i in range(shape["layers"])]
+    h, heads = shape["hidden"], shape["heads"]
+    attention = [i in shape["attention"] for i in range(shape["layers"])]
+    mamba2 = dict(mamba_n_heads=2 * h // 64, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_expand=2)
+    types, model_type, extra = {
+        "lfm2": (("full_attention", "conv"), "lfm2", {}),
+        "qwen3_5": (
+            ("full_attention", "linear_attention"),
+            "qwen3_5_text",
+            dict(
+                linear_num_key_heads=heads,
+                linear_num_value_heads=heads,
+                linear_key_head_dim=h // heads,
+                linear_value_head_dim=h // heads,
+                head_dim=h // heads,
+            ),
+        ),
+        "granite_h": (
+            ("attention", "mamba"),
+            "granitemoehybrid",
+            dict(mamba2, num_local_experts=0, shared_intermediate_size=shape["intermediate"]),
+        ),
+        "falcon_h1": ((None, None), "falcon_h1", dict(mamba2, mamba_d_ssm=2 * h, head_dim=h // heads)),
+    }[family]
+    if types != (None, None):
+        extra["layer_types"] = [types[0] if a else types[1] for a in attention]
     return AutoConfig.for_model(
-        "lfm2",
+        model_type,
         vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
+        hidden_size=h,
         intermediate_size=shape["intermediate"],
         num_hidden_layers=shape["layers"],
-        num_attention_heads=shape["heads"],
+        num_attention_heads=heads,
         num_key_value_heads=shape["kv_heads"],
-        layer_types=types,
         max_position_embeddings=max_seq_len,
         tie_word_embeddings=True,
+        **extra,
     )
 
 
@@ -85,11 +120,11 @@ def build(kind: str, args) -> torch.nn.Module:
 
     shape = SHAPES[args.shape]
     torch.manual_seed(0)
-    lfm2 = AutoModelForCausalLM.from_config(lfm2_config(shape, args.max_seq_len)).eval()
-    if kind == "lfm2":
-        return lfm2
-    params = sum(p.numel() for p in lfm2.parameters())
-    del lfm2
+    hybrid = AutoModelForCausalLM.from_config(hybrid_config(args.family, shape, args.max_seq_len)).eval()
+    if kind == args.family:
+        return hybrid
+    params = sum(p.numel() for p in hybrid.parameters())
+    del hybrid
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(dense_config(shape, args.max_seq_len, params)).eval()
 
@@ -126,6 +161,7 @@ def export(kind: str, args, out: Path) -> tuple[Path, int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    p.add_argument("--family", choices=FAMILIES, default="lfm2")
     p.add_argument("--recipe", default="xnnpack_8da4w")
     p.add_argument("--max_seq_len", type=int, default=256)
     p.add_argument("--prompt_len", type=int, default=64)
@@ -149,7 +185,7 @@ def main() -> None:
 
     quiet.install()
     args.out.mkdir(parents=True, exist_ok=True)
-    kinds = ["lfm2", "dense"]
+    kinds = [args.family, "dense"]
     built = {k: export(k, args, args.out) for k in kinds}
     vocab = SHAPES[args.shape]["vocab"]
     programs = {k: {"kind": "pte", "path": str(path), "vocab_size": vocab} for k, (path, _) in built.items()}
@@ -162,8 +198,8 @@ def main() -> None:
     for what in ("decode_tok_s", "prefill_tok_s"):
         per = {k: joint["programs"][k][what]["per_process"] for k in kinds}
         for other in kinds[1:]:
-            ratio = format_spread(pair_ratios(per["lfm2"], per[other]))
-            print(f"{what}, lfm2 / {other}: {ratio} (per round, median (min-max))")
+            ratio = format_spread(pair_ratios(per[args.family], per[other]))
+            print(f"{what}, {args.family} / {other}: {ratio} (per round, median (min-max))")
     for k, (path, params) in built.items():
         print(f"{k}: {params / 1e6:.2f}M parameters, .pte {path.stat().st_size / 1e6:.2f} MB")
     if args.export_llm is not None:

@@ -30,6 +30,8 @@ FAMILIES = {
     "qwen3": ("qwen3", False, {}),  # q/k norms
     "lfm2": ("lfm2", None, {"head_dim": None, "layer_types": ["conv", "full_attention"]}),  # a convolution state
     "qwen3_5": ("qwen3_5_text", None, test_fastpath.DELTANET),  # gated DeltaNet: a convolution and a recurrent state
+    "falcon_h1": ("falcon_h1", None, test_fastpath.FAMILIES["falcon_h1"]),  # Mamba2 beside attention in each layer
+    "granitemoehybrid": ("granitemoehybrid", None, test_fastpath.FAMILIES["granitemoehybrid"]),  # Mamba2, then MoE
 }
 
 
@@ -102,20 +104,22 @@ HYBRID = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_val
 @pytest.mark.parametrize(
     "model_type, kwargs, kinds",
     [
-        ("granitemoehybrid", dict(layer_types=["mamba", "attention"]), "linear_attention"),  # Granite-4.0-H
-        ("falcon_h1", {}, "hybrid"),  # two layers: its two-entry time_step_limit is a setting, not per layer
-        ("bamba", {}, "linear_attention"),  # layers_block_type: a property derived from other settings
-        ("jamba", {}, "linear_attention"),
+        ("jamba", {}, "linear_attention"),  # layers_block_type: a property derived from other settings
+        ("falcon_mamba", {}, "linear_attention"),
+        ("recurrent_gemma", {}, "linear_attention"),
     ],
 )
-def test_recurrent_state_hybrids_are_refused_in_one_line_naming_what_is_missing(tmp_path, model_type, kwargs, kinds):
-    """Hybrids whose layers keep a selective-scan (Mamba2) state: refused before any work, in one line naming the
-    layers and the missing piece, with a fix that can help (LFM2 and Qwen3.5 deploy); never a traceback from the
-    one-layer-per-type probe."""
+def test_recurrent_states_no_route_carries_are_refused_in_one_line_naming_what_is_missing(
+    tmp_path, model_type, kwargs, kinds
+):
+    """Models whose layers keep a recurrence the fast path does not carry (Mamba1's per-channel selective scan,
+    RecurrentGemma's): refused before any work, in one line naming the layers and the missing piece, with a fix
+    that can help (the hybrids it carries, Mamba2's among them); never a traceback from the one-layer-per-type
+    probe."""
     source = _save_config_only(tmp_path / model_type, model_type, **HYBRID, **kwargs)
-    with pytest.raises(UserError, match=f"in its .*{kinds}.* layers; .*not yet a selective scan's state") as e:
+    with pytest.raises(UserError, match=f"in its .*{kinds}.* layers; .*not yet this layer's recurrence") as e:
         check_architecture(source)
-    assert "LFM2" in e.value.fix and "Qwen3.5" in e.value.fix and "\n" not in str(e.value)
+    assert "Falcon-H1" in e.value.fix and "Qwen3.5" in e.value.fix and "\n" not in str(e.value)
 
 
 @pytest.mark.fast
@@ -271,6 +275,8 @@ def test_qwen2_fits_through_the_cli_to_a_pte_that_passes_parity(tmp_path, family
         ("qwen3", "fit"),
         ("lfm2", "fit"),
         ("qwen3_5", "fit"),
+        ("falcon_h1", "fit"),
+        ("granitemoehybrid", "fit"),
         ("gemma", "calibrate"),
     ],
 )

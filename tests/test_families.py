@@ -18,6 +18,7 @@ import pytest
 import torch
 from conftest import make_tiny_hf, run_cli, runner_safe_head, tiny_run_config
 from test_coverage import float_weight_matmuls
+from test_fastpath import MAMBA2
 
 INT8, W4 = "xnnpack_int8_dynamic", "xnnpack_8da4w"
 NO_GQA = dict(head_dim=None, num_key_value_heads=None)  # families that derive their head sizes
@@ -92,10 +93,24 @@ FAMILIES = {
         "fast",
         INT8,
     ),
+    # Mamba2 mixer (in_proj, out_proj; a convolution window and a selective-scan state) + MLP, then attention + MLP
+    "bamba": ("bamba", dict(MAMBA2, attn_layer_indices=[1]), 5 + 7 + 1, "fast", INT8),
+    # Granite-4.0-H-Micro (dense): the same layout, a shared MLP (input_linear / output_linear) in each layer
+    "granitemoehybrid": (
+        "granitemoehybrid",
+        dict(MAMBA2, layer_types=["mamba", "attention"], num_local_experts=0, shared_intermediate_size=128),
+        4 + 6 + 1,
+        "fast",
+        W4,
+    ),
+    # Falcon-H1: attention and a Mamba2 mixer side by side in every layer (a KV cache and states in one layer)
+    "falcon_h1": ("falcon_h1", dict(MAMBA2, mamba_d_ssm=128), 2 * 9 + 1, "fast", INT8),
 }
 CONVS = {  # layer 0: the convolution (LFM2) or gated DeltaNet layer
     **{name: ("model.layers.0.conv.conv",) for name in ("lfm2", "lfm2_moe")},
     **{name: ("model.layers.0.linear_attn.conv1d",) for name in ("qwen3_5", "qwen3_next", "qwen3_5_moe")},
+    **{name: ("model.layers.0.mamba.conv1d",) for name in ("bamba", "granitemoehybrid")},
+    "falcon_h1": ("model.layers.0.mamba.conv1d", "model.layers.1.mamba.conv1d"),
 }
 OTHER = {INT8: W4, W4: INT8}
 CLI_DEFAULT = (
@@ -190,8 +205,8 @@ def check_runner(run_dir, new_tokens: int = 8) -> None:
 
 # families whose deploy path the default suite covers elsewhere (slow tier here, to keep the default suite short):
 # MoE experts (mixtral, deepseek_v3 here), sliding windows (gemma2), parallel residuals (phi3, falcon; gpt_neox through
-# the CLI below), recurrent states (lfm2, qwen3_5)
-DEPLOY_SLOW = {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2_moe", "mistral_window", "gpt_neox"}
+# the CLI below), recurrent states (lfm2, qwen3_5; Mamba2: granitemoehybrid, falcon_h1; bamba has the same mixer)
+DEPLOY_SLOW = {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2_moe", "mistral_window", "gpt_neox", "bamba"}
 
 
 @pytest.mark.parametrize(

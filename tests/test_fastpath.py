@@ -86,6 +86,9 @@ DELTANET = {
     "linear_key_head_dim": 16,
     "linear_value_head_dim": 16,
 }
+# Mamba2 mixers: 8 heads of 16 (intermediate 128), 2 groups of a 16-wide state, chunks of 16 (the model's own scan:
+# 2 chunks and more over 40 tokens; the fast path's scan takes each call as one chunk)
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=16, mamba_expand=2)
 FAMILIES = {
     "llama": {},
     "mistral": {"sliding_window": 8},  # every layer windowed
@@ -111,6 +114,28 @@ FAMILIES = {
         "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 32,
     },
+    # Mamba2 selective-scan state (a convolution window and the scan's [heads, head_dim, state] state) in layer 0
+    "bamba": {**MAMBA2, "attn_layer_indices": [1]},
+    "granitemoehybrid": {**MAMBA2, "layer_types": ["mamba", "attention"], "num_local_experts": 4},  # Granite-4.0-H MoE
+    "falcon_h1": {**MAMBA2, "mamba_d_ssm": 128},  # attention and a Mamba2 mixer side by side: a KV cache and states
+    "nemotron_h": {  # Nemotron-H's own names for the same mixer
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 16,
+        "ssm_state_size": 16,
+        "n_groups": 2,
+        "chunk_size": 16,
+        "layers_block_type": ["mamba", "attention"],
+    },
+    "zamba2": {  # a shared attention block beside the mixer of its hybrid layer
+        "mamba_headdim": 16,
+        "mamba_d_state": 16,
+        "mamba_ngroups": 2,
+        "chunk_size": 16,
+        "n_mamba_heads": 8,
+        "layers_block_type": ["mamba", "hybrid"],
+        "attention_head_dim": 16,
+    },
+    "mamba2": {"num_heads": 8, "state_size": 16, "n_groups": 2, "chunk_size": 16},  # no attention at all
 }
 
 
@@ -120,6 +145,33 @@ def test_fast_decoder_equals_every_family(family):
     model = _tiny(family, **FAMILIES[family])
     assert fast_support.unsupported_reason(model, 48) is None
     _check_equal_to_hf(model)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("groups", [1, 2])
+def test_mamba2_scan_as_one_chunk_equals_transformers_chunked_scan_and_continues_from_its_state(groups):
+    """``mamba2_scan`` (each call's tokens one chunk) against transformers' own ``mamba2_chunk_scan`` (chunks of 8
+    over 37 tokens, from a given state): the outputs and the final state; and the same 37 tokens in two calls, the
+    second from the first's final state."""
+    from transformers.models.mamba2 import modeling_mamba2
+
+    from qharness.deploy.fastpath.state_cache import mamba2_scan
+
+    g = torch.Generator().manual_seed(0)
+    heads, width, state_size, n = 4, 8, 16, 37
+    x, dt = torch.randn(1, n, heads, width, generator=g), torch.randn(1, n, heads, generator=g)
+    B, C = (torch.randn(1, n, groups, state_size, generator=g) for _ in range(2))
+    A, D, bias = -2 * torch.rand(heads, generator=g), torch.randn(heads, generator=g), torch.randn(heads, generator=g)
+    state = torch.randn(1, heads, width, state_size, generator=g)
+    kw = dict(D=D, dt_bias=bias, dt_softplus=True, return_final_states=True)
+    ref_y, ref_state = modeling_mamba2.mamba2_chunk_scan(x, dt, A, B, C, chunk_size=8, initial_states=state, **kw)
+    y, final = mamba2_scan(x, dt, A, B, C, initial_states=state, **kw)
+    torch.testing.assert_close(y, ref_y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, ref_state, atol=1e-3, rtol=1e-4)
+    y1, mid = mamba2_scan(x[:, :30], dt[:, :30], A, B[:, :30], C[:, :30], initial_states=state, **kw)
+    y2, final = mamba2_scan(x[:, 30:], dt[:, 30:], A, B[:, 30:], C[:, 30:], initial_states=mid, **kw)
+    torch.testing.assert_close(torch.cat([y1, y2], dim=1), ref_y, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(final, ref_state, atol=1e-3, rtol=1e-4)
 
 
 @pytest.mark.fast

@@ -34,6 +34,9 @@ lm_eval.evaluator.get_git_commit_hash()  # git describe, outside a repository
 quiet.quiet_executorch_threadpool()
 from executorch.extension.pybindings import portable_lib
 portable_lib._threadpool_get_thread_count()
+import torch
+from transformers.models.bamba import modeling_bamba  # a Mamba2 mixer's scan and convolution, without their kernels
+modeling_bamba.causal_conv1d_fn(torch.ones(1, 2, 3), torch.ones(2, 2))
 print("script finished", file=sys.stderr)
 """
 
@@ -44,6 +47,7 @@ NOISE = [
     "`past_key_values` is deprecated",  # transformers 5.x's renamed KV-cache argument
     "fatal: not a git repository",  # lm-eval's git describe
     "[cpuinfo_utils.cpp:",  # ExecuTorch's threadpool, native stderr
+    "is falling back to its reference PyTorch implementation",  # transformers' Mamba2 CUDA kernels, absent on CPU
 ]
 KEPT = [
     "_check_is_size will be removed, said another module",  # same message, another origin

@@ -4,8 +4,9 @@ qharness needs a decoder-only causal LM that ``torch.export`` traces in two form
 training graph (``prepare.export_for_training``, exported when ``fit`` starts) and transformers'
 static-KV-cache export (``lower.export_static_cache``, run after training). Nothing in qharness is
 written per architecture; ``check_architecture`` reads ``config.json``, rules out what cannot work
-(encoder-decoders, no causal-LM class, a recurrent SSM / linear-attention state: convolution states, LFM2's, are
-carried) and, given the run's recipe,
+(encoder-decoders, no causal-LM class, a recurrent state no route carries: convolution states (LFM2), the gated
+delta rule's (Qwen3.5) and Mamba2's selective scan (Falcon-H1, Granite-4.0-H) are carried, ``fastpath/state_cache.py``)
+and, given the run's recipe,
 deploys a copy with one layer of each layer type, random weights and a small vocabulary exactly as deployment will
 after training (``check_deploy``: export, quantization, the coverage check, lowering), so a model that would fail
 after hours of training (an op the backend lacks, a quantizer error, a projection the recipe would leave float)
@@ -28,7 +29,7 @@ import copy
 import hashlib
 import logging
 
-from qharness.deploy.fastpath.state_cache import gated_delta_modules
+from qharness.deploy.fastpath.state_cache import rule_modules
 from qharness.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -261,16 +262,17 @@ def check_architecture(
             fix="check the config's per-layer settings (layer_types and the like) against num_hidden_layers, or "
             "report the config: the check needs that copy before any work",
         ) from e
-    if getattr(model, "_is_stateful", False) and not gated_delta_modules(model):
+    if getattr(model, "_is_stateful", False) and not rule_modules(model):
         kinds = sorted(set(getattr(probe.get_text_config(), "layer_types", None) or []) - {"full_attention", "conv"})
         raise UserError(
             f"{what}: {type(model).__name__} keeps a recurrent (SSM) state"
             + (f" in its {', '.join(kinds)} layers" if kinds else "")
-            + "; the .pte carries KV caches, convolution states (LFM2) and the gated delta rule's state (Qwen3.5, "
-            "Qwen3-Next), not yet a selective scan's state continued from call to call (its chunked prefill scan and "
-            "one-step decode in one exported method)",
-            fix="deploy a hybrid qharness carries (LFM2, LFM2-MoE, Qwen3.5) or a KV-cache family (Llama, Qwen3, "
-            "Gemma3, ...)",
+            + "; the .pte carries KV caches, convolution states (LFM2), the gated delta rule's state (Qwen3.5, "
+            "Qwen3-Next) and Mamba2's selective-scan state (Falcon-H1, Granite-4.0-H, Bamba, Nemotron-H, Zamba2), not "
+            "yet this layer's recurrence (Mamba1's per-channel selective scan, or another rule) continued from call "
+            "to call",
+            fix="deploy a hybrid qharness carries (LFM2, Qwen3.5, Falcon-H1, Granite-4.0-H, Nemotron-H) or a "
+            "KV-cache family (Llama, Qwen3, Gemma3, ...)",
         )
     checked = probe if recipe is None else small_vocab(copy.deepcopy(probe))  # the config of the copy checked
     marker = cache_dir() / "architectures" / _cache_key(checked, trust_remote_code, recipe, max_seq_len)

@@ -47,12 +47,15 @@ class EagerStep:
     def __init__(self, model_dir: str):
         from transformers import AutoModelForCausalLM
 
+        from qharness.deploy.fastpath.kv_cache import cache_argument
+
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.cache = None
+        self.cache, self.cache_argument = None, cache_argument(self.model)
 
     def __call__(self, tokens: torch.Tensor, start: int) -> torch.Tensor:
-        out = self.model(input_ids=tokens, past_key_values=None if start == 0 else self.cache, use_cache=True)
-        self.cache = out.past_key_values
+        cache = None if start == 0 else self.cache
+        out = self.model(input_ids=tokens, use_cache=True, **{self.cache_argument: cache})
+        self.cache = out.past_key_values if "past_key_values" in out else out.get("cache")
         return out.logits
 
 

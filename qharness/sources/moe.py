@@ -227,7 +227,8 @@ def rewrite_moe(model: nn.Module) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, linear_experts(child))
-        linear_router(getattr(parent, "gate", None))
+        for router in ("gate", "router"):  # the block's router: Qwen3-MoE / Mixtral's gate, Granite-4.0-H's router
+            linear_router(getattr(parent, router, None))
     return len(swaps)
 
 
@@ -242,6 +243,7 @@ def restore_moe(model: nn.Module) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, batched_experts(child))
-        if hasattr(getattr(parent, "gate", None), "_base"):
-            _plain_router(parent.gate)
+        for router in ("gate", "router"):
+            if hasattr(getattr(parent, router, None), "_base"):
+                _plain_router(getattr(parent, router))
     return len(swaps)

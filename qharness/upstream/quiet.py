@@ -84,6 +84,13 @@ LOG_RECORDS = (
         "Triton kernels are GPU kernels; on CPU torchao's int matmul takes its PyTorch path either way",
     ),
     (
+        "transformers.integrations.hub_kernels",
+        r"`\w+` is falling back to its reference PyTorch implementation because `(causal-conv1d|mamba-ssm|causal_conv1d|mamba_ssm)` "
+        r"is not installed",
+        "CUDA kernels of the Mamba2 mixers (causal-conv1d, mamba-ssm) that no CPU run can use: an export takes the "
+        "PyTorch path anyway, and the deployed program runs the fast path's own scan (deploy/fastpath/state_cache.py)",
+    ),
+    (
         "lightning.pytorch.utilities.rank_zero",
         r"💡 Tip: For seamless cloud logging",
         "an advertisement for Lightning's cloud logger, printed by every run",

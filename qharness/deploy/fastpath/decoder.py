@@ -11,13 +11,14 @@ import torch
 from torch.export import Dim
 
 from qharness.deploy.fastpath.attention import ATTENTION, register
-from qharness.deploy.fastpath.kv_cache import ACTIVE, kv_shapes, update_cache_kv
+from qharness.deploy.fastpath.kv_cache import ACTIVE, cache_argument, kv_shapes, update_cache_kv
 from qharness.deploy.fastpath.rope import RopeTable
 from qharness.deploy.fastpath.state_cache import (
+    StateBuffers,
     StateShapes,
-    gated_delta_modules,
     recurrent_state_reason,
-    swap_gated_delta,
+    rule_modules,
+    swap_rules,
 )
 from qharness.deploy.fastpath.transposes import sink_transposes
 from qharness.recipes.registry import KV_CACHES
@@ -25,8 +26,8 @@ from qharness.recipes.registry import KV_CACHES
 
 @contextlib.contextmanager
 def fast_modules(model, rope_tables: dict[str, torch.nn.Module] | None = None):
-    """Inside the block ``model`` (and its sub-models) runs with the ``ATTENTION`` implementation, the gated delta
-    rule of ``state_cache.gated_delta_rule`` where its layers run one, and, given
+    """Inside the block ``model`` (and its sub-models) runs with the ``ATTENTION`` implementation, the recurrent
+    rules of ``state_cache.swap_rules`` (the gated delta rule, Mamba2's scan) where its layers run one, and, given
     ``rope_tables`` (``{module path: table}``, ``FastDecoder``'s), with those rotary modules swapped for their tables."""
     before = model.config._attn_implementation
     swapped = []
@@ -37,7 +38,7 @@ def fast_modules(model, rope_tables: dict[str, torch.nn.Module] | None = None):
             parent = model.get_submodule(parent_path)
             swapped.append((parent, name, getattr(parent, name)))
             setattr(parent, name, table)
-        with swap_gated_delta(model):  # the gated delta rule from the stored state (state_cache.py)
+        with swap_rules(model):  # the gated delta rule and Mamba2 scan from the stored state (state_cache.py)
             yield
     finally:
         for parent, name, original in reversed(swapped):
@@ -61,35 +62,42 @@ class FastDecoder(torch.nn.Module):
         dtype = weight.dtype if weight.dtype.is_floating_point else torch.float32
         buffers, int8 = [], kv_cache == "int8"
         layout = kv_shapes(model, max_seq_len)
-        reason = recurrent_state_reason(type(model).__name__, layout, bool(gated_delta_modules(model)))
+        reason = recurrent_state_reason(type(model).__name__, layout, bool(rule_modules(model)))
         if reason is not None:
             raise NotImplementedError(reason)
         for i, shapes in enumerate(layout):
-            if isinstance(shapes, StateShapes):  # a layer that keeps a convolution state (state_cache.py)
-                buffers.append(self._state_buffers(i, shapes, dtype))
-                continue
-            for kv, shape in zip(("k", "v"), shapes):
-                self.register_buffer(
-                    f"{kv}_cache_{i}", torch.zeros(shape, dtype=torch.int8 if int8 else dtype), persistent=False
-                )
-                if int8:
-                    self.register_buffer(f"{kv}_scales_{i}", torch.ones(shape[:3] + (1,)), persistent=False)
-                    self.register_buffer(
-                        f"{kv}_zero_points_{i}", torch.zeros(shape[:3] + (1,), dtype=torch.int8), persistent=False
-                    )
-            qparams = (
-                tuple(getattr(self, f"{kv}_{what}_{i}") for kv in ("k", "v") for what in ("scales", "zero_points"))
-                if int8
-                else None
-            )
-            buffers.append((getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), qparams))
+            if isinstance(shapes, StateShapes):  # a layer that keeps states, and keys and values if hybrid
+                kv = None if shapes.kv is None else self._kv_buffers(i, shapes.kv, dtype, int8)
+                buffers.append(StateBuffers(*self._state_buffers(i, shapes, dtype), kv))
+            else:
+                buffers.append(self._kv_buffers(i, shapes, dtype, int8))
         self.cache = update_cache_kv(buffers)
+        self.cache_argument = cache_argument(model)
         config = model.config.get_text_config()
         layer_types = sorted(set(getattr(config, "layer_types", None) or ["full_attention"]))
         self.rope_tables = torch.nn.ModuleDict()  # module path (dots as "__") -> RopeTable
         for path, module in model.named_modules():
             if path.rpartition(".")[2] == "rotary_emb":
                 self.rope_tables[path.replace(".", "__")] = RopeTable(module, max_seq_len, dtype, layer_types)
+
+    def _kv_buffers(self, i: int, shapes: tuple, dtype, int8: bool) -> tuple:
+        """Layer ``i``'s key and value caches, zeros: ``k_cache_{i}`` and ``v_cache_{i}`` (int8: with their per-token
+        scales and zero points), as ``(keys, values, qparams or None)``."""
+        for kv, shape in zip(("k", "v"), shapes):
+            self.register_buffer(
+                f"{kv}_cache_{i}", torch.zeros(shape, dtype=torch.int8 if int8 else dtype), persistent=False
+            )
+            if int8:
+                self.register_buffer(f"{kv}_scales_{i}", torch.ones(shape[:3] + (1,)), persistent=False)
+                self.register_buffer(
+                    f"{kv}_zero_points_{i}", torch.zeros(shape[:3] + (1,), dtype=torch.int8), persistent=False
+                )
+        qparams = (
+            tuple(getattr(self, f"{kv}_{what}_{i}") for kv in ("k", "v") for what in ("scales", "zero_points"))
+            if int8
+            else None
+        )
+        return getattr(self, f"k_cache_{i}"), getattr(self, f"v_cache_{i}"), qparams
 
     def _state_buffers(self, i: int, shapes: StateShapes, dtype) -> tuple[list, list]:
         """Layer ``i``'s state buffers, zeros: ``conv_state_{i}_{j}`` and ``recurrent_state_{i}_{j}`` (float32: the
@@ -125,7 +133,7 @@ class FastDecoder(torch.nn.Module):
                 out = self.model(
                     input_ids=tokens,
                     position_ids=position_ids,
-                    past_key_values=self.cache,
+                    **{self.cache_argument: self.cache},
                     use_cache=True,
                     logits_to_keep=0 if self.all_logits else 1,
                 )

@@ -87,13 +87,20 @@ def _cache_layer_class():
     return UpdateCacheLayer
 
 
-def update_cache_kv(buffers: list[tuple]):
+def cache_argument(model) -> str:
+    """The keyword ``model``'s forward takes its cache by: ``cache`` (transformers' state-space models: Mamba2, the
+    Mamba2 hybrids, where ``past_key_values`` is a deprecated alias or, for Mamba2, ignored) or ``past_key_values``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def update_cache_kv(buffers: list):
     """``UpdateCacheKV``: a transformers ``Cache`` over ``buffers``, one per layer: ``(keys, values, qparams or None)``
-    for an attention layer, ``(conv state buffers, recurrent state buffers)`` for a layer that keeps states instead
-    (``state_cache.py``)."""
+    for an attention layer, ``state_cache.StateBuffers`` for a layer that keeps states instead or beside them."""
     from transformers.cache_utils import Cache
 
-    from qharness.deploy.fastpath.state_cache import state_layer
+    from qharness.deploy.fastpath.state_cache import StateBuffers, state_layer
 
     class UpdateCacheKV(Cache):
         """transformers ``Cache`` over per-layer ``update_cache`` buffers; ``start`` is the position of the first
@@ -101,9 +108,18 @@ def update_cache_kv(buffers: list[tuple]):
 
         def __init__(self):
             layer = _cache_layer_class()
-            super().__init__(layers=[state_layer(self, *b) if len(b) == 2 else layer(self, *b) for b in buffers])
+            super().__init__(
+                layers=[
+                    state_layer(self, b, layer) if isinstance(b, StateBuffers) else layer(self, *b) for b in buffers
+                ]
+            )
             self.start = 0
             self.carry = torch.zeros(1)  # state layers: 1.0 when a call continues a sequence (FastDecoder sets it)
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            """The positions before this call, whatever the layers (transformers asks attention layers only, and a
+            model of state layers alone has none)."""
+            return self.start
 
     return UpdateCacheKV()
 
@@ -113,7 +129,8 @@ def kv_shapes(model, max_seq_len: int) -> list:
     one-token forward of the model (its own attention): the heads the model really projects, whatever its config
     calls them. Keys and values may differ in heads and width: multi-head latent attention (DeepSeek-V2/V3) caches
     its compressed latent (``kv_lora_rank`` wide) as keys and its rotary key (``qk_rope_head_dim``) as values, one
-    head each. A layer that keeps a state instead (LFM2's convolutions, SSMs) gives its ``state_cache.StateShapes``."""
+    head each. A layer that keeps a state instead (LFM2's convolutions, SSMs) or beside them (Falcon-H1's hybrid
+    layers) gives its ``state_cache.StateShapes``."""
     from transformers import DynamicCache
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
@@ -121,16 +138,14 @@ def kv_shapes(model, max_seq_len: int) -> list:
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.zeros(1, 1, dtype=torch.long), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True, **{cache_argument(model): cache})
     shapes = []
     for layer in cache.layers:
-        if isinstance(layer, LinearAttentionCacheLayerMixin):
-            if hasattr(layer, "keys"):  # both a state and keys/values (Falcon-H1, Zamba2 "hybrid" layers)
-                raise ValueError(f"a {type(layer).__name__} cache layer holding both a state and keys/values")
-            shapes.append(state_shapes(layer))
-            continue
-        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if keys is None or values is None or keys.dim() != 4 or values.dim() != 4:
-            raise ValueError(f"a {type(layer).__name__} cache layer without 4-D keys and values")
-        shapes.append(tuple((1, max_seq_len, t.shape[1], t.shape[3]) for t in (keys, values)))
+        kv = None
+        if not isinstance(layer, LinearAttentionCacheLayerMixin) or hasattr(layer, "keys"):  # hybrid: both
+            keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+            if keys is None or values is None or keys.dim() != 4 or values.dim() != 4:
+                raise ValueError(f"a {type(layer).__name__} cache layer without 4-D keys and values")
+            kv = tuple((1, max_seq_len, t.shape[1], t.shape[3]) for t in (keys, values))
+        shapes.append(state_shapes(layer, kv) if isinstance(layer, LinearAttentionCacheLayerMixin) else kv)
     return shapes

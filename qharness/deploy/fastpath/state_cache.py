@@ -12,8 +12,12 @@ model's module for the export, ``gated_delta_rule``) starts from the stored recu
 as zeros (what the model's own prefill starts from), so a runner needs no reset. A later chunk or a decode step
 continues from them, as a KV cache continues from its positions.
 
-Other recurrent states (Mamba2's selective scan: Falcon-H1, Granite-4.0-H, Bamba, Jamba) are not held:
-``recurrent_state_reason`` says so before any work, and ``update_recurrent_state`` refuses a state no route reads.
+Mamba2's selective scan (Falcon-H1, Granite-4.0-H, Bamba, Nemotron-H, Zamba2, Mamba2) is carried the same way:
+``mamba2_scan`` (swapped in for the model's ``mamba2_chunk_scan``) is the scan's state-space dual form over the call's
+tokens as one chunk, started from the stored state; a hybrid layer that also attends (Falcon-H1's parallel
+attention and Mamba2 mixer) keeps its KV cache in the same layer (``hybrid_layer``). Other recurrent states (Mamba1's
+selective scan: Mamba, Jamba, Zamba) are not held: ``recurrent_state_reason`` says so before any work, and
+``update_recurrent_state`` refuses a state no route reads.
 
 Example::
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 
@@ -32,50 +37,137 @@ import torch
 @dataclasses.dataclass(frozen=True)
 class StateShapes:
     """A recurrent layer's state buffers, one shape per state index: ``conv`` (``[1, channels, kernel]``) and
-    ``recurrent`` (any shape); ``None`` where the layer keeps no such state."""
+    ``recurrent`` (any shape); ``None`` where the layer keeps no such state. ``kv``: the key and value cache shapes
+    of a hybrid layer that also attends (Falcon-H1, Zamba2), ``None`` for one that does not."""
 
     conv: tuple[tuple[int, ...] | None, ...]
     recurrent: tuple[tuple[int, ...] | None, ...]
+    kv: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
 
-def state_shapes(layer) -> StateShapes:
+@dataclasses.dataclass(frozen=True)
+class StateBuffers:
+    """A recurrent layer's buffers, as ``StateShapes`` lays them out: ``conv`` and ``recurrent`` (``None`` where it
+    keeps none), and a hybrid layer's ``(keys, values, qparams or None)`` (``kv_cache.update_cache_kv``'s)."""
+
+    conv: list
+    recurrent: list
+    kv: tuple | None = None
+
+
+def state_shapes(layer, kv: tuple | None = None) -> StateShapes:
     """The shapes of a transformers ``LinearAttentionCacheLayerMixin`` layer after a one-token forward."""
     n = layer.number_of_states
     conv = tuple(tuple(layer.conv_states[i].shape) if layer.is_conv_states_initialized[i] else None for i in range(n))
     recurrent = tuple(
         tuple(layer.recurrent_states[i].shape) if layer.is_recurrent_states_initialized[i] else None for i in range(n)
     )
-    return StateShapes(conv, recurrent)
+    return StateShapes(conv, recurrent, kv)
 
 
-CURRENT: list = []  # the state layer whose convolution state was updated last: the one the gated delta rule continues
+CURRENT: list = []  # the state layer whose convolution state was updated last: the one the recurrent rule continues
 GATED_DELTA = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")  # transformers' module functions
+MAMBA2 = ("mamba2_chunk_scan",)  # the Mamba2 mixers' chunked scan (transformers' module function)
 
 
-def gated_delta_modules(model) -> list:
-    """The transformers modeling modules of ``model`` whose layers call the gated delta rule through module functions
-    (``GATED_DELTA``: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, ...), which ``swap_gated_delta`` replaces for the export."""
+def rule_modules(model) -> list:
+    """The transformers modeling modules of ``model`` whose layers run a recurrent rule the fast path carries,
+    through module functions (``GATED_DELTA``: Qwen3.5, Qwen3.5-MoE, Qwen3-Next; ``MAMBA2``: Falcon-H1,
+    Granite-4.0-H, Bamba, Nemotron-H, Zamba2, Mamba2), which ``swap_rules`` replaces for the export."""
     import sys
 
     found = {}
     for m in model.modules():
         module = sys.modules.get(type(m).__module__)
-        if module is not None and all(hasattr(module, name) for name in GATED_DELTA):
+        if module is not None and any(all(hasattr(module, name) for name in names) for names in (GATED_DELTA, MAMBA2)):
             found[module.__name__] = module
     return list(found.values())
 
 
-def recurrent_state_reason(arch: str, shapes: list, gated_delta: bool = False) -> str | None:
+def recurrent_state_reason(arch: str, shapes: list, carried: bool = False) -> str | None:
     """Why the fast path cannot hold these layers' states (``None``: it can): a recurrent (SSM / linear-attention)
-    state that no route carries from call to call (``gated_delta``: the model's layers run the gated delta rule, which
-    ``gated_delta_rule`` carries)."""
+    state that no route carries from call to call (``carried``: the model's layers run a rule ``rule_modules``
+    finds, the gated delta rule or Mamba2's scan)."""
     for i, layer in enumerate(shapes):
-        if isinstance(layer, StateShapes) and any(s is not None for s in layer.recurrent) and not gated_delta:
+        if isinstance(layer, StateShapes) and any(s is not None for s in layer.recurrent) and not carried:
             return (
-                f"{arch}: layer {i} keeps a recurrent (SSM) state; the fast path carries convolution states (LFM2) and "
-                "the gated delta rule's state (Qwen3.5, Qwen3-Next), not a selective scan's"
+                f"{arch}: layer {i} keeps a recurrent (SSM) state; the fast path carries convolution states (LFM2), "
+                "the gated delta rule's state (Qwen3.5, Qwen3-Next) and Mamba2's (Falcon-H1, Granite-4.0-H), not "
+                "this selective scan's"
             )
     return None
+
+
+def _stored_state(shape: tuple) -> torch.Tensor:
+    """The recurrent state the layer running now (``CURRENT``) continues, float32: its buffer times the cache's
+    ``carry`` (zeros at position 0), or zeros of ``shape`` outside a ``StateLayer``."""
+    layer = CURRENT[-1] if CURRENT else None
+    state = None if layer is None else layer.recurrent_states[0]
+    if state is None:
+        return torch.zeros(shape)
+    return state.to(torch.float32) * layer.cache.carry
+
+
+def mamba2_scan(
+    hidden_states,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size: int = 256,
+    D=None,
+    dt_bias=None,
+    initial_states=None,
+    dt_softplus: bool = False,
+    dt_limit: tuple = (0.0, float("inf")),
+    return_final_states: bool = False,
+    **kwargs,
+):
+    """transformers' ``mamba2_chunk_scan`` (same arguments, same results: ``[B, T, H, P]`` and the final
+    ``[B, H, P, N]`` state) with the call's ``T`` tokens as one chunk, so one exported graph serves a prefill of any
+    length and a one-token decode step (``O(T^2)`` per call, one ``[T, T]`` decay per head), starting from the state
+    the layer running now keeps (``StateLayer``, times the cache's ``carry``) when the model passes none.
+
+    Per head ``h``: ``state_t = exp(dt_t A) state_{t-1} + dt_t x_t B_t^T``, ``y_t = state_t C_t + D x_t``.
+    """
+    batch, length, heads, width = hidden_states.shape
+    if dt_bias is not None:
+        dt = dt + dt_bias.to(dt.dtype)
+    if dt_softplus:
+        dt = torch.nn.functional.softplus(dt)
+    dt = torch.clamp(dt.float(), min=dt_limit[0], max=dt_limit[1])
+
+    def per_head(t):  # [B, T, H, ...] -> [B * H, T, ...]: batched matmuls, no reshape of two dynamic dims (XNNPACK)
+        t = t.float().transpose(1, 2)
+        return t.reshape(batch * heads, *t.shape[2:])
+
+    x = per_head(hidden_states)  # [BH, T, P]
+    B = per_head(B.repeat_interleave(heads // B.shape[2], dim=2))  # [BH, T, N]
+    C = per_head(C.repeat_interleave(heads // C.shape[2], dim=2))
+    dt = per_head(dt)  # [BH, T]
+    if initial_states is None:
+        initial_states = _stored_state((batch, heads, width, B.shape[-1]))
+    state0 = initial_states.to(torch.float32).reshape(batch * heads, width, -1)  # [BH, P, N]
+    a = A.float().repeat(batch)[:, None] * dt  # [BH, T]: log decay per step
+    cum = torch.cumsum(a, dim=-1)
+    # decay[t, s] = exp(a_{s+1} + ... + a_t) for s <= t (a cumulative sum of the masked steps: no cum_t - cum_s)
+    below = torch.tril(torch.ones(length, length, dtype=torch.bool), diagonal=-1)
+    segsum = torch.cumsum(a[:, :, None].expand(-1, -1, length).masked_fill(~below, 0.0), dim=1)
+    causal = torch.tril(torch.ones(length, length, dtype=torch.bool))
+    decay = torch.exp(segsum.masked_fill(~causal, float("-inf")))  # [BH, T, S]
+    xdt = x * dt[..., None]
+    y = torch.bmm(torch.bmm(C, B.transpose(1, 2)) * decay, xdt)  # [BH, T, P]
+    y = y + torch.bmm(C, state0.transpose(1, 2)) * torch.exp(cum)[..., None]
+    if D is not None:
+        y = y + D.float().repeat(batch)[:, None, None] * x
+    y = y.reshape(batch, heads, length, width).transpose(1, 2).contiguous()  # callers view() it (Falcon-H1)
+    if not return_final_states:
+        return y
+    total = a.sum(dim=1, keepdim=True)  # [BH, 1] (no slice of the last step: all_logits_twin cuts the only one)
+    to_end = torch.exp(total - cum)  # [BH, T]: decay from each step to the last
+    final = torch.bmm((xdt * to_end[..., None]).transpose(1, 2), B)  # [BH, P, N]
+    final = final + torch.exp(total)[..., None] * state0
+    return y, final.reshape(batch, heads, width, -1)
 
 
 def gated_delta_rule(
@@ -110,13 +202,7 @@ def gated_delta_rule(
         key = key * torch.rsqrt((key * key).sum(dim=-1, keepdim=True) + 1e-6)
     query = query / (query.shape[-1] ** 0.5)
     if initial_state is None:
-        layer = CURRENT[-1] if CURRENT else None
-        state = None if layer is None else layer.recurrent_states[0]
-        if state is None:
-            state = torch.zeros(*value.shape[:2], key.shape[-1], value.shape[-1])
-        else:
-            state = state.to(torch.float32) * layer.cache.carry
-        initial_state = state
+        initial_state = _stored_state((*value.shape[:2], key.shape[-1], value.shape[-1]))
     out, final = torch.ops.llama.gated_delta_rule.default(
         query, key, value, g.exp(), beta, initial_state.to(torch.float32)
     )
@@ -124,21 +210,24 @@ def gated_delta_rule(
 
 
 @contextlib.contextmanager
-def swap_gated_delta(model):
-    """Inside the block the modules ``gated_delta_modules(model)`` call ``gated_delta_rule`` for both of their
-    gated delta rule functions."""
+def swap_rules(model):
+    """Inside the block the modules ``rule_modules(model)`` call ``gated_delta_rule`` for both of their gated delta
+    rule functions and ``mamba2_scan`` for their Mamba2 chunked scan."""
+    rules = {**dict.fromkeys(GATED_DELTA, gated_delta_rule), **dict.fromkeys(MAMBA2, mamba2_scan)}
     saved = []
     try:
-        for module in gated_delta_modules(model):
-            for name in GATED_DELTA:
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, gated_delta_rule)
+        for module in rule_modules(model):
+            for name, rule in rules.items():
+                if hasattr(module, name):
+                    saved.append((module, name, getattr(module, name)))
+                    setattr(module, name, rule)
         yield
     finally:
         for module, name, original in reversed(saved):
             setattr(module, name, original)
 
 
+@functools.cache
 def _state_layer_class():
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
@@ -199,6 +288,28 @@ def _state_layer_class():
     return StateLayer
 
 
-def state_layer(cache, conv: list[torch.Tensor | None], recurrent: list[torch.Tensor | None]):
-    """A ``StateLayer`` of ``cache`` (an ``UpdateCacheKV``) over the buffers ``conv`` and ``recurrent``."""
-    return _state_layer_class()(cache, conv, recurrent)
+@functools.cache
+def _hybrid_layer_class(attention_layer):
+    class HybridLayer(_state_layer_class(), attention_layer):
+        """A hybrid layer's states (``StateLayer``) and its keys and values (``attention_layer``, the KV cache's
+        ``UpdateCacheLayer``): Falcon-H1 runs attention and a Mamba2 mixer side by side in every layer, Zamba2 a
+        shared attention block beside some mixers. transformers counts such a layer as attention, not linear."""
+
+        is_compileable = True
+
+        def __init__(self, cache, buffers: StateBuffers):
+            attention_layer.__init__(self, cache, *buffers.kv)
+            _state_layer_class().__init__(self, cache, buffers.conv, buffers.recurrent)
+
+        def get_max_length(self) -> int:
+            return self.max_cache_len
+
+    return HybridLayer
+
+
+def state_layer(cache, buffers: StateBuffers, attention_layer=None):
+    """A ``StateLayer`` of ``cache`` (an ``UpdateCacheKV``) over ``buffers``; with keys and values (``buffers.kv``),
+    a ``HybridLayer`` that also is an ``attention_layer`` over them."""
+    if buffers.kv is None:
+        return _state_layer_class()(cache, buffers.conv, buffers.recurrent)
+    return _hybrid_layer_class(attention_layer)(cache, buffers)

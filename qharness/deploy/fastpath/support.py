@@ -10,6 +10,10 @@ from qharness.deploy.fastpath.decoder import FastDecoder
 from qharness.deploy.fastpath.rope import STATIC_ROPE, rope_types
 from qharness.errors import UserError
 
+# the layer types the fast path's cache holds: attention (a KV cache), a convolution state (LFM2), a recurrent state
+# (linear attention: gated DeltaNet, Mamba2), or a recurrent state beside a KV cache (hybrid: Falcon-H1, Zamba2)
+LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "conv", "linear_attention", "hybrid"})
+
 
 def unsupported_reason(model, max_seq_len: int) -> str | None:
     """Why ``model`` cannot take the fast path (``None``: it can), e.g.
@@ -25,8 +29,8 @@ def unsupported_reason(model, max_seq_len: int) -> str | None:
     if not model._can_set_attn_implementation():
         return f"{arch}: its attention does not use transformers' AttentionInterface"
     types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if not types <= {"full_attention", "sliding_attention", "conv", "linear_attention"}:
-        return f"{arch}: layer types {sorted(types)} (fast path: full_attention, sliding_attention, conv, linear_attention)"
+    if not types <= LAYER_TYPES:
+        return f"{arch}: layer types {sorted(types)} (fast path: {', '.join(sorted(LAYER_TYPES))})"
     if getattr(config, "num_kv_shared_layers", 0):
         return f"{arch}: layers sharing another layer's KV cache are not implemented"
     dynamic = rope_types(config) - STATIC_ROPE
