@@ -178,7 +178,7 @@ def check_coverage(summary: dict, expected_weights: int, convolutions: tuple[str
     assert cov["float"] == {} and cov["fraction"] == 1.0, cov
     convs = cov.get("convolutions", {})
     assert sorted(convs) == sorted(convolutions), convs
-    assert all(not c["quantized"] and "portable conv kernel" in c["note"] for c in convs.values()), convs
+    assert all(not c["quantized"] and "multiply-add per kernel tap" in c["note"] for c in convs.values()), convs
     parity = summary["parity"]
     assert summary["quantized"] and parity["passed"], parity
     assert parity["near_ties"] < parity["positions"], parity  # the argmax agreement counted some decided positions

@@ -31,7 +31,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from qharness.deploy.coverage_record import CONV_FLOAT, Convolution, Coverage, EmbeddingTable, FloatWeight, RuleCoverage
+from qharness.deploy.coverage_record import (
+    CONV_FLOAT,
+    CONV_MULTIPLY_ADDS,
+    Convolution,
+    Coverage,
+    EmbeddingTable,
+    FloatWeight,
+    RuleCoverage,
+)
 from qharness.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -268,6 +276,12 @@ def convolutions(graph: torch.fx.GraphModule, layers: Inventory) -> dict[str, Co
         found[name] = Convolution(
             op=op, bytes=layers.convs[name], quantized=quantized, note=None if quantized else CONV_FLOAT
         )
+    for node in graph.graph.nodes:  # a convolution computed as multiply-adds (fastpath/state_cache.causal_conv)
+        if node.op != "get_attr" or node.target not in params:
+            continue
+        name = _match(node.target.removesuffix(".weight"), layers.convs)
+        if name is not None and name not in found:
+            found[name] = Convolution(op="mul", bytes=layers.convs[name], quantized=False, note=CONV_MULTIPLY_ADDS)
     return found
 
 

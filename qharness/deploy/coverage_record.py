@@ -65,6 +65,11 @@ CONV_FLOAT = (
     "the recipe quantizes linear projections: a recurrent layer's depthwise convolution and the state it keeps run "
     "in float (ExecuTorch's portable conv kernel: XNNPACK's partitioner leaves a depthwise conv1d over a dynamic length)"
 )
+CONV_MULTIPLY_ADDS = (
+    "the recipe quantizes linear projections: a recurrent layer's depthwise convolution and the state it keeps run "
+    "in float, as one multiply-add per kernel tap over the window in XNNPACK's delegate (a depthwise conv1d over a "
+    "dynamic length would run in ExecuTorch's portable conv kernel)"
+)
 
 
 @dataclass(frozen=True)

@@ -34,11 +34,12 @@ Example::
     scorer = all_logits_twin(graph)                          # (tokens, input_pos) -> logits of every position
 
 A layer that keeps states instead of keys and values (LFM2's short convolutions; gated DeltaNet's convolution window
-and recurrent state, Qwen3.5 / Qwen3-Next) gets a ``StateLayer`` (``state_cache.py``): buffers beside the KV caches,
-continued by later calls and started over by a call at position 0.
+and recurrent state, Qwen3.5 / Qwen3-Next; a Mamba2 mixer's window and selective-scan state, Granite-4.0-H, Bamba,
+Nemotron-H) gets a ``StateLayer`` (``state_cache.py``): buffers beside the KV caches, continued by later calls and
+started over by a call at position 0; one that keeps both (Falcon-H1's attention beside its mixer) a ``HybridLayer``.
 
 Modules: ``kv_cache.py`` (``UpdateCacheKV`` and its layers, the int8 cache's per-token quantization, the cache of
-the decoder running now), ``state_cache.py`` (the state layers and the gated delta rule), ``attention.py`` (the attention and mask functions, ``register``), ``rope.py`` (rotary
+the decoder running now), ``state_cache.py`` (the state layers, the gated delta rule, Mamba2's scan, the causal convolution), ``attention.py`` (the attention and mask functions, ``register``), ``rope.py`` (rotary
 tables), ``decoder.py`` (``FastDecoder``, ``export_fast``), ``support.py`` (``unsupported_reason``),
 ``transposes.py`` (the ``sink_transposes`` FX pass), ``twin.py`` (``all_logits_twin``). What the deploy graph records
 (which export it took, its KV cache) is ``deploy/deployed.py``'s ``DeployRecord``.

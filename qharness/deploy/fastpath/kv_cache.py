@@ -4,6 +4,8 @@ buffers with ``llama::update_cache`` (float, or int8 per token and head), and th
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 ACTIVE: list = []  # the UpdateCacheKV of the FastDecoder running now (the attention function reads its start)
@@ -22,6 +24,7 @@ def dequantize(values, zero_points, scales):
     return (values.to(torch.float32) - zero_points.to(torch.float32)) * scales
 
 
+@functools.cache
 def _cache_layer_class():
     from transformers.cache_utils import CacheLayerMixin
 

@@ -1,6 +1,6 @@
 """The fast path's recurrent-state cache layers: what a layer keeps instead of keys and values (LFM2's short gated
-convolutions; the gated DeltaNet of Qwen3.5 / Qwen3-Next: a convolution window and a recurrent state), as mutable
-buffers of the program beside the KV caches.
+convolutions; the gated DeltaNet of Qwen3.5 / Qwen3-Next and the Mamba2 mixers: a convolution window and a recurrent
+state), as mutable buffers of the program beside the KV caches.
 
 transformers' own ``LinearAttentionLayer`` decides prefill or decode in Python (``has_previous_state``) and
 allocates its state on first use; a program exported once must do both through one graph. ``StateLayer`` keeps each
@@ -15,9 +15,10 @@ continues from them, as a KV cache continues from its positions.
 Mamba2's selective scan (Falcon-H1, Granite-4.0-H, Bamba, Nemotron-H, Zamba2, Mamba2) is carried the same way:
 ``mamba2_scan`` (swapped in for the model's ``mamba2_chunk_scan``) is the scan's state-space dual form over the call's
 tokens as one chunk, started from the stored state; a hybrid layer that also attends (Falcon-H1's parallel
-attention and Mamba2 mixer) keeps its KV cache in the same layer (``hybrid_layer``). Other recurrent states (Mamba1's
-selective scan: Mamba, Jamba, Zamba) are not held: ``recurrent_state_reason`` says so before any work, and
-``update_recurrent_state`` refuses a state no route reads.
+attention and Mamba2 mixer) keeps its KV cache in the same layer (``HybridLayer``). The layers' depthwise causal
+convolution runs as multiply-adds XNNPACK delegates (``causal_conv``, swapped in for ``causal_conv1d_fn``). Other
+recurrent states (Mamba1's selective scan: Mamba, Jamba, Zamba) are not held: ``recurrent_state_reason`` says so
+before any work, and ``update_recurrent_state`` refuses a state no route reads.
 
 Example::
 
@@ -68,20 +69,30 @@ def state_shapes(layer, kv: tuple | None = None) -> StateShapes:
 CURRENT: list = []  # the state layer whose convolution state was updated last: the one the recurrent rule continues
 GATED_DELTA = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")  # transformers' module functions
 MAMBA2 = ("mamba2_chunk_scan",)  # the Mamba2 mixers' chunked scan (transformers' module function)
+CONV = "causal_conv1d_fn"  # the recurrent layers' depthwise causal convolution (LFM2, gated DeltaNet, Mamba2)
+
+
+def _modeling_modules(model) -> list:
+    """The Python modules that define ``model``'s submodules (transformers' ``modeling_*``)."""
+    import sys
+
+    found = {}
+    for m in model.modules():
+        module = sys.modules.get(type(m).__module__)
+        if module is not None:
+            found[module.__name__] = module
+    return list(found.values())
 
 
 def rule_modules(model) -> list:
     """The transformers modeling modules of ``model`` whose layers run a recurrent rule the fast path carries,
     through module functions (``GATED_DELTA``: Qwen3.5, Qwen3.5-MoE, Qwen3-Next; ``MAMBA2``: Falcon-H1,
     Granite-4.0-H, Bamba, Nemotron-H, Zamba2, Mamba2), which ``swap_rules`` replaces for the export."""
-    import sys
-
-    found = {}
-    for m in model.modules():
-        module = sys.modules.get(type(m).__module__)
-        if module is not None and any(all(hasattr(module, name) for name in names) for names in (GATED_DELTA, MAMBA2)):
-            found[module.__name__] = module
-    return list(found.values())
+    return [
+        module
+        for module in _modeling_modules(model)
+        if any(all(hasattr(module, name) for name in names) for names in (GATED_DELTA, MAMBA2))
+    ]
 
 
 def recurrent_state_reason(arch: str, shapes: list, carried: bool = False) -> str | None:
@@ -170,6 +181,25 @@ def mamba2_scan(
     return y, final.reshape(batch, heads, width, -1)
 
 
+def causal_conv(hidden_states, weight, bias=None, activation: str | None = None, **kwargs):
+    """transformers' ``causal_conv1d_fn`` (``[B, C, L]`` -> ``[B, C, L]``: the depthwise causal convolution with
+    ``weight [C, K]``, then ``activation``) as ``K`` shifted multiply-adds, which XNNPACK's delegate runs: a decode
+    step's window is a few columns, where ExecuTorch's portable conv kernel (what a ``conv1d`` over a dynamic length
+    lowers to) cost a Mamba2 layer a quarter of its step."""
+    from transformers.activations import ACT2FN
+
+    kernel, length = weight.shape[-1], hidden_states.shape[-1]
+    x = torch.nn.functional.pad(hidden_states.to(weight.dtype), (kernel - 1, 0))
+    out = x[..., :length] * weight[:, :1]
+    for k in range(1, kernel):
+        out = out + x[..., k : k + length] * weight[:, k : k + 1]
+    if bias is not None:
+        out = out + bias[:, None]
+    if activation is not None:
+        out = ACT2FN[activation](out)
+    return out.to(hidden_states.dtype)
+
+
 def gated_delta_rule(
     query,
     key,
@@ -211,12 +241,13 @@ def gated_delta_rule(
 
 @contextlib.contextmanager
 def swap_rules(model):
-    """Inside the block the modules ``rule_modules(model)`` call ``gated_delta_rule`` for both of their gated delta
-    rule functions and ``mamba2_scan`` for their Mamba2 chunked scan."""
-    rules = {**dict.fromkeys(GATED_DELTA, gated_delta_rule), **dict.fromkeys(MAMBA2, mamba2_scan)}
+    """Inside the block the modules of ``model``'s layers call ``gated_delta_rule`` for both of their gated delta
+    rule functions, ``mamba2_scan`` for their Mamba2 chunked scan and ``causal_conv`` for their causal convolution,
+    where they have them."""
+    rules = {**dict.fromkeys(GATED_DELTA, gated_delta_rule), **dict.fromkeys(MAMBA2, mamba2_scan), CONV: causal_conv}
     saved = []
     try:
-        for module in rule_modules(model):
+        for module in _modeling_modules(model):
             for name, rule in rules.items():
                 if hasattr(module, name):
                     saved.append((module, name, getattr(module, name)))
