@@ -130,14 +130,15 @@ def build(kind: str, args) -> torch.nn.Module:
 
 
 def export(kind: str, args, out: Path) -> tuple[Path, int]:
-    """``out/<kind>_<shape>_<recipe>.pte`` of ``build(kind)`` quantized by ``args.recipe`` (reused when present), and
-    the model's parameter count."""
+    """``out/<kind>_<shape>_<recipe>.pte`` of ``build(kind)`` quantized by ``args.recipe`` (reused when present; the
+    dense model's name also carries the family whose parameter count it matches), and the model's parameter count."""
     from qharness.deploy.deployed import export_path
     from qharness.deploy.lower import lower_to_pte, quantize_for_deploy, runner_metadata
     from qharness.io.atomic import write_bytes_atomic
     from qharness.recipes.registry import load_recipe
 
-    path = out / f"{kind}_{args.shape}_{args.recipe}.pte"
+    name = kind if kind == args.family else f"{kind}_{args.family}"  # dense_<family>: sized to that family
+    path = out / f"{name}_{args.shape}_{args.recipe}.pte"
     model = build(kind, args)
     params = sum(p.numel() for p in model.parameters())
     if path.is_file():
