@@ -191,6 +191,9 @@ def _router_weight(self) -> torch.Tensor:
     return getattr(self, ROUTER_LINEAR).weight
 
 
+ROUTERS = ("gate", "router")  # the attribute an MoE block keeps its router in: Qwen3-MoE / Mixtral, Granite-4.0-H
+
+
 def linear_router(router: nn.Module) -> bool:
     """Make a router that computes ``F.linear(hidden, self.weight)`` on a bare ``[E, H]`` parameter (every
     transformers 5 ``*TopKRouter``) read that weight from an ``nn.Linear`` child ``proj``, in place, so that torchao's
@@ -227,7 +230,7 @@ def rewrite_moe(model: nn.Module) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, linear_experts(child))
-        for router in ("gate", "router"):  # the block's router: Qwen3-MoE / Mixtral's gate, Granite-4.0-H's router
+        for router in ROUTERS:
             linear_router(getattr(parent, router, None))
     return len(swaps)
 
@@ -243,7 +246,7 @@ def restore_moe(model: nn.Module) -> int:
     ]
     for parent, name, child in swaps:
         setattr(parent, name, batched_experts(child))
-        for router in ("gate", "router"):
+        for router in ROUTERS:
             if hasattr(getattr(parent, router, None), "_base"):
                 _plain_router(getattr(parent, router))
     return len(swaps)
