@@ -45,6 +45,8 @@ def test_a_tied_table_quantized_alike_is_stored_once_and_every_command_loads_it(
     assert len(imports.pte_external_constants(pte)) == 1  # the lookup reads the data file's copy
     g = run_cli("generate", "--pte", pte, "--prompt", "To be", "--max_new_tokens", "4", "--temperature", "0")
     assert g.returncode == 0, g.stderr[-2000:]
+    p = run_cli("profile", "--pte", pte, "--prompt_len", "4", "--decode_tokens", "2", "--reps", "1")
+    assert p.returncode == 0 and "embedding" in p.stdout, p.stderr[-2000:]  # the lookup of the data file's table
     code = readme_runner_snippet().replace(  # ExecuTorch's runner, the data file its third argument (deploying.md)
         '"runs/qat_xnnpack/model.pte", "runs/qat_xnnpack/tokenizer"', f'"{pte}", "{run / "tokenizer"}", "{data}"'
     )

@@ -124,8 +124,10 @@ RESULTS = {
     "xnnpack_8da4w_hqq-ptq": (0.010, 1.793),
     "xnnpack_8da4w_gptq-ptq": (0.009, 1.793),
     "xnnpack_8da4w_rot_gptq-ptq": (0.012, 1.793),
+    "xnnpack_8da4w_tied8-ptq": (0.007, 1.95),  # an 8-bit table and lm_head: larger on the untied demo model
     "autotune_2mb-ptq": (0.008, 1.95),
     "xnnpack_8da4w_lsq_gptq-qat": (0.004, 1.793),
+    "xnnpack_8da4w_tied8-qat": (0.005, 1.95),
     "xnnpack_8da3w-ptq": (0.088, 1.793),
     "xnnpack_8da3w_gptq-ptq": (0.044, 1.793),
     "xnnpack_8da3w_pc-ptq": (0.09, 1.70),
@@ -211,7 +213,7 @@ def no_bench(monkeypatch):
 def test_a_tolerance_4bit_ptq_meets_ends_without_training(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner)
-    assert [sub for sub, _ in runner.calls] == ["calibrate"] * 6  # the FP reference, int8, four 4-bit PTQ
+    assert [sub for sub, _ in runner.calls] == ["calibrate"] * 7  # the FP reference, int8, five 4-bit PTQ
     assert rec.outcome == "chosen" and rec.chosen == "xnnpack_8da4w_gptq-ptq"  # the tie on size: most accurate
     states = {r.name: r.state for r in rec.rungs}
     assert states == {
@@ -284,12 +286,69 @@ def test_the_chosen_recipe_file_reads_the_same_from_the_ship_folder_when_its_bas
 def test_a_tolerance_only_qat_meets_ends_at_qat(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("0.5%", max_size_mb=2.0), runner=runner)
-    assert [n for _, n in runner.calls][-2:] == ["autotune_2mb-ptq", "xnnpack_8da4w_lsq_gptq-qat"]
+    # both QAT candidates train: each one's PTQ sibling fits the budget
+    assert [n for _, n in runner.calls][-3:] == [
+        "autotune_2mb-ptq",
+        "xnnpack_8da4w_lsq_gptq-qat",
+        "xnnpack_8da4w_tied8-qat",
+    ]
     assert ("fit", "xnnpack_8da4w_lsq_gptq-qat") in runner.calls
     assert rec.outcome == "chosen" and rec.chosen == "xnnpack_8da4w_lsq_gptq-qat"
     assert [r.state for r in rec.rungs][-2:] == ["skipped", "skipped"]  # fewer bits: not demanded
     assert "xnnpack_8da4w_lsq_gptq-qat already meets everything" in rec.rungs[-2].reason
     assert yaml.safe_load((tmp_path / "ship" / "chosen.yaml").read_text())["model"]["distill"]["kl_weight"] == 1.0
+
+
+def test_a_qat_candidate_whose_ptq_sibling_is_over_the_size_budget_is_left_out_of_its_rung(
+    tmp_path, no_bench, monkeypatch
+):
+    """A tied model (SmolLM2's case): the tied 8-bit program is the only 4-bit one under the budget, so of the QAT
+    rung only its QAT sibling trains; the other is left out, and the record says why."""
+    from qharness.sweep.plan import autotune_name
+
+    monkeypatch.setitem(RESULTS, "xnnpack_8da4w_tied8-ptq", (0.007, 1.70))
+    monkeypatch.setitem(RESULTS, "xnnpack_8da4w_tied8-qat", (0.003, 1.70))
+    monkeypatch.setitem(RESULTS, autotune_name({"max_size_mb": 1.75}) + "-ptq", (0.009, 1.74))
+    runner = FakeRunner()
+    rec = climb.run_ship(ship_yaml(tmp_path), make_goal("0.5%", max_size_mb=1.75), runner=runner)
+    assert ("fit", "xnnpack_8da4w_tied8-qat") in runner.calls
+    assert not any(n == "xnnpack_8da4w_lsq_gptq-qat" for _, n in runner.calls)
+    assert rec.outcome == "chosen" and rec.chosen == "xnnpack_8da4w_tied8-qat"
+    qat = next(r for r in rec.rungs if r.name == "int4_qat")
+    assert qat.state == "tried" and qat.candidates == ["xnnpack_8da4w_tied8-qat"]
+    assert qat.reason.startswith("left out xnnpack_8da4w_lsq_gptq-qat: its programs are at least 1.793 MB")
+    assert "over the 1.75 MB budget" in qat.reason
+    assert "left out xnnpack_8da4w_lsq_gptq-qat" in (tmp_path / "ship" / "ship.md").read_text()
+
+
+@pytest.mark.fast
+def test_prune_leaves_out_each_qat_entry_its_own_sibling_rules_out_and_the_ladder_keeps_siblings_of_kept_entries():
+    from qharness.shipping.ladder import ladder_for
+
+    rung = next(r for r in ladder_for("xnnpack") if r.name == "int4_qat")
+    assert rung.siblings == {
+        "xnnpack_8da4w_lsq_gptq-qat": "xnnpack_8da4w_gptq-ptq",
+        "xnnpack_8da4w_tied8-qat": "xnnpack_8da4w_tied8-ptq",
+    }
+    row = {"parity_passed": True, "ppl_pte_vs_fp_hi": 0.02}
+    rows = {
+        "xnnpack_8da4w_gptq-ptq": row
+        | {"run": "xnnpack_8da4w_gptq-ptq", "pte_size_mb": 2.0, "decode_ms_per_token": 3.0},
+        "xnnpack_8da4w_tied8-ptq": row
+        | {"run": "xnnpack_8da4w_tied8-ptq", "pte_size_mb": 1.5, "decode_ms_per_token": 9.0},
+    }
+    # one sibling over the size budget, the other over the latency budget: the rung as a whole could still reach
+    # both (its smallest and its fastest program are different ones), but neither of its entries can
+    goal = Goal(0.005, max_size_mb=1.8, max_latency_ms=5.0)
+    assert climb.skip_reason(rung, rows, {n: 4 for n in rows}, goal) is None
+    pruned, left_out = climb.prune(rung, rows, goal)
+    assert pruned.entries == ()
+    assert [line.split(":")[0] for line in left_out] == ["xnnpack_8da4w_lsq_gptq-qat", "xnnpack_8da4w_tied8-qat"]
+    assert "over the 1.8 MB budget" in left_out[0] and "over the 5 ms budget" in left_out[1]
+    # excluding a recipe drops its QAT entry and its sibling with it
+    rung = next(r for r in ladder_for("xnnpack", exclude=["xnnpack_8da4w_tied8"]) if r.name == "int4_qat")
+    assert rung.siblings == {"xnnpack_8da4w_lsq_gptq-qat": "xnnpack_8da4w_gptq-ptq"}
+    assert [e["recipe"] for e in rung.entries] == ["xnnpack_8da4w_lsq_gptq"]
 
 
 def test_fewer_bits_are_not_tried_when_accuracy_not_the_budget_is_what_misses(tmp_path, no_bench):
@@ -324,7 +383,11 @@ def test_a_killed_ship_continues_from_its_finished_rungs(tmp_path, no_bench):
     again = FakeRunner()
     rec = climb.run_ship(path, make_goal("2%"), runner=again)
     # only the runs the kill left unfinished ran again; the FP reference, int8 and the 4-bit runs before it: reused
-    assert [n for _, n in again.calls] == ["xnnpack_8da4w_gptq-ptq", "xnnpack_8da4w_rot_gptq-ptq"]
+    assert [n for _, n in again.calls] == [
+        "xnnpack_8da4w_gptq-ptq",
+        "xnnpack_8da4w_rot_gptq-ptq",
+        "xnnpack_8da4w_tied8-ptq",
+    ]
     states = {c.name: c.state for c in rec.candidates}
     assert states["xnnpack_int8_dynamic-ptq"] == "reused" and states["xnnpack_8da4w_gptq-ptq"] == "ran"
     assert rec.chosen == "xnnpack_8da4w_gptq-ptq"
@@ -422,7 +485,7 @@ def test_a_latency_goal_times_the_candidates_after_each_rung_and_picks_the_faste
     monkeypatch.setattr(climb, "_report", lambda *a, **k: None)
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%", prefer="latency"), runner=FakeRunner())
     assert rec.chosen == "xnnpack_int8_dynamic-ptq"
-    assert [len(b) for b in benched] == [1, 5]  # after int8_ptq, then after int4_ptq: every candidate so far
+    assert [len(b) for b in benched] == [1, 6]  # after int8_ptq, then after int4_ptq: every candidate so far
     assert "4 ms/token" in rec.rungs[3].reason and rec.rungs[3].state == "skipped"
     assert {c.name: c.latency_ms for c in rec.candidates}["xnnpack_int8_dynamic-ptq"] == 4.0
 
@@ -431,7 +494,7 @@ def test_a_latency_goal_times_the_candidates_after_each_rung_and_picks_the_faste
 def test_exclude_leaves_recipes_out_of_the_ladder(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner, exclude=["xnnpack_8da4w_gptq"])
-    assert "xnnpack_8da4w_gptq-ptq" not in [n for _, n in runner.calls] and len(runner.calls) == 5
+    assert "xnnpack_8da4w_gptq-ptq" not in [n for _, n in runner.calls] and len(runner.calls) == 6
     assert rec.chosen == "xnnpack_8da4w_hqq-ptq" and rec.goal["exclude"] == ["xnnpack_8da4w_gptq"]
     with pytest.raises(UserError, match="--exclude xnnpack_nope: not a recipe of the xnnpack ladder"):
         climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner, exclude=["xnnpack_nope"])

@@ -21,7 +21,7 @@ from qharness.shipping.ladder import Rung, ladder_for
 from qharness.shipping.record import CandidateRecord, RungRecord, ShipRecord
 from qharness.shipping.spec import load_ship
 from qharness.sweep.launch import run_logged
-from qharness.sweep.plan import SweepRun, plan
+from qharness.sweep.plan import SweepRun, plan, run_name
 from qharness.sweep.scheduler import Runner, run_sweep
 
 RUNG_DIR = "ship_rungs"  # the sweep config of each rung, written where the ship's candidates live
@@ -83,14 +83,8 @@ def reach_of(rung: Rung, rows: dict[str, dict]) -> Reach:
     """What the rung's programs can be, from the measured candidates: its QAT runs' PTQ siblings (same program size
     and speed); a mixed-precision rung's, never smaller than the smallest measured candidate; else unknown."""
     measured = {n: r for n, r in rows.items() if r.get("parity_passed") is True and _number(r.get("pte_size_mb"))}
-    sibs = [measured[s] for s in rung.siblings.values() if s in measured]
-    if sibs and len(sibs) == len(rung.siblings):
-        lat = [r["decode_ms_per_token"] for r in sibs if _number(r.get("decode_ms_per_token"))]
-        return Reach(
-            min(r["pte_size_mb"] for r in sibs),
-            min(lat) if len(lat) == len(sibs) else None,
-            "the same program as its PTQ sibling " + " and ".join(r["run"] for r in sibs),
-        )
+    if rung.siblings:
+        return sibling_reach(list(rung.siblings.values()), measured)
     if rung.mixes and measured:
         small = min(measured.values(), key=lambda r: r["pte_size_mb"])
         return Reach(
@@ -99,6 +93,39 @@ def reach_of(rung: Rung, rows: dict[str, dict]) -> Reach:
             f"{rung.mix_floor:.3g} x the smallest measured candidate, {small['run']}: its smallest scheme's share",
         )
     return Reach(None, None, "")
+
+
+def sibling_reach(siblings: list[str], measured: dict[str, dict]) -> Reach:
+    """What QAT programs can be whose PTQ ``siblings`` (run names) are ``measured``: the smallest and fastest of them
+    (unknown unless every sibling was measured)."""
+    sibs = [measured[s] for s in siblings if s in measured]
+    if not sibs or len(sibs) < len(siblings):
+        return Reach(None, None, "")
+    lat = [r["decode_ms_per_token"] for r in sibs if _number(r.get("decode_ms_per_token"))]
+    return Reach(
+        min(r["pte_size_mb"] for r in sibs),
+        min(lat) if len(lat) == len(sibs) else None,
+        "the same program as its PTQ sibling " + " and ".join(r["run"] for r in sibs),
+    )
+
+
+def prune(rung: Rung, rows: dict[str, dict], goal: Goal) -> tuple[Rung, list[str]]:
+    """``rung`` without the entries whose own PTQ sibling shows they cannot change the answer (a QAT program the
+    size of a sibling over the budget, or no smaller than a candidate that meets everything), and why each was left
+    out: a rung that runs trains only what could win."""
+    if not rung.siblings:
+        return rung, []
+    measured = {n: r for n, r in rows.items() if r.get("parity_passed") is True and _number(r.get("pte_size_mb"))}
+    kept, left_out = [], []
+    for entry in rung.entries:
+        name = run_name(entry, entry["modes"][0])
+        sibling = rung.siblings.get(name)
+        why = cannot_win(sibling_reach([sibling], measured), list(rows.values()), goal) if sibling else None
+        if why:
+            left_out.append(f"{name}: {why}")
+        else:
+            kept.append(entry)
+    return Rung(**{**rung.__dict__, "entries": tuple(kept)}), left_out
 
 
 def skip_reason(rung: Rung, rows: dict[str, dict], bits: dict[str, int], goal: Goal) -> str | None:
@@ -253,12 +280,17 @@ def run_ship(
     print(f"[ship] goal: {goal.text()}; ladder: {' -> '.join(r.name for r in ladder)}", flush=True)
     for i, rung in enumerate(ladder):
         reason = skip_reason(rung, rows, bits, goal)
+        if reason is None:
+            rung, left_out = prune(rung, rows, goal)
+            reason = None if rung.entries else "every entry left out: " + "; ".join(left_out)
         if reason is not None:
             print(f"[ship] rung {rung.name}: skipped: {reason}", flush=True)
             rec.rungs.append(RungRecord(rung.name, rung.why, "skipped", reason))
             rec.write(ship_dir)
             continue
         print(f"[ship] rung {rung.name}: {rung.why}", flush=True)
+        for line in left_out:
+            print(f"[ship]   left out {line}", flush=True)
         t = time.perf_counter()
         path = ship_dir / RUNG_DIR / f"{rung.name}.yaml"
         write_bytes_atomic(path, yaml.safe_dump(rung_spec(spec, rung), sort_keys=False).encode())
@@ -276,7 +308,8 @@ def run_ship(
         if goal.needs_latency:  # the decision reads latencies: every candidate so far timed jointly, now
             _bench(spec, ship_dir, runs, rows)
             rows = _reread(runs, rows)
-        rec.rungs.append(RungRecord(rung.name, rung.why, "tried", candidates=names, wall_s=time.perf_counter() - t))
+        reason = "left out " + "; ".join(left_out) if left_out else ""
+        rec.rungs.append(RungRecord(rung.name, rung.why, "tried", reason, names, time.perf_counter() - t))
         rec.candidates = [_candidate(n, rung_of[n], runs[n], states[n], rows.get(n), goal) for n in runs]
         rec.write(ship_dir)  # a killed ship leaves the finished rungs recorded (their runs are reused on re-run)
     if rows and not goal.needs_latency:  # one joint benchmark of every candidate, for the record and the report

@@ -6,14 +6,18 @@ XNNPACK (``LADDERS["xnnpack"]``), in order:
 
 1. ``int8_ptq``: int8 dynamic PTQ: a calibration pass, the least accuracy lost.
 2. ``int4_ptq``: 4-bit weights, PTQ: rounding to nearest, HQQ scales, GPTQ, rotation + GPTQ (each seconds more than
-   nearest; smaller than int8).
+   nearest; smaller than int8), and the 8-bit output tensor stored once with a tied table (``xnnpack_8da4w_tied8``:
+   on a real tied model the 4-bit program that loses least and the smallest, SmolLM2-135M's 89 MB against 94;
+   docs/benchmarks/real-model.md).
 3. ``mixed_ptq``: per-layer mixed precision under the size budget (``qharness autotune``: a per-layer sensitivity
    table, then PTQ): only with ``--max_size_mb`` and while no candidate meets everything (it spends the budget on
    accuracy, it does not look for a smaller program); its smallest scheme (4-bit per channel) stores 8/9 of 4-bit
    g32's linear bytes, so a budget below 8/9 of the smallest measured candidate is out of its reach.
-4. ``int4_qat``: 4-bit QAT from GPTQ's weights with learned scales and distillation from the FP model (what paid off
-   in the quality benchmarks, docs/benchmarks/quality.md): training, the costliest so far; the same program size and speed as its PTQ
-   sibling (``xnnpack_8da4w_gptq``), only more accurate.
+4. ``int4_qat``: 4-bit QAT distilled from the FP model: from GPTQ's weights with learned scales (what paid off in the
+   quality benchmarks, docs/benchmarks/quality.md), and ``xnnpack_8da4w_tied8`` from nearest rounding (what paid off
+   on SmolLM2): training, the costliest so far; each the same program size and speed as its PTQ sibling, only more
+   accurate. An entry whose sibling shows it cannot change the answer (over a budget, or no smaller than a candidate
+   that meets everything) is left out of the rung (``climb.prune``).
 5. ``int3_ptq``, 6. ``int3_qat``: 3-bit weights, where the budgets demand them (no candidate at more bits fits the
    budgets). XNNPACK stores 2/3-bit values as int4, so on this backend they are 4-bit's size: these rungs then
    show it and stop.
@@ -62,8 +66,15 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
         ),
         Rung(
             "int4_ptq",
-            "4-bit weights, PTQ (nearest, HQQ scales, GPTQ, rotation + GPTQ): seconds more than int8, a smaller .pte",
-            _ptq("xnnpack_8da4w", "xnnpack_8da4w_hqq", "xnnpack_8da4w_gptq", "xnnpack_8da4w_rot_gptq"),
+            "4-bit weights, PTQ (nearest, HQQ scales, GPTQ, rotation + GPTQ, an 8-bit output tensor stored once with a "
+            "tied table): seconds more than int8, a smaller .pte",
+            _ptq(
+                "xnnpack_8da4w",
+                "xnnpack_8da4w_hqq",
+                "xnnpack_8da4w_gptq",
+                "xnnpack_8da4w_rot_gptq",
+                "xnnpack_8da4w_tied8",
+            ),
             bits=4,
         ),
         Rung(
@@ -77,12 +88,18 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
         ),
         Rung(
             "int4_qat",
-            "4-bit QAT from GPTQ's weights, learned scales, distilled from the FP model: training, the costliest rung "
-            "so far; the same program as its PTQ sibling, more accurate",
-            ({"recipe": "xnnpack_8da4w_lsq_gptq", "modes": ["qat"], "config": DISTILL},),
+            "4-bit QAT distilled from the FP model (GPTQ's weights with learned scales; the tied 8-bit output "
+            "tensor): training, the costliest rung so far; each the same program as its PTQ sibling, more accurate",
+            (
+                {"recipe": "xnnpack_8da4w_lsq_gptq", "modes": ["qat"], "config": DISTILL},
+                {"recipe": "xnnpack_8da4w_tied8", "modes": ["qat"], "config": DISTILL},
+            ),
             bits=4,
             trains=True,
-            siblings={"xnnpack_8da4w_lsq_gptq-qat": "xnnpack_8da4w_gptq-ptq"},
+            siblings={
+                "xnnpack_8da4w_lsq_gptq-qat": "xnnpack_8da4w_gptq-ptq",
+                "xnnpack_8da4w_tied8-qat": "xnnpack_8da4w_tied8-ptq",
+            },
         ),
         Rung(
             "int3_ptq",
@@ -123,6 +140,7 @@ def ladder_for(
     registry lacks, that refuse the rung's mode, or that ``exclude`` names (e.g. a runtime that cannot take a
     rotation) are left out."""
     from qharness.recipes.registry import load_recipe
+    from qharness.sweep.plan import run_name
 
     if backend not in LADDERS:
         raise UserError(
@@ -148,7 +166,9 @@ def ladder_for(
             except UserError:
                 continue
             kept.append(entry)
-        out.append(Rung(**{**rung.__dict__, "entries": tuple(kept)}))
+        names = {run_name(e, e["modes"][0]) for e in kept}
+        siblings = {q: p for q, p in rung.siblings.items() if q in names}
+        out.append(Rung(**{**rung.__dict__, "entries": tuple(kept), "siblings": siblings}))
     if exclude and not any(rung.entries for rung in out):
         raise UserError(
             f"--exclude {', '.join(dict.fromkeys(exclude))} leaves no recipe of the {backend} ladder to try",

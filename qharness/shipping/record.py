@@ -39,8 +39,8 @@ class CandidateRecord:
 
 @dataclass
 class RungRecord:
-    """One rung: ``state`` ``tried`` or ``skipped``, ``reason`` (why it sits there, or why it was skipped), its
-    candidates (run names) and this ship's wall time on it."""
+    """One rung: ``state`` ``tried`` or ``skipped``, ``reason`` (why it was skipped; for a tried rung, the entries it
+    left out and why), its candidates (run names) and this ship's wall time on it."""
 
     name: str
     why: str
@@ -112,7 +112,7 @@ def markdown(rec: ShipRecord) -> str:
         lines += [f"**Stopped.** {rec.stop_reason}", ""]
     lines += ["## Rungs", "", "| rung | state | why / reason | candidates | wall |", "|---|---|---|---|---|"]
     for r in rec.rungs:
-        why = r.reason if r.state == "skipped" else r.why
+        why = r.reason if r.state == "skipped" else "; ".join(filter(None, (r.why, r.reason)))
         lines.append(
             f"| {r.name} | {r.state} | {why.replace('|', '/')} | {', '.join(r.candidates) or '—'} | "
             f"{format_seconds(r.wall_s) if r.state != 'skipped' else '—'} |"

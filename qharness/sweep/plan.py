@@ -78,10 +78,7 @@ def plan(spec: dict) -> list[SweepRun]:
                 raise UserError(f"sweep run {entry['recipe']}: unknown mode {mode!r}", fix="use ptq or qat")
             recipe.check_mode(mode)
             tune = entry.get("autotune")
-            default_name = autotune_name(tune) if tune else Path(entry["recipe"]).stem
-            name = check_name(
-                f"{entry.get('name') or default_name}-{mode}", f"sweep run {entry['recipe']}: run name", "int8_distill"
-            )
+            name = check_name(run_name(entry, mode), f"sweep run {entry['recipe']}: run name", "int8_distill")
             if name in names:
                 if _baseline_again(name, entry, runs):
                     continue  # the baseline listed again among the runs
@@ -95,6 +92,13 @@ def plan(spec: dict) -> list[SweepRun]:
             runs.append(SweepRun(name, entry["recipe"], mode, config, sweep_dir / name, autotune=bool(tune)))
     check_report_metric(spec["report"].get("metric", "ppl"), runs)
     return runs
+
+
+def run_name(entry: dict, mode: str) -> str:
+    """A sweep entry's run name in ``mode``: its ``name``, else its recipe's (an autotune entry's: its budgets'), then
+    the mode: ``xnnpack_8da4w-ptq``, ``autotune_1.6mb-ptq``, ``int8_distill-qat``."""
+    tune = entry.get("autotune")
+    return f"{entry.get('name') or (autotune_name(tune) if tune else Path(entry['recipe']).stem)}-{mode}"
 
 
 def autotune_name(tune: dict) -> str:

@@ -162,17 +162,17 @@ def gguf_dequantized():
     return GgufConfig(dequantize=True)
 
 
-def executorch_profiled_program(path: str):
-    """A ``.pte`` loaded with ExecuTorch's event tracer on: ``forward((tokens, start))`` then
-    ``write_etdump_result_to_file(path)``. Private pybindings in 1.5.1 (``_load_for_executorch(enable_etdump=True)``;
-    ``executorch.runtime`` has no ETDump switch)."""
+def executorch_profiled_program(path: str, data_path: str | None = None):
+    """A ``.pte`` (and its data file ``data_path``, when it has one) loaded with ExecuTorch's event tracer on:
+    ``forward((tokens, start))`` then ``write_etdump_result_to_file(path)``. Private pybindings in 1.5.1
+    (``_load_for_executorch(data_path=, enable_etdump=True)``; ``executorch.runtime`` has no ETDump switch)."""
     import executorch.kernels.quantized  # noqa: F401  registers quantized_decomposed ops
     from executorch.extension.pybindings import portable_lib
 
     from qharness.upstream.fixes.custom_sdpa import llm_custom_ops
 
     llm_custom_ops()
-    return portable_lib._load_for_executorch(str(path), enable_etdump=True, debug_buffer_size=0)
+    return portable_lib._load_for_executorch(str(path), data_path, enable_etdump=True, debug_buffer_size=0)
 
 
 def etdump_inspector(etdump_path: str):
