@@ -48,11 +48,11 @@ def traced_events(
     ``[{"name", "delegated", "raw": [ms per counted call]}]`` (one entry per operator instance; wrappers and events
     of loading left out), with ``reps`` prefills and ``decode_tokens`` steps each, after a warm-up of one of each;
     returns ``(events, reps, calls per rep)`` (call ``r * per_rep`` is a prefill, the others decode steps)."""
-    from qharness.runtime.pte import data_file, runtime_threads
+    from qharness.runtime.pte import present_data_file, runtime_threads
 
     runtime_threads()  # the same threadpool size as qharness bench's processes
-    data = data_file(path)  # a tied table stored once lives there (deploy/shared_table.py)
-    program = imports.executorch_profiled_program(str(path), str(data) if data.is_file() else None)
+    data = present_data_file(path)  # a tied table stored once lives there (deploy/shared_table.py)
+    program = imports.executorch_profiled_program(str(path), str(data) if data else None)
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab_size, (1, prompt_len), generator=g)
     tokens = torch.randint(0, vocab_size, (max(1, decode_tokens), 1), generator=g)

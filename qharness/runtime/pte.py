@@ -117,6 +117,13 @@ def data_file(path: str | Path) -> Path:
     return Path(path).with_suffix(".ptd")
 
 
+def present_data_file(path: str | Path) -> Path | None:
+    """The data file of the ``.pte`` at ``path`` when it is there, else None (a self-contained program; a program whose
+    data file is missing fails to load, and ``PteModel`` says so in one line)."""
+    data = data_file(path)
+    return data if data.is_file() else None
+
+
 def program_bytes(path: str | Path) -> int:
     """Bytes of the program at ``path``: the ``.pte`` and its data file, if it has one."""
     data = data_file(path)
@@ -166,9 +173,9 @@ class PteModel:
         self.path = path
         runtime = imports.executorch_runtime()
         runtime_threads()
-        data = data_file(path)
+        data = present_data_file(path)
         try:
-            self.program = runtime.load_program(path, data_path=data if data.is_file() else None)
+            self.program = runtime.load_program(path, data_path=data)
         except Exception as e:
             raise UserError(
                 f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e})", fix="re-run qharness export"
@@ -183,11 +190,11 @@ class PteModel:
         try:
             self.method = self.program.load_method(method)
         except Exception as e:
-            external = [] if data.is_file() else imports.pte_external_constants(path)
+            external = [] if data else imports.pte_external_constants(path)
             if external:
                 raise UserError(
-                    f"{path} keeps {len(external)} constant(s) in its data file {data}, which is missing",
-                    fix=f"put {data.name}, written with it, beside {path.name}",
+                    f"{path} keeps {len(external)} constant(s) in its data file {data_file(path)}, which is missing",
+                    fix=f"put {data_file(path).name}, written with it, beside {path.name}",
                 ) from e
             raise UserError(
                 f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e})", fix="re-run qharness export"

@@ -79,10 +79,15 @@ def _wall(run_dir: Path) -> float | None:
     return v if _number(v) else None
 
 
+def _measured(rows: dict[str, dict]) -> dict[str, dict]:
+    """The candidates whose checked ``.pte`` has a measured size: what a rung not yet run can be judged against."""
+    return {n: r for n, r in rows.items() if r.get("parity_passed") is True and _number(r.get("pte_size_mb"))}
+
+
 def reach_of(rung: Rung, rows: dict[str, dict]) -> Reach:
     """What the rung's programs can be, from the measured candidates: its QAT runs' PTQ siblings (same program size
     and speed); a mixed-precision rung's, never smaller than the smallest measured candidate; else unknown."""
-    measured = {n: r for n, r in rows.items() if r.get("parity_passed") is True and _number(r.get("pte_size_mb"))}
+    measured = _measured(rows)
     if rung.siblings:
         return sibling_reach(list(rung.siblings.values()), measured)
     if rung.mixes and measured:
@@ -115,7 +120,7 @@ def prune(rung: Rung, rows: dict[str, dict], goal: Goal) -> tuple[Rung, list[str
     out: a rung that runs trains only what could win."""
     if not rung.siblings:
         return rung, []
-    measured = {n: r for n, r in rows.items() if r.get("parity_passed") is True and _number(r.get("pte_size_mb"))}
+    measured = _measured(rows)
     kept, left_out = [], []
     for entry in rung.entries:
         name = run_name(entry, entry["modes"][0])

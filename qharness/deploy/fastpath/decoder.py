@@ -28,8 +28,8 @@ from qharness.recipes.registry import KV_CACHES
 def fast_modules(model, rope_tables: dict[str, torch.nn.Module] | None = None):
     """Inside the block ``model`` (and its sub-models) runs with the ``ATTENTION`` implementation, the recurrent
     rules of ``state_cache.swap_rules`` (the gated delta rule, Mamba2's scan, the causal convolution) where its layers
-    run one, and, given
-    ``rope_tables`` (``{module path: table}``, ``FastDecoder``'s), with those rotary modules swapped for their tables."""
+    run one, and, given ``rope_tables`` (``{module path: table}``, ``FastDecoder``'s), with those rotary modules swapped
+    for their tables."""
     before = model.config._attn_implementation
     swapped = []
     model.set_attn_implementation(ATTENTION)
