@@ -97,15 +97,15 @@ def test_a_nan_pte_fails_the_gate_and_is_not_published(tmp_path, tiny_llama, mon
     import qharness.run.gate as gate
     import qharness.run.pipeline as pipeline
 
-    real = gate.score_deployed
+    real = gate.score_jointly
 
-    def score(step, x, y, desc=None):
-        out = real(step, x, y, desc)
-        if desc == "scoring the .pte":
-            out = {**out, "loss": float("nan"), "ppl": float("nan")}
+    def score(ref, others, x, y, desc=None):
+        out = real(ref, others, x, y, desc)
+        if "pte" in out:  # (the gate's further rounding twins are scored alone)
+            out["pte"] = {**out["pte"], "loss": float("nan"), "ppl": float("nan")}
         return out
 
-    monkeypatch.setattr(gate, "score_deployed", score)
+    monkeypatch.setattr(gate, "score_jointly", score)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     trained = _trained(model, AutoTokenizer.from_pretrained(tiny_llama))
     with pytest.raises(ParityError, match=r"the \.pte's validation loss is nan \(stage: scoring the \.pte\)"):

@@ -203,3 +203,29 @@ def test_a_refusal_of_a_model_the_recipe_breaks_points_at_the_recipe_not_the_pro
     ):
         assert parity_fix(reasons) == BROKEN_FIX
     assert "does not compute" not in BROKEN_FIX and "more bits, or QAT" in BROKEN_FIX
+
+
+@pytest.mark.fast
+def test_score_jointly_scores_each_model_as_alone_and_its_kl_from_the_reference_over_every_position():
+    import torch.nn.functional as F
+
+    from qharness.checks.parity import score_deployed, score_jointly
+    from qharness.sources.example_cache import IGNORE
+
+    pte, ref = _models(scale=2.0, error=0.5)
+    x = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(2))
+    y = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(3))
+    y[1, :3] = IGNORE  # chat data: prompt positions unscored (their logits are still compared)
+    out = score_jointly(ref, {"pte": pte, "itself": ref}, x, y)
+    for name, model in (("reference", ref), ("pte", pte)):
+        alone = score_deployed(model, x, y)
+        assert out[name]["loss"] == pytest.approx(alone["loss"])
+        assert out[name]["block_losses"] == pytest.approx(alone["block_losses"])
+
+    def logp(model, block):
+        return model(block[None], 0)[0].double().log_softmax(-1)
+
+    kl = [F.kl_div(logp(pte, b), logp(ref, b), log_target=True, reduction="none").sum(-1) for b in x]
+    want = torch.cat(kl)
+    assert out["pte"]["kl"] == pytest.approx(want.mean().item()) and out["pte"]["kl"] > 0.01
+    assert out["pte"]["kl_positions"] == x.numel() and out["itself"]["kl"] == 0.0

@@ -94,6 +94,8 @@ def test_the_program_itself_passes(setup, tmp_path):
     assert p.passed, p.reasons
     assert p.near_ties < p.positions // 4  # decisive logits: the argmax check compares most positions
     assert p.noise is not None and p.kl <= ParityConfig().max_noise_ratio * p.noise.kl or p.kl <= 1e-6
+    blocks = setup[1].x.numel()  # the KL is judged over the validation blocks' positions and the decoding's
+    assert p.kl_positions == p.positions + blocks and p.noise.kl_positions == p.positions + p.noise.twins * blocks
 
 
 @pytest.mark.parametrize(

@@ -548,3 +548,59 @@ def test_tanh_gelu_as_its_formula_computes_the_tanh_form_on_xnnpack():
     assert (graph(x) - want).abs().max() < 1e-5  # the formula is the tanh form, in PyTorch
     got = _run_pte(_lower(graph, x), x)
     assert (got - want).abs().max() < 1e-5  # and on XNNPACK
+
+
+class _NormThenLinear(torch.nn.Module):
+    """An RMSNorm (eps 1e-6) then a 4-bit linear 1024 inputs wide: the path an embedding row takes to a gated MLP's
+    down projection."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        return self.linear(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _wide_group_linear():
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    torch.manual_seed(0)
+    linear = torch.nn.Sequential(torch.nn.Linear(1024, 64, bias=False))
+    quantize_(
+        linear, Int8DynamicActivationIntxWeightConfig(torch.int4, PerGroup(32), weight_scale_dtype=torch.bfloat16)
+    )
+    return _NormThenLinear(linear)
+
+
+def test_upstream_xnnpack_still_computes_a_wide_all_zero_row_as_nonzero():
+    """When this fails, XNNPACK computes an all-zero activation row of a 4-bit matmul as 0: retire xnnpack_zero_rows."""
+    x = torch.randn(2, 1024, generator=torch.Generator().manual_seed(1))
+    x[1] = 0
+    model = _wide_group_linear()
+    got = _run_pte(_lower(model, x), x)
+    assert torch.equal(model(x)[1], torch.zeros(64))  # the converted model's zeros
+    assert got[1].abs().max() > 1e-6  # XNNPACK's: ~3e-5
+
+
+def test_a_nudged_zero_row_computes_as_the_converted_model_does():
+    """``nudge_zero_rows``: an all-zero embedding row (only it, ties included) holds +-2**-40, and through a norm and
+    a wide 4-bit matmul on XNNPACK comes out as the converted model computes it (~1e-10), not ~3e-5."""
+    from qharness.upstream.fixes.xnnpack_zero_rows import TINY, nudge_zero_rows
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(6, 1024)
+    model.head = torch.nn.Linear(1024, 6, bias=False)
+    model.head.weight = model.embed.weight  # tied: one table, nudged once
+    with torch.no_grad():
+        model.embed.weight[[0, 4]] = 0
+    before = model.embed.weight.detach().clone()
+    assert nudge_zero_rows(model) == {"embed": [0, 4]} and nudge_zero_rows(model) == {}
+    after = model.embed.weight.detach()
+    assert torch.equal(after[[1, 2, 3, 5]], before[[1, 2, 3, 5]])
+    assert torch.equal(after[0].abs(), torch.full((1024,), TINY)) and after[0, 0] == -after[0, 1]
+    x = torch.cat([torch.randn(1, 1024, generator=torch.Generator().manual_seed(1)), after[:1]])
+    norm_linear = _wide_group_linear()
+    got, want = _run_pte(_lower(norm_linear, x), x), norm_linear(x)
+    assert (got[1] - want[1]).abs().max() < 1e-12 and want[1].abs().max() < 1e-6

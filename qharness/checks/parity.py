@@ -203,6 +203,54 @@ def score_deployed(step: StepFn, x: torch.Tensor, y: torch.Tensor, desc: str | N
     return perplexity(total, count, blocks)
 
 
+def score_jointly(
+    ref: StepFn, others: dict[str, StepFn], x: torch.Tensor, y: torch.Tensor, desc: str | None = None
+) -> dict[str, dict]:
+    """``score_deployed``'s figures of ``ref`` (under ``"reference"``) and of each model of ``others`` (under its
+    name), on the same blocks in one pass (``desc``: progress bar), each of ``others`` with ``kl``: its mean KL
+    divergence from ``ref`` over every position of the blocks, ``kl_positions``, and ``kl_moved``: the positions
+    where it exceeds ``MOVED_KL``. The gate judges a program by
+    its KL over these positions as well as its decoding's: a quantized model moves where an int8 activation rounds
+    the other way, which on a small model happens at a few positions in a hundred, so a handful of positions can
+    show a program such a flip and its rounding twin none. Models sharing a KV cache with ``ref`` (its rounding
+    twin) are fine: each block is a prefill from position 0 in each model, one model at a time.
+
+    Example::
+
+        scored = score_jointly(step_of(reference), {"pte": PteModel(path)}, x, y)
+        scored["pte"]["kl"]     # nats per position, against the reference
+    """
+    names = ["reference", *others]
+    steps = {"reference": ref, **others}
+    totals = {n: [0.0, 0, []] for n in names}  # summed loss, scored targets, block losses
+    kl, moved = dict.fromkeys(others, 0.0), dict.fromkeys(others, 0)
+    positions = 0
+    with torch.no_grad():
+        for xi, yi in _maybe_bar(zip(x, y), desc, len(x), "block"):
+            logits = {n: block_logits(steps[n], xi) for n in names}
+            n_scored = int((yi != IGNORE).sum())
+            for n in names:
+                loss = F.cross_entropy(logits[n].float(), yi, ignore_index=IGNORE, reduction="sum").item()
+                totals[n][0] += loss
+                totals[n][1] += n_scored
+                if n_scored:
+                    totals[n][2].append(loss / n_scored)
+            reference = F.log_softmax(logits["reference"].double(), -1)
+            for n in others:  # double: a program's KL from its reference can be 1e-13 a position
+                each = (reference.exp() * (reference - F.log_softmax(logits[n].double(), -1))).sum(-1)
+                kl[n] += each.sum().item()
+                moved[n] += int((each > MOVED_KL).sum())
+            positions += xi.numel()
+    out = {n: perplexity(*totals[n]) for n in names}
+    for n in others:
+        out[n].update(kl=kl[n] / max(positions, 1), kl_positions=positions, kl_moved=moved[n])
+    return out
+
+
+MOVED_KL = 1e-9  # nats: a position whose KL from its reference exceeds this moved (an int8 activation upstream of it
+# rounded the other way); the others sit at float64's ~1e-13
+
+
 def score_batched(
     forward: Callable[[torch.Tensor], torch.Tensor],
     x: torch.Tensor,

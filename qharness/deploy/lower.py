@@ -157,6 +157,18 @@ def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
     for m in model.modules():  # padding_idx only masks gradients; exported as aten.embedding(w, idx, 0) it
         if isinstance(m, torch.nn.Embedding):  # defeats ExecuTorch's quantized-embedding fusion pattern
             m.padding_idx = None
+    if recipe.kind == "source" and any(p.startswith("xnnpack") for p in recipe.partitioners):
+        from qharness.upstream.fixes import xnnpack_zero_rows
+
+        nudged = xnnpack_zero_rows.nudge_zero_rows(model)  # XNNPACK computes a wide all-zero row as ~1e-5: see there
+        if nudged:
+            log.info(
+                "all-zero embedding rows (%s) hold +-2**-40 in the program: XNNPACK's 4-bit matmuls compute an "
+                "all-zero row as ~1e-5 (upstream/fixes/xnnpack_zero_rows.py)",
+                "; ".join(
+                    f"{name}: token ids {ids[:8]}{' ...' if len(ids) > 8 else ''}" for name, ids in nudged.items()
+                ),
+            )
     quantizer = recipe.make_quantizer(is_qat=False)
     if weight_qparams is not None and recipe.kind not in ("pt2e", "source"):
         raise ValueError(f"learned weight scales need a quantized recipe ({recipe.name} is {recipe.kind})")

@@ -92,6 +92,11 @@ class Agreement:
         argmax_agreement_decided: Agreement over the positions that are not near ties (None: all are).
         non_finite_positions: Positions with NaN/inf logits.
         kl: Mean KL divergence of the ``.pte``'s next-token distribution from the reference's (nats per position).
+        kl_positions: The positions ``kl`` is the mean over, where more than ``positions``: the parity gate's are the
+            validation blocks' and the decoding's, and the noise's those of each of its ``twins`` (unset:
+            ``positions``; summaries written before 2026-11-29).
+        twins: The noise only: how many rounding twins (seeds) its ``kl`` averages over the validation blocks (the
+            decoding's figures are the first one's).
         ppl_rel_diff: Relative perplexity difference of the two models.
         ppl_bound: The rounding twin (``Parity.noise``): how far rounding alone may move the reference's perplexity
             (its own difference plus three standard errors of the blocks' spread); the gate allows the larger of
@@ -108,6 +113,8 @@ class Agreement:
     argmax_agreement_decided: float | None = _kept()
     non_finite_positions: int | None = None
     kl: float | None = None
+    kl_positions: int | None = None  # left out when unset
+    twins: int | None = None  # left out when unset
     ppl_rel_diff: float | None = None
     ppl_bound: float | None = None
     passed: bool | None = None

@@ -84,7 +84,8 @@ def _noise(parity) -> str:
     ratio = parity.kl / noise.kl if noise.kl > 0 else math.inf
     agree = noise.argmax_agreement_decided
     ppl = "" if noise.ppl_rel_diff is None else f", ppl diff {noise.ppl_rel_diff:.2%}"
+    twins = "rounding twin" if (noise.twins or 1) == 1 else f"{noise.twins} rounding twins"
     return (
         f", KL {parity.kl:.3g} nats/token = {_num(ratio, '.2g')}x the converted model's rounding noise "
-        f"(rounding twin: KL {noise.kl:.3g}, argmax {'n/a' if agree is None else f'{agree:.3f}'}{ppl})"
+        f"({twins}: KL {noise.kl:.3g}, argmax {'n/a' if agree is None else f'{agree:.3f}'}{ppl})"
     )
