@@ -10,7 +10,8 @@ chosen so the totals match), in one joint run. ``--family``:
 - ``falcon_h1``: a Mamba2 mixer beside attention in every layer (both a KV cache and the states; Falcon-H1).
 
 qharness carries these states as buffers of the program (``qharness/deploy/fastpath/state_cache.py``); the depthwise
-``conv1d`` runs in float outside the XNNPACK delegate (the portable kernel). What a recurrent layer saves against
+convolution runs in float as one multiply-add per kernel tap (``state_cache.causal_conv``), which the XNNPACK delegate
+runs. What a recurrent layer saves against
 attention: no KV cache to read (it grows with the position). What it costs: its own math (the convolution, the
 recurrence) and the state copy per call. The script measures the net effect at two shapes: ``tiny`` (4 layers, hidden
 256) and ``350m`` (LFM2-350M's config: 16 layers, 6 of them attention, hidden 1024, vocabulary 65536; the other

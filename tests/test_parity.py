@@ -229,3 +229,39 @@ def test_score_jointly_scores_each_model_as_alone_and_its_kl_from_the_reference_
     want = torch.cat(kl)
     assert out["pte"]["kl"] == pytest.approx(want.mean().item()) and out["pte"]["kl"] > 0.01
     assert out["pte"]["kl_positions"] == x.numel() and out["itself"]["kl"] == 0.0
+
+
+@pytest.mark.fast
+def test_the_gate_scores_more_rounding_twins_while_few_positions_moved(monkeypatch):
+    """``more_twins``: seeds 1, 2, ... until ``TWINS_MOVED`` positions moved in all twins, at most ``MAX_TWINS``; the
+    noise the gate judges by (``pool_kl``) is the mean over every twin's positions and the decoding's."""
+    from types import SimpleNamespace
+
+    import qharness.run.gate as gate_mod
+
+    seeds = []
+    monkeypatch.setattr(gate_mod, "rounding_twin", lambda scorer, seed: seeds.append(seed) or seed)
+    moved = {1: 30, 2: 5, 3: 40}  # the first twin moved 30: 100 reached by the third more
+    monkeypatch.setattr(
+        gate_mod,
+        "score_jointly",
+        lambda ref, others, x, y: {
+            "twin": {
+                "kl": 1e-5 * moved[others["twin"].seed],
+                "kl_positions": 64,
+                "kl_moved": moved[others["twin"].seed],
+            }
+        },
+    )
+    monkeypatch.setattr(gate_mod, "step_of", lambda seed: SimpleNamespace(seed=seed))
+    first = {"kl": 3e-4, "kl_positions": 64, "kl_moved": 30}
+    data = SimpleNamespace(x=None, y=None)
+    more = gate_mod.more_twins(None, None, first, data)
+    assert seeds == [1, 2, 3] and [t["kl_moved"] for t in more] == [30, 5, 40]
+    figures = {"kl": 1e-3, "positions": 11}
+    gate_mod.pool_kl(figures, [first, *more])
+    assert figures["kl_positions"] == 11 + 4 * 64
+    assert figures["kl"] == pytest.approx((1e-3 * 11 + 64 * (3e-4 + 3e-4 + 5e-5 + 4e-4)) / (11 + 256))
+    seeds.clear()
+    moved.update({i: 0 for i in range(1, 8)})  # nothing moves: eight twins in all, then stop
+    assert len(gate_mod.more_twins(None, None, {**first, "kl_moved": 0}, data)) == 7 and seeds == list(range(1, 8))
