@@ -107,6 +107,9 @@ HYBRID = dict(vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_val
         ("jamba", {}, "linear_attention"),  # layers_block_type: a property derived from other settings
         ("falcon_mamba", {}, "linear_attention"),
         ("recurrent_gemma", {}, "linear_attention"),
+        ("minimax", {}, "linear_attention"),  # lightning attention: a cache of its own, the model not marked stateful
+        ("kimi_linear", dict(pad_token_id=0), "linear_attention"),  # (its default pad id is past this vocabulary)
+        ("bailing_hybrid", dict(pad_token_id=0), "linear_attention"),
     ],
 )
 def test_recurrent_states_no_route_carries_are_refused_in_one_line_naming_what_is_missing(
@@ -120,6 +123,25 @@ def test_recurrent_states_no_route_carries_are_refused_in_one_line_naming_what_i
     with pytest.raises(UserError, match=f"in its .*{kinds}.* layers; .*not yet this layer's recurrence") as e:
         check_architecture(source)
     assert "Falcon-H1" in e.value.fix and "Qwen3.5" in e.value.fix and "\n" not in str(e.value)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "model_type, kwargs",
+    [
+        ("lfm3", dict(pad_token_id=0)),
+        ("lfm2", dict(layer_types=["conv", "conv"])),
+        ("granitemoehybrid", dict(layer_types=["mamba"] * 2)),
+    ],
+)
+def test_a_hybrid_config_without_an_attention_layer_is_refused_in_one_line(tmp_path, model_type, kwargs):
+    """A tiny LFM3 (two layers: its default layer_types are both conv) or any hybrid of recurrent layers only:
+    transformers' own cache refuses it, so it is refused before any work with the fix that helps, not as a recipe
+    that cannot deploy it."""
+    source = _save_config_only(tmp_path / model_type, model_type, **HYBRID, **kwargs)
+    with pytest.raises(UserError, match=r"its layer_types \(.*\) hold no attention layer") as e:
+        check_architecture(source)
+    assert "full_attention" in e.value.fix and "\n" not in str(e.value)
 
 
 @pytest.mark.fast

@@ -76,6 +76,8 @@ FAMILIES = {
     "lfm2": ("lfm2", dict(LFM2), 5 + 7 + 1, "fast", W4),
     # the same hybrid with MoE: a dense conv layer, then attention with batched 3-D experts (router, 4 x 3)
     "lfm2_moe": ("lfm2_moe", dict(LFM2, num_dense_layers=1, **MOE_LFM2), 5 + 4 + 1 + 12 + 1, "fast", INT8),
+    # LFM3: LFM2's short convolutions beside gated attention (g_proj), whose rotary knows only the attention types
+    "lfm3": ("lfm3", dict(LFM2), 5 + 8 + 1, "fast", W4),
     # gated DeltaNet (a convolution window and a recurrent state; in_proj_qkv, z, b, a, out_proj) then gated attention
     "qwen3_5": ("qwen3_5_text", DELTANET, 5 + 3 + 4 + 3 + 1, "fast", W4),
     # fused in_proj_qkvz / in_proj_ba (+ out_proj) and MoE layers (router, 4 experts x 3, shared expert 3 + its gate)
@@ -111,7 +113,7 @@ FAMILIES = {
     "falcon_h1": ("falcon_h1", dict(MAMBA2, mamba_d_ssm=128), 2 * 9 + 1, "fast", INT8),
 }
 CONVS = {  # layer 0: the convolution (LFM2) or gated DeltaNet layer
-    **{name: ("model.layers.0.conv.conv",) for name in ("lfm2", "lfm2_moe")},
+    **{name: ("model.layers.0.conv.conv",) for name in ("lfm2", "lfm2_moe", "lfm3")},
     **{name: ("model.layers.0.linear_attn.conv1d",) for name in ("qwen3_5", "qwen3_next", "qwen3_5_moe")},
     **{name: ("model.layers.0.mamba.conv1d",) for name in ("bamba", "granitemoehybrid")},
     "falcon_h1": ("model.layers.0.mamba.conv1d", "model.layers.1.mamba.conv1d"),
@@ -217,7 +219,7 @@ def check_runner(run_dir, new_tokens: int = 8) -> None:
 # families whose deploy path the default suite covers elsewhere (slow tier here, to keep the default suite short):
 # MoE experts (mixtral, deepseek_v3 here), sliding windows (gemma2), parallel residuals (phi3, falcon; gpt_neox through
 # the CLI below), recurrent states (lfm2, qwen3_5; Mamba2: granitemoehybrid, falcon_h1; bamba has the same mixer)
-DEPLOY_SLOW = {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2_moe", "mistral_window", "gpt_neox", "bamba"}
+DEPLOY_SLOW = {"qwen3_moe", "qwen3_next", "qwen3_5_moe", "lfm2_moe", "lfm3", "mistral_window", "gpt_neox", "bamba"}
 
 
 @pytest.mark.parametrize(

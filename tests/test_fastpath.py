@@ -105,6 +105,8 @@ FAMILIES = {
     "gpt2": {},  # learned positions, no rotary
     "lfm2": {"layer_types": ["conv", "full_attention"]},  # a convolution state (no KV cache) in layer 0
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1, "num_experts": 4},
+    # LFM3: LFM2's convolutions beside (here windowed) attention; its rotary knows the attention layer types only
+    "lfm3": {"layer_types": ["conv", "sliding_attention"], "sliding_window": 8},
     "qwen3_5_text": DELTANET,  # gated DeltaNet: a convolution window and the delta rule's recurrent state in layer 0
     "qwen3_next": {**DELTANET, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
     "qwen3_5_moe_text": {  # Qwen3.5's MoE: gated DeltaNet and gated attention, batched 3-D experts + a shared expert

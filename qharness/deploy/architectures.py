@@ -229,6 +229,27 @@ def _check_experts(model, recipe, what: str, arch: str) -> None:
     )
 
 
+ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "attention", "hybrid"})
+STATE_TYPES = frozenset({"conv", "linear_attention", "mamba"})
+
+
+def no_attention_reason(config, what: str) -> None:
+    """Refuse (``UserError``) a hybrid config whose ``layer_types`` hold recurrent layers and no attention layer
+    (a tiny LFM3 or LFM2 of two conv layers, a Granite-4.0-H of Mamba layers only): transformers' own cache for these
+    families needs an attention layer (``get_seq_length`` refuses a cache of linear layers only), so neither the model
+    nor its export runs with a cache. No released checkpoint of these families is built so."""
+    types = getattr(config.get_text_config(), "layer_types", None)
+    if not isinstance(types, (list, tuple)) or not set(types) & STATE_TYPES or set(types) & ATTENTION_TYPES:
+        return
+    raise UserError(
+        f"{what}: its layer_types ({', '.join(sorted(set(types)))}) hold no attention layer; transformers' cache for "
+        "this family needs one (its get_seq_length refuses a cache of recurrent layers only), so the model cannot "
+        "decode with a cache, here or in a .pte",
+        fix="give the config at least one full_attention (or sliding_attention) layer in layer_types, as every "
+        "released checkpoint of the family has",
+    )
+
+
 def check_architecture(
     source: str, trust_remote_code: bool = False, recipe=None, max_seq_len: int = 64, config=None
 ) -> None:
@@ -262,8 +283,10 @@ def check_architecture(
             fix="check the config's per-layer settings (layer_types and the like) against num_hidden_layers, or "
             "report the config: the check needs that copy before any work",
         ) from e
-    if getattr(model, "_is_stateful", False) and not rule_modules(model):
-        kinds = sorted(set(getattr(probe.get_text_config(), "layer_types", None) or []) - {"full_attention", "conv"})
+    layer_types = set(getattr(probe.get_text_config(), "layer_types", None) or [])
+    # MiniMax's lightning attention keeps its state in a cache of its own, the model not marked stateful
+    if (getattr(model, "_is_stateful", False) or "linear_attention" in layer_types) and not rule_modules(model):
+        kinds = sorted(layer_types - {"full_attention", "conv"})
         raise UserError(
             f"{what}: {type(model).__name__} keeps a recurrent (SSM) state"
             + (f" in its {', '.join(kinds)} layers" if kinds else "")
@@ -274,6 +297,7 @@ def check_architecture(
             fix="deploy a hybrid qharness carries (LFM2, Qwen3.5, Falcon-H1, Granite-4.0-H, Nemotron-H) or a "
             "KV-cache family (Llama, Qwen3, Gemma3, ...)",
         )
+    no_attention_reason(config, what)
     checked = probe if recipe is None else small_vocab(copy.deepcopy(probe))  # the config of the copy checked
     marker = cache_dir() / "architectures" / _cache_key(checked, trust_remote_code, recipe, max_seq_len)
     if marker.is_file():

@@ -28,7 +28,12 @@ class RopeTable(torch.nn.Module):
 
     def __init__(self, rotary: torch.nn.Module, max_seq_len: int, dtype: torch.dtype, layer_types: list[str]):
         super().__init__()
-        self.keys = layer_types if "layer_type" in inspect.signature(rotary.forward).parameters else [None]
+        self.keys = [None]
+        if "layer_type" in inspect.signature(rotary.forward).parameters:  # one table per layer type it has factors for
+            known = getattr(rotary, "rope_type", None)  # e.g. LFM3: full and sliding attention, not its conv layers
+            self.keys = [t for t in dict.fromkeys(layer_types) if not isinstance(known, dict) or t in known]
+        if isinstance(getattr(rotary, "layer_types", None), list):  # LFM3's model asks its rotary which types it has
+            self.layer_types = list(rotary.layer_types)
         probe, positions = torch.zeros(1, dtype=dtype), torch.arange(max_seq_len)[None]
         with torch.no_grad():
             for i, key in enumerate(self.keys):
