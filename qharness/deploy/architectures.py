@@ -233,16 +233,15 @@ ATTENTION_TYPES = frozenset({"full_attention", "sliding_attention", "attention",
 STATE_TYPES = frozenset({"conv", "linear_attention", "mamba"})
 
 
-def no_attention_reason(config, what: str) -> None:
+def _check_attention_layer(layer_types: set[str], what: str) -> None:
     """Refuse (``UserError``) a hybrid config whose ``layer_types`` hold recurrent layers and no attention layer
     (a tiny LFM3 or LFM2 of two conv layers, a Granite-4.0-H of Mamba layers only): transformers' own cache for these
     families needs an attention layer (``get_seq_length`` refuses a cache of linear layers only), so neither the model
     nor its export runs with a cache. No released checkpoint of these families is built so."""
-    types = getattr(config.get_text_config(), "layer_types", None)
-    if not isinstance(types, (list, tuple)) or not set(types) & STATE_TYPES or set(types) & ATTENTION_TYPES:
+    if not layer_types & STATE_TYPES or layer_types & ATTENTION_TYPES:
         return
     raise UserError(
-        f"{what}: its layer_types ({', '.join(sorted(set(types)))}) hold no attention layer; transformers' cache for "
+        f"{what}: its layer_types ({', '.join(sorted(layer_types))}) hold no attention layer; transformers' cache for "
         "this family needs one (its get_seq_length refuses a cache of recurrent layers only), so the model cannot "
         "decode with a cache, here or in a .pte",
         fix="give the config at least one full_attention (or sliding_attention) layer in layer_types, as every "
@@ -297,7 +296,7 @@ def check_architecture(
             fix="deploy a hybrid qharness carries (LFM2, Qwen3.5, Falcon-H1, Granite-4.0-H, Nemotron-H) or a "
             "KV-cache family (Llama, Qwen3, Gemma3, ...)",
         )
-    no_attention_reason(config, what)
+    _check_attention_layer(layer_types, what)
     checked = probe if recipe is None else small_vocab(copy.deepcopy(probe))  # the config of the copy checked
     marker = cache_dir() / "architectures" / _cache_key(checked, trust_remote_code, recipe, max_seq_len)
     if marker.is_file():

@@ -58,8 +58,7 @@ def check_parity(
     if trained.recipe.runs_here:
         figures = gate_pte(trained, lowered, scorer, data, cfg, scores)  # scores the converted model beside the .pte
     else:
-        scores["converted"] = score_deployed(step_of(scorer), data.x, data.y, desc="scoring the converted model")
-        reasons = non_finite_scores(scores, "converted")  # NaN passes no gate, run here or not
+        reasons = score_converted(step_of(scorer), data, scores)
         figures = {
             "passed": False if reasons else None,
             "skipped": f"the {trained.recipe.backend} backend cannot run on this machine (recipe runs_here: false)",
@@ -94,8 +93,7 @@ def gate_pte(
     try:
         pte = PteModel(lowered.pending)
     except UserError as e:  # e.g. XNNPACK refuses a NaN scale: a program that does not run fails its gate
-        scores["converted"] = score_deployed(ref, data.x, data.y, desc="scoring the converted model")
-        reasons = non_finite_scores(scores, "converted")
+        reasons = score_converted(ref, data, scores)
         return {"passed": False, "reasons": reasons + [f"the .pte does not load in the ExecuTorch runtime: {e.what}"]}
     scored = score_jointly(
         ref,
@@ -176,6 +174,13 @@ def pool_kl(figures: dict, blocks: list[dict]) -> None:
 def step_of(graph: torch.fx.GraphModule):
     """``graph`` called as the ``.pte`` is: ``step(tokens[1, n], start) -> logits``."""
     return lambda tokens, start: graph(tokens, torch.tensor([start], dtype=torch.long))
+
+
+def score_converted(ref, data: HeldOut, scores: dict[str, dict]) -> list[str]:
+    """The converted model scored alone (into ``scores``; where no ``.pte`` is scored beside it), and the gate's
+    reason if its loss is not finite: NaN passes no gate, run here or not."""
+    scores["converted"] = score_deployed(ref, data.x, data.y, desc="scoring the converted model")
+    return non_finite_scores(scores, "converted")
 
 
 def non_finite_scores(metrics: dict, key: str) -> list[str]:

@@ -45,7 +45,7 @@ TINY = 2.0**-40  # ~9.1e-13: a gated MLP multiplies two activations made of it (
 def nudge_zero_rows(model: torch.nn.Module) -> dict[str, list[int]]:
     """Give every all-zero row of ``model``'s embedding tables (in place) the values ``+-TINY``, alternating;
     returns ``{table name: [row ids]}`` of the rows changed (empty: none). A table tied to an output head changes
-    with it: that row's logit moves from 0 by ~1e-30."""
+    with it: that row's logit moves from 0 by ~1e-11."""
     changed, seen = {}, set()
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Embedding) or id(module.weight) in seen:
