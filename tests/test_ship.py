@@ -125,6 +125,7 @@ RESULTS = {
     "xnnpack_8da4w_gptq-ptq": (0.009, 1.793),
     "xnnpack_8da4w_rot_gptq-ptq": (0.012, 1.793),
     "xnnpack_8da4w_tied8-ptq": (0.007, 1.95),  # an 8-bit table and lm_head: larger on the untied demo model
+    "xnnpack_8da4w_zp-ptq": (0.006, 1.99),  # the same with zero points' offsets: larger still
     "autotune_2mb-ptq": (0.008, 1.95),
     "xnnpack_8da4w_lsq_gptq-qat": (0.004, 1.793),
     "xnnpack_8da4w_tied8-qat": (0.005, 1.95),
@@ -213,7 +214,7 @@ def no_bench(monkeypatch):
 def test_a_tolerance_4bit_ptq_meets_ends_without_training(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner)
-    assert [sub for sub, _ in runner.calls] == ["calibrate"] * 7  # the FP reference, int8, five 4-bit PTQ
+    assert [sub for sub, _ in runner.calls] == ["calibrate"] * 8  # the FP reference, int8, six 4-bit PTQ
     assert rec.outcome == "chosen" and rec.chosen == "xnnpack_8da4w_gptq-ptq"  # the tie on size: most accurate
     states = {r.name: r.state for r in rec.rungs}
     assert states == {
@@ -387,6 +388,7 @@ def test_a_killed_ship_continues_from_its_finished_rungs(tmp_path, no_bench):
         "xnnpack_8da4w_gptq-ptq",
         "xnnpack_8da4w_rot_gptq-ptq",
         "xnnpack_8da4w_tied8-ptq",
+        "xnnpack_8da4w_zp-ptq",
     ]
     states = {c.name: c.state for c in rec.candidates}
     assert states["xnnpack_int8_dynamic-ptq"] == "reused" and states["xnnpack_8da4w_gptq-ptq"] == "ran"
@@ -485,7 +487,7 @@ def test_a_latency_goal_times_the_candidates_after_each_rung_and_picks_the_faste
     monkeypatch.setattr(climb, "_report", lambda *a, **k: None)
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%", prefer="latency"), runner=FakeRunner())
     assert rec.chosen == "xnnpack_int8_dynamic-ptq"
-    assert [len(b) for b in benched] == [1, 6]  # after int8_ptq, then after int4_ptq: every candidate so far
+    assert [len(b) for b in benched] == [1, 7]  # after int8_ptq, then after int4_ptq: every candidate so far
     assert "4 ms/token" in rec.rungs[3].reason and rec.rungs[3].state == "skipped"
     assert {c.name: c.latency_ms for c in rec.candidates}["xnnpack_int8_dynamic-ptq"] == 4.0
 
@@ -494,7 +496,7 @@ def test_a_latency_goal_times_the_candidates_after_each_rung_and_picks_the_faste
 def test_exclude_leaves_recipes_out_of_the_ladder(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner, exclude=["xnnpack_8da4w_gptq"])
-    assert "xnnpack_8da4w_gptq-ptq" not in [n for _, n in runner.calls] and len(runner.calls) == 6
+    assert "xnnpack_8da4w_gptq-ptq" not in [n for _, n in runner.calls] and len(runner.calls) == 7
     assert rec.chosen == "xnnpack_8da4w_hqq-ptq" and rec.goal["exclude"] == ["xnnpack_8da4w_gptq"]
     with pytest.raises(UserError, match="--exclude xnnpack_nope: not a recipe of the xnnpack ladder"):
         climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner, exclude=["xnnpack_nope"])

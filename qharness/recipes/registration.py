@@ -74,7 +74,9 @@ class SourceConfig:
     it quantizes, what those are (for messages), whether QAT learns their weight scales (LSQ, torchao's range
     learning) for deployment to use as trained, the name of the scheme it gives a module (``summary.json``'s
     ``layers``, e.g. ``8da4w-g32``), whether selecting no module is an error (per-layer recipes check their
-    rules instead, ``recipes/layers.py``) and whether its linears are rounded by GPTQ (``recipes/gptq.py``)."""
+    rules instead, ``recipes/layers.py``), whether its linears are rounded by GPTQ (``recipes/gptq.py``) or by
+    ``recipes/rounding.py`` (weighted scales, zero points: ``rounded``), and the glob patterns of the linears whose
+    groups take a zero point (``recipes/zero_points.py``)."""
 
     config: Any
     select: Callable[[Any, str], bool]
@@ -83,14 +85,17 @@ class SourceConfig:
     scheme: str = "quantized"
     required: bool = True
     gptq: bool = False
+    rounded: bool = False
+    zero_points: tuple[str, ...] = ()
     check_model: Callable[[Any], None] | None = (
         None  # more checks of the model (a ``UserError`` when it cannot take it)
     )
 
     @property
     def scales_given(self) -> bool:
-        """Whether deployment quantizes this step's weights with given scales (trained, or GPTQ's) when it has them."""
-        return self.learn_scales or self.gptq
+        """Whether deployment quantizes this step's weights with given scales (trained, GPTQ's, or rounding's) when it
+        has them."""
+        return self.learn_scales or self.gptq or self.rounded
 
 
 @dataclass

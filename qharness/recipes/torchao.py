@@ -20,7 +20,7 @@ from qharness.recipes.registration import SourceConfig, SourceQuantizer, registe
 
 CHOOSE_QPARAMS = ("affine", "hqq_scale_only")
 WEIGHT_MAPPINGS = embedding.SCALE_MAPPINGS  # the linears' scale rules are the tables' ones
-ROUNDING = ("nearest", "gptq")
+ROUNDING = ("nearest", "gptq", "weighted")
 WEIGHT_BITS = (2, 3, 4, 8)  # linear weights; 2 and 3 are stored as int4 on XNNPACK
 
 
@@ -45,9 +45,14 @@ class Torchao8da4wSettings:
         copies: the program stores them once, in a data file beside the ``.pte`` (``deploy/shared_table.py``).
     choose_qparams: ``affine`` (min-max scales, what QAT's fake quantization trains against) or ``hqq_scale_only``
         (HQQ-optimised scales, export_llm's default for 8da4w PTQ; PTQ-only recipes).
-    rounding: ``nearest`` (each weight to its nearest level) or ``gptq``: the linear weights are rounded by GPTQ on the
+    rounding: ``nearest`` (each weight to its nearest level), ``gptq``: the linear weights are rounded by GPTQ on the
         calibration blocks (``recipes/gptq.py``); PTQ deploys GPTQ's weights and scales; QAT (with ``learn_scales``
-        only) starts from GPTQ's weights and scales. ``choose_qparams: affine`` only.
+        only) starts from GPTQ's weights and scales. Or ``weighted`` (PTQ): each group-wise linear's scales chosen for
+        the activations they meet on the calibration blocks (``recipes/scale_search.py``, llama.cpp's importance
+        matrix). ``choose_qparams: affine`` only.
+    zero_points: fnmatch globs of module names (e.g. ``["*.down_proj"]``) whose 4-bit groups take a zero point each,
+        as llama.cpp's Q4_1 and Q4_K blocks do: asymmetric groups on XNNPACK's symmetric kernel plus an 8-bit GEMM of
+        the group means (``recipes/zero_points.py``), 0.25 bit per weight more. PTQ; group-wise layers only.
     weight_mapping: how a weight group's min-max scale is chosen. ``symmetric`` (torchao's default):
         ``max|w| / ((qmax - qmin) / 2)`` (4-bit: / 7.5; the largest positive weight is clipped to 7 levels).
         ``symmetric_no_clipping_err``: ``max(min(w) / qmin, max(w) / qmax)``: nothing is clipped, and the side that
@@ -70,6 +75,7 @@ class Torchao8da4wSettings:
     rounding: str = "nearest"
     learn_scales: bool = False
     weight_mapping: str = "symmetric"
+    zero_points: list | None = None
 
     def __post_init__(self):
         if self.group_size is not None and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
@@ -106,6 +112,27 @@ class Torchao8da4wSettings:
                 "computes others",
                 fix="leave choose_qparams at affine with rounding: gptq",
             )
+        if self.zero_points is not None and (
+            not self.zero_points or not all(isinstance(p, str) and p for p in self.zero_points)
+        ):
+            raise UserError(
+                f"torchao_8da4w quantizer: zero_points={self.zero_points!r} must be a non-empty list of module-name globs",
+                fix='e.g. zero_points: ["*.down_proj", "*.up_proj"], or leave it out',
+            )
+        rounds_itself = self.rounding == "weighted" or self.zero_points
+        if rounds_itself and (self.learn_scales or self.choose_qparams != "affine" or self.rounding == "gptq"):
+            other = (
+                "learn_scales: true"
+                if self.learn_scales
+                else "rounding: gptq"
+                if self.rounding == "gptq"
+                else f"choose_qparams: {self.choose_qparams}"
+            )
+            what = "rounding: weighted" if self.rounding == "weighted" else "zero_points"
+            raise UserError(
+                f"torchao_8da4w quantizer: {what} with {other}: both choose the weights' scales",
+                fix=f"drop {what}, or {other}",
+            )
         if self.weight_mapping not in WEIGHT_MAPPINGS:
             raise UserError(
                 f"torchao_8da4w quantizer: weight_mapping {self.weight_mapping!r} is unknown",
@@ -139,12 +166,35 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             "(it trains affine scales)",
             fix="use it in PTQ-only recipes (modes: [ptq]), or choose_qparams: affine",
         )
+    if is_qat and (settings.rounding == "weighted" or settings.zero_points):
+        what = "rounding: weighted" if settings.rounding == "weighted" else "zero_points"
+        raise UserError(
+            f"torchao_8da4w quantizer: {what} chooses the weights' scales once, before deployment (PTQ); QAT's fake "
+            "quantization trains min-max scales",
+            fix="use it in PTQ-only recipes (modes: [ptq]), or drop it for QAT",
+        )
+    from qharness.recipes.zero_points import ZeroPointOffsets
     from qharness.upstream.fixes import xnnpack_bf16_scales
 
     bits = {2: torch.int2, 3: torch.int3, 4: torch.int4, 8: torch.int8}
     group = settings.group_size
     granularity = PerAxis(0) if group is None else PerGroup(group)
-    configs = [
+    zero_points = tuple(settings.zero_points or ()) if group is not None else ()
+    configs = []
+    if zero_points:  # the offsets of the zero-point layers: int8 per channel (first, so that no 4-bit step takes them)
+        configs.append(
+            SourceConfig(
+                Int8DynamicActivationIntxWeightConfig(
+                    weight_dtype=torch.int8, weight_granularity=PerAxis(0), intx_choose_qparams_algorithm="affine"
+                ),
+                lambda m, fqn: isinstance(m, ZeroPointOffsets),
+                "the zero-point layers' offsets",
+                required=False,
+                scheme=scheme_name(8, None, dynamic_activations=True),
+            )
+        )
+    linear = lambda m: isinstance(m, torch.nn.Linear) and not isinstance(m, ZeroPointOffsets)  # noqa: E731
+    configs.append(
         SourceConfig(
             Int8DynamicActivationIntxWeightConfig(
                 weight_dtype=bits[settings.weight_bits],
@@ -154,21 +204,41 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
                 # what XNNPACK computes groups and per-channel 4-bit weights with
                 weight_scale_dtype=xnnpack_bf16_scales.scale_dtype(granularity, bits[settings.weight_bits]),
             ),
-            (lambda m, fqn: isinstance(m, torch.nn.Linear))
-            if group is None
-            else (lambda m, fqn: isinstance(m, torch.nn.Linear) and m.in_features % group == 0),
+            (lambda m, fqn: linear(m)) if group is None else (lambda m, fqn: linear(m) and m.in_features % group == 0),
             "nn.Linear layers" if group is None else f"nn.Linear layers whose in_features group_size={group} divides",
             learn_scales=settings.learn_scales,
             gptq=settings.rounding == "gptq",
+            rounded=group is not None and (settings.rounding == "weighted" or bool(zero_points)),
+            zero_points=zero_points,
+            check_model=(lambda model: check_zero_points(model, zero_points)) if zero_points else None,
             scheme=scheme_name(settings.weight_bits, group, dynamic_activations=True),
         )
-    ]
+    )
     quant = embedding.embedding_quant(
         "torchao_8da4w quantizer", settings.embedding_bits, settings.embedding_group_size, settings.embedding_mapping
     )
     if quant is not None:  # min-max scales, learned or not
         configs.append(embedding.source_config(quant))
     return SourceQuantizer(configs)
+
+
+def check_zero_points(model, patterns: tuple[str, ...]) -> None:
+    """A ``UserError`` unless ``patterns`` match a linear of ``model`` (or a layer that already has zero points)."""
+    import torch
+
+    from qharness.recipes.zero_points import ZeroPointLinear, ZeroPointOffsets, chosen
+
+    names = [
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, ZeroPointLinear) or (isinstance(m, torch.nn.Linear) and not isinstance(m, ZeroPointOffsets))
+    ]
+    if not chosen(names, patterns):
+        example = ", ".join(n for n in names[:3])
+        raise UserError(
+            f"torchao_8da4w quantizer: zero_points {list(patterns)} match no linear of {type(model).__name__}",
+            fix=f"give globs of its linears' names (e.g. {example})",
+        )
 
 
 def scheme_name(weight_bits: int, group_size: int | None, dynamic_activations: bool) -> str:

@@ -17,7 +17,7 @@ from qharness.run.gate import TRAINED_CHECK, check_parity
 from qharness.run.results import answer_run, bench_run, evaluate_run, write_summary
 from qharness.run.stages import export_and_quantize, lower_and_write, score_trained
 from qharness.run.summary import RunSummary, Timings
-from qharness.run.trained import HeldOut, Trained, with_gptq
+from qharness.run.trained import HeldOut, Trained, with_rounding
 from qharness.schema.run import check_max_seq_len
 from qharness.upstream import process
 
@@ -106,9 +106,9 @@ def deploy_and_check(
     metadata = runner_metadata(export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, metadata_eos)
     timings = Timings()
     t = time.perf_counter()
-    trained = with_gptq(trained, data.calibration)
+    trained = with_rounding(trained, data.calibration)
     if trained.mode == "ptq" and trained.weight_qparams is not None:
-        timings.gptq_s = time.perf_counter() - t
+        timings.rounding_s = time.perf_counter() - t
     scores = score_trained(trained, data)
     keep_fp = eval_cfg.enabled  # lm-eval scores the FP model after the .pte is written
     fp_model = trained.fp_model

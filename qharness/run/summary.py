@@ -194,7 +194,7 @@ class LayerPlan:
 class Timings:
     """Seconds per deploy stage (None: the stage did not run)."""
 
-    gptq_s: float | None = None
+    rounding_s: float | None = None  # PTQ that chooses its weights: GPTQ, weighted scales, zero points
     export_quantize_s: float | None = None
     lower_s: float | None = None
     parity_s: float | None = None

@@ -68,17 +68,30 @@ class HeldOut:
         return self.x.shape[1]
 
 
-def with_gptq(trained: Trained, calibration: torch.Tensor) -> Trained:
-    """PTQ with a ``rounding: gptq`` recipe: ``trained`` whose weights are GPTQ's rounding of the FP model on the
-    ``calibration`` blocks and whose ``weight_qparams`` are GPTQ's scales, so the ``.pte`` holds exactly GPTQ's weights
-    (the parity gate checks that every scale reached it). Anything else: ``trained`` as it is."""
-    if trained.mode != "ptq" or not trained.recipe.rounds_with_gptq:
+def with_rounding(trained: Trained, calibration: torch.Tensor) -> Trained:
+    """PTQ with a recipe that chooses its deployed weights: ``trained`` whose weights and ``weight_qparams`` are GPTQ's
+    rounding of the FP model on the ``calibration`` blocks (``rounding: gptq``), or the weighted scales' and zero
+    points' (``rounding: weighted``, ``zero_points``: ``recipes/rounding.py``), so the ``.pte`` holds exactly those
+    weights (the parity gate checks that every scale reached it). Anything else: ``trained`` as it is."""
+    if trained.mode != "ptq":
         return trained
-    from qharness.recipes.gptq import gptq_round
     from qharness.sources.models import put_weights
 
-    weights, qparams = gptq_round(trained.fp_model, trained.recipe.make_quantizer(is_qat=False), calibration)
-    return dataclasses.replace(trained, load_trained=lambda model: put_weights(model, weights), weight_qparams=qparams)
+    quantizer = trained.recipe.make_quantizer(is_qat=False)
+    if trained.recipe.rounds_with_gptq:
+        from qharness.recipes.gptq import gptq_round
+
+        weights, qparams = gptq_round(trained.fp_model, quantizer, calibration)
+        return dataclasses.replace(
+            trained, load_trained=lambda model: put_weights(model, weights), weight_qparams=qparams
+        )
+    from qharness.recipes.rounding import round_weights, rounds_itself
+
+    if not rounds_itself(quantizer):
+        return trained
+    weighted = getattr(trained.recipe.settings, "rounding", "nearest") == "weighted"
+    rounded = round_weights(trained.fp_model, quantizer, calibration, weighted)
+    return dataclasses.replace(trained, load_trained=rounded.load, weight_qparams=rounded.qparams)
 
 
 def deploy_graph(

@@ -6,9 +6,9 @@ XNNPACK (``LADDERS["xnnpack"]``), in order:
 
 1. ``int8_ptq``: int8 dynamic PTQ: a calibration pass, the least accuracy lost.
 2. ``int4_ptq``: 4-bit weights, PTQ: rounding to nearest, HQQ scales, GPTQ, rotation + GPTQ (each seconds more than
-   nearest; smaller than int8), and the 8-bit output tensor stored once with a tied table (``xnnpack_8da4w_tied8``:
-   on a real tied model the 4-bit program that loses least and the smallest, SmolLM2-135M's 89 MB against 94;
-   docs/benchmarks/real-model.md).
+   nearest; smaller than int8), the 8-bit output tensor stored once with a tied table (``xnnpack_8da4w_tied8``:
+   SmolLM2-135M's 89 MB against 94; docs/benchmarks/real-model.md), and that layout with zero points and weighted
+   scales (``xnnpack_8da4w_zp``: on SmolLM2 the 4-bit PTQ program that loses least, at Q4_0's size).
 3. ``mixed_ptq``: per-layer mixed precision under the size budget (``qharness autotune``: a per-layer sensitivity
    table, then PTQ): only with ``--max_size_mb`` and while no candidate meets everything (it spends the budget on
    accuracy, it does not look for a smaller program); its smallest scheme (4-bit per channel) stores 8/9 of 4-bit
@@ -67,13 +67,14 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
         Rung(
             "int4_ptq",
             "4-bit weights, PTQ (nearest, HQQ scales, GPTQ, rotation + GPTQ, an 8-bit output tensor stored once with a "
-            "tied table): seconds more than int8, a smaller .pte",
+            "tied table, with zero points and weighted scales): seconds more than int8, a smaller .pte",
             _ptq(
                 "xnnpack_8da4w",
                 "xnnpack_8da4w_hqq",
                 "xnnpack_8da4w_gptq",
                 "xnnpack_8da4w_rot_gptq",
                 "xnnpack_8da4w_tied8",
+                "xnnpack_8da4w_zp",
             ),
             bits=4,
         ),

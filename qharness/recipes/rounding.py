@@ -1,0 +1,95 @@
+"""The weights a PTQ recipe deploys when it chooses them itself (``rounding: weighted``, ``zero_points``).
+
+``round_weights`` goes once over the FP model's linears that such a step quantizes: a zero-point layer is split into
+its symmetric 4-bit part and its offsets (``recipes/zero_points.py``), any other is rounded with the scales
+``rounding: weighted`` searched (``recipes/scale_search.py``) or else with its min-max scales. What comes out is
+what the flow already carries for GPTQ: weights and scales keyed by weight name (``SourceQuantizer.convert(model,
+qparams)`` quantizes each weight with its given scale, and the parity gate checks every scale reached the program),
+plus the zero-point layers, attached to each deploy copy of the model by ``Rounded.load``.
+
+Example::
+
+    rounded = round_weights(model, recipe.make_quantizer(is_qat=False), calibration_blocks)
+    deploy_model = copy.deepcopy(model); rounded.load(deploy_model)   # zero-point layers attached, weights rounded
+    quantizer.convert(deploy_model, rounded.qparams)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from qharness.progress import stage
+from qharness.recipes import scale_search, zero_points
+from qharness.recipes.gptq import grid, symmetric_scale
+from qharness.recipes.registration import SourceQuantizer
+from qharness.sources.models import put_weights
+
+
+@dataclass
+class Rounded:
+    """``weights`` (``{weight name: rounded weight}``), ``qparams`` (``{weight name: (scale, zero_point)}``, for every
+    weight the step quantizes with given scales) and ``parts`` (``{module name: (main weight, offsets)}``: the
+    zero-point layers)."""
+
+    weights: dict[str, torch.Tensor]
+    qparams: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    parts: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    def load(self, model: torch.nn.Module) -> None:
+        """Put the rounded weights into ``model`` (a copy of the FP model) and attach its zero-point layers."""
+        put_weights(model, self.weights)
+        zero_points.attach(model, self.parts)
+
+
+def rounded_layers(model: torch.nn.Module, quantizer) -> dict[str, tuple[torch.nn.Linear, object]]:
+    """``{name: (linear, step)}`` of the linears a ``rounded`` step of ``quantizer`` quantizes."""
+    out = {}
+    for name, m in model.named_modules():
+        step = next((s for s in quantizer.configs if s.select(m, name)), None)
+        if step is not None and step.rounded and isinstance(m, torch.nn.Linear):
+            out[name] = (m, step)
+    return out
+
+
+def rounds_itself(quantizer) -> bool:
+    """Whether ``quantizer`` (a ``SourceQuantizer``, or another kind) has a step that ``round_weights`` serves."""
+    return isinstance(quantizer, SourceQuantizer) and any(s.rounded for s in quantizer.configs)
+
+
+def round_weights(model: torch.nn.Module, quantizer, blocks: torch.Tensor, weighted: bool) -> Rounded:
+    """The rounded weights of ``model`` (an FP HF causal LM, left unchanged) for ``quantizer``'s rounded steps;
+    ``weighted``: the symmetric layers' scales searched for their inputs on ``blocks`` (one pass of the model)."""
+    from torchao.quantization.quant_primitives import MappingType
+
+    layers = rounded_layers(model, quantizer)
+    zero = {n for n, (_, step) in layers.items() if zero_points.chosen([n], step.zero_points)}
+    power = {}
+    if weighted:
+        names = [n for n in layers if n not in zero]
+        with stage(f"weighted scales: input power of {len(names)} layers on {len(blocks)} calibration blocks"):
+            power = scale_search.input_power(model, names, blocks)
+    weights, qparams, parts = {}, {}, {}
+    with stage(f"rounding {len(layers)} layers ({len(zero)} with zero points)"):
+        for name, (m, step) in layers.items():
+            qmin, qmax, group = grid(step.config, m.in_features)
+            scale_dtype = getattr(step.config, "weight_scale_dtype", None)
+            if name in zero:
+                main, scales, offsets = zero_points.split(
+                    m.weight, group, bits=(qmax - qmin + 1).bit_length() - 1, scale_dtype=scale_dtype
+                )
+                parts[name] = (main, offsets)
+                qparams[f"{name}.main.weight"] = (scales, torch.zeros_like(scales))
+                continue
+            if name in power:
+                scales = scale_search.search_scales(m.weight, power[name], qmin, qmax, group, scale_dtype)
+            else:
+                no_clipping = getattr(step.config, "weight_mapping_type", None) == MappingType.SYMMETRIC_NO_CLIPPING_ERR
+                w = m.weight.detach().float().reshape(-1, group)
+                scales = symmetric_scale(w, qmin, qmax, no_clipping).reshape(m.out_features, -1)
+                if scale_dtype is not None:
+                    scales = scales.to(scale_dtype).float()
+            weights[f"{name}.weight"] = scale_search.round_to(m.weight, scales, qmin, qmax, group)
+            qparams[f"{name}.weight"] = (scales, torch.zeros_like(scales))
+    return Rounded(weights, qparams, parts)

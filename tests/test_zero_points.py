@@ -1,0 +1,100 @@
+"""Zero points on XNNPACK's symmetric 4-bit kernels (``zero_points``, ``recipes/zero_points.py``) and scales chosen
+for the activations they meet (``rounding: weighted``, ``recipes/scale_search.py``): exact where they must be, better
+where they claim to be, refused where they cannot work, and deployed through the CLI within the parity gate."""
+
+import json
+
+import pytest
+import torch
+from conftest import run_cli, write_config
+
+from qharness.errors import UserError
+from qharness.recipes.registry import load_recipe
+from qharness.recipes.scale_search import round_to, search_scales
+from qharness.recipes.zero_points import ALPHA, ZeroPointLinear, attach, group_means, split
+
+
+def _asymmetric_grid(out, n, group, g):
+    """A weight whose groups hold 16 levels ``low + d*k`` reaching both ends (a Q4_1 block), ``d`` in bf16."""
+    low = torch.randn(out, n // group, 1, generator=g) * 0.1
+    d = (torch.rand(out, n // group, 1, generator=g) * 0.02 + 0.01).bfloat16().float()
+    k = torch.randint(0, 16, (out, n // group, group), generator=g).float()
+    k[..., 0], k[..., 1] = 0, 15
+    return (low + d * k).reshape(out, n)
+
+
+@pytest.mark.fast
+def test_a_zero_point_layer_computes_an_asymmetric_grid_weight_exactly():
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 16, bias=True)
+    linear.weight.data = _asymmetric_grid(16, 64, 32, g)
+    main, scales, offsets = split(linear.weight, 32)
+    codes = main.reshape(16, 2, 32) / scales[..., None]
+    assert torch.equal(codes, codes.round()) and codes.min() >= -8 and codes.max() <= 7  # symmetric 4-bit codes
+    holder = torch.nn.Module()
+    holder.add_module("proj", torch.nn.Linear(64, 16))
+    holder.proj.load_state_dict(linear.state_dict())
+    attach(holder, {"proj": (main, offsets)})
+    assert isinstance(holder.proj, ZeroPointLinear)
+    x = torch.randn(3, 5, 64, generator=g)
+    assert torch.allclose(holder.proj(x), linear(x), atol=1e-5)
+    # the group means are a 4-D mean over the inner dimensions (what XNNPACK lowers), scaled by ALPHA in forward
+    assert torch.allclose(group_means(x, 32), x.reshape(3, 5, 2, 32).mean(-1))
+    assert ALPHA > 1
+    # a symmetric grid of the same scales cannot hold it: the offsets carry what it would round away
+    assert (main - linear.weight).abs().max() > scales.max()
+
+
+@pytest.mark.fast
+def test_weighted_scales_round_the_weights_that_meet_large_inputs_closer():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(64, 128, generator=g)
+    power = torch.ones(128)
+    power[::8] = 100.0  # one input in eight is large (an outlier channel)
+    base = torch.maximum(w.reshape(64, 4, 32).amin(-1) / -8, w.reshape(64, 4, 32).amax(-1) / 7)
+    base = base.to(torch.bfloat16).float()
+    searched = search_scales(w, power, -8, 7, 32)
+
+    def weighted_error(scales):
+        return (power * (w - round_to(w, scales, -8, 7, 32)) ** 2).sum().item()
+
+    assert weighted_error(searched) < 0.8 * weighted_error(base)
+    assert torch.equal(searched, searched.to(torch.bfloat16).float())  # scales as XNNPACK keeps them
+
+
+@pytest.mark.fast
+def test_zero_points_and_weighted_scales_are_refused_where_they_cannot_work(tmp_path):
+    with pytest.raises(UserError, match="does not support mode 'qat'"):
+        load_recipe("xnnpack_8da4w_zp").check_mode("qat")
+    (tmp_path / "qat.yaml").write_text("base: xnnpack_8da4w_zp\nmodes: [qat, ptq]\n")
+    with pytest.raises(UserError, match="PTQ"):
+        load_recipe(str(tmp_path / "qat.yaml")).make_quantizer(is_qat=True)
+    (tmp_path / "lsq.yaml").write_text("base: xnnpack_8da4w\nquantizer: {zero_points: ['*'], learn_scales: true}\n")
+    with pytest.raises(UserError, match="zero_points with learn_scales"):
+        load_recipe(str(tmp_path / "lsq.yaml"))
+    (tmp_path / "empty.yaml").write_text("base: xnnpack_8da4w\nquantizer: {zero_points: []}\n")
+    with pytest.raises(UserError, match="non-empty list"):
+        load_recipe(str(tmp_path / "empty.yaml"))
+    (tmp_path / "none.yaml").write_text("base: xnnpack_8da4w\nquantizer: {zero_points: ['*.qkv']}\n")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    with pytest.raises(UserError, match=r"zero_points \['\*.qkv'\] match no linear"):
+        load_recipe(str(tmp_path / "none.yaml")).make_quantizer(is_qat=False).check(model)
+
+
+def test_ptq_with_zero_points_through_the_cli_passes_the_gate_with_its_scales_exact(tmp_path, tiny_llama, corpus):
+    """``qharness calibrate --model.recipe xnnpack_8da4w_zp`` on the tiny Llama: the three zero-point layers of each
+    block (value, up, down) are split, every 4-bit weight deploys with the scale rounding chose (bit for bit), the offsets are 8-bit
+    layers of the program, and the ``.pte`` passes the parity gate."""
+    run = tmp_path / "run"
+    cfg = write_config(
+        tmp_path / "c.yaml", tiny_llama, corpus, run, model={"recipe": "xnnpack_8da4w_zp", "mode": "ptq"}
+    )
+    r = run_cli("calibrate", "--config", cfg)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "parity PASSED" in r.stdout and "(6 with zero points)" in out, out[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["parity"]["learned_scales"] == {"weights": 14, "exact": 14}
+    schemes = summary["layers"]["schemes"]
+    assert sum(s == "8da8w-pc" for n, s in schemes.items() if n.endswith(".offsets")) == 6, schemes
+    assert summary["timings"]["rounding_s"] > 0
