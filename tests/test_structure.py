@@ -9,7 +9,7 @@ import pytest
 def _deployed(recipe_name: str, seed: int, calibration_seed: int = 0):
     """(recipe, converted deploy graph) of a random-init 1-layer Llama (weights from ``seed``) quantized with
     ``recipe_name``, calibrated on tokens from ``calibration_seed``; a ``rounding: gptq`` recipe deploys GPTQ's
-    weights and scales, as ``run/trained.with_gptq`` hands them over."""
+    weights and scales, as ``run/trained.with_rounding`` hands them over."""
     import torch
 
     from qharness.deploy.lower import quantize_for_deploy

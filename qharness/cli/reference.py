@@ -131,7 +131,9 @@ def recipes_page() -> str:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in _recipes():
-        rounding = "gptq" if r.rounds_with_gptq else "nearest" if r.quantized else "-"
+        rounding = getattr(r.settings, "rounding", "nearest") if r.quantized else "-"
+        if getattr(r.settings, "zero_points", None):
+            rounding += "; zero points: " + ", ".join(f"`{p}`" for p in r.settings.zero_points)
         lines.append(
             f"| `{r.name}` | {r.backend} | {', '.join(r.modes)} | {r.kind} | {r.kv_cache} | {r.embedding_scheme} | "
             f"{'yes' if r.learns_scales else 'no'} | {rounding} | {r.rotation or '-'} | {_cell(r.description)} |"

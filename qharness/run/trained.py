@@ -1,5 +1,5 @@
 """What training hands to deployment, as plain objects (``Trained``, ``HeldOut``: models, recipe, tensors,
-tokenizer), and the converted graph built from them (``with_gptq``, ``deploy_graph``). Lightning's side
+tokenizer), and the converted graph built from them (``with_rounding``, ``deploy_graph``). Lightning's side
 (``run/from_lightning.py``) builds them from the LightningModule and the DataModule; the Python API from its model.
 """
 

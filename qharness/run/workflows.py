@@ -112,7 +112,7 @@ def evaluate(
     result to summary.json's ``evaluations`` (the run's own ``eval`` stays); returns lm-eval's table."""
     from qharness.checks.parity import fold_constants
     from qharness.run.results import evaluate_run
-    from qharness.run.trained import deploy_graph, with_gptq
+    from qharness.run.trained import deploy_graph, with_rounding
 
     cfg, run_dir = settings.eval, Path(settings.run_dir)
     pte_path = Path(pte) if pte else run_dir / settings.deploy.filename
@@ -131,7 +131,7 @@ def evaluate(
     run, data = trained(model), held_out(datamodule, settings.parity, settings.calibration, cfg)
     converted = None
     if "converted" in cfg.models or (not qat and "fake_quant" in cfg.models):
-        run = with_gptq(run, data.calibration)  # PTQ by GPTQ: the deployed weights are GPTQ's, as at export
+        run = with_rounding(run, data.calibration)  # PTQ that chooses its weights (GPTQ, zero points): as at export
         converted = fold_constants(deploy_graph(run, data.calibration, settings.deploy.max_seq_len))
     # beside the run's own eval.json, never over it: each evaluation has its own file and summary entry
     filename = time.strftime("eval-%Y%m%d-%H%M%S.json", time.gmtime())
