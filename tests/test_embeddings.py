@@ -44,10 +44,10 @@ def test_builtin_4bit_recipes_quantize_embeddings_by_default_and_null_keeps_them
 
     four_bit = [n for n in known_recipes() if n.startswith(("xnnpack_8da", "xnnpack_int4w"))]
     assert len(four_bit) >= 14
-    for name in four_bit:  # but the recipe whose table is the 8-bit head's (stored once: test_shared_table.py)
+    for name in four_bit:  # but the recipes whose table is the 8-bit head's (stored once: test_shared_table.py)
         want = (
             EmbeddingQuant(8, None, "symmetric_no_clipping_err")
-            if name == "xnnpack_8da4w_tied8"
+            if name in ("xnnpack_8da4w_tied8", "xnnpack_8da4w_zp")
             else EmbeddingQuant(4, 32)
         )
         assert load_recipe(name).embedding == want, name
