@@ -98,3 +98,37 @@ def test_ptq_with_zero_points_through_the_cli_passes_the_gate_with_its_scales_ex
     schemes = summary["layers"]["schemes"]
     assert sum(s == "8da8w-pc" for n, s in schemes.items() if n.endswith(".offsets")) == 6, schemes
     assert summary["timings"]["rounding_s"] > 0
+
+
+@pytest.mark.fast
+def test_a_tied_head_with_zero_points_is_untied_and_stays_so(tmp_path):
+    """``zero_points: ['*']`` on a 4-bit head tied to the table: the head becomes a zero-point layer, the table keeps
+    its FP values, the config no longer ties them (so ``tie_weights`` leaves the head alone)."""
+    import copy
+
+    from qharness.recipes.rounding import round_weights
+    from qharness.sources.embedded import EmbeddedSpec, new_llama
+    from qharness.sources.models import tied
+
+    torch.manual_seed(0)
+    spec = EmbeddedSpec(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    model = new_llama(spec, 128).eval()
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    (tmp_path / "r.yaml").write_text("base: xnnpack_8da4w\nmodes: [ptq]\nquantizer: {zero_points: ['*']}\n")
+    quantizer = load_recipe(str(tmp_path / "r.yaml")).make_quantizer(is_qat=False)
+    rounded = round_weights(model, quantizer, torch.randint(0, 128, (2, 16)), weighted=False)
+    assert "lm_head" in rounded.parts and len(rounded.parts) == 8
+    deploy = copy.deepcopy(model)
+    rounded.load(deploy)
+    deploy.tie_weights()
+    assert isinstance(deploy.lm_head, ZeroPointLinear) and not tied(deploy)
+    assert not deploy.config.tie_word_embeddings
+    assert torch.equal(deploy.model.embed_tokens.weight, model.model.embed_tokens.weight)

@@ -38,8 +38,9 @@ class Rounded:
     parts: dict[str, tuple[torch.Tensor, torch.Tensor]]
 
     def load(self, model: torch.nn.Module) -> None:
-        """Put the rounded weights into ``model`` (a copy of the FP model) and attach its zero-point layers."""
-        put_weights(model, self.weights)
+        """Put the rounded weights into ``model`` (a copy of the FP model) and attach its zero-point layers (a tied
+        weight among them untied first, as ``put_weights`` unties, so that nothing ties it again)."""
+        put_weights(model, {**self.weights, **{f"{n}.weight": main for n, (main, _) in self.parts.items()}})
         zero_points.attach(model, self.parts)
 
 
@@ -66,8 +67,8 @@ def round_weights(model: torch.nn.Module, quantizer, blocks: torch.Tensor, weigh
     layers = rounded_layers(model, quantizer)
     zero = {n for n, (_, step) in layers.items() if zero_points.chosen([n], step.zero_points)}
     power = {}
-    if weighted:
-        names = [n for n in layers if n not in zero]
+    names = [n for n in layers if n not in zero]
+    if weighted and names:
         with stage(f"weighted scales: input power of {len(names)} layers on {len(blocks)} calibration blocks"):
             power = scale_search.input_power(model, names, blocks)
     weights, qparams, parts = {}, {}, {}
