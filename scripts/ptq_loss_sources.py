@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from qharness.recipes.gptq import symmetric_scale
 from qharness.recipes.scale_search import input_power, round_to, search_scales
 from qharness.recipes.zero_points import ALPHA, split
 
@@ -55,14 +56,13 @@ class Fake(torch.nn.Module):
 
 def int8_rows(w: torch.Tensor) -> torch.Tensor:
     """int8 per row with the clip-nothing scale (the tied table and its lm_head)."""
-    scale = torch.maximum(w.amin(1, keepdim=True).clamp(max=0) / -128, w.amax(1, keepdim=True).clamp(min=0) / 127)
-    scale = scale.clamp(min=1e-12)
+    scale = symmetric_scale(w, -128, 127, no_clipping=True)[:, None]
     return torch.clamp(torch.round(w / scale), -128, 127) * scale
 
 
 def clip_nothing(w: torch.Tensor) -> torch.Tensor:
-    g = w.reshape(w.shape[0], -1, GROUP)
-    scale = torch.maximum(g.amin(-1).clamp(max=0) / -8, g.amax(-1).clamp(min=0) / 7).clamp(min=1e-9)
+    """The clip-nothing 4-bit scale of each group of ``w``, in bf16 as XNNPACK keeps it."""
+    scale = symmetric_scale(w.reshape(-1, GROUP), -8, 7, no_clipping=True).reshape(w.shape[0], -1)
     return scale.to(torch.bfloat16).float()
 
 

@@ -2,11 +2,12 @@
 for the activations they meet (``rounding: weighted``, ``recipes/scale_search.py``): exact where they must be, better
 where they claim to be, refused where they cannot work, and deployed through the CLI within the parity gate."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
-from conftest import run_cli, write_config
+from conftest import run_cli, tiny_spec, write_config
 
 from qharness.errors import UserError
 from qharness.recipes.registry import load_recipe
@@ -107,18 +108,11 @@ def test_a_tied_head_with_zero_points_is_untied_and_stays_so(tmp_path):
     import copy
 
     from qharness.recipes.rounding import round_weights
-    from qharness.sources.embedded import EmbeddedSpec, new_llama
+    from qharness.sources.embedded import new_llama
     from qharness.sources.models import tied
 
     torch.manual_seed(0)
-    spec = EmbeddedSpec(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
+    spec = dataclasses.replace(tiny_spec(), num_hidden_layers=1)
     model = new_llama(spec, 128).eval()
     model.config.tie_word_embeddings = True
     model.lm_head.weight = model.model.embed_tokens.weight

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from qharness.recipes.gptq import symmetric_scale
+
 SHRINKS = tuple(1.0 - 0.02 * i for i in range(26)) + (1.02, 1.05)  # candidate scales, times clip-nothing's
 
 
@@ -64,8 +66,7 @@ def search_scales(
     out, n = weight.shape
     w = weight.detach().float().reshape(out, n // group, group)
     imp = power.float().reshape(1, n // group, group)
-    base = torch.maximum(w.amin(-1).clamp(max=0) / qmin, w.amax(-1).clamp(min=0) / qmax)
-    base = base.clamp(min=torch.finfo(torch.float32).eps)
+    base = symmetric_scale(w.reshape(-1, group), qmin, qmax, no_clipping=True).reshape(out, n // group)
     best_err, best = None, None
     for shrink in SHRINKS:
         s = base * shrink
