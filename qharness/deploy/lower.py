@@ -281,6 +281,10 @@ def lower_program(
         metadata = {**metadata, "use_sdpa_with_kv_cache": export_path(graph) == "fast"}
     for p in graph.parameters():  # to_executorch fails on in-place ops over leaves that require grad
         p.requires_grad_(False)
+    if any(p.startswith("xnnpack") for p in recipe.partitioners):
+        from qharness.deploy.whole_layers import keep_layers_whole
+
+        keep_layers_whole(graph)  # RMSNorm's mean and rotate_half in ops XNNPACK takes (same function)
     partitioners = recipe.make_partitioners()
     phases = LoweringProgress()
     with (
