@@ -115,7 +115,7 @@ ROWS = {  # name: (weights, activations int8, zero-point layers)
         True,
         ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     ),
-    "  zero points on v/up/down, weighted elsewhere (xnnpack_8da4w_zp)": (
+    "  zero points on v/up/down, weighted elsewhere": (
         "weighted",
         True,
         ("v_proj", "up_proj", "down_proj"),

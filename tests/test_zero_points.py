@@ -83,8 +83,8 @@ def test_zero_points_and_weighted_scales_are_refused_where_they_cannot_work(tmp_
 
 
 def test_ptq_with_zero_points_through_the_cli_passes_the_gate_with_its_scales_exact(tmp_path, tiny_llama, corpus):
-    """``qharness calibrate --model.recipe xnnpack_8da4w_zp`` on the tiny Llama: the three zero-point layers of each
-    block (value, up, down) are split, every 4-bit weight deploys with the scale rounding chose (bit for bit), the offsets are 8-bit
+    """``qharness calibrate --model.recipe xnnpack_8da4w_zp`` on the tiny Llama: the four zero-point layers of each
+    block (key, value, up, down) are split, every 4-bit weight deploys with the scale rounding chose (bit for bit), the offsets are 8-bit
     layers of the program, and the ``.pte`` passes the parity gate."""
     run = tmp_path / "run"
     cfg = write_config(
@@ -93,11 +93,11 @@ def test_ptq_with_zero_points_through_the_cli_passes_the_gate_with_its_scales_ex
     r = run_cli("calibrate", "--config", cfg)
     out = r.stdout + r.stderr
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "parity PASSED" in r.stdout and "(6 with zero points)" in out, out[-3000:]
+    assert "parity PASSED" in r.stdout and "(8 with zero points)" in out, out[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["parity"]["learned_scales"] == {"weights": 14, "exact": 14}
     schemes = summary["layers"]["schemes"]
-    assert sum(s == "8da8w-pc" for n, s in schemes.items() if n.endswith(".offsets")) == 6, schemes
+    assert sum(s == "8da8w-pc" for n, s in schemes.items() if n.endswith(".offsets")) == 8, schemes
     assert summary["timings"]["rounding_s"] > 0
 
 
