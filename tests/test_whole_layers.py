@@ -60,12 +60,12 @@ def test_rewrites_keep_the_function_and_leave_no_mean_or_rotary_slice(family, no
 
 
 def test_lowered_8da4w_layer_runs_in_few_delegate_calls():
-    """The tiny Llama's 8da4w program: no mean and no rotary slice outside XNNPACK, and a few delegate calls per
-    layer (the cache updates and the attention between them), where the two-partitioner program made ten."""
+    """The tiny Llama's 8da4w program: no mean and no rotary slice outside XNNPACK, and two delegate calls a layer
+    (before and after its cache updates and attention), where the two-partitioner program made ten."""
     recipe = load_recipe("xnnpack_8da4w")
     graph = quantize_for_deploy(_tiny("llama"), recipe, 32, lambda g: None)
     ops, delegates = _kernel_calls(lower_to_pte(graph, recipe, 32))
     assert "aten::mean.out" not in ops and "aten::neg.out" not in ops, ops
     assert ops["aten::slice_copy.Tensor_out"] <= 3, ops  # the rotary tables' rows at the position, once for all layers
     assert ops["llama::custom_sdpa.out"] == 2 and ops["llama::update_cache.out"] == 4, ops
-    assert delegates <= 4 * 2 + 3, delegates
+    assert delegates <= 2 * 2 + 2, delegates  # measured: 6

@@ -11,8 +11,9 @@ Two ops of every Llama-style layer ran outside XNNPACK and cut its partitions:
   signed permutation (each output one input times +-1: exact in float).
 
 With both, and one ``XnnpackPartitioner`` for the whole graph (``xnnpack_8da4w``'s ``partitioners: [xnnpack]``),
-SmolLM2-135M's program makes 123 delegate calls per step instead of 303 (4 a layer) and is 0.1 MB smaller; its decode speed is
-the same (measured side by side: the calls were not what decode waits on; docs/benchmarks/real-model.md).
+SmolLM2-135M's program makes 62 delegate calls per step instead of 303 (2 a layer) and is 0.15 MB smaller; its
+decode speed is the same (a first version at 4 calls a layer timed side by side, this one against llama.cpp: the
+calls were not what decode waits on; docs/benchmarks/real-model.md).
 Applied to the converted graph at lowering (``deploy/lower.py``), after coverage was measured: the matrix ``R`` is no
 projection of the model, and no quantizer sees it.
 
