@@ -132,7 +132,7 @@ def quantize_for_deploy(
 
     linears = coverage.inventory(model)  # before torchao's quantize_ replaces the weights
     graph, reason, layers, quantizer = _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams)
-    if any(p.startswith("xnnpack") for p in recipe.partitioners):  # its tanh GELU is erf GELU: the formula instead
+    if _lowers_to_xnnpack(recipe):  # its tanh GELU is erf GELU: the formula instead
         from qharness.upstream.fixes import xnnpack_gelu_tanh
 
         xnnpack_gelu_tanh.decompose_tanh_gelu(graph)
@@ -152,12 +152,17 @@ def quantize_for_deploy(
     return graph
 
 
+def _lowers_to_xnnpack(recipe) -> bool:
+    """Whether one of ``recipe``'s partitioners is XNNPACK's (the graph then gets XNNPACK's fixes and rewrites)."""
+    return any(p.startswith("xnnpack") for p in recipe.partitioners)
+
+
 def _quantize_for_deploy(model, recipe, max_seq_len, calibrate, weight_qparams):
     model.requires_grad_(False)  # deployment: no leaf may require grad (to_executorch mutates buffers in place)
     for m in model.modules():  # padding_idx only masks gradients; exported as aten.embedding(w, idx, 0) it
         if isinstance(m, torch.nn.Embedding):  # defeats ExecuTorch's quantized-embedding fusion pattern
             m.padding_idx = None
-    if recipe.kind == "source" and any(p.startswith("xnnpack") for p in recipe.partitioners):
+    if recipe.kind == "source" and _lowers_to_xnnpack(recipe):
         from qharness.upstream.fixes import xnnpack_zero_rows
 
         nudged = xnnpack_zero_rows.nudge_zero_rows(model)  # XNNPACK computes a wide all-zero row as ~1e-5: see there
@@ -281,7 +286,7 @@ def lower_program(
         metadata = {**metadata, "use_sdpa_with_kv_cache": export_path(graph) == "fast"}
     for p in graph.parameters():  # to_executorch fails on in-place ops over leaves that require grad
         p.requires_grad_(False)
-    if any(p.startswith("xnnpack") for p in recipe.partitioners):
+    if _lowers_to_xnnpack(recipe):
         from qharness.deploy.whole_layers import keep_layers_whole
 
         keep_layers_whole(graph)  # RMSNorm's mean and rotate_half in ops XNNPACK takes (same function)

@@ -131,7 +131,7 @@ def _last_dim_slice(node) -> tuple[torch.fx.Node, int, int] | None:
     val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
     if val is None or dim % val.dim() != val.dim() - 1 or step != 1:
         return None
-    end = val.shape[-1] if end is None else end
-    if not all(isinstance(v, int) for v in (start or 0, end)):
+    start, end = start or 0, val.shape[-1] if end is None else end
+    if not all(isinstance(v, int) for v in (start, end)):
         return None
-    return x, start or 0, end
+    return x, start, end
