@@ -18,6 +18,8 @@ What it prints, two tables:
   (its own windows and tokens); every qharness ``.pte`` and the eager PyTorch FP model score exactly those windows.
   Each row: perplexity, its increase over llama.cpp F32 (the float weights) with a 95% paired-bootstrap interval over
   windows, and top-1 agreement with the float model's next-token choice over the scored positions (interval alike);
+  and its perplexity against one program's on the same windows (``--versus``, default llama.cpp Q4_K_M: a paired
+  interval that holds 1 is a tie with it);
 - **answers to held-out chat prompts** (``--answers``, default 32): the last records of qharness's offline
   instruction set (``data.source: embedded-chat``), each rendered as a user turn by the model's chat template; every
   program answers greedily (llama.cpp through ``llama-completion --temp 0``, after ``llama-tokenize`` confirms it reads
@@ -246,7 +248,11 @@ def paired(values: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[float, 
     return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
 
 
-def quality_row(logp: np.ndarray, argmax: np.ndarray, ref_logp: np.ndarray, ref_argmax: np.ndarray) -> dict:
+def quality_row(
+    logp: np.ndarray, argmax: np.ndarray, ref_logp: np.ndarray, ref_argmax: np.ndarray, versus: np.ndarray | None
+) -> dict:
+    """A program's perplexity, its increase over the float program's (``ref_``) and top-1 agreement with it, and its
+    perplexity ratio to ``versus``'s (log-probabilities on the same windows), each with a 95% paired interval."""
     nll = -logp.mean()
     delta = (ref_logp - logp).mean(axis=1)  # per-window mean NLL increase over the float model
     lo, hi = paired(delta)
@@ -258,7 +264,15 @@ def quality_row(logp: np.ndarray, argmax: np.ndarray, ref_logp: np.ndarray, ref_
         "ppl_increase_ci": [math.expm1(lo), math.expm1(hi)],
         "top1_agreement": float(agree.mean()),
         "top1_agreement_ci": [alo, ahi],
+        **(ratio_to(logp, versus) if versus is not None else {}),
     }
+
+
+def ratio_to(logp: np.ndarray, other: np.ndarray) -> dict:
+    """Perplexity over ``other``'s on the same windows: ``{"vs_ratio": r, "vs_ratio_ci": [lo, hi]}`` (paired)."""
+    delta = (other - logp).mean(axis=1)
+    lo, hi = paired(delta)
+    return {"vs_ratio": math.exp(delta.mean()), "vs_ratio_ci": [math.exp(lo), math.exp(hi)]}
 
 
 # --- speed -----------------------------------------------------------------------------------------------------------
@@ -348,8 +362,9 @@ def measure_quality(args, bindir: Path, ggufs: dict[str, Path], hf_dir: Path, ru
     for name, pte in runs.items():
         per_program[f"qharness {name}"] = score(pte_backend(pte), seqs, first, name)
     ref_logp, ref_argmax = per_program["llama.cpp F32"]
+    versus = per_program[args.versus][0]
     for name, (logp, argmax) in per_program.items():
-        quality[name] = quality_row(logp, argmax, ref_logp, ref_argmax)
+        quality[name] = quality_row(logp, argmax, ref_logp, ref_argmax, None if name == args.versus else versus)
 
     return quality, clamped, len(seqs)
 
@@ -463,6 +478,14 @@ def finished_runs(runs: Path, only: list[str] | None) -> dict[str, Path]:
     return out
 
 
+def versus_cell(q: dict) -> str:
+    """``1.012 [0.998, 1.027] tie``: a quality row's perplexity ratio to the ``--versus`` program."""
+    if "vs_ratio" not in q:
+        return "-"
+    lo, hi = q["vs_ratio_ci"]
+    return f"{q['vs_ratio']:.3f} [{lo:.3f}, {hi:.3f}]" + (" tie" if lo <= 1 <= hi else "")
+
+
 def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed) -> None:
     print(
         f"\n{title} ({gguf_src.name}), last {args.tail:.0%} of {args.text.name}: {n_windows} windows of {args.ctx}, "
@@ -470,7 +493,9 @@ def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed
         "windows"
     )
     print(f"llama.cpp targets below its logits file's 16-nat floor (counted at the floor): {clamped}\n")
-    head = "| program | size MB | ppl | vs float (llama.cpp F32) | top-1 agreement with float |"
+    head = (
+        f"| program | size MB | ppl | vs float (llama.cpp F32) | top-1 agreement with float | ppl / {args.versus}'s |"
+    )
     if speed:
         head += (
             f" decode tok/s ({args.threads} threads) | prefill tok/s ({args.prompt_len}) | decode / llama.cpp Q4_0 |"
@@ -486,10 +511,10 @@ def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed
             alo, ahi = q["top1_agreement_ci"]
             row = (
                 f"| {name} | {size} | {q['ppl']:.2f} | {q['ppl_increase']:+.1%} [{lo:+.1%}, {hi:+.1%}] | "
-                f"{q['top1_agreement']:.3f} [{alo:.3f}, {ahi:.3f}] |"
+                f"{q['top1_agreement']:.3f} [{alo:.3f}, {ahi:.3f}] | {versus_cell(q)} |"
             )
         else:
-            row = f"| {name} | {size} | - | - | - |"
+            row = f"| {name} | {size} | - | - | - | - |"
         if speed:
             s = speed.get(name)
             if s:
@@ -521,6 +546,11 @@ def main() -> None:
     p.add_argument("--tail", type=float, default=0.1)
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--chunks", type=int, default=40, help="windows scored (llama-perplexity --chunks)")
+    p.add_argument(
+        "--versus",
+        default="llama.cpp Q4_K_M",
+        help="the program every row's perplexity is also compared with, paired (a row name, e.g. 'qharness NAME')",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4, help="alternating speed rounds (0: no speed)")
     p.add_argument("--skip-speed", action="store_true")
@@ -534,6 +564,9 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write every figure here")
     args = p.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # the .pte files score with --threads threads whatever the load: ExecuTorch's attention and XNNPACK's kernels
+    # split their work by thread, so a program's log-probabilities move (about 0.1% of perplexity) with the count
+    os.environ.setdefault("QHARNESS_THREADS", str(args.threads))
     args.work.mkdir(parents=True, exist_ok=True)
 
     key, title, gguf_src = model_gguf(args.gguf)
@@ -549,6 +582,9 @@ def main() -> None:
         args.runs = ROOT / "runs" / "sweep_smollm2"
     runs = finished_runs(args.runs, args.only) if args.runs else {}
     runs |= {n: Path(p) for n, p in (x.split("=", 1) for x in args.pte)}
+    names = [f"llama.cpp {q}" for q in ("F32", *QUANTS)] + ["PyTorch FP (eager)"] + [f"qharness {n}" for n in runs]
+    if args.versus not in names:
+        raise SystemExit(f"--versus {args.versus!r} is not a program of this run; one of: {', '.join(names)}")
     quality, clamped, n_windows = (
         ({}, {}, 0) if args.skip_quality or args.skip_perplexity else measure_quality(args, bindir, ggufs, hf_dir, runs)
     )
@@ -581,6 +617,7 @@ def main() -> None:
             "speed": speed,
             "clamped": clamped,
             "threads": args.threads,
+            "scoring_threads": int(os.environ["QHARNESS_THREADS"]),
             "load_avg_end": os.getloadavg()[0],
         }
         tmp = args.json.with_suffix(".tmp")

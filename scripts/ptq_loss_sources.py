@@ -23,6 +23,7 @@ import torch
 
 from qharness.recipes.gptq import symmetric_scale
 from qharness.recipes.scale_search import input_power, round_to, search_scales
+from qharness.recipes.smoothing import gated_mlps, smoothed, smoothing_factors
 from qharness.recipes.zero_points import ALPHA, split
 
 GROUP = 32
@@ -66,9 +67,11 @@ def clip_nothing(w: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.bfloat16).float()
 
 
-def quantize(model, weights: str, acts: bool, zero: tuple[str, ...], power: dict | None):
-    """``weights``: fp, nearest (clip-nothing scales), mse (unweighted scale search), weighted; ``zero``: layer
-    suffixes whose groups take zero points."""
+def quantize(model, weights: str, acts: bool | tuple[str, ...], zero: tuple[str, ...], power: dict | None):
+    """``weights``: fp, nearest (clip-nothing scales), mse (unweighted scale search), weighted; ``acts``: int8
+    activations everywhere (True), nowhere, or for the linears named (suffixes, ``lm_head`` among them); ``zero``:
+    layer suffixes whose groups take zero points."""
+    rounds = (lambda n: acts) if isinstance(acts, bool) else (lambda n: n in acts)  # noqa: E731
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             full = f"{name}.{child_name}" if name else child_name
@@ -77,7 +80,7 @@ def quantize(model, weights: str, acts: bool, zero: tuple[str, ...], power: dict
             w = child.weight.detach().float()
             if child_name in zero:
                 main, _, offsets = split(w, GROUP)
-                setattr(module, child_name, Fake(main, acts, offsets))
+                setattr(module, child_name, Fake(main, rounds(child_name), offsets))
                 continue
             if weights == "fp":
                 q = w
@@ -86,10 +89,20 @@ def quantize(model, weights: str, acts: bool, zero: tuple[str, ...], power: dict
             else:
                 imp = power[full] if weights == "weighted" else torch.ones(w.shape[1])
                 q = round_to(w, search_scales(w, imp, -8, 7, GROUP), -8, 7, GROUP)
-            setattr(module, child_name, Fake(q, acts))
+            setattr(module, child_name, Fake(q, rounds(child_name)))
     table = int8_rows(model.get_input_embeddings().weight.detach().float())
     model.get_input_embeddings().weight.data = table
-    model.lm_head = Fake(table, acts)
+    model.lm_head = Fake(table, rounds("lm_head"))
+    return model
+
+
+def smooth(model, alpha: float, blocks: torch.Tensor):
+    """``model`` with its MLPs' ``down_proj`` inputs smoothed as ``quantizer: {smoothing: alpha}`` smooths them."""
+    names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    mlps = gated_mlps(model, names)
+    for mlp, s in smoothing_factors(model, mlps, blocks, alpha, GROUP).items():
+        m = model.get_submodule(mlp)
+        m.up_proj.weight.data, m.down_proj.weight.data = smoothed(m.up_proj.weight, m.down_proj.weight, s)
     return model
 
 
@@ -104,8 +117,11 @@ def window_nll(model, windows: torch.Tensor) -> torch.Tensor:
     return torch.cat(out)
 
 
-ROWS = {  # name: (weights, activations int8, zero-point layers)
+ZP_KVUD = ("k_proj", "v_proj", "up_proj", "down_proj")
+ROWS = {  # name: (weights, activations int8, zero-point layers[, smoothing])
     "int8 activations + int8 table, float linears": ("fp", True, ()),
+    "  int8 table, int8 activations of the lm_head only": ("fp", ("lm_head",), ()),
+    "  int8 table, int8 activations of the down projections only": ("fp", ("down_proj",), ()),
     "4-bit weights (clip nothing), float activations": ("nearest", False, ()),
     "4-bit weights (clip nothing) + int8 activations (xnnpack_8da4w_tied8)": ("nearest", True, ()),
     "  scales by unweighted error": ("mse", True, ()),
@@ -120,6 +136,8 @@ ROWS = {  # name: (weights, activations int8, zero-point layers)
         True,
         ("v_proj", "up_proj", "down_proj"),
     ),
+    "  zero points on k/v/up/down, weighted elsewhere": ("weighted", True, ZP_KVUD),
+    "  the same, the MLPs' inputs smoothed (smoothing: 0.5, xnnpack_8da4w_zp)": ("weighted", True, ZP_KVUD, 0.5),
 }
 
 
@@ -152,9 +170,13 @@ def main() -> None:
     print(f"float: ppl {math.exp(base.mean()):.2f} on {args.windows} windows of 256 (second half scored)")
     print("| what is rounded | ppl | vs float [95%, paired bootstrap over windows] |\n|---|---|---|")
     g = torch.Generator().manual_seed(0)
-    for label, (weights, acts, zero) in ROWS.items():
+    for label, (weights, acts, zero, *smoothing) in ROWS.items():
         t = time.perf_counter()
-        nll = window_nll(quantize(load(), weights, acts, zero, power), windows)
+        model, row_power = load(), power
+        if smoothing:  # the smoothed model's inputs, for its weighted scales
+            model = smooth(model, smoothing[0], cal)
+            row_power = input_power(model, names, cal)
+        nll = window_nll(quantize(model, weights, acts, zero, row_power), windows)
         diff = nll - base
         boot = diff[torch.randint(0, len(diff), (2000, len(diff)), generator=g)].mean(1)
         lo, hi = (math.expm1(v) * 100 for v in torch.quantile(boot, torch.tensor([0.025, 0.975])).tolist())

@@ -64,6 +64,26 @@ def test_weighted_scales_round_the_weights_that_meet_large_inputs_closer():
 
 
 @pytest.mark.fast
+def test_weighted_scales_refit_each_candidate_to_its_codes():
+    """Each group's scale is at least as good as the best shrink of its clip-nothing scale, and better for some: the
+    least-squares scale of a candidate's codes (llama.cpp's ``make_qx_quants``) is a candidate too."""
+    from qharness.recipes.scale_search import SHRINKS
+
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 128, generator=g)
+    power = torch.rand(128, generator=g) * 10
+
+    def group_errors(scales):
+        return (power * (w - round_to(w, scales, -8, 7, 32)) ** 2).reshape(64, 4, 32).sum(-1)
+
+    base = torch.maximum(w.reshape(64, 4, 32).amin(-1) / -8, w.reshape(64, 4, 32).amax(-1) / 7)
+    shrink_only = torch.stack([group_errors((base * k).to(torch.bfloat16).float()) for k in SHRINKS]).amin(0)
+    searched = group_errors(search_scales(w, power, -8, 7, 32))
+    assert (searched <= shrink_only).all()
+    assert (searched < shrink_only).float().mean() > 0.2, (searched < shrink_only).float().mean()
+
+
+@pytest.mark.fast
 def test_zero_points_and_weighted_scales_are_refused_where_they_cannot_work(tmp_path):
     with pytest.raises(UserError, match="does not support mode 'qat'"):
         load_recipe("xnnpack_8da4w_zp").check_mode("qat")
@@ -84,8 +104,8 @@ def test_zero_points_and_weighted_scales_are_refused_where_they_cannot_work(tmp_
 
 def test_ptq_with_zero_points_through_the_cli_passes_the_gate_with_its_scales_exact(tmp_path, tiny_llama, corpus):
     """``qharness calibrate --model.recipe xnnpack_8da4w_zp`` on the tiny Llama: the four zero-point layers of each
-    block (key, value, up, down) are split, every 4-bit weight deploys with the scale rounding chose (bit for bit), the offsets are 8-bit
-    layers of the program, and the ``.pte`` passes the parity gate."""
+    block (key, value, up, down) are split, the MLPs' inputs smoothed, every 4-bit weight deploys with the scale
+    rounding chose (bit for bit), the offsets are 8-bit layers of the program, and the ``.pte`` passes the gate."""
     run = tmp_path / "run"
     cfg = write_config(
         tmp_path / "c.yaml", tiny_llama, corpus, run, model={"recipe": "xnnpack_8da4w_zp", "mode": "ptq"}
@@ -94,6 +114,7 @@ def test_ptq_with_zero_points_through_the_cli_passes_the_gate_with_its_scales_ex
     out = r.stdout + r.stderr
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "parity PASSED" in r.stdout and "(8 with zero points)" in out, out[-3000:]
+    assert "smoothing the inputs of 2 down projections" in out, out[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["parity"]["learned_scales"] == {"weights": 14, "exact": 14}
     schemes = summary["layers"]["schemes"]

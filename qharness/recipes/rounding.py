@@ -20,8 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from qharness.errors import UserError
 from qharness.progress import stage
 from qharness.recipes import scale_search, zero_points
+from qharness.recipes import smoothing as smoothing_
 from qharness.recipes.gptq import grid, symmetric_scale
 from qharness.recipes.registration import SourceQuantizer
 from qharness.sources.models import put_weights
@@ -59,38 +61,63 @@ def rounds_itself(quantizer) -> bool:
     return isinstance(quantizer, SourceQuantizer) and any(s.rounded for s in quantizer.configs)
 
 
-def round_weights(model: torch.nn.Module, quantizer, blocks: torch.Tensor, weighted: bool) -> Rounded:
+def round_weights(
+    model: torch.nn.Module, quantizer, blocks: torch.Tensor, weighted: bool, smoothing: float | None = None
+) -> Rounded:
     """The rounded weights of ``model`` (an FP HF causal LM, left unchanged) for ``quantizer``'s rounded steps;
-    ``weighted``: the symmetric layers' scales searched for their inputs on ``blocks`` (one pass of the model)."""
+    ``weighted``: the symmetric layers' scales searched for their inputs on ``blocks`` (one pass of the model);
+    ``smoothing``: the gated MLPs' ``down_proj`` inputs smoothed with that migration strength first
+    (``recipes/smoothing.py``: their ``up_proj`` and ``down_proj`` are rounded smoothed)."""
     from torchao.quantization.quant_primitives import MappingType
 
     layers = rounded_layers(model, quantizer)
     zero = {n for n, (_, step) in layers.items() if zero_points.chosen([n], step.zero_points)}
+    source = {name: m.weight for name, (m, _) in layers.items()}  # what each layer rounds: its weight, or smoothed
+    factors = {}
+    if smoothing is not None:
+        mlps = smoothing_.gated_mlps(model, set(layers))
+        if not mlps:
+            raise UserError(
+                f"quantizer smoothing: {type(model).__name__} has no gated MLP (gate_proj, up_proj, down_proj) whose "
+                "up and down projections the recipe rounds",
+                fix="drop smoothing from the recipe for this model",
+            )
+        group = grid(layers[f"{mlps[0]}.down_proj"][1].config, layers[f"{mlps[0]}.down_proj"][0].in_features)[2]
+        with stage(f"smoothing the inputs of {len(mlps)} down projections on {len(blocks)} calibration blocks"):
+            factors = smoothing_.smoothing_factors(model, mlps, blocks, smoothing, group)
+        for mlp, s in factors.items():
+            source[f"{mlp}.up_proj"], source[f"{mlp}.down_proj"] = smoothing_.smoothed(
+                source[f"{mlp}.up_proj"], source[f"{mlp}.down_proj"], s
+            )
     power = {}
     names = [n for n in layers if n not in zero]
     if weighted and names:
         with stage(f"weighted scales: input power of {len(names)} layers on {len(blocks)} calibration blocks"):
             power = scale_search.input_power(model, names, blocks)
+        for mlp, s in factors.items():  # a smoothed down_proj meets its inputs over s
+            if f"{mlp}.down_proj" in power:
+                power[f"{mlp}.down_proj"] = power[f"{mlp}.down_proj"] / s**2
     weights, qparams, parts = {}, {}, {}
     with stage(f"rounding {len(layers)} layers ({len(zero)} with zero points)"):
         for name, (m, step) in layers.items():
             qmin, qmax, group = grid(step.config, m.in_features)
             scale_dtype = getattr(step.config, "weight_scale_dtype", None)
+            weight = source[name]
             if name in zero:
                 main, scales, offsets = zero_points.split(
-                    m.weight, group, bits=(qmax - qmin + 1).bit_length() - 1, scale_dtype=scale_dtype
+                    weight, group, bits=(qmax - qmin + 1).bit_length() - 1, scale_dtype=scale_dtype
                 )
                 parts[name] = (main, offsets)
                 qparams[f"{name}.main.weight"] = (scales, torch.zeros_like(scales))
                 continue
             if name in power:
-                scales = scale_search.search_scales(m.weight, power[name], qmin, qmax, group, scale_dtype)
+                scales = scale_search.search_scales(weight, power[name], qmin, qmax, group, scale_dtype)
             else:
                 no_clipping = getattr(step.config, "weight_mapping_type", None) == MappingType.SYMMETRIC_NO_CLIPPING_ERR
-                w = m.weight.detach().float().reshape(-1, group)
+                w = weight.detach().float().reshape(-1, group)
                 scales = symmetric_scale(w, qmin, qmax, no_clipping).reshape(m.out_features, -1)
                 if scale_dtype is not None:
                     scales = scales.to(scale_dtype).float()
-            weights[f"{name}.weight"] = scale_search.round_to(m.weight, scales, qmin, qmax, group)
+            weights[f"{name}.weight"] = scale_search.round_to(weight, scales, qmin, qmax, group)
             qparams[f"{name}.weight"] = (scales, torch.zeros_like(scales))
     return Rounded(weights, qparams, parts)

@@ -61,24 +61,35 @@ def search_scales(
     scale_dtype: torch.dtype | None = torch.bfloat16,
 ) -> torch.Tensor:
     """The scale ``[out, in/group]`` of each group of ``weight`` ``[out, in]`` that minimises ``sum power_j (w_j -
-    q_j)^2`` over ``SHRINKS`` of the clip-nothing scale (``max(min/qmin, max/qmax)``), each candidate in
-    ``scale_dtype`` as the kernel keeps it; ties keep the earlier (larger) candidate."""
+    q_j)^2`` among ``SHRINKS`` of the clip-nothing scale (``max(min/qmin, max/qmax)``) and, for each, the scale that
+    fits its codes best (weighted least squares, then the codes rounded again: llama.cpp's ``make_qx_quants``); every
+    candidate in ``scale_dtype`` as the kernel keeps it; ties keep the earlier (larger) candidate."""
     out, n = weight.shape
     w = weight.detach().float().reshape(out, n // group, group)
     imp = power.float().reshape(1, n // group, group)
     base = symmetric_scale(w.reshape(-1, group), qmin, qmax, no_clipping=True).reshape(out, n // group)
+
+    def kept(s):
+        return s.to(scale_dtype).float() if scale_dtype is not None else s
+
+    def codes_and_error(s):
+        codes = torch.clamp(torch.round(w / s[..., None]), qmin, qmax)
+        return codes, (imp * (w - codes * s[..., None]) ** 2).sum(-1)
+
     best_err, best = None, None
     for shrink in SHRINKS:
-        s = base * shrink
-        if scale_dtype is not None:
-            s = s.to(scale_dtype).float()
-        q = torch.clamp(torch.round(w / s[..., None]), qmin, qmax) * s[..., None]
-        err = (imp * (w - q) ** 2).sum(-1)
-        if best is None:
-            best_err, best = err, s
-            continue
-        better = err < best_err
-        best_err, best = torch.where(better, err, best_err), torch.where(better, s, best)
+        s = kept(base * shrink)
+        codes, err = codes_and_error(s)
+        fit_den = (imp * codes * codes).sum(-1)
+        fit = kept(torch.where(fit_den > 0, (imp * w * codes).sum(-1) / fit_den.clamp(min=1e-30), s))
+        fit = torch.where(fit > 0, fit, s)
+        _, fit_err = codes_and_error(fit)
+        for cand, cand_err in ((s, err), (fit, fit_err)):
+            if best is None:
+                best_err, best = cand_err, cand
+                continue
+            better = cand_err < best_err
+            best_err, best = torch.where(better, cand_err, best_err), torch.where(better, cand, best)
     return best
 
 

@@ -53,6 +53,10 @@ class Torchao8da4wSettings:
     zero_points: fnmatch globs of module names (e.g. ``["*.down_proj"]``) whose 4-bit groups take a zero point each,
         as llama.cpp's Q4_1 and Q4_K blocks do: asymmetric groups on XNNPACK's symmetric kernel plus an 8-bit GEMM of
         the group means (``recipes/zero_points.py``), 0.25 bit per weight more. PTQ; group-wise layers only.
+    smoothing: null, or SmoothQuant's migration strength α in (0, 1] (0.5 its default): each gated MLP's
+        ``down_proj`` input is divided by power-of-two factors, one per weight group, taken into ``up_proj``'s rows
+        and ``down_proj``'s columns (``recipes/smoothing.py``): the weights' codes and scales are unchanged, the int8
+        activations lose less. PTQ; group-wise layers only.
     weight_mapping: how a weight group's min-max scale is chosen. ``symmetric`` (torchao's default):
         ``max|w| / ((qmax - qmin) / 2)`` (4-bit: / 7.5; the largest positive weight is clipped to 7 levels).
         ``symmetric_no_clipping_err``: ``max(min(w) / qmin, max(w) / qmax)``: nothing is clipped, and the side that
@@ -76,6 +80,7 @@ class Torchao8da4wSettings:
     learn_scales: bool = False
     weight_mapping: str = "symmetric"
     zero_points: list | None = None
+    smoothing: float | None = None
 
     def __post_init__(self):
         if self.group_size is not None and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
@@ -119,7 +124,16 @@ class Torchao8da4wSettings:
                 f"torchao_8da4w quantizer: zero_points={self.zero_points!r} must be a non-empty list of module-name globs",
                 fix='e.g. zero_points: ["*.down_proj", "*.up_proj"], or leave it out',
             )
-        rounds_itself = self.rounding == "weighted" or self.zero_points
+        if self.smoothing is not None and (
+            isinstance(self.smoothing, bool)
+            or not isinstance(self.smoothing, (int, float))
+            or not 0 < self.smoothing <= 1
+        ):
+            raise UserError(
+                f"torchao_8da4w quantizer: smoothing={self.smoothing!r} must be a migration strength in (0, 1]",
+                fix="use smoothing: 0.5 (SmoothQuant's default), or leave it out",
+            )
+        rounds_itself = self.rounding == "weighted" or self.zero_points or self.smoothing is not None
         if rounds_itself and (self.learn_scales or self.choose_qparams != "affine" or self.rounding == "gptq"):
             other = (
                 "learn_scales: true"
@@ -128,7 +142,13 @@ class Torchao8da4wSettings:
                 if self.rounding == "gptq"
                 else f"choose_qparams: {self.choose_qparams}"
             )
-            what = "rounding: weighted" if self.rounding == "weighted" else "zero_points"
+            what = (
+                "rounding: weighted"
+                if self.rounding == "weighted"
+                else "zero_points"
+                if self.zero_points
+                else "smoothing"
+            )
             raise UserError(
                 f"torchao_8da4w quantizer: {what} with {other}: both choose the weights' scales",
                 fix=f"drop {what}, or {other}",
@@ -166,8 +186,14 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             "(it trains affine scales)",
             fix="use it in PTQ-only recipes (modes: [ptq]), or choose_qparams: affine",
         )
-    if is_qat and (settings.rounding == "weighted" or settings.zero_points):
-        what = "rounding: weighted" if settings.rounding == "weighted" else "zero_points"
+    if is_qat and (settings.rounding == "weighted" or settings.zero_points or settings.smoothing is not None):
+        what = (
+            "rounding: weighted"
+            if settings.rounding == "weighted"
+            else "zero_points"
+            if settings.zero_points
+            else "smoothing"
+        )
         raise UserError(
             f"torchao_8da4w quantizer: {what} chooses the weights' scales once, before deployment (PTQ); QAT's fake "
             "quantization trains min-max scales",
@@ -208,7 +234,8 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             "nn.Linear layers" if group is None else f"nn.Linear layers whose in_features group_size={group} divides",
             learn_scales=settings.learn_scales,
             gptq=settings.rounding == "gptq",
-            rounded=group is not None and (settings.rounding == "weighted" or bool(zero_points)),
+            rounded=group is not None
+            and (settings.rounding == "weighted" or bool(zero_points) or settings.smoothing is not None),
             zero_points=zero_points,
             check_model=(lambda model: check_zero_points(model, zero_points)) if zero_points else None,
             scheme=scheme_name(settings.weight_bits, group, dynamic_activations=True),

@@ -70,9 +70,10 @@ class HeldOut:
 
 def with_rounding(trained: Trained, calibration: torch.Tensor) -> Trained:
     """PTQ with a recipe that chooses its deployed weights: ``trained`` whose weights and ``weight_qparams`` are GPTQ's
-    rounding of the FP model on the ``calibration`` blocks (``rounding: gptq``), or the weighted scales' and zero
-    points' (``rounding: weighted``, ``zero_points``: ``recipes/rounding.py``), so the ``.pte`` holds exactly those
-    weights (the parity gate checks that every scale reached it). Anything else: ``trained`` as it is."""
+    rounding of the FP model on the ``calibration`` blocks (``rounding: gptq``), or the weighted scales', zero points'
+    and smoothing's (``rounding: weighted``, ``zero_points``, ``smoothing``: ``recipes/rounding.py``), so the ``.pte``
+    holds exactly those weights (the parity gate checks that every scale reached it). Anything else: ``trained`` as
+    it is."""
     if trained.mode != "ptq":
         return trained
     from qharness.sources.models import put_weights
@@ -89,8 +90,9 @@ def with_rounding(trained: Trained, calibration: torch.Tensor) -> Trained:
 
     if not rounds_itself(quantizer):
         return trained
-    weighted = getattr(trained.recipe.settings, "rounding", "nearest") == "weighted"
-    rounded = round_weights(trained.fp_model, quantizer, calibration, weighted)
+    settings = trained.recipe.settings
+    weighted = getattr(settings, "rounding", "nearest") == "weighted"
+    rounded = round_weights(trained.fp_model, quantizer, calibration, weighted, getattr(settings, "smoothing", None))
     return dataclasses.replace(trained, load_trained=rounded.load, weight_qparams=rounded.qparams)
 
 
