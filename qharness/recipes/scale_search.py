@@ -31,7 +31,16 @@ def input_power(
 ) -> dict[str, torch.Tensor]:
     """The mean square of each input feature of the linears ``names`` over ``blocks`` ``[n, seq]`` (one pass of
     ``model``, left unchanged): ``{name: [in_features]}``."""
+    return {name: power for name, (power, _) in input_statistics(model, names, blocks, batch).items()}
+
+
+def input_statistics(
+    model: torch.nn.Module, names: list[str], blocks: torch.Tensor, batch: int = 4
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The mean square and the largest absolute value of each input feature of the modules ``names`` over ``blocks``
+    ``[n, seq]`` (one pass of ``model``, left unchanged): ``{name: ([in_features], [in_features])}``."""
     sums: dict[str, torch.Tensor] = {}
+    peaks: dict[str, torch.Tensor] = {}
     counts: dict[str, int] = {}
     hooks = []
     for name in names:
@@ -39,6 +48,8 @@ def input_power(
         def hook(module, inputs, output, name=name):
             x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
             sums[name] = sums.get(name, 0) + (x * x).sum(0)
+            peak = x.abs().amax(0)
+            peaks[name] = torch.maximum(peaks[name], peak) if name in peaks else peak
             counts[name] = counts.get(name, 0) + x.shape[0]
 
         hooks.append(model.get_submodule(name).register_forward_hook(hook))
@@ -49,7 +60,7 @@ def input_power(
     finally:
         for h in hooks:
             h.remove()
-    return {name: sums[name] / counts[name] for name in names}
+    return {name: (sums[name] / counts[name], peaks[name]) for name in names}
 
 
 def search_scales(

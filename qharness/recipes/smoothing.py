@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from qharness.errors import UserError
+from qharness.recipes.scale_search import input_statistics
 
 
 def gated_mlps(model: torch.nn.Module, names: set[str]) -> list[str]:
@@ -64,22 +65,8 @@ def smoothing_factors(
     """``{mlp name: s [down_proj.in_features]}``: each ``down_proj`` input's power-of-two factor, constant over each
     of its ``group`` inputs, from the largest absolute inputs on ``blocks`` ``[n, seq]`` (one pass of ``model``, left
     unchanged)."""
-    peaks: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name in mlps:
-
-        def hook(module, inputs, output, name=name):
-            x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).abs().amax(0).float()
-            peaks[name] = torch.maximum(peaks[name], x) if name in peaks else x
-
-        hooks.append(model.get_submodule(f"{name}.down_proj").register_forward_hook(hook))
-    try:
-        with torch.no_grad():
-            for b in blocks.split(batch):
-                model(input_ids=b.to(next(model.parameters()).device))
-    finally:
-        for h in hooks:
-            h.remove()
+    stats = input_statistics(model, [f"{name}.down_proj" for name in mlps], blocks, batch)
+    peaks = {name: stats[f"{name}.down_proj"][1] for name in mlps}
     out = {}
     for name, peak in peaks.items():
         m = peak.reshape(-1, group).amax(-1).clamp(min=torch.finfo(torch.float32).tiny)
