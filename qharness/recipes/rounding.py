@@ -82,7 +82,14 @@ def round_weights(
                 "up and down projections the recipe rounds",
                 fix="drop smoothing from the recipe for this model",
             )
-        group = grid(layers[f"{mlps[0]}.down_proj"][1].config, layers[f"{mlps[0]}.down_proj"][0].in_features)[2]
+        groups = {grid(layers[f"{m}.down_proj"][1].config, layers[f"{m}.down_proj"][0].in_features)[2] for m in mlps}
+        if len(groups) != 1:
+            raise UserError(
+                f"quantizer smoothing: the down projections are rounded in groups of {sorted(groups)}; smoothing takes "
+                "one group size",
+                fix="give every down_proj the same group_size, or drop smoothing",
+            )
+        group = groups.pop()
         with stage(f"smoothing the inputs of {len(mlps)} down projections on {len(blocks)} calibration blocks"):
             factors = smoothing_.smoothing_factors(model, mlps, blocks, smoothing, group)
         for mlp, s in factors.items():

@@ -82,6 +82,13 @@ class Torchao8da4wSettings:
     zero_points: list | None = None
     smoothing: float | None = None
 
+    @property
+    def chooses_weights(self) -> str | None:
+        """The first setting by which PTQ chooses the deployed weights itself (``recipes/rounding.py``), or None."""
+        if self.rounding == "weighted":
+            return "rounding: weighted"
+        return "zero_points" if self.zero_points else "smoothing" if self.smoothing is not None else None
+
     def __post_init__(self):
         if self.group_size is not None and (self.group_size < 16 or self.group_size & (self.group_size - 1)):
             raise UserError(
@@ -133,8 +140,7 @@ class Torchao8da4wSettings:
                 f"torchao_8da4w quantizer: smoothing={self.smoothing!r} must be a migration strength in (0, 1]",
                 fix="use smoothing: 0.5 (SmoothQuant's default), or leave it out",
             )
-        rounds_itself = self.rounding == "weighted" or self.zero_points or self.smoothing is not None
-        if rounds_itself and (self.learn_scales or self.choose_qparams != "affine" or self.rounding == "gptq"):
+        if self.chooses_weights and (self.learn_scales or self.choose_qparams != "affine" or self.rounding == "gptq"):
             other = (
                 "learn_scales: true"
                 if self.learn_scales
@@ -142,13 +148,7 @@ class Torchao8da4wSettings:
                 if self.rounding == "gptq"
                 else f"choose_qparams: {self.choose_qparams}"
             )
-            what = (
-                "rounding: weighted"
-                if self.rounding == "weighted"
-                else "zero_points"
-                if self.zero_points
-                else "smoothing"
-            )
+            what = self.chooses_weights
             raise UserError(
                 f"torchao_8da4w quantizer: {what} with {other}: both choose the weights' scales",
                 fix=f"drop {what}, or {other}",
@@ -186,14 +186,8 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             "(it trains affine scales)",
             fix="use it in PTQ-only recipes (modes: [ptq]), or choose_qparams: affine",
         )
-    if is_qat and (settings.rounding == "weighted" or settings.zero_points or settings.smoothing is not None):
-        what = (
-            "rounding: weighted"
-            if settings.rounding == "weighted"
-            else "zero_points"
-            if settings.zero_points
-            else "smoothing"
-        )
+    what = settings.chooses_weights
+    if is_qat and what:
         raise UserError(
             f"torchao_8da4w quantizer: {what} chooses the weights' scales once, before deployment (PTQ); QAT's fake "
             "quantization trains min-max scales",
@@ -234,8 +228,7 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             "nn.Linear layers" if group is None else f"nn.Linear layers whose in_features group_size={group} divides",
             learn_scales=settings.learn_scales,
             gptq=settings.rounding == "gptq",
-            rounded=group is not None
-            and (settings.rounding == "weighted" or bool(zero_points) or settings.smoothing is not None),
+            rounded=group is not None and settings.chooses_weights is not None,
             zero_points=zero_points,
             check_model=(lambda model: check_zero_points(model, zero_points)) if zero_points else None,
             scheme=scheme_name(settings.weight_bits, group, dynamic_activations=True),
