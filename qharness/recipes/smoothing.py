@@ -7,7 +7,8 @@ channels by a factor ``s`` and multiplies the weight columns that read them by `
 activations. Here the division goes into ``up_proj``'s rows (its output feeds the product linearly), and ``s`` is a
 power of two, constant over each weight group of ``down_proj``'s inputs. Then nothing changes on the weight side: a
 group of ``down_proj`` times ``s`` and a row of ``up_proj`` over ``s`` keep their codes, and their scales (bf16
-included), zero points and weighted-scale choices scale exactly; only the int8 rounding of the activations moves.
+included) and weighted-scale choices scale exactly; what moves is the int8 rounding of the activations (and of a
+zero-point ``down_proj``'s offsets, 8-bit per row, whose columns scale with ``s``).
 
 ``s`` for a group is ``2 ** round(α * log2(m / median))``, ``m`` the group's largest absolute input on the
 calibration blocks, ``median`` the median of the groups' ``m``; ``α`` is SmoothQuant's migration strength (0.5 its

@@ -55,8 +55,8 @@ class Torchao8da4wSettings:
         the group means (``recipes/zero_points.py``), 0.25 bit per weight more. PTQ; group-wise layers only.
     smoothing: null, or SmoothQuant's migration strength α in (0, 1] (0.5 its default): each gated MLP's
         ``down_proj`` input is divided by power-of-two factors, one per weight group, taken into ``up_proj``'s rows
-        and ``down_proj``'s columns (``recipes/smoothing.py``): the weights' codes and scales are unchanged, the int8
-        activations lose less. PTQ; group-wise layers only.
+        and ``down_proj``'s columns (``recipes/smoothing.py``): the weights' codes are unchanged (their scales scaled
+        exactly), the int8 activations lose less. PTQ; group-wise layers only.
     weight_mapping: how a weight group's min-max scale is chosen. ``symmetric`` (torchao's default):
         ``max|w| / ((qmax - qmin) / 2)`` (4-bit: / 7.5; the largest positive weight is clipped to 7 levels).
         ``symmetric_no_clipping_err``: ``max(min(w) / qmin, max(w) / qmax)``: nothing is clipped, and the side that
