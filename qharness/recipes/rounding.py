@@ -73,7 +73,7 @@ def round_weights(
     layers = rounded_layers(model, quantizer)
     zero = {n for n, (_, step) in layers.items() if zero_points.chosen([n], step.zero_points)}
     source = {name: m.weight for name, (m, _) in layers.items()}  # what each layer rounds: its weight, or smoothed
-    factors = {}
+    mlps, group = [], None
     if smoothing is not None:
         mlps = smoothing_.gated_mlps(model, set(layers))
         if not mlps:
@@ -90,20 +90,24 @@ def round_weights(
                 fix="give every down_proj the same group_size, or drop smoothing",
             )
         group = groups.pop()
-        with stage(f"smoothing the inputs of {len(mlps)} down projections on {len(blocks)} calibration blocks"):
-            factors = smoothing_.smoothing_factors(model, mlps, blocks, smoothing, group)
-        for mlp, s in factors.items():
-            source[f"{mlp}.up_proj"], source[f"{mlp}.down_proj"] = smoothing_.smoothed(
-                source[f"{mlp}.up_proj"], source[f"{mlp}.down_proj"], s
-            )
-    power = {}
-    names = [n for n in layers if n not in zero]
-    if weighted and names:
-        with stage(f"weighted scales: input power of {len(names)} layers on {len(blocks)} calibration blocks"):
-            power = scale_search.input_power(model, names, blocks)
-        for mlp, s in factors.items():  # a smoothed down_proj meets its inputs over s
-            if f"{mlp}.down_proj" in power:
-                power[f"{mlp}.down_proj"] = power[f"{mlp}.down_proj"] / s**2
+    names = [n for n in layers if n not in zero] if weighted else []
+    seen = list(dict.fromkeys([*names, *(f"{m}.down_proj" for m in mlps)]))  # one pass serves both
+    stats = {}
+    if seen:
+        what = ([f"input power of {len(names)} layers"] if names else []) + (  # weighted scales, smoothing
+            [f"smoothing the inputs of {len(mlps)} down projections"] if mlps else []
+        )
+        with stage(f"{'; '.join(what)} on {len(blocks)} calibration blocks"):
+            stats = scale_search.input_statistics(model, seen, blocks)
+    factors = {m: smoothing_.factors(stats[f"{m}.down_proj"][1], smoothing, group) for m in mlps}
+    for mlp, s in factors.items():
+        source[f"{mlp}.up_proj"], source[f"{mlp}.down_proj"] = smoothing_.smoothed(
+            source[f"{mlp}.up_proj"], source[f"{mlp}.down_proj"], s
+        )
+    power = {name: stats[name][0] for name in names}
+    for mlp, s in factors.items():  # a smoothed down_proj meets its inputs over s
+        if f"{mlp}.down_proj" in power:
+            power[f"{mlp}.down_proj"] = power[f"{mlp}.down_proj"] / s**2
     weights, qparams, parts = {}, {}, {}
     with stage(f"rounding {len(layers)} layers ({len(zero)} with zero points)"):
         for name, (m, step) in layers.items():

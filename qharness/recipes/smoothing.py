@@ -67,12 +67,14 @@ def smoothing_factors(
     of its ``group`` inputs, from the largest absolute inputs on ``blocks`` ``[n, seq]`` (one pass of ``model``, left
     unchanged)."""
     stats = input_statistics(model, [f"{name}.down_proj" for name in mlps], blocks, batch)
-    peaks = {name: stats[f"{name}.down_proj"][1] for name in mlps}
-    out = {}
-    for name, peak in peaks.items():
-        m = peak.reshape(-1, group).amax(-1).clamp(min=torch.finfo(torch.float32).tiny)
-        out[name] = torch.exp2(torch.round(alpha * torch.log2(m / m.median()))).repeat_interleave(group)
-    return out
+    return {name: factors(stats[f"{name}.down_proj"][1], alpha, group) for name in mlps}
+
+
+def factors(peak: torch.Tensor, alpha: float, group: int) -> torch.Tensor:
+    """The power-of-two factor of each input of a ``down_proj`` whose inputs' largest absolute values are ``peak``
+    ``[in_features]``: ``2 ** round(alpha * log2(m / median))`` for each group's ``m``, repeated over the group."""
+    m = peak.reshape(-1, group).amax(-1).clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.exp2(torch.round(alpha * torch.log2(m / m.median()))).repeat_interleave(group)
 
 
 def smoothed(up: torch.Tensor, down: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
