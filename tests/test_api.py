@@ -85,6 +85,7 @@ def test_prepare_refuses_bad_input_in_one_line(hf):
         (dict(seq_len=1000), "seq_len=1000 exceeds the model's context \\(256\\)"),
         (dict(batch_size=0), "batch_size must be a whole number >= 1"),
         (dict(recipe="xnnpack_8da3w_lsq", mode="ptq"), "does not support mode .ptq.; it supports qat"),
+        (dict(recipe="xnnpack_8da4w_zp_lsq"), "starts QAT from the program its PTQ chooses on calibration blocks"),
         (dict(model=copy.deepcopy(model).to(torch.bfloat16)), "torch.bfloat16 floating-point parameters"),
         (dict(tokenizer="tok.json"), "tokenizer is a str"),
     ]

@@ -193,3 +193,24 @@ def test_learn_scales_settings_are_checked(tiny_llama, tmp_path):
     ptq.write_text(f"base: {RECIPE}\nmodes: [qat, ptq]\n")
     with pytest.raises(UserError, match="learns its weight scales.*needs training"):
         QuantLM(checkpoint=str(tiny_llama), recipe=str(ptq), mode="ptq")
+
+
+@pytest.mark.fast
+def test_scale_lr_ratio_sets_the_scales_rate_and_zero_keeps_them(tiny_llama):
+    """``model.scale_lr_ratio``: the learned scales train at that fraction of ``lr`` (their own AdamW group); 0 leaves
+    them out of the optimizer, so they stay where they started while the weights train; outside [0, 1] refused."""
+    tenth = _build(tiny_llama, scale_lr_ratio=0.1)
+    tenth.hparams.lr = 1e-2
+    groups = tenth.configure_optimizers()["optimizer"].param_groups
+    scales = {id(fq.scale) for fq in _fake_quantizers(tenth).values()}
+    (group,) = [g for g in groups if {id(p) for p in g["params"]} & scales]
+    assert {id(p) for p in group["params"]} == scales and group["initial_lr"] == pytest.approx(1e-3)
+    frozen = _build(tiny_llama, scale_lr_ratio=0.0)
+    start = frozen.learned_qparams()
+    before = frozen.graph.get_parameter(f"model.{W}").detach().clone()
+    _train(frozen, 2)
+    now = frozen.learned_qparams()
+    assert all(torch.equal(now[k][0], start[k][0]) for k in start)
+    assert not torch.equal(frozen.graph.get_parameter(f"model.{W}"), before)  # the weights trained
+    with pytest.raises(UserError, match=r"model.scale_lr_ratio must lie in \[0, 1\] \(got 2\)"):
+        QuantLM(recipe=RECIPE, mode="qat", scale_lr_ratio=2.0)

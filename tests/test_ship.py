@@ -129,6 +129,7 @@ RESULTS = {
     "autotune_2mb-ptq": (0.008, 1.95),
     "xnnpack_8da4w_lsq_gptq-qat": (0.004, 1.793),
     "xnnpack_8da4w_tied8-qat": (0.005, 1.95),
+    "xnnpack_8da4w_zp_lsq-qat": (0.0045, 1.99),
     "xnnpack_8da3w-ptq": (0.088, 1.793),
     "xnnpack_8da3w_gptq-ptq": (0.044, 1.793),
     "xnnpack_8da3w_pc-ptq": (0.09, 1.70),
@@ -287,11 +288,12 @@ def test_the_chosen_recipe_file_reads_the_same_from_the_ship_folder_when_its_bas
 def test_a_tolerance_only_qat_meets_ends_at_qat(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("0.5%", max_size_mb=2.0), runner=runner)
-    # both QAT candidates train: each one's PTQ sibling fits the budget
-    assert [n for _, n in runner.calls][-3:] == [
+    # every QAT candidate trains: each one's PTQ sibling fits the budget
+    assert [n for _, n in runner.calls][-4:] == [
         "autotune_2mb-ptq",
         "xnnpack_8da4w_lsq_gptq-qat",
         "xnnpack_8da4w_tied8-qat",
+        "xnnpack_8da4w_zp_lsq-qat",
     ]
     assert ("fit", "xnnpack_8da4w_lsq_gptq-qat") in runner.calls
     assert rec.outcome == "chosen" and rec.chosen == "xnnpack_8da4w_lsq_gptq-qat"
@@ -330,6 +332,7 @@ def test_prune_leaves_out_each_qat_entry_its_own_sibling_rules_out_and_the_ladde
     assert rung.siblings == {
         "xnnpack_8da4w_lsq_gptq-qat": "xnnpack_8da4w_gptq-ptq",
         "xnnpack_8da4w_tied8-qat": "xnnpack_8da4w_tied8-ptq",
+        "xnnpack_8da4w_zp_lsq-qat": "xnnpack_8da4w_zp-ptq",
     }
     row = {"parity_passed": True, "ppl_pte_vs_fp_hi": 0.02}
     rows = {
@@ -337,6 +340,7 @@ def test_prune_leaves_out_each_qat_entry_its_own_sibling_rules_out_and_the_ladde
         | {"run": "xnnpack_8da4w_gptq-ptq", "pte_size_mb": 2.0, "decode_ms_per_token": 3.0},
         "xnnpack_8da4w_tied8-ptq": row
         | {"run": "xnnpack_8da4w_tied8-ptq", "pte_size_mb": 1.5, "decode_ms_per_token": 9.0},
+        "xnnpack_8da4w_zp-ptq": row | {"run": "xnnpack_8da4w_zp-ptq", "pte_size_mb": 2.1, "decode_ms_per_token": 10.0},
     }
     # one sibling over the size budget, the other over the latency budget: the rung as a whole could still reach
     # both (its smallest and its fastest program are different ones), but neither of its entries can
@@ -344,10 +348,18 @@ def test_prune_leaves_out_each_qat_entry_its_own_sibling_rules_out_and_the_ladde
     assert climb.skip_reason(rung, rows, {n: 4 for n in rows}, goal) is None
     pruned, left_out = climb.prune(rung, rows, goal)
     assert pruned.entries == ()
-    assert [line.split(":")[0] for line in left_out] == ["xnnpack_8da4w_lsq_gptq-qat", "xnnpack_8da4w_tied8-qat"]
+    assert [line.split(":")[0] for line in left_out] == [
+        "xnnpack_8da4w_lsq_gptq-qat",
+        "xnnpack_8da4w_tied8-qat",
+        "xnnpack_8da4w_zp_lsq-qat",
+    ]
     assert "over the 1.8 MB budget" in left_out[0] and "over the 5 ms budget" in left_out[1]
     # excluding a recipe drops its QAT entry and its sibling with it
-    rung = next(r for r in ladder_for("xnnpack", exclude=["xnnpack_8da4w_tied8"]) if r.name == "int4_qat")
+    rung = next(
+        r
+        for r in ladder_for("xnnpack", exclude=["xnnpack_8da4w_tied8", "xnnpack_8da4w_zp_lsq"])
+        if r.name == "int4_qat"
+    )
     assert rung.siblings == {"xnnpack_8da4w_lsq_gptq-qat": "xnnpack_8da4w_gptq-ptq"}
     assert [e["recipe"] for e in rung.entries] == ["xnnpack_8da4w_lsq_gptq"]
 

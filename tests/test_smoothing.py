@@ -104,8 +104,8 @@ def test_smoothing_is_refused_where_it_cannot_work(tmp_path):
     for bad, match in (("1.5", r"smoothing=1.5 must be a migration strength in \(0, 1\]"), ("true", "smoothing=True")):
         with pytest.raises(UserError, match=match):
             _recipe(tmp_path, f"base: xnnpack_8da4w\nquantizer: {{smoothing: {bad}}}\n")
-    with pytest.raises(UserError, match="smoothing with learn_scales"):
-        _recipe(tmp_path, "base: xnnpack_8da4w\nquantizer: {smoothing: 0.5, learn_scales: true}\n")
+    with pytest.raises(UserError, match="smoothing with rounding: gptq"):
+        _recipe(tmp_path, "base: xnnpack_8da4w\nquantizer: {smoothing: 0.5, rounding: gptq}\n")
     qat = _recipe(tmp_path, "base: xnnpack_8da4w\nmodes: [qat, ptq]\nquantizer: {smoothing: 0.5}\n")
     with pytest.raises(UserError, match="smoothing chooses .* PTQ"):
         qat.make_quantizer(is_qat=True)

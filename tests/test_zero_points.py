@@ -90,9 +90,11 @@ def test_zero_points_and_weighted_scales_are_refused_where_they_cannot_work(tmp_
     (tmp_path / "qat.yaml").write_text("base: xnnpack_8da4w_zp\nmodes: [qat, ptq]\n")
     with pytest.raises(UserError, match="PTQ"):
         load_recipe(str(tmp_path / "qat.yaml")).make_quantizer(is_qat=True)
+    (tmp_path / "hqq.yaml").write_text("base: xnnpack_8da4w_hqq\nquantizer: {zero_points: ['*']}\n")
+    with pytest.raises(UserError, match="zero_points with choose_qparams: hqq_scale_only"):
+        load_recipe(str(tmp_path / "hqq.yaml"))
     (tmp_path / "lsq.yaml").write_text("base: xnnpack_8da4w\nquantizer: {zero_points: ['*'], learn_scales: true}\n")
-    with pytest.raises(UserError, match="zero_points with learn_scales"):
-        load_recipe(str(tmp_path / "lsq.yaml"))
+    assert load_recipe(str(tmp_path / "lsq.yaml")).starts_from_rounding  # QAT starts from what PTQ would deploy
     (tmp_path / "empty.yaml").write_text("base: xnnpack_8da4w\nquantizer: {zero_points: []}\n")
     with pytest.raises(UserError, match="non-empty list"):
         load_recipe(str(tmp_path / "empty.yaml"))
@@ -102,15 +104,20 @@ def test_zero_points_and_weighted_scales_are_refused_where_they_cannot_work(tmp_
         load_recipe(str(tmp_path / "none.yaml")).make_quantizer(is_qat=False).check(model)
 
 
-def test_ptq_with_zero_points_through_the_cli_passes_the_gate_with_its_scales_exact(tmp_path, tiny_llama, corpus):
+@pytest.mark.parametrize(
+    "command, recipe, mode", [("calibrate", "xnnpack_8da4w_zp", "ptq"), ("fit", "xnnpack_8da4w_zp_lsq", "qat")]
+)
+def test_zero_point_programs_through_the_cli_pass_the_gate_with_their_scales_exact(
+    tmp_path, tiny_llama, corpus, command, recipe, mode
+):
     """``qharness calibrate --model.recipe xnnpack_8da4w_zp`` on the tiny Llama: the four zero-point layers of each
     block (key, value, up, down) are split, the MLPs' inputs smoothed, every 4-bit weight deploys with the scale
-    rounding chose (bit for bit), the offsets are 8-bit layers of the program, and the ``.pte`` passes the gate."""
+    rounding chose (bit for bit), the offsets are 8-bit layers of the program, and the ``.pte`` passes the gate.
+    ``qharness fit --model.recipe xnnpack_8da4w_zp_lsq``: QAT starts from that program, learns its 4-bit scales, and
+    the ``.pte`` quantizes with the trained ones, bit for bit (the 8-bit head and its table keep min-max scales)."""
     run = tmp_path / "run"
-    cfg = write_config(
-        tmp_path / "c.yaml", tiny_llama, corpus, run, model={"recipe": "xnnpack_8da4w_zp", "mode": "ptq"}
-    )
-    r = run_cli("calibrate", "--config", cfg)
+    cfg = write_config(tmp_path / "c.yaml", tiny_llama, corpus, run, model={"recipe": recipe, "mode": mode})
+    r = run_cli(command, "--config", cfg)
     out = r.stdout + r.stderr
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "parity PASSED" in r.stdout and "(8 with zero points)" in out, out[-3000:]
@@ -119,7 +126,8 @@ def test_ptq_with_zero_points_through_the_cli_passes_the_gate_with_its_scales_ex
     assert summary["parity"]["learned_scales"] == {"weights": 14, "exact": 14}
     schemes = summary["layers"]["schemes"]
     assert sum(s == "8da8w-pc" for n, s in schemes.items() if n.endswith(".offsets")) == 8, schemes
-    assert summary["timings"]["rounding_s"] > 0
+    if mode == "ptq":
+        assert summary["timings"]["rounding_s"] > 0
 
 
 @pytest.mark.fast
@@ -147,3 +155,43 @@ def test_a_tied_head_with_zero_points_is_untied_and_stays_so(tmp_path):
     assert isinstance(deploy.lm_head, ZeroPointLinear) and not tied(deploy)
     assert not deploy.config.tie_word_embeddings
     assert torch.equal(deploy.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+@pytest.mark.fast
+def test_qat_starts_from_the_program_ptq_would_deploy(tiny_llama):
+    """``xnnpack_8da4w_zp_lsq``: the QAT graph holds the zero-point layers, the smoothed and rounded weights and the
+    scales that the zp recipe's PTQ deploys on the same blocks (every 4-bit weight already on its grid, so training
+    starts at PTQ's program); the head and table stay tied and min-max; the trained weights load into a fresh FP
+    model (its zero-point layers attached first), and a rebuild for a checkpoint's state has the same structure."""
+    from test_learned_scales import FakeTrainer
+
+    from qharness.recipes.rounding import round_weights
+    from qharness.sources.models import tied
+    from qharness.training.module import QuantLM
+
+    blocks = torch.randint(0, 300, (4, 16), generator=torch.Generator().manual_seed(0))
+    ptq = load_recipe("xnnpack_8da4w_zp")
+    m = QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da4w_zp_lsq", mode="qat")
+    fp, _ = m.load_fp()
+    rounded = round_weights(fp, ptq.make_quantizer(is_qat=False), blocks, True, ptq.settings.smoothing)
+    m.build(2, 16, warm_start=blocks)
+    m.trainer = FakeTrainer()
+    model = m.graph.model
+    assert sum(isinstance(x, ZeroPointLinear) for x in model.modules()) == 8 and tied(model)
+    starts = {**rounded.weights, **{f"{n}.main.weight": main for n, (main, _) in rounded.parts.items()}}
+    learned = m.learned_qparams()
+    assert set(learned) == set(rounded.qparams) == set(starts) and len(learned) == 14
+    for name, w in starts.items():
+        assert torch.equal(model.get_parameter(name), w), name
+        assert torch.equal(learned[name][0], rounded.qparams[name][0]), name
+        fq = model.get_submodule(name.rpartition(".")[0]).weight_fake_quantizer
+        assert torch.equal(fq(w), w), name  # on its grid: the fake quantization changes nothing
+    for name, (_, offsets) in rounded.parts.items():
+        assert torch.equal(model.get_parameter(f"{name}.offsets.weight"), offsets), name
+    fresh, _ = m.load_fp()
+    m.load_into(fresh)
+    assert isinstance(fresh.model.layers[0].mlp.down_proj, ZeroPointLinear) and tied(fresh)
+    assert torch.equal(fresh.model.layers[1].mlp.up_proj.main.weight, starts["model.layers.1.mlp.up_proj.main.weight"])
+    cold = QuantLM(checkpoint=str(tiny_llama), recipe="xnnpack_8da4w_zp_lsq", mode="qat")
+    cold.build(2, 16)
+    assert set(cold.graph.state_dict()) == set(m.graph.state_dict())

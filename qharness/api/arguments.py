@@ -117,6 +117,13 @@ def check_preparable(model, mode: str, recipe) -> None:
                 "once (its side effects never run again, in training or in the .pte)",
                 fix="remove it before prepare/export (handle.remove()); put its logic in the model or your loop",
             )
+    if mode == "qat" and recipe.starts_from_rounding:
+        raise UserError(
+            f"recipe {recipe.name!r} starts QAT from the program its PTQ chooses on calibration blocks (zero-point "
+            "layers, smoothed weights, searched scales), which prepare() is given no blocks for",
+            fix="run it as a job (qharness.run_job(config, 'fit') or `qharness fit`), or prepare its PTQ twin "
+            "(xnnpack_8da4w_zp) with mode='ptq'",
+        )
     if mode == "qat" and not recipe.learns_scales and not any(p.requires_grad for p in model.parameters()):
         raise UserError(
             "every parameter of model has requires_grad=False: QAT would train nothing",

@@ -88,6 +88,12 @@ class Recipe:
         GPTQ's weights and scales, QAT starts from them (``recipes/gptq.py``)."""
         return getattr(self.settings, "rounding", "nearest") == "gptq"
 
+    @property
+    def starts_from_rounding(self) -> bool:
+        """Whether QAT starts from the weights, zero-point layers and scales that the recipe's PTQ would deploy
+        (``rounding: weighted``, ``zero_points``, ``smoothing`` with ``learn_scales: true``: ``rounding.qat_start``)."""
+        return self.learns_scales and getattr(self.settings, "chooses_weights", None) is not None
+
     def make_quantizer(self, is_qat: bool):
         """The quantizer for QAT (fake-quant training) or PTQ/deploy: a PT2E ``Quantizer`` or a ``SourceQuantizer``."""
         if self.quantizer is None:

@@ -132,3 +132,21 @@ def round_weights(
             weights[f"{name}.weight"] = scale_search.round_to(weight, scales, qmin, qmax, group)
             qparams[f"{name}.weight"] = (scales, torch.zeros_like(scales))
     return Rounded(weights, qparams, parts)
+
+
+def qat_start(
+    model: torch.nn.Module, recipe, blocks: torch.Tensor | None
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """QAT of a recipe that learns the scales its PTQ would choose (``recipe.starts_from_rounding``): ``model`` (the FP
+    model, changed in place) takes the weights and zero-point layers ``round_weights`` chooses on ``blocks``, and the
+    scales are returned for the learned ones to start from (``learned_scales.start_source_scales``). ``blocks`` None:
+    the layers' structure only (min-max split, nothing searched), for a trained state that is loaded next (a
+    checkpoint, or the trained weights put into a fresh FP model for deployment)."""
+    quantizer = recipe.make_quantizer(is_qat=False)
+    if blocks is None:
+        rounded = round_weights(model, quantizer, blocks, weighted=False)
+    else:
+        settings = recipe.settings
+        rounded = round_weights(model, quantizer, blocks, settings.rounding == "weighted", settings.smoothing)
+    rounded.load(model)
+    return rounded.qparams

@@ -52,11 +52,14 @@ class Torchao8da4wSettings:
         matrix). ``choose_qparams: affine`` only.
     zero_points: fnmatch globs of module names (e.g. ``["*.down_proj"]``) whose 4-bit groups take a zero point each,
         as llama.cpp's Q4_1 and Q4_K blocks do: asymmetric groups on XNNPACK's symmetric kernel plus an 8-bit GEMM of
-        the group means (``recipes/zero_points.py``), 0.25 bit per weight more. PTQ; group-wise layers only.
+        the group means (``recipes/zero_points.py``), 0.25 bit per weight more. Group-wise layers only.
     smoothing: null, or SmoothQuant's migration strength α in (0, 1] (0.5 its default): each gated MLP's
         ``down_proj`` input is divided by power-of-two factors, one per weight group, taken into ``up_proj``'s rows
         and ``down_proj``'s columns (``recipes/smoothing.py``): the weights' codes are unchanged (their scales scaled
-        exactly), the int8 activations lose less. PTQ; group-wise layers only.
+        exactly), the int8 activations lose less. Group-wise layers only.
+        ``rounding: weighted``, ``zero_points`` and ``smoothing`` choose the deployed weights on the calibration blocks
+        (PTQ); with ``learn_scales: true`` QAT starts from those weights, zero-point layers and scales instead, and
+        trains them (``recipes/rounding.py``: ``qat_start``).
     weight_mapping: how a weight group's min-max scale is chosen. ``symmetric`` (torchao's default):
         ``max|w| / ((qmax - qmin) / 2)`` (4-bit: / 7.5; the largest positive weight is clipped to 7 levels).
         ``symmetric_no_clipping_err``: ``max(min(w) / qmin, max(w) / qmax)``: nothing is clipped, and the side that
@@ -67,7 +70,8 @@ class Torchao8da4wSettings:
     learn_scales: QAT trains each linear weight group's scale (torchao's range learning, LSQ-style: a parameter,
         min-max at the start, no weight decay) and the ``.pte`` quantizes the linear weights with the trained scales
         (else min-max of the final weights). QAT only, with ``choose_qparams: affine``; quantized embeddings keep
-        min-max scales.
+        min-max scales. With a setting that chooses the weights (above), the scales it chose are learned and the
+        layers it does not round (per-channel ones, e.g. an 8-bit ``lm_head``) keep min-max scales.
     """
 
     group_size: int | None = 32
@@ -140,14 +144,8 @@ class Torchao8da4wSettings:
                 f"torchao_8da4w quantizer: smoothing={self.smoothing!r} must be a migration strength in (0, 1]",
                 fix="use smoothing: 0.5 (SmoothQuant's default), or leave it out",
             )
-        if self.chooses_weights and (self.learn_scales or self.choose_qparams != "affine" or self.rounding == "gptq"):
-            other = (
-                "learn_scales: true"
-                if self.learn_scales
-                else "rounding: gptq"
-                if self.rounding == "gptq"
-                else f"choose_qparams: {self.choose_qparams}"
-            )
+        if self.chooses_weights and (self.choose_qparams != "affine" or self.rounding == "gptq"):
+            other = "rounding: gptq" if self.rounding == "gptq" else f"choose_qparams: {self.choose_qparams}"
             what = self.chooses_weights
             raise UserError(
                 f"torchao_8da4w quantizer: {what} with {other}: both choose the weights' scales",
@@ -158,8 +156,9 @@ class Torchao8da4wSettings:
                 f"torchao_8da4w quantizer: weight_mapping {self.weight_mapping!r} is unknown",
                 fix=f"use {' or '.join(WEIGHT_MAPPINGS)}",
             )
-        if self.weight_mapping != "symmetric" and (self.learn_scales or self.choose_qparams != "affine"):
-            other = "learn_scales: true" if self.learn_scales else f"choose_qparams: {self.choose_qparams}"
+        learned_from_min_max = self.learn_scales and not self.chooses_weights  # else they start from rounding's
+        if self.weight_mapping != "symmetric" and (learned_from_min_max or self.choose_qparams != "affine"):
+            other = "learn_scales: true" if learned_from_min_max else f"choose_qparams: {self.choose_qparams}"
             raise UserError(
                 f"torchao_8da4w quantizer: weight_mapping {self.weight_mapping} with {other}: those scales start "
                 "from (or are) another rule",
@@ -187,11 +186,11 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             fix="use it in PTQ-only recipes (modes: [ptq]), or choose_qparams: affine",
         )
     what = settings.chooses_weights
-    if is_qat and what:
+    if is_qat and what and not settings.learn_scales:
         raise UserError(
             f"torchao_8da4w quantizer: {what} chooses the weights' scales once, before deployment (PTQ); QAT's fake "
-            "quantization trains min-max scales",
-            fix="use it in PTQ-only recipes (modes: [ptq]), or drop it for QAT",
+            "quantization without learned scales trains min-max scales",
+            fix="use it in PTQ-only recipes (modes: [ptq]), or add learn_scales: true (QAT starts from its choice)",
         )
     from qharness.recipes.zero_points import ZeroPointOffsets
     from qharness.upstream.fixes import xnnpack_bf16_scales
@@ -226,7 +225,8 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             ),
             (lambda m, fqn: linear(m)) if group is None else (lambda m, fqn: linear(m) and m.in_features % group == 0),
             "nn.Linear layers" if group is None else f"nn.Linear layers whose in_features group_size={group} divides",
-            learn_scales=settings.learn_scales,
+            # with a setting that chooses the weights, the scales it chose (group-wise layers) are the learned ones
+            learn_scales=settings.learn_scales and (group is not None or settings.chooses_weights is None),
             gptq=settings.rounding == "gptq",
             rounded=group is not None and settings.chooses_weights is not None,
             zero_points=zero_points,

@@ -197,6 +197,9 @@ class ModelConfig:
         warmup_steps: Linear warm-up steps before the cosine decay.
         min_lr_ratio: Where the cosine decay ends, as a fraction of ``lr`` (0: down to zero; 1: constant after the
             warm-up).
+        scale_lr_ratio: QAT with learned scales (``learn_scales: true``): their learning rate as a fraction of ``lr``
+            (AdamW moves every parameter by about the rate a step, and a scale is ~10x smaller than its weights);
+            0 keeps the scales where they start (min-max, GPTQ's or rounding's) and trains the weights alone.
         trust_remote_code: Run model code from the hub (off by default; only for models you trust).
         fake_quant_after_n_steps: QAT: train in floating point for the first N optimizer steps (fake
             quantization off, observers recording), then with fake quantization (torchtune's
@@ -227,6 +230,7 @@ class ModelConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
+    scale_lr_ratio: float = 1.0
     trust_remote_code: bool = False
     fake_quant_after_n_steps: int = 0
     freeze_observers_after_n_steps: int | None = None
@@ -291,6 +295,11 @@ class ModelConfig:
         if not 0 <= self.min_lr_ratio <= 1:
             raise UserError(
                 f"model.min_lr_ratio must lie in [0, 1] (got {self.min_lr_ratio:g})", fix="e.g. model.min_lr_ratio: 0.1"
+            )
+        if not 0 <= self.scale_lr_ratio <= 1:
+            raise UserError(
+                f"model.scale_lr_ratio must lie in [0, 1] (got {self.scale_lr_ratio:g})",
+                fix="e.g. model.scale_lr_ratio: 0.1 (0: the scales stay where they start)",
             )
         fq, freeze = self.fake_quant_after_n_steps, self.freeze_observers_after_n_steps
         if fq < 0 or (freeze is not None and freeze < 0):

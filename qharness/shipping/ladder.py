@@ -14,9 +14,10 @@ XNNPACK (``LADDERS["xnnpack"]``), in order:
    accuracy, it does not look for a smaller program); its smallest scheme (4-bit per channel) stores 8/9 of 4-bit
    g32's linear bytes, so a budget below 8/9 of the smallest measured candidate is out of its reach.
 4. ``int4_qat``: 4-bit QAT distilled from the FP model: from GPTQ's weights with learned scales (what paid off in the
-   quality benchmarks, docs/benchmarks/quality.md), and ``xnnpack_8da4w_tied8`` from nearest rounding (what paid off
-   on SmolLM2): training, the costliest so far; each the same program size and speed as its PTQ sibling, only more
-   accurate. An entry whose sibling shows it cannot change the answer (over a budget, or no smaller than a candidate
+   quality benchmarks, docs/benchmarks/quality.md), ``xnnpack_8da4w_tied8`` from nearest rounding, and
+   ``xnnpack_8da4w_zp_lsq`` from the zero-point program its PTQ sibling deploys, the scales kept where rounding put
+   them (``scale_lr_ratio: 0``; what paid off on SmolLM2, docs/benchmarks/real-model.md): training, the costliest so
+   far; each the same program size and speed as its PTQ sibling, only more accurate. An entry whose sibling shows it cannot change the answer (over a budget, or no smaller than a candidate
    that meets everything) is left out of the rung (``climb.prune``).
 5. ``int3_ptq``, 6. ``int3_qat``: 3-bit weights, where the budgets demand them (no candidate at more bits fits the
    budgets). XNNPACK stores 2/3-bit values as int4, so on this backend they are 4-bit's size: these rungs then
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from qharness.errors import UserError
 
 DISTILL = {"model": {"distill": {"kl_weight": 1.0, "temperature": 1.0, "hard_loss": False}}}
+KEEP_SCALES = {"model": {**DISTILL["model"], "scale_lr_ratio": 0.0}}  # QAT from rounding's scales, kept
 
 
 @dataclass(frozen=True)
@@ -90,16 +92,19 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
         Rung(
             "int4_qat",
             "4-bit QAT distilled from the FP model (GPTQ's weights with learned scales; the tied 8-bit output "
-            "tensor): training, the costliest rung so far; each the same program as its PTQ sibling, more accurate",
+            "tensor; the zero-point program, from its PTQ's choice): training, the costliest rung so far; each the "
+            "same program as its PTQ sibling, more accurate",
             (
                 {"recipe": "xnnpack_8da4w_lsq_gptq", "modes": ["qat"], "config": DISTILL},
                 {"recipe": "xnnpack_8da4w_tied8", "modes": ["qat"], "config": DISTILL},
+                {"recipe": "xnnpack_8da4w_zp_lsq", "modes": ["qat"], "config": KEEP_SCALES},
             ),
             bits=4,
             trains=True,
             siblings={
                 "xnnpack_8da4w_lsq_gptq-qat": "xnnpack_8da4w_gptq-ptq",
                 "xnnpack_8da4w_tied8-qat": "xnnpack_8da4w_tied8-ptq",
+                "xnnpack_8da4w_zp_lsq-qat": "xnnpack_8da4w_zp-ptq",
             },
         ),
         Rung(

@@ -78,11 +78,17 @@ class QuantLM(L.LightningModule):
     ) -> None:
         """Load the FP model, export it on ``device`` and prepare it with the recipe (deterministic, so
         checkpoints load). ``warm_start``: calibration blocks for a QAT recipe with ``rounding: gptq``, whose training
-        starts from GPTQ's weights (and scales, when it learns them); not given where a checkpoint's state follows."""
+        starts from GPTQ's weights (and scales, when it learns them), or one that starts from what its PTQ would
+        deploy (``recipe.starts_from_rounding``); not given where a checkpoint's state follows."""
         if self.graph is not None:
             return
         model, _ = self.load_fp()
-        gptq_scales = None
+        start_scales = None
+        if self.hparams.mode == "qat" and self.recipe.starts_from_rounding:
+            from qharness.recipes.rounding import qat_start
+
+            scales = qat_start(model, self.recipe, warm_start)  # warm_start None: the structure a state loads into
+            start_scales = scales if warm_start is not None else None
         if self.hparams.mode == "qat" and self.recipe.rounds_with_gptq:
             from qharness.recipes.gptq import gptq_round, untie_layers
             from qharness.sources.models import put_weights
@@ -90,7 +96,7 @@ class QuantLM(L.LightningModule):
             quantizer = self.recipe.make_quantizer(is_qat=False)
             untie_layers(model, quantizer)  # a tied lm_head trains as its own weight (deployment unties it anyway)
             if warm_start is not None:
-                weights, gptq_scales = gptq_round(model, quantizer, warm_start)
+                weights, start_scales = gptq_round(model, quantizer, warm_start)
                 put_weights(model, weights)
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if context is not None and seq_len > context:
@@ -106,10 +112,10 @@ class QuantLM(L.LightningModule):
             layerwise=self.hparams.layerwise,
             lora=self.lora,
         )
-        if gptq_scales is not None and self.recipe.learns_scales:
+        if start_scales is not None and self.recipe.learns_scales:
             from qharness.recipes.learned_scales import start_source_scales
 
-            start_source_scales(model, gptq_scales)
+            start_source_scales(model, start_scales)
         if self.hparams.activation_checkpointing:
             from qharness.training.layerwise import set_checkpointing
 
@@ -151,7 +157,7 @@ class QuantLM(L.LightningModule):
             )
         if self.graph is None:
             warm = None
-            if self.recipe.rounds_with_gptq and self.trainer.state.fn == "fit":
+            if (self.recipe.rounds_with_gptq or self.recipe.starts_from_rounding) and self.trainer.state.fn == "fit":
                 from qharness.config import CalibrationConfig
                 from qharness.training.calibration import calibration_blocks
 
@@ -271,7 +277,11 @@ class QuantLM(L.LightningModule):
 
     def load_into(self, hf_model) -> None:
         """Copy the trained weights into an HF model of the same architecture (``load_weights_into``: tied weights
-        trained apart are untied there too)."""
+        trained apart are untied there too; a recipe that starts from rounding gives it its zero-point layers first)."""
+        if self.hparams.mode == "qat" and self.recipe.starts_from_rounding:
+            from qharness.recipes.rounding import qat_start
+
+            qat_start(hf_model, self.recipe, None)
         load_weights_into(self.trained_weights(), hf_model)
 
     # --- modes ----------------------------------------------------------------------------------
@@ -425,4 +435,6 @@ class QuantLM(L.LightningModule):
         (``training/optim.py``)."""
         hp = self.hparams
         total = int(self.trainer.estimated_stepping_batches)
-        return adamw_with_schedule(self.graph, hp.lr, hp.weight_decay, hp.warmup_steps, hp.min_lr_ratio, total)
+        return adamw_with_schedule(
+            self.graph, hp.lr, hp.weight_decay, hp.warmup_steps, hp.min_lr_ratio, total, hp.scale_lr_ratio
+        )

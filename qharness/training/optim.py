@@ -9,19 +9,28 @@ from collections.abc import Callable
 import torch
 
 
-def param_groups(graph: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """The trainable parameters of ``graph`` in AdamW groups: the model's weights with ``weight_decay``; learned
-    quantization scales (fake quantizers' parameters, e.g. ``activation_post_process_3.scale`` or
-    ``...q_proj.weight_fake_quantizer.scale``) and anything outside ``model.`` without. Empty groups are left out."""
+def param_groups(graph: torch.nn.Module, weight_decay: float, lr: float, scale_lr_ratio: float = 1.0) -> list[dict]:
+    """The trainable parameters of ``graph`` in AdamW groups: the model's weights with ``weight_decay`` at ``lr``;
+    learned quantization scales (fake quantizers' parameters, e.g. ``activation_post_process_3.scale`` or
+    ``...q_proj.weight_fake_quantizer.scale``) without, at ``lr * scale_lr_ratio`` (0: left out, they stay where
+    they start); anything else outside ``model.`` without, at ``lr``. Empty groups are left out."""
     from qharness.recipes.learned_scales import quantization_parameter_names
 
     scales = quantization_parameter_names(graph)
     params = [(n, p) for n, p in graph.named_parameters() if p.requires_grad]
-    decayed = [n.startswith("model.") and n not in scales for n, _ in params]
+    kind = ["scale" if n in scales else "decayed" if n.startswith("model.") else "other" for n, _ in params]
     groups = [
-        {"params": [p for (_, p), d in zip(params, decayed) if d], "weight_decay": weight_decay},
-        {"params": [p for (_, p), d in zip(params, decayed) if not d], "weight_decay": 0.0},
+        {"params": [p for (_, p), k in zip(params, kind) if k == "decayed"], "weight_decay": weight_decay, "lr": lr},
+        {"params": [p for (_, p), k in zip(params, kind) if k == "other"], "weight_decay": 0.0, "lr": lr},
     ]
+    if scale_lr_ratio > 0:
+        groups.append(
+            {
+                "params": [p for (_, p), k in zip(params, kind) if k == "scale"],
+                "weight_decay": 0.0,
+                "lr": lr * scale_lr_ratio,
+            }
+        )
     return [g for g in groups if g["params"]]
 
 
@@ -39,11 +48,17 @@ def warmup_cosine(warmup_steps: int, total_steps: int, min_lr_ratio: float) -> C
 
 
 def adamw_with_schedule(
-    graph: torch.nn.Module, lr: float, weight_decay: float, warmup_steps: int, min_lr_ratio: float, total_steps: int
+    graph: torch.nn.Module,
+    lr: float,
+    weight_decay: float,
+    warmup_steps: int,
+    min_lr_ratio: float,
+    total_steps: int,
+    scale_lr_ratio: float = 1.0,
 ) -> dict:
     """What Lightning's ``configure_optimizers`` returns: AdamW over ``param_groups`` and the ``warmup_cosine``
     schedule stepped every optimizer step over ``total_steps`` (at least 1)."""
-    opt = torch.optim.AdamW(param_groups(graph, weight_decay), lr=lr)
+    opt = torch.optim.AdamW(param_groups(graph, weight_decay, lr, scale_lr_ratio), lr=lr)
     schedule = warmup_cosine(warmup_steps, max(1, total_steps), min_lr_ratio)
     return {
         "optimizer": opt,

@@ -93,7 +93,9 @@ def fake_quantize_configs(config, range_learning: bool = False):
         weight = dataclasses.replace(weight, is_dynamic=False, range_learning=True)
     elif dtype is not None:
         weight = dataclasses.replace(weight, scale_precision=dtype)
-    if mapping != MappingType.SYMMETRIC:
+    if mapping != MappingType.SYMMETRIC and not range_learning:
+        # a learned scale computes with the value it holds: the mapping only picks its start, which a recipe whose
+        # learned scales may carry another mapping gives (rounding's scales: recipes/rounding.py, qat_start)
         no_clipping_fake_quantize(weight, mapping)
     return activation, weight
 
