@@ -198,7 +198,8 @@ class ModelConfig:
         min_lr_ratio: Where the cosine decay ends, as a fraction of ``lr`` (0: down to zero; 1: constant after the
             warm-up).
         scale_lr_ratio: QAT with learned scales (``learn_scales: true``): their learning rate as a fraction of ``lr``
-            (AdamW moves every parameter by about the rate a step, and a scale is ~10x smaller than its weights);
+            (AdamW moves every parameter by about the rate a step, and a 4-bit scale is about its group's largest
+            weight / 8);
             0 keeps the scales where they start (min-max, GPTQ's or rounding's) and trains the weights alone.
         trust_remote_code: Run model code from the hub (off by default; only for models you trust).
         fake_quant_after_n_steps: QAT: train in floating point for the first N optimizer steps (fake
