@@ -16,10 +16,10 @@ XNNPACK (``LADDERS["xnnpack"]``), in order:
 4. ``int4_qat``: 4-bit QAT distilled from the FP model: from GPTQ's weights with learned scales (what paid off in the
    quality benchmarks, docs/benchmarks/quality.md), ``xnnpack_8da4w_tied8`` from nearest rounding, and
    ``xnnpack_8da4w_zp_lsq`` from the zero-point program its PTQ sibling deploys, the scales kept where rounding put
-   them (``scale_lr_ratio: 0``; learning them gained nothing on SmolLM2, where this QAT did best: docs/benchmarks/
-   real-model.md): training, the costliest so
-   far; each the same program size and speed as its PTQ sibling, only more accurate. An entry whose sibling shows it cannot change the answer (over a budget, or no smaller than a candidate
-   that meets everything) is left out of the rung (``climb.prune``).
+   them (``scale_lr_ratio: 0``; learning them gained nothing on SmolLM2, where this QAT did best:
+   docs/benchmarks/real-model.md): training, the costliest so far; each the same program size and speed as its PTQ
+   sibling, only more accurate. An entry whose sibling shows it cannot change the answer (over a budget, or no
+   smaller than a candidate that meets everything) is left out of the rung (``climb.prune``).
 5. ``int3_ptq``, 6. ``int3_qat``: 3-bit weights, where the budgets demand them (no candidate at more bits fits the
    budgets). XNNPACK stores 2/3-bit values as int4, so on this backend they are 4-bit's size: these rungs then
    show it and stop.
