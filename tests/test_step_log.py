@@ -59,6 +59,22 @@ def test_every_optimizer_step_is_a_line_of_train_log(tmp_path):
     pattern = r"step \d/3  loss \d+\.\d{4}  \d+\.\d\d s/step  cpu \d+\.\d\d s  \d+ threads"
     assert all(re.fullmatch(pattern, line) for line in steps), steps
     assert lines[-1].startswith("training ended at step 3 after ")
+    log = trainer.callbacks[[isinstance(c, StepLog) for c in trainer.callbacks].index(True)]
+    got = log.summary()  # what summary.json's timings take: the logged steps' median, the first left out
+    assert got["train_steps"] == 3 and got["train_device"] == f"cpu ({torch.get_num_threads()} threads)", got
+    assert 0 < got["train_step_s_range"][0] <= got["train_step_s"] <= got["train_step_s_range"][1], got
+
+
+def test_the_summary_leaves_the_first_step_out():
+    log = StepLog(fit_threads=False)
+    assert log.summary() is None  # no step ran
+    log.seconds, log.device = [5.0, 1.0, 1.5], "NVIDIA H200 (cuda)"
+    assert log.summary() == {
+        "train_steps": 3,
+        "train_step_s": 1.25,
+        "train_step_s_range": [1.0, 1.5],
+        "train_device": "NVIDIA H200 (cuda)",
+    }
 
 
 def test_threads_follow_the_free_cores_once_two_measurements_agree():

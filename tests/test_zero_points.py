@@ -126,8 +126,13 @@ def test_zero_point_programs_through_the_cli_pass_the_gate_with_their_scales_exa
     assert summary["parity"]["learned_scales"] == {"weights": 14, "exact": 14}
     schemes = summary["layers"]["schemes"]
     assert sum(s == "8da8w-pc" for n, s in schemes.items() if n.endswith(".offsets")) == 8, schemes
+    t = summary["timings"]
     if mode == "ptq":
-        assert summary["timings"]["rounding_s"] > 0
+        assert t["rounding_s"] > 0 and "train_steps" not in t and "training:" not in r.stdout
+    else:  # seconds per step, where they ran, printed with the table
+        assert t["train_steps"] == 6 and t["train_device"].startswith("cpu (") and t["train_step_s"] > 0, t
+        assert t["train_step_s_range"][0] <= t["train_step_s"] <= t["train_step_s_range"][1], t
+        assert "training: 6 steps on cpu (" in r.stdout, r.stdout[-2000:]
 
 
 @pytest.mark.fast

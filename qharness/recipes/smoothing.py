@@ -44,7 +44,8 @@ def gated_mlps(model: torch.nn.Module, names: set[str]) -> list[str]:
             continue
         up, down = children["up_proj"], children["down_proj"]
         p = next(module.parameters())
-        x = torch.randn(2, up.in_features, generator=torch.Generator().manual_seed(0)).to(p.device, p.dtype)
+        x = torch.randn(2, up.in_features, generator=torch.Generator().manual_seed(0), device="cpu")
+        x = x.to(p.device, p.dtype)  # drawn on CPU, where the generator is, inside a trainer's GPU device context too
         with torch.no_grad():
             before = module(x)
             up.weight.mul_(0.5), down.weight.mul_(2.0)

@@ -31,7 +31,18 @@ def trained(module) -> Trained:
         weight_qparams=module.deploy_qparams() if fake_quant is not None else None,
         distill=module.hparams.get("distill"),
         lora=module.lora_summary(),
+        train_time=training_time(module),
     )
+
+
+def training_time(module) -> dict | None:
+    """Seconds per step of the training this process ran (``StepLog.summary``: the trainer's ``train.log`` lines);
+    None without a trainer, a ``StepLog`` or a step."""
+    from qharness.training.step_log import StepLog
+
+    trainer = getattr(module, "_trainer", None)
+    logs = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, StepLog)]
+    return logs[0].summary() if logs else None
 
 
 def held_out(dm, parity_cfg: ParityConfig, calib_cfg: CalibrationConfig, eval_cfg: EvalConfig | None = None) -> HeldOut:

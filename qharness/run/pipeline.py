@@ -104,7 +104,7 @@ def deploy_and_check(
     tokenizer = trained.tokenizer
     metadata_eos = eos_ids(trained.fp_model, tokenizer, data.end_of_turn)  # where the runner (and answers) stop
     metadata = runner_metadata(export_cfg.max_seq_len, text_config.vocab_size, tokenizer.bos_token_id, metadata_eos)
-    timings = Timings()
+    timings = Timings(**(trained.train_time or {}))
     t = time.perf_counter()
     trained = with_rounding(trained, data.calibration)
     if trained.mode == "ptq" and trained.weight_qparams is not None:

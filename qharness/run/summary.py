@@ -192,9 +192,25 @@ class LayerPlan:
 
 @dataclass
 class Timings:
-    """Seconds per deploy stage (None: the stage did not run)."""
+    """Seconds per training step and per deploy stage (None: the stage did not run in this process).
 
-    rounding_s: float | None = None  # PTQ that chooses its weights: GPTQ, weighted scales, zero points
+    Args:
+        train_steps: QAT: the optimizer steps this process ran (a resumed run: its own).
+        train_step_s: Their median wall time (``train.log``'s s/step: from one optimizer step to the next,
+            validation left out), the first step left out (its kernels and allocations warm up).
+        train_step_s_range: The fastest and slowest of those steps.
+        train_device: Where they ran: ``NVIDIA H200 (cuda)``, ``cpu (2 threads)``.
+        rounding_s: PTQ that chooses its weights (GPTQ, weighted scales, zero points): the rounding.
+        export_quantize_s: The static-KV-cache export and its quantization.
+        lower_s: Lowering to the ``.pte``.
+        parity_s: The parity gate.
+    """
+
+    train_steps: int | None = None
+    train_step_s: float | None = None
+    train_step_s_range: list[float] | None = None
+    train_device: str | None = None
+    rounding_s: float | None = None
     export_quantize_s: float | None = None
     lower_s: float | None = None
     parity_s: float | None = None

@@ -57,6 +57,13 @@ def format_table(summary: RunSummary) -> str:
         lines.append(coverage)
     if summary.layers:
         lines.append("layers: " + ", ".join(f"{n} x {scheme}" for scheme, n in summary.layers.counts.items()))
+    t = summary.timings
+    if t is not None and t.train_step_s is not None:
+        lo, hi = t.train_step_s_range or (t.train_step_s, t.train_step_s)
+        lines.append(
+            f"training: {t.train_steps} steps on {t.train_device}, {t.train_step_s:.3g} s/step "
+            f"(median, first step left out; {lo:.3g}-{hi:.3g})"
+        )
     return "\n".join(lines)
 
 

@@ -31,6 +31,8 @@ class Trained:
         distill: QAT with distillation: its settings (``kl_weight``, ``temperature``, ``hard_loss``; recorded).
         lora: LoRA-QAT: its settings, adapted layers and trained parameter count (recorded; the weights that
             ``load_trained`` puts in are already merged).
+        train_time: QAT: seconds per training step on the device that trained (``StepLog.summary``: the
+            ``train_*`` fields of the summary's ``timings``); None when no step ran in this process.
     """
 
     fp_model: torch.nn.Module
@@ -44,6 +46,7 @@ class Trained:
     weight_qparams: dict | None = None
     distill: dict | None = None
     lora: dict | None = None
+    train_time: dict | None = None
 
 
 @dataclass

@@ -122,7 +122,8 @@ def _computes_linear(module, weight, bias) -> bool:
 
     if weight.is_meta:
         return True
-    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0), device="cpu")
+    x = x.to(weight.device, weight.dtype)  # drawn on CPU, where the generator is (a GPU device context too)
     with torch.no_grad():
         try:
             got = module(x)

@@ -99,7 +99,7 @@ def add_adapters(model: torch.nn.Module, lora: LoRA, seed: int = 0) -> list[str]
     gen = torch.Generator().manual_seed(seed)
     for _, m in found:
         w = m.weight
-        a = torch.empty(lora.rank, m.in_features, dtype=w.dtype)
+        a = torch.empty(lora.rank, m.in_features, dtype=w.dtype, device="cpu")  # the generator's device
         bound = 1.0 / math.sqrt(m.in_features)  # kaiming_uniform_(a=sqrt(5)), nn.Linear's (and torchtune's) init
         a.uniform_(-bound, bound, generator=gen)
         m.register_parameter(A, torch.nn.Parameter(a.to(w.device)))

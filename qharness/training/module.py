@@ -27,7 +27,7 @@ from qharness.training.losses import distill_loss, token_loss
 from qharness.training.optim import adamw_with_schedule
 from qharness.training.prepare import LogitsOnly, prepare_for_training, set_fake_quant, set_static_observers
 from qharness.training.teacher import load_teacher
-from qharness.training.weights import hf_weights, load_weights_into, state_on
+from qharness.training.weights import hf_weights, load_weights_into, plain_tensors_to, state_on
 from qharness.upstream import pt2e_modes
 
 
@@ -82,22 +82,8 @@ class QuantLM(L.LightningModule):
         deploy (``recipe.starts_from_rounding``); not given where a checkpoint's state follows."""
         if self.graph is not None:
             return
-        model, _ = self.load_fp()
-        start_scales = None
-        if self.hparams.mode == "qat" and self.recipe.starts_from_rounding:
-            from qharness.recipes.rounding import qat_start
-
-            scales = qat_start(model, self.recipe, warm_start)  # warm_start None: the structure a state loads into
-            start_scales = scales if warm_start is not None else None
-        if self.hparams.mode == "qat" and self.recipe.rounds_with_gptq:
-            from qharness.recipes.gptq import gptq_round, untie_layers
-            from qharness.sources.models import put_weights
-
-            quantizer = self.recipe.make_quantizer(is_qat=False)
-            untie_layers(model, quantizer)  # a tied lm_head trains as its own weight (deployment unties it anyway)
-            if warm_start is not None:
-                weights, start_scales = gptq_round(model, quantizer, warm_start)
-                put_weights(model, weights)
+        with torch.device("cpu"):  # loading and rounding run on CPU, also inside a trainer's GPU device context
+            model, start_scales = self._load_and_round(warm_start)
         context = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         if context is not None and seq_len > context:
             raise UserError(
@@ -122,6 +108,27 @@ class QuantLM(L.LightningModule):
             set_checkpointing(graph, True)
         self.graph = graph
         self._shape = (batch_size, seq_len)
+
+    def _load_and_round(self, warm_start: torch.Tensor | None):
+        """The FP model, its weights rounded where QAT starts from a rounding (``qat_start``, GPTQ), and the scales
+        training starts from (None: min-max, or a checkpoint's state follows)."""
+        model, _ = self.load_fp()
+        start_scales = None
+        if self.hparams.mode == "qat" and self.recipe.starts_from_rounding:
+            from qharness.recipes.rounding import qat_start
+
+            scales = qat_start(model, self.recipe, warm_start)  # warm_start None: the structure a state loads into
+            start_scales = scales if warm_start is not None else None
+        if self.hparams.mode == "qat" and self.recipe.rounds_with_gptq:
+            from qharness.recipes.gptq import gptq_round, untie_layers
+            from qharness.sources.models import put_weights
+
+            quantizer = self.recipe.make_quantizer(is_qat=False)
+            untie_layers(model, quantizer)  # a tied lm_head trains as its own weight (deployment unties it anyway)
+            if warm_start is not None:
+                weights, start_scales = gptq_round(model, quantizer, warm_start)
+                put_weights(model, weights)
+        return model, start_scales
 
     def load_trained_state(self, state: dict, where: str) -> None:
         """``load_state_dict(state)``, a state of other names or shapes (another model, recipe or data layout) being
@@ -199,6 +206,10 @@ class QuantLM(L.LightningModule):
         re-exported on CPU and given the trained state (weights and observers; the rebuild is deterministic)."""
         if self.graph is not None and any(t.device.type != "cpu" for t in self.graph.state_dict().values()):
             self.rebuild_on("cpu")
+        if (
+            self.graph is not None
+        ):  # moved to CPU by the trainer: what .to() leaves behind follows (torchao's zero points)
+            plain_tensors_to(self.graph, "cpu")
 
     def rebuild_on(self, device, state: dict[str, torch.Tensor] | None = None) -> None:
         """Export and prepare the graph again on ``device`` and load ``state`` (default: the current one) into it."""

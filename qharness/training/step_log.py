@@ -6,7 +6,7 @@ run) and, where stderr is no terminal (a sweep's ``sweep.log``, a batch job), to
     step 3/20  loss 2.4512  41.2 s/step  cpu 38.1 s  2 threads
 
 (wall time per step without validation, the process's CPU time over it: below the wall time x threads, the process
-waited for cores). On CPU, unless ``QHARNESS_THREADS`` or ``OMP_NUM_THREADS`` fixes the count, it also fits torch's
+waited for cores). ``StepLog.summary()``: those steps' median and range and the device, the summary's ``timings``. On CPU, unless ``QHARNESS_THREADS`` or ``OMP_NUM_THREADS`` fixes the count, it also fits torch's
 threads to the cores other processes leave free (``io/cpu.OtherLoad``, measured over the steps): on a shared 2-core
 machine each parallel op of 2 threads waits for a descheduled thread, which made a QAT step of SmolLM2-135M (many
 element-wise fake-quantization ops) ~2x slower than with 1 thread while another job ran. The count never rises above
@@ -16,6 +16,7 @@ what training started with, and changes only after two measurements agree (each 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +28,15 @@ from qharness.progress import format_seconds
 
 LOG_NAME = "train.log"
 FIXED_THREADS = ("QHARNESS_THREADS", "OMP_NUM_THREADS")  # a count the user (or a sweep) chose: left as it is
+
+
+def device_name(device: torch.device) -> str:
+    """``NVIDIA H200 (cuda)``, ``cpu (2 threads)``: where the steps ran."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (cuda)"
+    if device.type == "cpu":
+        return f"cpu ({torch.get_num_threads()} threads)"
+    return device.type
 
 
 def fitted_threads(cores: int, others: float, most: int) -> int:
@@ -49,6 +59,8 @@ class StepLog(L.Callback):
         self._threads_on = False
         self._proposed: int | None = None
         self._wall: float | None = None  # set when training starts (validation before it is not counted)
+        self.seconds: list[float] = []  # each optimizer step's wall time, in order (this process's steps)
+        self.device: str | None = None  # where they ran (``device_name``)
 
     # --- the log ------------------------------------------------------------------------------
     def _write(self, text: str) -> None:
@@ -78,6 +90,7 @@ class StepLog(L.Callback):
             f"{' (fitted to the free cores as it goes)' if self._threads_on else ''} ({time.strftime('%Y-%m-%d %H:%M:%S')})"
         )
         self._step, self._total = trainer.global_step, total
+        self.device = self.device or device_name(trainer.strategy.root_device)
         self._wall, self._cpu, self._paused = time.perf_counter(), time.process_time(), 0.0
         self._started = self._wall
 
@@ -100,6 +113,7 @@ class StepLog(L.Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         loss_text = f"  loss {float(loss):.4f}" if isinstance(loss, torch.Tensor) else ""
         steps = trainer.global_step - self._step
+        self.seconds += [wall / steps] * steps
         self._write(
             f"step {trainer.global_step}/{self._total}{loss_text}  {wall / steps:.2f} s/step  "
             f"cpu {(cpu - self._cpu) / steps:.2f} s  {torch.get_num_threads()} threads"
@@ -108,6 +122,21 @@ class StepLog(L.Callback):
         if self._threads_on and now - self._window >= self.min_window_s:
             self._window = now
             self._refit(self._load.update())
+
+    def summary(self) -> dict | None:
+        """``train_steps`` logged, ``train_step_s``: their median wall time with the first step left out (its kernels,
+        allocations and caches warm up), ``train_step_s_range`` (the fastest and slowest of those), ``train_device``;
+        None when no step ran. (A step's time is wall time between optimizer steps: a GPU's queued kernels are in it,
+        the loss being read each step.)"""
+        if not self.seconds:
+            return None
+        steady = self.seconds[1:] or self.seconds
+        return {
+            "train_steps": len(self.seconds),
+            "train_step_s": statistics.median(steady),
+            "train_step_s_range": [min(steady), max(steady)],
+            "train_device": self.device,
+        }
 
     def _refit(self, others: float | None) -> None:
         if others is None:

@@ -26,6 +26,27 @@ def state_on(state: dict, device) -> dict:
     return out
 
 
+def plain_tensors_to(module: torch.nn.Module, device) -> int:
+    """Move the tensors ``module``'s submodules hold as plain attributes (neither parameters nor buffers) to
+    ``device``, which ``module.to(device)`` leaves where they were; returns how many moved. torchao's range-learning
+    fake quantizers are such modules: a symmetric one keeps its zero point as a plain tensor beside its scale (a
+    parameter), so a graph trained on a GPU and moved to CPU by Lightning held a CUDA zero point ("Expected all
+    tensors to be on the same device", seen on an H200).
+
+    Example::
+
+        graph.cpu(); plain_tensors_to(graph, "cpu")
+    """
+    moved = 0
+    device = torch.device(device)
+    for m in module.modules():
+        for name, value in list(vars(m).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) and value.device != device:
+                setattr(m, name, value.to(device))
+                moved += 1
+    return moved
+
+
 def check_finite_state(state: dict, where: str) -> None:
     """Refuse a state dict with a NaN anywhere, or an inf outside an observer's running min/max (which start at
     +-inf): a diverged run's weights would train, export or resume into NaN (``where`` names the file)."""
