@@ -13,7 +13,9 @@ Programs, each in its own fresh process (``python -P``):
   quantizers, without ``upstream/qat_speed.py``), in the same rounds.
 
 Each process runs ``--warmup`` untimed steps, then ``--steps`` timed ones, and reports their median wall time and the
-median process CPU time per step (CPU time / wall time below the thread count: the process waited for a core). Rounds
+median process CPU time per step (CPU time / wall time below the thread count: the process waited for a core); with
+``--ops``, also the top-level ATen calls of one more step (PyTorch's profiler; an op another op calls is not
+counted): what an eager GPU run issues one by one from the host, so they bound a GPU step from below. Rounds
 alternate (fp, qat, qat, fp, ...: ``runtime/joint.round_order``); each round's ratio is QAT median / FP median of
 that round, and the ratios' median (min-max) over the rounds is the result. A ratio whose spread straddles the
 target is a tie ("TIE/UNDECIDED"), not a verdict. The machine may be shared: the 1-minute load average is printed
@@ -22,6 +24,7 @@ with every process.
     .venv/bin/python scripts/bench_qat_step.py                                  # the embedded default model
     .venv/bin/python scripts/bench_qat_step.py --model /work/models/smollm2-hf --rounds 3
     .venv/bin/python scripts/bench_qat_step.py --model DIR --recipe xnnpack_int8_dynamic --recipe xnnpack_8da4w
+    .venv/bin/python scripts/bench_qat_step.py --rounds 1 --ops                     # ATen calls per step too
 """
 
 from __future__ import annotations
@@ -80,21 +83,27 @@ def child(args) -> dict:
     x = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)
     y = torch.randint(0, vocab, (args.batch, args.seq_len), generator=gen)
     build_s = time.perf_counter() - t0
-    walls, cpus = [], []
+    walls, cpus, calls = [], [], None
     if args.lightning and module is not None:
         walls, cpus = _lightning_steps(module, x, y, total)
     else:
-        opt = adamw_with_schedule(graph, 1e-5, 0.0, 0, 0.1, total)["optimizer"]
-        for _ in range(total):
-            w, c = time.perf_counter(), time.process_time()
+        opt = adamw_with_schedule(graph, 1e-5, 0.0, 0, 0.1, total + 1)["optimizer"]
+
+        def step():
             loss = token_loss(graph(x), y)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
+
+        for _ in range(total):
+            w, c = time.perf_counter(), time.process_time()
+            step()
             walls.append(time.perf_counter() - w)
             cpus.append(time.process_time() - c)
+        calls = _aten_calls(step) if args.ops else None
     walls, cpus = walls[args.warmup :], cpus[args.warmup :]
     return {
+        "aten_calls": calls,
         "program": program,
         "wall_s": statistics.median(walls),
         "cpu_s": statistics.median(cpus),
@@ -103,6 +112,24 @@ def child(args) -> dict:
         "threads": torch.get_num_threads(),
         "peak_rss_gb": _peak_rss_gb(),
     }
+
+
+def _aten_calls(step) -> int:
+    """The top-level ATen calls of one ``step()`` (an op that another op calls is not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+
+    def top(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and top(e))
 
 
 def _lightning_steps(module, x, y, total: int) -> tuple[list[float], list[float]]:
@@ -154,6 +181,8 @@ def run_fresh(args, program: str) -> dict:
         cmd += ["--threads", str(args.threads)]
     if args.lightning:
         cmd += ["--lightning"]
+    if args.ops:
+        cmd += ["--ops"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if program.startswith("qat-upstream:"):
         env["QHARNESS_UPSTREAM_QAT"] = "1"
@@ -177,6 +206,9 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads in every process (default: torch's)")
     p.add_argument("--lightning", action="store_true", help="QAT steps inside Trainer.fit (what `qharness fit` runs)")
     p.add_argument("--upstream", action="store_true", help="also each recipe with torchao's own fake quantizers")
+    p.add_argument(
+        "--ops", action="store_true", help="also count one more step's top-level ATen calls (not --lightning)"
+    )
     p.add_argument("--json", default=None, help="also write every process's numbers here")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -203,9 +235,10 @@ def main(argv=None) -> None:
             r = run_fresh(args, name)
             runs[name].append(r)
             steps = " ".join(f"{s:.2f}" for s in r["steps_wall_s"])
+            calls = f", {r['aten_calls']} ATen calls" if r.get("aten_calls") is not None else ""
             print(
                 f"  round {k + 1} {name:>28}: {r['wall_s']:7.2f} s/step (steps {steps}; cpu {r['cpu_s']:.2f} s, "
-                f"{r['threads']} threads, peak RSS {r['peak_rss_gb']:.2f} GiB, load {load:.1f})",
+                f"{r['threads']} threads, peak RSS {r['peak_rss_gb']:.2f} GiB, load {load:.1f}{calls})",
                 flush=True,
             )
     fp_wall = [r["wall_s"] for r in runs["fp"]]
