@@ -86,3 +86,25 @@ def test_plain_tensors_follow_a_module_moved_with_to():
     assert plain_tensors_to(graph, "meta") == 1
     assert {t.device.type for t in (fq.scale, fq.zero_point, graph[0].weight)} == {"meta"}
     assert plain_tensors_to(graph, "meta") == 0  # nothing left behind
+
+
+@pytest.mark.parametrize("recipe, rebuilt", [("xnnpack_int8_dynamic", True), ("xnnpack_8da4w", False)])
+def test_a_graph_exported_on_another_device_is_rebuilt_after_the_trainer_moved_it(tiny_llama, recipe, rebuilt):
+    """Lightning's teardown moves the trained module to CPU before deployment, so its state no longer tells where it
+    trained: an exported graph (PT2E), whose devices are baked in, is exported again on CPU with the trained state;
+    eager modules (torchao's source-level recipes) are only moved. ``meta`` stands in for the GPU it was built on."""
+    from qharness.training.module import QuantLM
+
+    m = QuantLM(checkpoint=str(tiny_llama), recipe=recipe, mode="qat")
+    m.build(2, 16)
+    with torch.no_grad():
+        next(p for p in m.graph.parameters() if p.is_floating_point()).add_(0.25)  # "trained"
+    before, graph = {k: v.clone() for k, v in m.graph.state_dict().items()}, m.graph
+    m._built_on = torch.device("meta")  # as if exported on a GPU, then moved back by the trainer
+    m.graph_to_cpu()
+    if rebuilt:
+        assert m.graph is not graph and m._built_on.type == "cpu"
+    else:
+        assert m.graph is graph
+    after = m.graph.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)

@@ -53,6 +53,7 @@ class QuantLM(L.LightningModule):
         self._teacher: list[torch.nn.Module] = []
         self._val_losses: list[float] = []
         self.steps_trained: int | None = None  # optimizer steps behind the weights (set by fit and checkpoint loads)
+        self._built_on = torch.device("cpu")  # where build exported the graph (graph_to_cpu re-exports it elsewhere)
 
     # --- building -------------------------------------------------------------------------------
     def model_source(self) -> str:
@@ -108,6 +109,7 @@ class QuantLM(L.LightningModule):
             set_checkpointing(graph, True)
         self.graph = graph
         self._shape = (batch_size, seq_len)
+        self._built_on = torch.device(device)
 
     def _load_and_round(self, warm_start: torch.Tensor | None):
         """The FP model, its weights rounded where QAT starts from a rounding (``qat_start``, GPTQ), and the scales
@@ -202,13 +204,18 @@ class QuantLM(L.LightningModule):
             self.graph = None
 
     def graph_to_cpu(self) -> None:
-        """Deployment runs on CPU. A graph trained on another device (its devices are baked in at export) is
-        re-exported on CPU and given the trained state (weights and observers; the rebuild is deterministic)."""
-        if self.graph is not None and any(t.device.type != "cpu" for t in self.graph.state_dict().values()):
+        """Deployment runs on CPU. A graph exported on another device (its devices are baked in at export) is
+        re-exported on CPU and given the trained state (weights and observers; the rebuild is deterministic), also
+        when the trainer has already moved its state to CPU (Lightning's teardown does). Eager modules (torchao's
+        source-level recipes) are moved, with the tensors ``.to()`` leaves behind (torchao's zero points)."""
+        if self.graph is None:
+            return
+        on_device = any(t.device.type != "cpu" for t in self.graph.state_dict().values())
+        exported = any(isinstance(m, torch.fx.GraphModule) for m in self.graph.modules())
+        if on_device or (exported and self._built_on.type != "cpu"):
             self.rebuild_on("cpu")
-        if (
-            self.graph is not None
-        ):  # moved to CPU by the trainer: what .to() leaves behind follows (torchao's zero points)
+        else:
+            self.graph.cpu()
             plain_tensors_to(self.graph, "cpu")
 
     def rebuild_on(self, device, state: dict[str, torch.Tensor] | None = None) -> None:
