@@ -6,8 +6,9 @@ run) and, where stderr is no terminal (a sweep's ``sweep.log``, a batch job), to
     step 3/20  loss 2.4512  41.2 s/step  cpu 38.1 s  2 threads
 
 (wall time per step without validation, the process's CPU time over it: below the wall time x threads, the process
-waited for cores). ``StepLog.summary()``: those steps' median and range and the device, the summary's ``timings``. On CPU, unless ``QHARNESS_THREADS`` or ``OMP_NUM_THREADS`` fixes the count, it also fits torch's
-threads to the cores other processes leave free (``io/cpu.OtherLoad``, measured over the steps): on a shared 2-core
+waited for cores). ``StepLog.summary()``: those steps' median and range and the device (the summary's ``timings``).
+On CPU, unless ``QHARNESS_THREADS`` or ``OMP_NUM_THREADS`` fixes the count, it also fits torch's threads to the
+cores other processes leave free (``io/cpu.OtherLoad``, measured over the steps): on a shared 2-core
 machine each parallel op of 2 threads waits for a descheduled thread, which made a QAT step of SmolLM2-135M (many
 element-wise fake-quantization ops) ~2x slower than with 1 thread while another job ran. The count never rises above
 what training started with, and changes only after two measurements agree (each over at least ``min_window_s``).
