@@ -4,7 +4,8 @@ Lightning builds the model in ``configure_model`` inside ``torch.device(<the GPU
 lands there (a CPU generator then fails, "Expected a 'cuda' device type for generator"); and it moves the trained
 module back with ``.to()``, which leaves plain tensor attributes behind (torchao's range-learning zero points: "found
 at least two devices, cuda:0 and cpu"). Both stopped SmolLM2's ``xnnpack_8da4w_zp_lsq`` QAT on an H200 before these
-fixes; here ``meta`` stands in for the GPU."""
+fixes. Its move back also hides, from the state's devices, that an exported graph was built on the GPU (the last
+test). Here ``meta`` stands in for the GPU."""
 
 from __future__ import annotations
 
@@ -12,12 +13,6 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.fast
-
-
-def _tiny(tiny_llama):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
 
 
 def test_qat_loads_and_rounds_on_cpu_inside_a_trainers_device_context(tiny_llama, monkeypatch):
@@ -41,12 +36,14 @@ def test_qat_loads_and_rounds_on_cpu_inside_a_trainers_device_context(tiny_llama
 
 
 def test_smoothing_lora_and_linear_checks_draw_on_cpu_inside_another_device_context(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
     from qharness.recipes.smoothing import gated_mlps
     from qharness.schema.model import LoRA
     from qharness.sources.normalize import _computes_linear
     from qharness.training.lora import add_adapters
 
-    model = _tiny(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
     names = {n for n, _ in model.named_modules()}
     q = model.model.layers[0].self_attn.q_proj
     with torch.device("meta"):

@@ -49,7 +49,7 @@ def test_every_optimizer_step_is_a_line_of_train_log(tmp_path):
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[StepLog(fit_threads=False)],
+        callbacks=[log := StepLog(fit_threads=False)],
     )
     trainer.fit(_Tiny(), _loader(), _loader())
     lines = (tmp_path / LOG_NAME).read_text().splitlines()
@@ -59,7 +59,6 @@ def test_every_optimizer_step_is_a_line_of_train_log(tmp_path):
     pattern = r"step \d/3  loss \d+\.\d{4}  \d+\.\d\d s/step  cpu \d+\.\d\d s  \d+ threads"
     assert all(re.fullmatch(pattern, line) for line in steps), steps
     assert lines[-1].startswith("training ended at step 3 after ")
-    log = trainer.callbacks[[isinstance(c, StepLog) for c in trainer.callbacks].index(True)]
     got = log.summary()  # what summary.json's timings take: the logged steps' median, the first left out
     assert got["train_steps"] == 3 and got["train_device"] == f"cpu ({torch.get_num_threads()} threads)", got
     assert 0 < got["train_step_s_range"][0] <= got["train_step_s"] <= got["train_step_s_range"][1], got

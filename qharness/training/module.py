@@ -210,9 +210,10 @@ class QuantLM(L.LightningModule):
         source-level recipes) are moved, with the tensors ``.to()`` leaves behind (torchao's zero points)."""
         if self.graph is None:
             return
+        from qharness.training.layerwise import graph_modules
+
         on_device = any(t.device.type != "cpu" for t in self.graph.state_dict().values())
-        exported = any(isinstance(m, torch.fx.GraphModule) for m in self.graph.modules())
-        if on_device or (exported and self._built_on.type != "cpu"):
+        if on_device or (graph_modules(self.graph) and self._built_on.type != "cpu"):
             self.rebuild_on("cpu")
         else:
             self.graph.cpu()
