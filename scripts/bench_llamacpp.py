@@ -19,7 +19,9 @@ What it prints, two tables:
   Each row: perplexity, its increase over llama.cpp F32 (the float weights) with a 95% paired-bootstrap interval over
   windows, and top-1 agreement with the float model's next-token choice over the scored positions (interval alike);
   and its perplexity against one program's on the same windows (``--versus``, default llama.cpp Q4_K_M: a paired
-  interval that holds 1 is a tie with it);
+  interval that holds 1 is a tie with it); with ``--recovered-from NAME``, also the fraction of NAME's loss over
+  float (mean NLL increase) that the row does not have, e.g. a QAT program's against the PTQ program it started
+  from, its interval paired alike;
 - **answers to held-out chat prompts** (``--answers``, default 32): the last records of qharness's offline
   instruction set (``data.source: embedded-chat``), each rendered as a user turn by the model's chat template; every
   program answers greedily (llama.cpp through ``llama-completion --temp 0``, after ``llama-tokenize`` confirms it reads
@@ -43,6 +45,8 @@ Usage::
     python scripts/bench_llamacpp.py --skip-speed          # perplexity and size only (no idle machine needed)
     python scripts/bench_llamacpp.py --gguf gemma3-270m --pte 8da4w=runs/gemma3_8da4w/model.pte
     python scripts/bench_llamacpp.py --gguf path/to/model.Q8_0.gguf --pte NAME=PATH
+    python scripts/bench_llamacpp.py --skip-speed --answers 0 --pte ptq=PTQ.pte --pte qat=QAT.pte \\
+        --recovered-from "qharness ptq"                    # how much of PTQ's loss the QAT run won back
 
 Time llama.cpp only on an idle machine: its threads spin-wait, and beside other work its decode collapses.
 """
@@ -268,6 +272,21 @@ def quality_row(
     }
 
 
+def recovered(logp: np.ndarray, start: np.ndarray, ref_logp: np.ndarray, reps: int = 2000, seed: int = 0) -> dict:
+    """The fraction of ``start``'s loss (its mean NLL over the float program's, ``ref_``) that ``logp``'s program
+    does not have, e.g. a QAT program's against the PTQ program it started from: ``{"recovered": f,
+    "recovered_ci": [lo, hi]}``, 1 - (mean NLL increase) / (``start``'s), the 95% interval from resampling the windows
+    of both together (paired). Against a QAT run distilled from the float model alone, the float model is its
+    fine-tuned control."""
+    mine, theirs = (ref_logp - logp).mean(axis=1), (ref_logp - start).mean(axis=1)
+    idx = np.random.default_rng(seed).integers(0, len(mine), size=(reps, len(mine)))
+    fractions = 1 - mine[idx].mean(axis=1) / theirs[idx].mean(axis=1)
+    return {
+        "recovered": float(1 - mine.mean() / theirs.mean()),
+        "recovered_ci": [float(np.percentile(fractions, 2.5)), float(np.percentile(fractions, 97.5))],
+    }
+
+
 def ratio_to(logp: np.ndarray, other: np.ndarray) -> dict:
     """Perplexity over ``other``'s on the same windows: ``{"vs_ratio": r, "vs_ratio_ci": [lo, hi]}`` (paired)."""
     delta = (other - logp).mean(axis=1)
@@ -365,6 +384,8 @@ def measure_quality(args, bindir: Path, ggufs: dict[str, Path], hf_dir: Path, ru
     versus = per_program[args.versus][0]
     for name, (logp, argmax) in per_program.items():
         quality[name] = quality_row(logp, argmax, ref_logp, ref_argmax, None if name == args.versus else versus)
+        if args.recovered_from and name not in (args.recovered_from, "llama.cpp F32"):
+            quality[name] |= recovered(logp, per_program[args.recovered_from][0], ref_logp)
 
     return quality, clamped, len(seqs)
 
@@ -486,6 +507,14 @@ def versus_cell(q: dict) -> str:
     return f"{q['vs_ratio']:.3f} [{lo:.3f}, {hi:.3f}]" + (" tie" if lo <= 1 <= hi else "")
 
 
+def recovered_cell(q: dict) -> str:
+    """``86% [75%, 97%]``: the fraction of the ``--recovered-from`` program's loss a quality row recovered."""
+    if "recovered" not in q:
+        return "-"
+    lo, hi = q["recovered_ci"]
+    return f"{q['recovered']:.0%} [{lo:.0%}, {hi:.0%}]"
+
+
 def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed) -> None:
     print(
         f"\n{title} ({gguf_src.name}), last {args.tail:.0%} of {args.text.name}: {n_windows} windows of {args.ctx}, "
@@ -496,6 +525,8 @@ def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed
     head = (
         f"| program | size MB | ppl | vs float (llama.cpp F32) | top-1 agreement with float | ppl / {args.versus}'s |"
     )
+    if args.recovered_from:
+        head += f" loss recovered from {args.recovered_from}'s |"
     if speed:
         head += (
             f" decode tok/s ({args.threads} threads) | prefill tok/s ({args.prompt_len}) | decode / llama.cpp Q4_0 |"
@@ -515,6 +546,8 @@ def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed
             )
         else:
             row = f"| {name} | {size} | - | - | - | - |"
+        if args.recovered_from:
+            row += f" {recovered_cell(q) if q else '-'} |"
         if speed:
             s = speed.get(name)
             if s:
@@ -551,6 +584,11 @@ def main() -> None:
         default="llama.cpp Q4_K_M",
         help="the program every row's perplexity is also compared with, paired (a row name, e.g. 'qharness NAME')",
     )
+    p.add_argument(
+        "--recovered-from",
+        dest="recovered_from",
+        help="also each row's fraction of this program's loss over float recovered, paired (e.g. 'qharness PTQ')",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4, help="alternating speed rounds (0: no speed)")
     p.add_argument("--skip-speed", action="store_true")
@@ -572,12 +610,6 @@ def main() -> None:
     key, title, gguf_src = model_gguf(args.gguf)
     if args.sweep:
         run([sys.executable, "-m", "qharness", "sweep", args.sweep], cwd=ROOT)
-    from qharness.runtime.pte import program_bytes
-    from qharness.sources.models import resolve_checkpoint
-
-    hf_dir = Path(resolve_checkpoint(str(gguf_src)))
-    bindir = llama_cpp(args.llama_cpp)
-    ggufs = llama_ggufs(bindir, hf_dir, args.work, key)
     if args.runs is None and args.gguf == "smollm2":
         args.runs = ROOT / "runs" / "sweep_smollm2"
     runs = finished_runs(args.runs, args.only) if args.runs else {}
@@ -585,6 +617,16 @@ def main() -> None:
     names = [f"llama.cpp {q}" for q in ("F32", *QUANTS)] + ["PyTorch FP (eager)"] + [f"qharness {n}" for n in runs]
     if args.versus not in names:
         raise SystemExit(f"--versus {args.versus!r} is not a program of this run; one of: {', '.join(names)}")
+    if args.recovered_from and args.recovered_from not in names:
+        raise SystemExit(
+            f"--recovered-from {args.recovered_from!r} is not a program of this run; one of: {', '.join(names)}"
+        )
+    from qharness.runtime.pte import program_bytes
+    from qharness.sources.models import resolve_checkpoint
+
+    hf_dir = Path(resolve_checkpoint(str(gguf_src)))
+    bindir = llama_cpp(args.llama_cpp)
+    ggufs = llama_ggufs(bindir, hf_dir, args.work, key)
     quality, clamped, n_windows = (
         ({}, {}, 0) if args.skip_quality or args.skip_perplexity else measure_quality(args, bindir, ggufs, hf_dir, runs)
     )

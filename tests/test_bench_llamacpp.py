@@ -1,0 +1,62 @@
+"""scripts/bench_llamacpp.py's arithmetic on per-window log-probabilities (docs/benchmarks/real-model.md): the
+increase over float, the paired ratio, and the fraction of a start's loss recovered. Building llama.cpp and scoring
+the windows are the benchmark."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+spec = importlib.util.spec_from_file_location("bench_llamacpp", ROOT / "scripts" / "bench_llamacpp.py")
+bl = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(bl)
+
+WINDOWS, POSITIONS = 40, 127
+
+
+def logp(loss_per_window) -> np.ndarray:
+    """Per-position log-probabilities whose window means are ``-loss_per_window``."""
+    return -np.repeat(np.asarray(loss_per_window, dtype=float)[:, None], POSITIONS, axis=1)
+
+
+@pytest.mark.fast
+def test_recovered_is_the_share_of_the_starts_loss_over_float_that_is_gone():
+    rng = np.random.default_rng(0)
+    float_loss = 3.4 + rng.normal(0, 0.3, WINDOWS)
+    ref = logp(float_loss)
+    start = logp(float_loss + 0.05)  # PTQ: 0.05 nats a token over float
+    r = bl.recovered(logp(float_loss + 0.01), start, ref)
+    assert r["recovered"] == pytest.approx(0.8)
+    assert r["recovered_ci"] == pytest.approx([0.8, 0.8])  # the same share in every window: no spread
+    assert bl.recovered(start, start, ref)["recovered"] == pytest.approx(0.0)
+    assert bl.recovered(ref, start, ref)["recovered"] == pytest.approx(1.0)
+
+
+@pytest.mark.fast
+def test_recovered_resamples_the_windows_of_both_programs_together():
+    rng = np.random.default_rng(1)
+    float_loss = 3.4 + rng.normal(0, 0.3, WINDOWS)
+    start_excess = 0.05 + rng.normal(0, 0.02, WINDOWS)
+    ref, start = logp(float_loss), logp(float_loss + start_excess)
+    # a program that keeps a fifth of the start's loss in every window: paired, the share is 80% in every resample
+    assert bl.recovered(logp(float_loss + 0.2 * start_excess), start, ref)["recovered_ci"] == pytest.approx([0.8, 0.8])
+    # one whose loss does not follow the start's windows: the interval widens around its point
+    r = bl.recovered(logp(float_loss + 0.01 + rng.normal(0, 0.01, WINDOWS)), start, ref)
+    lo, hi = r["recovered_ci"]
+    assert lo < r["recovered"] < hi and hi - lo > 0.05
+
+
+@pytest.mark.fast
+def test_quality_row_reads_the_increase_and_the_ratio_in_perplexity():
+    float_loss = np.full(WINDOWS, 3.0)
+    row = bl.quality_row(
+        logp(float_loss + 0.01),
+        np.zeros((WINDOWS, POSITIONS)),
+        logp(float_loss),
+        np.zeros((WINDOWS, POSITIONS)),
+        logp(float_loss + 0.05),
+    )
+    assert row["ppl_increase"] == pytest.approx(np.expm1(0.01))
+    assert row["vs_ratio"] == pytest.approx(np.exp(-0.04))
+    assert row["top1_agreement"] == 1.0
