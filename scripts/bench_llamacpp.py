@@ -617,9 +617,10 @@ def main() -> None:
     names = [f"llama.cpp {q}" for q in ("F32", *QUANTS)] + ["PyTorch FP (eager)"] + [f"qharness {n}" for n in runs]
     if args.versus not in names:
         raise SystemExit(f"--versus {args.versus!r} is not a program of this run; one of: {', '.join(names)}")
-    if args.recovered_from and args.recovered_from not in names:
+    if args.recovered_from and args.recovered_from not in names[1:]:  # not the float program: it has no loss
         raise SystemExit(
-            f"--recovered-from {args.recovered_from!r} is not a program of this run; one of: {', '.join(names)}"
+            f"--recovered-from {args.recovered_from!r} is not a program of this run other than the float reference "
+            f"(llama.cpp F32); one of: {', '.join(names[1:])}"
         )
     from qharness.runtime.pte import program_bytes
     from qharness.sources.models import resolve_checkpoint

@@ -6,7 +6,7 @@ import importlib.util
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, write_gguf
 
 spec = importlib.util.spec_from_file_location("bench_llamacpp", ROOT / "scripts" / "bench_llamacpp.py")
 bl = importlib.util.module_from_spec(spec)
@@ -60,3 +60,20 @@ def test_quality_row_reads_the_increase_and_the_ratio_in_perplexity():
     assert row["ppl_increase"] == pytest.approx(np.expm1(0.01))
     assert row["vs_ratio"] == pytest.approx(np.exp(-0.04))
     assert row["top1_agreement"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "option, name",
+    [("--versus", "qharness nope"), ("--recovered-from", "qharness nope"), ("--recovered-from", "llama.cpp F32")],
+)
+def test_a_row_name_the_run_lacks_is_refused_before_llama_cpp_is_built(tiny_llama, tmp_path, monkeypatch, option, name):
+    from qharness.sources.models import load_model_and_tokenizer
+
+    gguf = write_gguf(tmp_path / "tiny.gguf", *load_model_and_tokenizer(str(tiny_llama)))
+    built = []
+    monkeypatch.setattr(bl, "llama_cpp", lambda *a: built.append(a))
+    argv = ["bench_llamacpp.py", "--gguf", str(gguf), "--runs", str(tmp_path / "none"), "--work", str(tmp_path / "w")]
+    monkeypatch.setattr("sys.argv", [*argv, option, name])
+    with pytest.raises(SystemExit, match=f"{option} '{name}' is not a program of this run"):
+        bl.main()
+    assert built == []
