@@ -244,12 +244,19 @@ def score(backend, seqs: list[list[int]], first: int, desc: str):
     return np.stack(logps), np.stack(argmaxes)
 
 
-def paired(values: np.ndarray, reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+def resamples(windows: int, reps: int = 2000, seed: int = 0) -> np.ndarray:
+    """``reps`` bootstrap draws of window indices (``[reps, windows]``): every paired interval here uses these."""
+    return np.random.default_rng(seed).integers(0, windows, size=(reps, windows))
+
+
+def interval(draws: np.ndarray) -> tuple[float, float]:
+    """The 95% interval of a statistic's bootstrap draws."""
+    return float(np.percentile(draws, 2.5)), float(np.percentile(draws, 97.5))
+
+
+def paired(values: np.ndarray) -> tuple[float, float]:
     """95% bootstrap interval of the mean of per-window ``values`` (windows resampled)."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(0, len(values), size=(reps, len(values)))
-    means = values[idx].mean(axis=1)
-    return float(np.percentile(means, 2.5)), float(np.percentile(means, 97.5))
+    return interval(values[resamples(len(values))].mean(axis=1))
 
 
 def quality_row(
@@ -272,18 +279,17 @@ def quality_row(
     }
 
 
-def recovered(logp: np.ndarray, start: np.ndarray, ref_logp: np.ndarray, reps: int = 2000, seed: int = 0) -> dict:
+def recovered(logp: np.ndarray, start: np.ndarray, ref_logp: np.ndarray) -> dict:
     """The fraction of ``start``'s loss (its mean NLL over the float program's, ``ref_``) that ``logp``'s program
     does not have, e.g. a QAT program's against the PTQ program it started from: ``{"recovered": f,
     "recovered_ci": [lo, hi]}``, 1 - (mean NLL increase) / (``start``'s), the 95% interval from resampling the windows
     of both together (paired). Against a QAT run distilled from the float model alone, the float model is its
     fine-tuned control."""
     mine, theirs = (ref_logp - logp).mean(axis=1), (ref_logp - start).mean(axis=1)
-    idx = np.random.default_rng(seed).integers(0, len(mine), size=(reps, len(mine)))
-    fractions = 1 - mine[idx].mean(axis=1) / theirs[idx].mean(axis=1)
+    idx = resamples(len(mine))
     return {
         "recovered": float(1 - mine.mean() / theirs.mean()),
-        "recovered_ci": [float(np.percentile(fractions, 2.5)), float(np.percentile(fractions, 97.5))],
+        "recovered_ci": list(interval(1 - mine[idx].mean(axis=1) / theirs[idx].mean(axis=1))),
     }
 
 
