@@ -13,7 +13,9 @@ on 2 cores, cached under ``~/.cache/qharness/llama.cpp``), never vendored in thi
 What it prints, two tables:
 
 - **perplexity by one protocol** (llama-perplexity's): the text tokenized once, cut into windows of ``--ctx`` tokens
-  (the first token of each replaced by BOS when the vocabulary adds one), the second half of each window scored.
+  (the first token of each replaced by BOS when the vocabulary adds one), the second half of each window scored;
+  every window of the text's last ``--tail`` (SmolLM2: 140 of 256 tokens in tinyshakespeare's last 10%), or the
+  first ``--chunks N``.
   llama.cpp's per-token log-probabilities come from the logits file ``llama-perplexity --kl-divergence-base`` writes
   (its own windows and tokens); every qharness ``.pte`` and the eager PyTorch FP model score exactly those windows.
   Each row: perplexity, its increase over llama.cpp F32 (the float weights) with a 95% paired-bootstrap interval over
@@ -41,7 +43,7 @@ Usage::
 
     python scripts/bench_llamacpp.py                       # everything, on the sweep's finished runs
     python scripts/bench_llamacpp.py --runs runs/sweep_smollm2 --only xnnpack_8da4w-ptq xnnpack_int8_dynamic-ptq \\
-        --chunks 40 --rounds 4 --json runs/llamacpp.json
+        --chunks 40 --rounds 4 --json runs/llamacpp.json   # the first 40 windows only: quicker, wider intervals
     python scripts/bench_llamacpp.py --skip-speed          # perplexity and size only (no idle machine needed)
     python scripts/bench_llamacpp.py --gguf gemma3-270m --pte 8da4w=runs/gemma3_8da4w/model.pte
     python scripts/bench_llamacpp.py --gguf path/to/model.Q8_0.gguf --pte NAME=PATH
@@ -173,12 +175,13 @@ def llama_ggufs(bindir: Path, hf_dir: Path, work: Path, key: str) -> dict[str, P
 # --- perplexity on llama-perplexity's windows ------------------------------------------------------------------------
 
 
-def llama_logprobs(bindir: Path, gguf: Path, text: Path, ctx: int, chunks: int, threads: int, work: Path):
+def llama_logprobs(bindir: Path, gguf: Path, text: Path, ctx: int, chunks: int | None, threads: int, work: Path):
     """``(tokens[n_chunk, ctx], logp[n_chunk, scored], argmax[n_chunk, scored], clamped)``: llama-perplexity's windows
     and, at each scored position, the log-probability of the next token and the model's top-1 choice, read from its
     logits file (uint16 log-probs over the top 16 nats of each position: ``clamped`` counts targets below that)."""
     base = work / f"{gguf.stem}.logits"
-    cmd = [bindir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "--chunks", chunks, "-t", threads, "-b", ctx]
+    cmd = [bindir / "llama-perplexity", "-m", gguf, "-f", text, "-c", ctx, "-t", threads, "-b", ctx]
+    cmd += ["--chunks", chunks] if chunks else []  # none: every window of the text, llama-perplexity's default
     run([*cmd, "--kl-divergence-base", base, "--no-repack"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     raw = np.fromfile(base, dtype=np.uint8)
     assert raw[:8].tobytes() == b"_logits_", f"{base}: not a llama-perplexity logits file"
@@ -584,7 +587,12 @@ def main() -> None:
     p.add_argument("--text", type=Path, default=TEXT, help="text whose last --tail fraction is scored")
     p.add_argument("--tail", type=float, default=0.1)
     p.add_argument("--ctx", type=int, default=256)
-    p.add_argument("--chunks", type=int, default=40, help="windows scored (llama-perplexity --chunks)")
+    p.add_argument(
+        "--chunks",
+        type=int,
+        help="score only the first N windows (llama-perplexity --chunks; default: every window of the tail, as "
+        "llama-perplexity scores; 40 is quicker, its intervals about twice as wide)",
+    )
     p.add_argument(
         "--versus",
         default="llama.cpp Q4_K_M",
@@ -620,6 +628,8 @@ def main() -> None:
         args.runs = ROOT / "runs" / "sweep_smollm2"
     runs = finished_runs(args.runs, args.only) if args.runs else {}
     runs |= {n: Path(p) for n, p in (x.split("=", 1) for x in args.pte)}
+    if args.chunks is not None and args.chunks < 1:
+        raise SystemExit(f"--chunks {args.chunks} scores no window; give N >= 1, or leave it out to score them all")
     names = [f"llama.cpp {q}" for q in ("F32", *QUANTS)] + ["PyTorch FP (eager)"] + [f"qharness {n}" for n in runs]
     if args.versus not in names:
         raise SystemExit(f"--versus {args.versus!r} is not a program of this run; one of: {', '.join(names)}")

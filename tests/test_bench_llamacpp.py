@@ -77,3 +77,38 @@ def test_a_row_name_the_run_lacks_is_refused_before_llama_cpp_is_built(tiny_llam
     with pytest.raises(SystemExit, match=f"{option} '{name}' is not a program of this run"):
         bl.main()
     assert built == []
+
+
+def test_chunks_below_one_is_refused_before_llama_cpp_is_built(tiny_llama, tmp_path, monkeypatch):
+    from qharness.sources.models import load_model_and_tokenizer
+
+    gguf = write_gguf(tmp_path / "tiny.gguf", *load_model_and_tokenizer(str(tiny_llama)))
+    built = []
+    monkeypatch.setattr(bl, "llama_cpp", lambda *a: built.append(a))
+    argv = ["bench_llamacpp.py", "--gguf", str(gguf), "--runs", str(tmp_path / "none"), "--work", str(tmp_path / "w")]
+    monkeypatch.setattr("sys.argv", [*argv, "--chunks", "0"])
+    with pytest.raises(SystemExit, match="--chunks 0 scores no window"):
+        bl.main()
+    assert built == []
+
+
+def test_every_window_is_scored_unless_chunks_limits_them(tmp_path, monkeypatch):
+    """llama-perplexity scores every window of the text unless ``--chunks`` is passed: the script passes it only when
+    the user limits the windows (40 windows of SmolLM2's 140 made a tie of a program 0.6% worse than Q8_0)."""
+
+    class Called(Exception):
+        pass
+
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append([str(c) for c in cmd])
+        raise Called
+
+    monkeypatch.setattr(bl, "run", fake_run)
+    for chunks in (None, 40):
+        with pytest.raises(Called):
+            bl.llama_logprobs(tmp_path, tmp_path / "m.gguf", tmp_path / "t.txt", 256, chunks, 2, tmp_path)
+    every, first40 = commands
+    assert every[0].endswith("llama-perplexity") and "--chunks" not in every
+    assert first40[first40.index("--chunks") + 1] == "40"
