@@ -14,7 +14,7 @@ What it prints, two tables:
 
 - **perplexity by one protocol** (llama-perplexity's): the text tokenized once, cut into windows of ``--ctx`` tokens
   (the first token of each replaced by BOS when the vocabulary adds one), the second half of each window scored;
-  every window of the text's last ``--tail`` (SmolLM2: 140 of 256 tokens in tinyshakespeare's last 10%), or the
+  every window of the text's last ``--tail`` (SmolLM2: 140 windows of 256 tokens in tinyshakespeare's last 10%), or the
   first ``--chunks N``.
   llama.cpp's per-token log-probabilities come from the logits file ``llama-perplexity --kl-divergence-base`` writes
   (its own windows and tokens); every qharness ``.pte`` and the eager PyTorch FP model score exactly those windows.
