@@ -63,31 +63,23 @@ def test_quality_row_reads_the_increase_and_the_ratio_in_perplexity():
 
 
 @pytest.mark.parametrize(
-    "option, name",
-    [("--versus", "qharness nope"), ("--recovered-from", "qharness nope"), ("--recovered-from", "llama.cpp F32")],
+    "option, value, refusal",
+    [
+        ("--versus", "qharness nope", "--versus 'qharness nope' is not a program of this run"),
+        ("--recovered-from", "qharness nope", "--recovered-from 'qharness nope' is not a program of this run"),
+        ("--recovered-from", "llama.cpp F32", "--recovered-from 'llama.cpp F32' is not a program of this run"),
+        ("--chunks", "0", "--chunks 0 scores no window"),
+    ],
 )
-def test_a_row_name_the_run_lacks_is_refused_before_llama_cpp_is_built(tiny_llama, tmp_path, monkeypatch, option, name):
+def test_a_bad_option_is_refused_before_llama_cpp_is_built(tiny_llama, tmp_path, monkeypatch, option, value, refusal):
     from qharness.sources.models import load_model_and_tokenizer
 
     gguf = write_gguf(tmp_path / "tiny.gguf", *load_model_and_tokenizer(str(tiny_llama)))
     built = []
     monkeypatch.setattr(bl, "llama_cpp", lambda *a: built.append(a))
     argv = ["bench_llamacpp.py", "--gguf", str(gguf), "--runs", str(tmp_path / "none"), "--work", str(tmp_path / "w")]
-    monkeypatch.setattr("sys.argv", [*argv, option, name])
-    with pytest.raises(SystemExit, match=f"{option} '{name}' is not a program of this run"):
-        bl.main()
-    assert built == []
-
-
-def test_chunks_below_one_is_refused_before_llama_cpp_is_built(tiny_llama, tmp_path, monkeypatch):
-    from qharness.sources.models import load_model_and_tokenizer
-
-    gguf = write_gguf(tmp_path / "tiny.gguf", *load_model_and_tokenizer(str(tiny_llama)))
-    built = []
-    monkeypatch.setattr(bl, "llama_cpp", lambda *a: built.append(a))
-    argv = ["bench_llamacpp.py", "--gguf", str(gguf), "--runs", str(tmp_path / "none"), "--work", str(tmp_path / "w")]
-    monkeypatch.setattr("sys.argv", [*argv, "--chunks", "0"])
-    with pytest.raises(SystemExit, match="--chunks 0 scores no window"):
+    monkeypatch.setattr("sys.argv", [*argv, option, value])
+    with pytest.raises(SystemExit, match=refusal):
         bl.main()
     assert built == []
 
