@@ -615,6 +615,8 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=CACHE / "bench_llamacpp")
     p.add_argument("--json", type=Path, help="also write every figure here")
     args = p.parse_args()
+    if args.chunks is not None and args.chunks < 1:
+        raise SystemExit(f"--chunks {args.chunks} scores no window; give N >= 1, or leave it out to score them all")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # the .pte files score with --threads threads whatever the load: ExecuTorch's attention and XNNPACK's kernels
     # split their work by thread, so a program's log-probabilities move (about 0.1% of perplexity) with the count
@@ -628,8 +630,6 @@ def main() -> None:
         args.runs = ROOT / "runs" / "sweep_smollm2"
     runs = finished_runs(args.runs, args.only) if args.runs else {}
     runs |= {n: Path(p) for n, p in (x.split("=", 1) for x in args.pte)}
-    if args.chunks is not None and args.chunks < 1:
-        raise SystemExit(f"--chunks {args.chunks} scores no window; give N >= 1, or leave it out to score them all")
     names = [f"llama.cpp {q}" for q in ("F32", *QUANTS)] + ["PyTorch FP (eager)"] + [f"qharness {n}" for n in runs]
     if args.versus not in names:
         raise SystemExit(f"--versus {args.versus!r} is not a program of this run; one of: {', '.join(names)}")
