@@ -36,19 +36,20 @@ ACT, W4, W8, TABLE = "activations", "4-bit weights", "8-bit weights", "table"
 
 def load_trained(ckpt_path: Path):
     """The QAT run's ``QuantLM`` rebuilt as its checkpoint was trained (model, recipe, shape) with the trained state."""
+    from types import SimpleNamespace
+
     from qharness.schema.model import ModelConfig
-    from qharness.training.checkpoints import read_checkpoint
+    from qharness.training.checkpoints import load_checkpoint
     from qharness.training.module import QuantLM
 
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)  # its model config and data layout
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     lm = QuantLM(**{k: v for k, v in ckpt["hyper_parameters"].items() if k in names})
-    read_checkpoint(str(ckpt_path), lm.hparams)
     data = ckpt.get("datamodule_hyper_parameters") or {}
-    lm.build(int(data.get("batch_size", 4)), int(data.get("seq_len", 256)))
-    lm.load_trained_state(ckpt["state_dict"], f"checkpoint {ckpt_path}")
+    layout = SimpleNamespace(batch_size=int(data.get("batch_size", 4)), seq_len=int(data.get("seq_len", 256)))
+    load_checkpoint(lm, layout, str(ckpt_path))  # what resuming fit does: build, then the trained state
     lm.to_eval()
-    return lm, ckpt.get("global_step")
+    return lm, lm.steps_trained
 
 
 def fake_quants(graph: torch.nn.Module) -> list[tuple[str, str, torch.nn.Module]]:
