@@ -212,7 +212,7 @@ def _cli_config(tmp_path, source, corpus, recipe, mode):
         # the slow tier: ~25-50 s each; the default suite's CLI runs through calibrate with coverage in summary.json:
         # test_families (gpt_neox), below (a Mixtral, fit), test_runner_snippet, test_gguf, ...
         pytest.param("gpt2", "xnnpack_int8_dynamic", "calibrate", marks=pytest.mark.slow),
-        pytest.param("falcon", "xnnpack_8da4w", "calibrate", marks=pytest.mark.slow),  # generic export: ~90 s
+        pytest.param("falcon", "xnnpack_8da4w", "calibrate", marks=pytest.mark.slow),
         pytest.param("gpt2", "xnnpack_8da4w", "fit", marks=pytest.mark.slow),
         pytest.param("falcon", "xnnpack_int8_dynamic", "fit", marks=pytest.mark.slow),
     ],

@@ -59,9 +59,9 @@ FAMILIES = {
     "gpt_neox": ("gpt_neox", dict(NO_GQA, use_parallel_residual=True), 2 * 4 + 1, "fast", INT8),
     # Conv1D projections: aten.addmm until normalized
     "gpt2": ("gpt2", NO_GQA, 2 * 4 + 1, "fast", INT8),
-    # input @ weight.T through aten.matmul until normalized; parallel attention/MLP; attention outside
-    # transformers' AttentionInterface, so the generic static cache
-    "falcon": ("falcon", dict(NO_GQA, num_kv_heads=2, new_decoder_architecture=True), 2 * 4 + 1, "generic", INT8),
+    # input @ weight.T through aten.matmul until normalized; parallel attention/MLP; its attention through
+    # transformers' AttentionInterface since transformers 5.25 (the generic static cache before), so the fast path
+    "falcon": ("falcon", dict(NO_GQA, num_kv_heads=2, new_decoder_architecture=True), 2 * 4 + 1, "fast", INT8),
     # MoE saved with one tensor per expert and projection (w1/w2/w3): 4 attention + router + 4 experts x 3
     "mixtral": ("mixtral", dict(MOE, num_local_experts=4), 2 * 17 + 1, "fast", INT8),
     # MoE saved as batched 3-D expert tensors

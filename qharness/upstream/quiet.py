@@ -86,7 +86,7 @@ LOG_RECORDS = (
     (
         "transformers.integrations.hub_kernels",
         r"`\w+` is falling back to its reference PyTorch implementation because `(causal-conv1d|mamba-ssm|causal_conv1d|mamba_ssm)` "
-        r"is not installed",
+        r"is (either )?not installed",
         "CUDA kernels of the Mamba2 mixers (causal-conv1d, mamba-ssm) that no CPU run can use: an export takes the "
         "PyTorch path anyway, and the deployed program runs the fast path's own scan (deploy/fastpath/state_cache.py)",
     ),
