@@ -48,6 +48,7 @@ def test_builtin_4bit_recipes_quantize_embeddings_by_default_and_null_keeps_them
         want = (
             EmbeddingQuant(8, None, "symmetric_no_clipping_err")
             if name in ("xnnpack_8da4w_tied8", "xnnpack_8da4w_zp", "xnnpack_8da4w_zp_lsq")
+            or name.startswith("xnnpack_8da4w_zp_split")
             else EmbeddingQuant(4, 32)
         )
         assert load_recipe(name).embedding == want, name

@@ -136,6 +136,8 @@ def recipes_page() -> str:
             rounding += "; zero points: " + ", ".join(f"`{p}`" for p in r.settings.zero_points)
         if getattr(r.settings, "smoothing", None) is not None:
             rounding += f"; MLP inputs smoothed (α {r.settings.smoothing})"
+        if getattr(r.settings, "split_head_input", False):
+            rounding += "; lm_head input as two int8 rows"
         lines.append(
             f"| `{r.name}` | {r.backend} | {', '.join(r.modes)} | {r.kind} | {r.kv_cache} | {r.embedding_scheme} | "
             f"{'yes' if r.learns_scales else 'no'} | {rounding} | {r.rotation or '-'} | {_cell(r.description)} |"

@@ -32,7 +32,8 @@ from qharness.recipes.registration import SourceQuantizer, parse_settings
 log = logging.getLogger(__name__)
 
 FP = "fp"  # the scheme of a module a rule keeps in floating point
-RECIPE_WIDE = ("learn_scales",)  # settings a rule cannot change (QAT's trained state is the recipe's)
+# settings a rule cannot change (QAT's trained state is the recipe's; the output projection's input is one)
+RECIPE_WIDE = ("learn_scales", "split_head_input")
 EXAMPLE = 'layers: [{match: "lm_head", quant: fp}, {match: "model.layers.0.*", weight_bits: 8, group_size: null}]'
 
 
@@ -123,7 +124,7 @@ class PerLayerQuantizer(SourceQuantizer):
         for i, (_, quantizer, _) in enumerate(rules):
             for s in quantizer.configs if quantizer else ():
                 configs.append(dataclasses.replace(s, select=_owned(s.select, self.owner, i), required=False))
-        super().__init__(configs)
+        super().__init__(configs, split_head_input=default.split_head_input)
 
     def owner(self, name: str) -> int:
         """The index of the first rule whose pattern matches ``name``; -1: the recipe's default."""
@@ -169,6 +170,7 @@ class PerLayerQuantizer(SourceQuantizer):
                 f"the recipe's layers keep every quantizable layer of {type(model).__name__} in floating point",
                 fix="use the FP recipe (xnnpack_fp32), or let some layers quantize",
             )
+        self.check_split(model, layers)
         return layers
 
 

@@ -107,10 +107,12 @@ class SourceQuantizer:
     ``configs`` holds ``SourceConfig`` steps applied in order; a config that selects no module of the model is an
     error (a recipe that quantizes nothing must not ship as quantized). Steps with ``learn_scales`` train their
     weight scales (``recipes/learned_scales.py``) and ``convert(model, weight_qparams)`` quantizes with the trained
-    ones (else min-max of the weights).
+    ones (else min-max of the weights). ``split_head_input``: after either swap, the output projection rounds its
+    input as two int8 rows (``recipes/split_input.py``).
     """
 
     configs: list[SourceConfig]
+    split_head_input: bool = False
 
     def assignment(self, model) -> dict[str, str]:
         """``{module name: scheme}`` of every module of ``model`` (not yet quantized) that a step quantizes."""
@@ -132,7 +134,9 @@ class SourceQuantizer:
                 )
             if step.check_model is not None:
                 step.check_model(model)
-        return self.assignment(model)
+        layers = self.assignment(model)
+        self.check_split(model, layers)
+        return layers
 
     def _apply(self, model, wrap) -> None:
         from torchao.quantization import quantize_
@@ -159,7 +163,27 @@ class SourceQuantizer:
                 else xnnpack_bf16_scales.qat_config(step.config)
             ),
         )
+        self._split(model, layers)
         return layers
+
+    def _split(self, model, layers: dict[str, str]) -> None:
+        if self.split_head_input:
+            from qharness.recipes.split_input import split_head_input
+
+            split_head_input(model)
+
+    def check_split(self, model, layers: dict[str, str]) -> None:
+        """With ``split_head_input``, a ``UserError`` unless the output projection is among ``layers``' quantized."""
+        if not self.split_head_input:
+            return
+        head = model.get_output_embeddings()
+        name = next((n for n, m in model.named_modules() if m is head), None)
+        if layers.get(name) in (None, "fp"):
+            raise UserError(
+                f"quantizer split_head_input: {type(model).__name__}'s output projection ({name}) is not quantized "
+                "by the recipe, so its input is never rounded",
+                fix="quantize the output projection, or drop split_head_input",
+            )
 
     def convert(self, model, weight_qparams: dict | None = None) -> dict[str, str]:
         """Quantize the (trained, plain FP) model in place for deployment. With ``weight_qparams`` (``{weight name:
@@ -192,6 +216,7 @@ class SourceQuantizer:
                 len(subbyte),
                 "/".join(sorted(set(subbyte.values()))),
             )
+        self._split(model, layers)
         return layers
 
 

@@ -72,6 +72,9 @@ class Torchao8da4wSettings:
         (else min-max of the final weights). QAT only, with ``choose_qparams: affine``; quantized embeddings keep
         min-max scales. With a setting that chooses the weights (above), the scales it chose are learned and the
         layers it does not round (per-channel ones, e.g. an 8-bit ``lm_head``) keep min-max scales.
+    split_head_input: the output projection (``lm_head``) rounds its input as two int8 rows of one GEMM, the value on
+        its token's int8 grid and what that rounding left (``recipes/split_input.py``): about 16 bits for the head's
+        input, the weight read once; QAT trains against the same sum. The head must be quantized.
     """
 
     group_size: int | None = 32
@@ -85,6 +88,7 @@ class Torchao8da4wSettings:
     weight_mapping: str = "symmetric"
     zero_points: list | None = None
     smoothing: float | None = None
+    split_head_input: bool = False
 
     @property
     def chooses_weights(self) -> str | None:
@@ -239,7 +243,7 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
     )
     if quant is not None:  # min-max scales, learned or not
         configs.append(embedding.source_config(quant))
-    return SourceQuantizer(configs)
+    return SourceQuantizer(configs, split_head_input=settings.split_head_input)
 
 
 def check_zero_points(model, patterns: tuple[str, ...]) -> None:
