@@ -49,6 +49,8 @@ Usage::
     python scripts/bench_llamacpp.py --gguf path/to/model.Q8_0.gguf --pte NAME=PATH
     python scripts/bench_llamacpp.py --skip-speed --answers 0 --pte ptq=PTQ.pte --pte qat=QAT.pte \\
         --recovered-from "qharness ptq"                    # how much of PTQ's loss the QAT run won back
+    python scripts/bench_llamacpp.py --skip-speed --answers 0 --pte old=OLD.pte --pte new=NEW.pte \
+        --pair "qharness new" "qharness old"               # one program's perplexity over another's, paired
 
 Time llama.cpp only on an idle machine: its threads spin-wait, and beside other work its decode collapses.
 """
@@ -395,6 +397,8 @@ def measure_quality(args, bindir: Path, ggufs: dict[str, Path], hf_dir: Path, ru
         quality[name] = quality_row(logp, argmax, ref_logp, ref_argmax, None if name == args.versus else versus)
         if args.recovered_from and name not in (args.recovered_from, "llama.cpp F32"):
             quality[name] |= recovered(logp, per_program[args.recovered_from][0], ref_logp)
+    for a, b in args.pair:
+        quality[a].setdefault("pairs", {})[b] = ratio_to(per_program[a][0], per_program[b][0])
 
     return quality, clamped, len(seqs)
 
@@ -572,6 +576,9 @@ def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed
             else:
                 row += " - | - | - |"
         print(row)
+    for a, b in args.pair:
+        if a in quality:
+            print(f"\nppl of {a} / {b}'s [95%, paired]: {versus_cell(quality[a]['pairs'][b])}")
 
 
 def main() -> None:
@@ -603,6 +610,15 @@ def main() -> None:
         dest="recovered_from",
         help="also each row's fraction of this program's loss over float recovered, paired (e.g. 'qharness PTQ')",
     )
+    p.add_argument(
+        "--pair",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("A", "B"),
+        help="also A's perplexity over B's, paired, printed under the table (repeat; row names, e.g. 'qharness NEW' "
+        "'qharness OLD')",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=4, help="alternating speed rounds (0: no speed)")
     p.add_argument("--skip-speed", action="store_true")
@@ -633,6 +649,10 @@ def main() -> None:
     names = [f"llama.cpp {q}" for q in ("F32", *QUANTS)] + ["PyTorch FP (eager)"] + [f"qharness {n}" for n in runs]
     if args.versus not in names:
         raise SystemExit(f"--versus {args.versus!r} is not a program of this run; one of: {', '.join(names)}")
+    for pair in args.pair:
+        unknown = [n for n in pair if n not in names]
+        if unknown:
+            raise SystemExit(f"--pair {unknown[0]!r} is not a program of this run; one of: {', '.join(names)}")
     if args.recovered_from and args.recovered_from not in names[1:]:  # not the float program: it has no loss
         raise SystemExit(
             f"--recovered-from {args.recovered_from!r} is not a program of this run other than the float reference "

@@ -69,6 +69,7 @@ def test_quality_row_reads_the_increase_and_the_ratio_in_perplexity():
         ("--recovered-from", "qharness nope", "--recovered-from 'qharness nope' is not a program of this run"),
         ("--recovered-from", "llama.cpp F32", "--recovered-from 'llama.cpp F32' is not a program of this run"),
         ("--chunks", "0", "--chunks 0 scores no window"),
+        ("--pair", ("llama.cpp Q8_0", "qharness nope"), "--pair 'qharness nope' is not a program of this run"),
     ],
 )
 def test_a_bad_option_is_refused_before_llama_cpp_is_built(tiny_llama, tmp_path, monkeypatch, option, value, refusal):
@@ -78,7 +79,7 @@ def test_a_bad_option_is_refused_before_llama_cpp_is_built(tiny_llama, tmp_path,
     built = []
     monkeypatch.setattr(bl, "llama_cpp", lambda *a: built.append(a))
     argv = ["bench_llamacpp.py", "--gguf", str(gguf), "--runs", str(tmp_path / "none"), "--work", str(tmp_path / "w")]
-    monkeypatch.setattr("sys.argv", [*argv, option, value])
+    monkeypatch.setattr("sys.argv", [*argv, option, *((value,) if isinstance(value, str) else value)])
     with pytest.raises(SystemExit, match=refusal):
         bl.main()
     assert built == []
