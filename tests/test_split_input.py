@@ -105,7 +105,7 @@ def test_qat_fake_quantization_computes_what_the_deployed_head_computes():
 
 
 @pytest.mark.fast
-def test_a_split_head_the_recipe_keeps_in_float_is_refused(tmp_path):
+def test_a_split_head_the_recipe_keeps_in_float_is_refused_and_single_layers_are_not_split(tmp_path):
     (tmp_path / "r.yaml").write_text(
         "base: xnnpack_8da4w\nquantizer: {split_head_input: true}\nlayers: [{match: lm_head, quant: fp}]\n"
     )
@@ -116,6 +116,11 @@ def test_a_split_head_the_recipe_keeps_in_float_is_refused(tmp_path):
     )
     with pytest.raises(UserError, match="recipe-wide setting"):
         load_recipe(str(tmp_path / "rule.yaml"))
+    # qharness sensitivity quantizes copies of single layers (no output projection): they are not split
+    (tmp_path / "split.yaml").write_text("base: xnnpack_8da4w\nquantizer: {split_head_input: true}\n")
+    holder = torch.nn.ModuleDict({"0": torch.nn.Linear(64, 32)})
+    assert load_recipe(str(tmp_path / "split.yaml")).make_quantizer(is_qat=False).convert(holder) == {"0": "8da4w-g32"}
+    assert not isinstance(holder["0"], SplitInput)
 
 
 @pytest.mark.parametrize(

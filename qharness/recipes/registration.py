@@ -163,18 +163,19 @@ class SourceQuantizer:
                 else xnnpack_bf16_scales.qat_config(step.config)
             ),
         )
-        self._split(model, layers)
+        self._split(model)
         return layers
 
-    def _split(self, model, layers: dict[str, str]) -> None:
-        if self.split_head_input:
+    def _split(self, model) -> None:
+        if self.split_head_input and hasattr(model, "get_output_embeddings"):
             from qharness.recipes.split_input import split_head_input
 
             split_head_input(model)
 
     def check_split(self, model, layers: dict[str, str]) -> None:
-        """With ``split_head_input``, a ``UserError`` unless the output projection is among ``layers``' quantized."""
-        if not self.split_head_input:
+        """With ``split_head_input``, a ``UserError`` unless the output projection is among ``layers``' quantized.
+        A model without one (``qharness sensitivity``'s copies of single layers) is not split."""
+        if not self.split_head_input or not hasattr(model, "get_output_embeddings"):
             return
         head = model.get_output_embeddings()
         name = next((n for n, m in model.named_modules() if m is head), None)
@@ -216,7 +217,7 @@ class SourceQuantizer:
                 len(subbyte),
                 "/".join(sorted(set(subbyte.values()))),
             )
-        self._split(model, layers)
+        self._split(model)
         return layers
 
 
