@@ -177,8 +177,9 @@ class SourceQuantizer:
         A model without one (``qharness sensitivity``'s copies of single layers) is not split."""
         if not self.split_head_input or not hasattr(model, "get_output_embeddings"):
             return
-        head = model.get_output_embeddings()
-        name = next((n for n, m in model.named_modules() if m is head), None)
+        from qharness.recipes.split_input import head_name
+
+        name = head_name(model)
         if layers.get(name) in (None, "fp"):
             raise UserError(
                 f"quantizer split_head_input: {type(model).__name__}'s output projection ({name}) is not quantized "

@@ -86,13 +86,19 @@ class TwiceRounded(torch.nn.Module):
 _CLASSES: dict[type, type] = {}
 
 
+def head_name(model: torch.nn.Module) -> str | None:
+    """The module name of ``model``'s output projection (``get_output_embeddings``), None if it has none."""
+    head = model.get_output_embeddings()
+    return next((n for n, m in model.named_modules() if m is head), None) if head is not None else None
+
+
 def split_head_input(model: torch.nn.Module) -> str:
     """Make ``model``'s output projection round its input as two int8 rows (in place; names, parameters and the
     state dict unchanged); returns its module name. A QAT head (torchao's ``FakeQuantizedLinear``) keeps its GEMM
     and gets ``TwiceRounded`` as its activation fake quantizer; a quantized head (deployment) runs the two halves."""
-    head = model.get_output_embeddings()
-    name = next((n for n, m in model.named_modules() if m is head), None)
-    if not isinstance(head, torch.nn.Linear) or name is None:
+    name = head_name(model)
+    head = model.get_submodule(name) if name is not None else None
+    if not isinstance(head, torch.nn.Linear):
         raise ValueError(f"split_head_input: {type(model).__name__}'s output projection is not a linear layer")
     fq = getattr(head, "activation_fake_quantizer", None)
     if fq is not None:
