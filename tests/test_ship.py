@@ -126,10 +126,12 @@ RESULTS = {
     "xnnpack_8da4w_rot_gptq-ptq": (0.012, 1.793),
     "xnnpack_8da4w_tied8-ptq": (0.007, 1.95),  # an 8-bit table and lm_head: larger on the untied demo model
     "xnnpack_8da4w_zp-ptq": (0.006, 1.99),  # the same with zero points' offsets: larger still
+    "xnnpack_8da4w_zp_split-ptq": (0.0058, 1.99),  # the same with the head's input as two int8 rows
     "autotune_2mb-ptq": (0.008, 1.95),
     "xnnpack_8da4w_lsq_gptq-qat": (0.004, 1.793),
     "xnnpack_8da4w_tied8-qat": (0.005, 1.95),
     "xnnpack_8da4w_zp_lsq-qat": (0.0045, 1.99),
+    "xnnpack_8da4w_zp_split_lsq-qat": (0.0044, 1.99),
     "xnnpack_8da3w-ptq": (0.088, 1.793),
     "xnnpack_8da3w_gptq-ptq": (0.044, 1.793),
     "xnnpack_8da3w_pc-ptq": (0.09, 1.70),
@@ -215,7 +217,7 @@ def no_bench(monkeypatch):
 def test_a_tolerance_4bit_ptq_meets_ends_without_training(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner)
-    assert [sub for sub, _ in runner.calls] == ["calibrate"] * 8  # the FP reference, int8, six 4-bit PTQ
+    assert [sub for sub, _ in runner.calls] == ["calibrate"] * 9  # the FP reference, int8, seven 4-bit PTQ
     assert rec.outcome == "chosen" and rec.chosen == "xnnpack_8da4w_gptq-ptq"  # the tie on size: most accurate
     states = {r.name: r.state for r in rec.rungs}
     assert states == {
@@ -289,11 +291,12 @@ def test_a_tolerance_only_qat_meets_ends_at_qat(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("0.5%", max_size_mb=2.0), runner=runner)
     # every QAT candidate trains: each one's PTQ sibling fits the budget
-    assert [n for _, n in runner.calls][-4:] == [
+    assert [n for _, n in runner.calls][-5:] == [
         "autotune_2mb-ptq",
         "xnnpack_8da4w_lsq_gptq-qat",
         "xnnpack_8da4w_tied8-qat",
         "xnnpack_8da4w_zp_lsq-qat",
+        "xnnpack_8da4w_zp_split_lsq-qat",
     ]
     assert ("fit", "xnnpack_8da4w_lsq_gptq-qat") in runner.calls
     assert rec.outcome == "chosen" and rec.chosen == "xnnpack_8da4w_lsq_gptq-qat"
@@ -333,6 +336,7 @@ def test_prune_leaves_out_each_qat_entry_its_own_sibling_rules_out_and_the_ladde
         "xnnpack_8da4w_lsq_gptq-qat": "xnnpack_8da4w_gptq-ptq",
         "xnnpack_8da4w_tied8-qat": "xnnpack_8da4w_tied8-ptq",
         "xnnpack_8da4w_zp_lsq-qat": "xnnpack_8da4w_zp-ptq",
+        "xnnpack_8da4w_zp_split_lsq-qat": "xnnpack_8da4w_zp_split-ptq",
     }
     row = {"parity_passed": True, "ppl_pte_vs_fp_hi": 0.02}
     rows = {
@@ -341,6 +345,8 @@ def test_prune_leaves_out_each_qat_entry_its_own_sibling_rules_out_and_the_ladde
         "xnnpack_8da4w_tied8-ptq": row
         | {"run": "xnnpack_8da4w_tied8-ptq", "pte_size_mb": 1.5, "decode_ms_per_token": 9.0},
         "xnnpack_8da4w_zp-ptq": row | {"run": "xnnpack_8da4w_zp-ptq", "pte_size_mb": 2.1, "decode_ms_per_token": 10.0},
+        "xnnpack_8da4w_zp_split-ptq": row
+        | {"run": "xnnpack_8da4w_zp_split-ptq", "pte_size_mb": 2.1, "decode_ms_per_token": 10.5},
     }
     # one sibling over the size budget, the other over the latency budget: the rung as a whole could still reach
     # both (its smallest and its fastest program are different ones), but neither of its entries can
@@ -352,12 +358,15 @@ def test_prune_leaves_out_each_qat_entry_its_own_sibling_rules_out_and_the_ladde
         "xnnpack_8da4w_lsq_gptq-qat",
         "xnnpack_8da4w_tied8-qat",
         "xnnpack_8da4w_zp_lsq-qat",
+        "xnnpack_8da4w_zp_split_lsq-qat",
     ]
     assert "over the 1.8 MB budget" in left_out[0] and "over the 5 ms budget" in left_out[1]
     # excluding a recipe drops its QAT entry and its sibling with it
     rung = next(
         r
-        for r in ladder_for("xnnpack", exclude=["xnnpack_8da4w_tied8", "xnnpack_8da4w_zp_lsq"])
+        for r in ladder_for(
+            "xnnpack", exclude=["xnnpack_8da4w_tied8", "xnnpack_8da4w_zp_lsq", "xnnpack_8da4w_zp_split_lsq"]
+        )
         if r.name == "int4_qat"
     )
     assert rung.siblings == {"xnnpack_8da4w_lsq_gptq-qat": "xnnpack_8da4w_gptq-ptq"}
@@ -401,6 +410,7 @@ def test_a_killed_ship_continues_from_its_finished_rungs(tmp_path, no_bench):
         "xnnpack_8da4w_rot_gptq-ptq",
         "xnnpack_8da4w_tied8-ptq",
         "xnnpack_8da4w_zp-ptq",
+        "xnnpack_8da4w_zp_split-ptq",
     ]
     states = {c.name: c.state for c in rec.candidates}
     assert states["xnnpack_int8_dynamic-ptq"] == "reused" and states["xnnpack_8da4w_gptq-ptq"] == "ran"
@@ -499,7 +509,7 @@ def test_a_latency_goal_times_the_candidates_after_each_rung_and_picks_the_faste
     monkeypatch.setattr(climb, "_report", lambda *a, **k: None)
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%", prefer="latency"), runner=FakeRunner())
     assert rec.chosen == "xnnpack_int8_dynamic-ptq"
-    assert [len(b) for b in benched] == [1, 7]  # after int8_ptq, then after int4_ptq: every candidate so far
+    assert [len(b) for b in benched] == [1, 8]  # after int8_ptq, then after int4_ptq: every candidate so far
     assert "4 ms/token" in rec.rungs[3].reason and rec.rungs[3].state == "skipped"
     assert {c.name: c.latency_ms for c in rec.candidates}["xnnpack_int8_dynamic-ptq"] == 4.0
 
@@ -508,7 +518,7 @@ def test_a_latency_goal_times_the_candidates_after_each_rung_and_picks_the_faste
 def test_exclude_leaves_recipes_out_of_the_ladder(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner, exclude=["xnnpack_8da4w_gptq"])
-    assert "xnnpack_8da4w_gptq-ptq" not in [n for _, n in runner.calls] and len(runner.calls) == 7
+    assert "xnnpack_8da4w_gptq-ptq" not in [n for _, n in runner.calls] and len(runner.calls) == 8
     assert rec.chosen == "xnnpack_8da4w_hqq-ptq" and rec.goal["exclude"] == ["xnnpack_8da4w_gptq"]
     with pytest.raises(UserError, match="--exclude xnnpack_nope: not a recipe of the xnnpack ladder"):
         climb.run_ship(ship_yaml(tmp_path), make_goal("2%"), runner=runner, exclude=["xnnpack_nope"])

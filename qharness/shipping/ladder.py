@@ -8,7 +8,9 @@ XNNPACK (``LADDERS["xnnpack"]``), in order:
 2. ``int4_ptq``: 4-bit weights, PTQ: rounding to nearest, HQQ scales, GPTQ, rotation + GPTQ (each seconds more than
    nearest; smaller than int8), the 8-bit output tensor stored once with a tied table (``xnnpack_8da4w_tied8``:
    SmolLM2-135M's 89 MB against 94; docs/benchmarks/real-model.md), and that layout with zero points and weighted
-   scales (``xnnpack_8da4w_zp``: on SmolLM2 the 4-bit PTQ program that loses least, at Q4_0's size).
+   scales (``xnnpack_8da4w_zp``), and that program with the output projection's input rounded as two int8 rows
+   (``xnnpack_8da4w_zp_split``: on SmolLM2 the 4-bit PTQ program that loses least, at Q4_0's size, its decode a few
+   percent slower than ``_zp``'s, which a latency goal can prefer).
 3. ``mixed_ptq``: per-layer mixed precision under the size budget (``qharness autotune``: a per-layer sensitivity
    table, then PTQ): only with ``--max_size_mb`` and while no candidate meets everything (it spends the budget on
    accuracy, it does not look for a smaller program); its smallest scheme (4-bit per channel) stores 8/9 of 4-bit
@@ -16,8 +18,9 @@ XNNPACK (``LADDERS["xnnpack"]``), in order:
 4. ``int4_qat``: 4-bit QAT distilled from the FP model: from GPTQ's weights with learned scales (what paid off in the
    quality benchmarks, docs/benchmarks/quality.md), ``xnnpack_8da4w_tied8`` from nearest rounding, and
    ``xnnpack_8da4w_zp_lsq`` from the zero-point program its PTQ sibling deploys, the scales kept where rounding put
-   them (``scale_lr_ratio: 0``; learning them gained nothing on SmolLM2, where this QAT did best:
-   docs/benchmarks/real-model.md): training, the costliest so far; each the same program size and speed as its PTQ
+   them (``scale_lr_ratio: 0``; learning them gained nothing on SmolLM2), and ``xnnpack_8da4w_zp_split_lsq``, the
+   same with the split head input (on SmolLM2 the QAT that did best: docs/benchmarks/real-model.md): training, the
+   costliest so far; each the same program size and speed as its PTQ
    sibling, only more accurate. An entry whose sibling shows it cannot change the answer (over a budget, or no
    smaller than a candidate that meets everything) is left out of the rung (``climb.prune``).
 5. ``int3_ptq``, 6. ``int3_qat``: 3-bit weights, where the budgets demand them (no candidate at more bits fits the
@@ -70,7 +73,8 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
         Rung(
             "int4_ptq",
             "4-bit weights, PTQ (nearest, HQQ scales, GPTQ, rotation + GPTQ, an 8-bit output tensor stored once with a "
-            "tied table, with zero points and weighted scales): seconds more than int8, a smaller .pte",
+            "tied table, with zero points and weighted scales, and with the output projection's input as two int8 "
+            "rows): seconds more than int8, a smaller .pte",
             _ptq(
                 "xnnpack_8da4w",
                 "xnnpack_8da4w_hqq",
@@ -78,6 +82,7 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
                 "xnnpack_8da4w_rot_gptq",
                 "xnnpack_8da4w_tied8",
                 "xnnpack_8da4w_zp",
+                "xnnpack_8da4w_zp_split",
             ),
             bits=4,
         ),
@@ -93,12 +98,13 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
         Rung(
             "int4_qat",
             "4-bit QAT distilled from the FP model (GPTQ's weights with learned scales; the tied 8-bit output "
-            "tensor; the zero-point program, from its PTQ's choice): training, the costliest rung so far; each the "
-            "same program as its PTQ sibling, more accurate",
+            "tensor; the zero-point program, from its PTQ's choice, without and with the split head input): "
+            "training, the costliest rung so far; each the same program as its PTQ sibling, more accurate",
             (
                 {"recipe": "xnnpack_8da4w_lsq_gptq", "modes": ["qat"], "config": DISTILL},
                 {"recipe": "xnnpack_8da4w_tied8", "modes": ["qat"], "config": DISTILL},
                 {"recipe": "xnnpack_8da4w_zp_lsq", "modes": ["qat"], "config": KEEP_SCALES},
+                {"recipe": "xnnpack_8da4w_zp_split_lsq", "modes": ["qat"], "config": KEEP_SCALES},
             ),
             bits=4,
             trains=True,
@@ -106,6 +112,7 @@ LADDERS: dict[str, tuple[Rung, ...]] = {
                 "xnnpack_8da4w_lsq_gptq-qat": "xnnpack_8da4w_gptq-ptq",
                 "xnnpack_8da4w_tied8-qat": "xnnpack_8da4w_tied8-ptq",
                 "xnnpack_8da4w_zp_lsq-qat": "xnnpack_8da4w_zp-ptq",
+                "xnnpack_8da4w_zp_split_lsq-qat": "xnnpack_8da4w_zp_split-ptq",
             },
         ),
         Rung(
