@@ -109,6 +109,24 @@ def test_against_the_recipe_blocks_start_from_its_own_assignment(tmp_path):
     assert result["evaluations"] == 1 + 5  # every (unit, candidate) but lm_head at fp
 
 
+@pytest.mark.fast
+def test_against_a_split_head_recipe_the_head_unsplit_is_a_change(tmp_path):
+    """A ``split_head_input`` recipe's baseline labels its head as split; the head at the recipe's own scheme, not
+    split, is then a change whose cell is the recipe's model without the split (computed here independently)."""
+    model = _tiny_model().eval()
+    x, y = _blocks()
+    split = _recipe(tmp_path, "base: xnnpack_8da4w\nquantizer: {split_head_input: true}\n")
+    result = measure(model, split, x, y, 2, ["8da4w-g32"], unit="block", against="recipe", progress=False)
+    units = {u["name"]: u for u in result["units"]}
+    assert result["baseline"]["schemes"]["lm_head"] == "8da4w-g32+split-input"
+    assert result["evaluations"] == 1 + 1  # only the head: every other unit is at 8da4w-g32 already
+    plain = copy.deepcopy(model)
+    load_recipe("xnnpack_8da4w").make_quantizer(is_qat=False).convert(plain)
+    ppl = score_batched(lambda b: plain(input_ids=b).logits, x, y, 2)["ppl"]
+    cell = units["lm_head"]["results"]["8da4w-g32"]
+    assert cell["ppl"] == pytest.approx(ppl, rel=1e-6) and cell["ppl"] != pytest.approx(result["baseline"]["ppl"])
+
+
 def test_sensitivity_cli_writes_table_heat_map_and_json(tmp_path, tiny_llama, corpus):
     (tmp_path / "mix.yaml").write_text(MIX)
     cfg = write_config(

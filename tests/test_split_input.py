@@ -140,5 +140,6 @@ def test_split_head_programs_through_the_cli_pass_the_gate(tmp_path, tiny_llama,
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "parity PASSED" in r.stdout, r.stdout[-3000:]
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["layers"]["schemes"]["lm_head"] == "8da8w-pc", summary["layers"]["schemes"]
+    assert summary["layers"]["schemes"]["lm_head"] == "8da8w-pc+split-input", summary["layers"]["schemes"]
+    assert "1 x 8da8w-pc+split-input" in r.stdout, r.stdout[-3000:]  # the run's table labels the split head
     assert summary["coverage"]["float"] == {} and summary["coverage"]["fraction"] == 1.0, summary["coverage"]

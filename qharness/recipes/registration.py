@@ -173,11 +173,12 @@ class SourceQuantizer:
             split_head_input(model)
 
     def check_split(self, model, layers: dict[str, str]) -> None:
-        """With ``split_head_input``, a ``UserError`` unless the output projection is among ``layers``' quantized.
-        A model without one (``qharness sensitivity``'s copies of single layers) is not split."""
+        """With ``split_head_input``, a ``UserError`` unless the output projection is among ``layers``' quantized;
+        its scheme is then labelled as split (``8da8w-pc+split-input``: what the summary's layer plan shows). A model
+        without one (``qharness sensitivity``'s copies of single layers) is not split."""
         if not self.split_head_input or not hasattr(model, "get_output_embeddings"):
             return
-        from qharness.recipes.split_input import head_name
+        from qharness.recipes.split_input import SPLIT, head_name
 
         name = head_name(model)
         if layers.get(name) in (None, "fp"):
@@ -186,6 +187,7 @@ class SourceQuantizer:
                 "by the recipe, so its input is never rounded",
                 fix="quantize the output projection, or drop split_head_input",
             )
+        layers[name] += SPLIT
 
     def convert(self, model, weight_qparams: dict | None = None) -> dict[str, str]:
         """Quantize the (trained, plain FP) model in place for deployment. With ``weight_qparams`` (``{weight name:

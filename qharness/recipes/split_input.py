@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 QMIN, QMAX = -128, 127
+SPLIT = "+split-input"  # appended to the head's scheme in a run's layer plan (``8da8w-pc+split-input``)
 
 
 def on_grid(x: torch.Tensor) -> torch.Tensor:

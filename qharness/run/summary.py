@@ -239,7 +239,8 @@ class RunSummary:
         parity: The parity gate's figures and verdict.
         pte: The ``.pte``: path, size_bytes, max_seq_len, export_path, fallback_reason, kv_cache (fp32 or int8).
         layers: Source-level recipes: the per-layer quantization the ``.pte`` got: ``schemes`` ``{module name: scheme}``
-            (``8da4w-g32``, ``8da8w-pc``, ``fp``, ...), ``counts`` per scheme and the recipe's ``rules`` as written
+            (``8da4w-g32``, ``8da8w-pc``, ``fp``, ...; ``8da8w-pc+split-input``: a head whose input rounds as two int8
+            rows, ``split_head_input``), ``counts`` per scheme and the recipe's ``rules`` as written
             (``recipes/layers.py``); None for graph-level (PT2E) and FP recipes.
         coverage: How much of the model the ``.pte`` quantized (``Coverage``, ``deploy/coverage.py``): ``weights``/
             ``bytes`` (the model's linear weights, float bytes), ``quantized``/``quantized_bytes``, ``fraction`` (of
