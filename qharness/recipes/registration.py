@@ -115,12 +115,19 @@ class SourceQuantizer:
     split_head_input: bool = False
 
     def assignment(self, model) -> dict[str, str]:
-        """``{module name: scheme}`` of every module of ``model`` (not yet quantized) that a step quantizes."""
+        """``{module name: scheme}`` of every module of ``model`` (not yet quantized) that a step quantizes; a head
+        that ``split_head_input`` splits is labelled as such (``8da8w-pc+split-input``: what the summary shows)."""
         out = {}
         for name, m in model.named_modules():
             step = next((s for s in self.configs if s.select(m, name)), None)
             if step is not None:
                 out[name] = step.scheme
+        if self._splits(model):
+            from qharness.recipes.split_input import SPLIT, head_name
+
+            head = head_name(model)
+            if head in out:
+                out[head] += SPLIT
         return out
 
     def check(self, model) -> dict[str, str]:
@@ -166,19 +173,22 @@ class SourceQuantizer:
         self._split(model)
         return layers
 
+    def _splits(self, model) -> bool:
+        """Whether ``split_head_input`` splits ``model``'s head: a model without an output projection (``qharness
+        sensitivity``'s copies of single layers) is not split."""
+        return self.split_head_input and hasattr(model, "get_output_embeddings")
+
     def _split(self, model) -> None:
-        if self.split_head_input and hasattr(model, "get_output_embeddings"):
+        if self._splits(model):
             from qharness.recipes.split_input import split_head_input
 
             split_head_input(model)
 
     def check_split(self, model, layers: dict[str, str]) -> None:
-        """With ``split_head_input``, a ``UserError`` unless the output projection is among ``layers``' quantized;
-        its scheme is then labelled as split (``8da8w-pc+split-input``: what the summary's layer plan shows). A model
-        without one (``qharness sensitivity``'s copies of single layers) is not split."""
-        if not self.split_head_input or not hasattr(model, "get_output_embeddings"):
+        """With ``split_head_input``, a ``UserError`` unless the output projection is among ``layers``' quantized."""
+        if not self._splits(model):
             return
-        from qharness.recipes.split_input import SPLIT, head_name
+        from qharness.recipes.split_input import head_name
 
         name = head_name(model)
         if layers.get(name) in (None, "fp"):
@@ -187,7 +197,6 @@ class SourceQuantizer:
                 "by the recipe, so its input is never rounded",
                 fix="quantize the output projection, or drop split_head_input",
             )
-        layers[name] += SPLIT
 
     def convert(self, model, weight_qparams: dict | None = None) -> dict[str, str]:
         """Quantize the (trained, plain FP) model in place for deployment. With ``weight_qparams`` (``{weight name:
