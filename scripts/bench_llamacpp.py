@@ -34,6 +34,10 @@ What it prints, two tables:
 - **decode and prefill tok/s** at ``--threads``, every program in its own fresh process, in alternating rounds
   (round r runs the programs in order, round r+1 in reverse): median and range over rounds, and each qharness
   program's decode ratio to llama.cpp Q4_0 (median of per-round ratios, its range; "tie" when the range holds 1).
+  Decode is timed where a chat decodes with ``--depth D``: both sides after D cached positions (``llama-bench -d D``;
+  qharness after a D-token prompt); without it llama.cpp decodes from an empty cache (``llama-bench -n``'s figure)
+  and qharness after its ``--prompt-len`` prompt. ``--no-repack`` times llama.cpp without its weight repacking (on
+  CPUs where repacking dies once a cache is filled); the table's header says which.
 
 The qharness programs are the finished runs of a sweep directory (default ``runs/sweep_smollm2``, written by
 ``qharness sweep configs/sweep_smollm2.yaml``; ``--sweep CONFIG`` runs that sweep first, skipping finished runs) and
@@ -45,6 +49,7 @@ Usage::
     python scripts/bench_llamacpp.py --runs runs/sweep_smollm2 --only xnnpack_8da4w-ptq xnnpack_int8_dynamic-ptq \\
         --chunks 40 --rounds 4 --json runs/llamacpp.json   # the first 40 windows only: quicker, wider intervals
     python scripts/bench_llamacpp.py --skip-speed          # perplexity and size only (no idle machine needed)
+    python scripts/bench_llamacpp.py --skip-quality --pte zp=runs/smollm2_zp/model.pte --depth 256  # a chat's decode
     python scripts/bench_llamacpp.py --gguf gemma3-270m --pte 8da4w=runs/gemma3_8da4w/model.pte
     python scripts/bench_llamacpp.py --gguf path/to/model.Q8_0.gguf --pte NAME=PATH
     python scripts/bench_llamacpp.py --skip-speed --answers 0 --pte ptq=PTQ.pte --pte qat=QAT.pte \\
@@ -308,38 +313,48 @@ def ratio_to(logp: np.ndarray, other: np.ndarray) -> dict:
 # --- speed -----------------------------------------------------------------------------------------------------------
 
 
-def llama_speed(bindir: Path, gguf: Path, prompt_len: int, decode: int, threads: int) -> dict:
-    """One fresh ``llama-bench`` per figure: decode (``-p 0 -n decode``) and prefill (``-p prompt_len -n 0``,
-    weight repacking off: it crashes on prompt batches on this CPU)."""
+def llama_speed(
+    bindir: Path, gguf: Path, prompt_len: int, decode: int, threads: int, depth: int | None = None, repack: bool = True
+) -> dict:
+    """One fresh ``llama-bench`` per figure: decode (``-p 0 -n decode``, after ``-d depth`` cached positions when
+    given; ``--repack 0`` when not ``repack``) and prefill (``-p prompt_len -n 0``, weight repacking off: it crashes
+    on prompt batches on some CPUs)."""
     out = {}
-    for key, args in (
-        ("decode_tok_s", ["-p", 0, "-n", decode]),
-        ("prefill_tok_s", ["-p", prompt_len, "-n", 0, "--repack", 0]),
-    ):
-        res = run(
-            [bindir / "llama-bench", "-m", gguf, "-t", threads, "-r", 3, "-o", "json", *args],
-            capture_output=True,
-            text=True,
-        )
+    decode_args = ["-p", 0, "-n", decode, *(["-d", depth] if depth else []), *([] if repack else ["--repack", 0])]
+    for key, args in (("decode_tok_s", decode_args), ("prefill_tok_s", ["-p", prompt_len, "-n", 0, "--repack", 0])):
+        cmd = [bindir / "llama-bench", "-m", gguf, "-t", threads, "-r", 3, "-o", "json", *args]
+        try:
+            res = run(cmd, capture_output=True, text=True)
+        except subprocess.CalledProcessError as e:
+            hint = " (weight repacking dies on some CPUs once a cache is filled: try --no-repack)" if repack else ""
+            raise SystemExit(
+                f"llama-bench {' '.join(map(str, args))} failed with exit code {e.returncode}{hint}"
+            ) from None
         out[key] = float(json.loads(res.stdout)[0]["avg_ts"])
     return out
 
 
-def pte_speed(pte: Path, prompt_len: int, decode: int, threads: int) -> dict:
-    """One fresh process of ``qharness bench``'s measurement (the same one ``qharness bench --pte`` runs)."""
+def pte_speed(pte: Path, prompt_len: int, decode: int, threads: int, depth: int | None = None) -> dict:
+    """Fresh processes of ``qharness bench``'s measurement (the same one ``qharness bench --pte`` runs): prefill of
+    ``prompt_len`` tokens, and decode after it, or, with ``depth``, in a second process after a ``depth``-token
+    prompt."""
     from qharness.runtime.bench import pte_vocab
     from qharness.runtime.measure import measure_in_fresh_process
 
-    m = measure_in_fresh_process(
-        kind="pte",
-        path=str(pte),
-        vocab_size=pte_vocab(pte, prompt_len, decode, 3),
-        prompt_len=prompt_len,
-        decode_tokens=decode,
-        reps=3,
-        threads=threads,
-    )
-    return {"decode_tok_s": m["decode_tok_s"]["median"], "prefill_tok_s": m["prefill_tok_s"]["median"]}
+    def measured(prompt: int) -> dict:
+        return measure_in_fresh_process(
+            kind="pte",
+            path=str(pte),
+            vocab_size=pte_vocab(pte, prompt, decode, 3),
+            prompt_len=prompt,
+            decode_tokens=decode,
+            reps=3,
+            threads=threads,
+        )
+
+    m = measured(prompt_len)
+    d = m if depth is None or depth == prompt_len else measured(depth)
+    return {"decode_tok_s": d["decode_tok_s"]["median"], "prefill_tok_s": m["prefill_tok_s"]["median"]}
 
 
 def speed_rounds(programs: dict[str, tuple[str, Path]], bindir: Path, args) -> dict[str, list[dict]]:
@@ -350,9 +365,13 @@ def speed_rounds(programs: dict[str, tuple[str, Path]], bindir: Path, args) -> d
         for name in names if r % 2 == 0 else names[::-1]:
             kind, path = programs[name]
             if kind == "gguf":
-                rounds[name].append(llama_speed(bindir, path, args.prompt_len, args.decode_tokens, args.threads))
+                rounds[name].append(
+                    llama_speed(
+                        bindir, path, args.prompt_len, args.decode_tokens, args.threads, args.depth, not args.no_repack
+                    )
+                )
             else:
-                rounds[name].append(pte_speed(path, args.prompt_len, args.decode_tokens, args.threads))
+                rounds[name].append(pte_speed(path, args.prompt_len, args.decode_tokens, args.threads, args.depth))
         log(f"speed round {r + 1}/{args.rounds} done (load average before: {load:.2f})")
     return rounds
 
@@ -528,6 +547,16 @@ def recovered_cell(q: dict) -> str:
     return f"{q['recovered']:.0%} [{lo:.0%}, {hi:.0%}]"
 
 
+def decode_depth(args) -> str:
+    """Where the table's decode was timed, for its header."""
+    where = (
+        f"after {args.depth} cached positions"
+        if args.depth
+        else f"llama.cpp from an empty cache, qharness after {args.prompt_len} prompt tokens"
+    )
+    return where + ("; llama.cpp without weight repacking" if args.no_repack else "")
+
+
 def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed) -> None:
     print(
         f"\n{title} ({gguf_src.name}), last {args.tail:.0%} of {args.text.name}: {n_windows} windows of {args.ctx}, "
@@ -542,7 +571,8 @@ def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed
         head += f" loss recovered from {args.recovered_from}'s |"
     if speed:
         head += (
-            f" decode tok/s ({args.threads} threads) | prefill tok/s ({args.prompt_len}) | decode / llama.cpp Q4_0 |"
+            f" decode tok/s ({args.threads} threads, {decode_depth(args)}) | prefill tok/s ({args.prompt_len}) |"
+            " decode / llama.cpp Q4_0 |"
         )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -626,6 +656,18 @@ def main() -> None:
     p.add_argument("--skip-perplexity", action="store_true", help="no perplexity table (answers, speed and size)")
     p.add_argument("--prompt-len", dest="prompt_len", type=int, default=64)
     p.add_argument("--decode-tokens", dest="decode_tokens", type=int, default=32)
+    p.add_argument(
+        "--depth",
+        type=int,
+        help="time decode after D cached positions on both sides (llama-bench -d D; qharness after a D-token prompt), "
+        "as a chat decodes (default: llama.cpp from an empty cache, qharness after --prompt-len tokens)",
+    )
+    p.add_argument(
+        "--no-repack",
+        dest="no_repack",
+        action="store_true",
+        help="time llama.cpp's decode without its weight repacking (--repack 0; for CPUs where repacking dies at depth)",
+    )
     p.add_argument("--answers", type=int, default=32, help="held-out chat prompts answered (0: none)")
     p.add_argument("--answer-tokens", dest="answer_tokens", type=int, default=48, help="tokens per answer, at most")
     p.add_argument("--work", type=Path, default=CACHE / "bench_llamacpp")
@@ -633,6 +675,11 @@ def main() -> None:
     args = p.parse_args()
     if args.chunks is not None and args.chunks < 1:
         raise SystemExit(f"--chunks {args.chunks} scores no window; give N >= 1, or leave it out to score them all")
+    if args.depth is not None and args.depth < 1:
+        raise SystemExit(
+            f"--depth {args.depth}: qharness decodes after a prompt of at least one token; give D >= 1, or leave it "
+            "out (llama.cpp then decodes from an empty cache)"
+        )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # the .pte files score with --threads threads whatever the load: ExecuTorch's attention and XNNPACK's kernels
     # split their work by thread, so a program's log-probabilities move (about 0.1% of perplexity) with the count
@@ -660,6 +707,18 @@ def main() -> None:
         )
     from qharness.runtime.pte import program_bytes
     from qharness.sources.models import resolve_checkpoint
+
+    if args.rounds and not args.skip_speed:  # a depth past a program's KV cache is refused now, not after an hour
+        from qharness.errors import UserError
+        from qharness.runtime.bench import pte_vocab
+
+        for path in runs.values():
+            try:
+                pte_vocab(path, max(args.prompt_len, args.depth or 0), args.decode_tokens, 3)
+            except UserError as e:
+                raise SystemExit(
+                    f"{path}: {e.what} (here the larger of --prompt-len and --depth, + --decode-tokens)"
+                ) from None
 
     hf_dir = Path(resolve_checkpoint(str(gguf_src)))
     bindir = llama_cpp(args.llama_cpp)
@@ -696,6 +755,8 @@ def main() -> None:
             "speed": speed,
             "clamped": clamped,
             "threads": args.threads,
+            "decode_depth": args.depth,
+            "llama_repack": not args.no_repack,
             "scoring_threads": int(os.environ["QHARNESS_THREADS"]),
             "load_avg_end": os.getloadavg()[0],
         }

@@ -6,7 +6,8 @@ import importlib.util
 
 import numpy as np
 import pytest
-from conftest import ROOT, write_gguf
+import yaml
+from conftest import ROOT, fake_measurement, write_gguf
 
 spec = importlib.util.spec_from_file_location("bench_llamacpp", ROOT / "scripts" / "bench_llamacpp.py")
 bl = importlib.util.module_from_spec(spec)
@@ -70,6 +71,7 @@ def test_quality_row_reads_the_increase_and_the_ratio_in_perplexity():
         ("--recovered-from", "llama.cpp F32", "--recovered-from 'llama.cpp F32' is not a program of this run"),
         ("--chunks", "0", "--chunks 0 scores no window"),
         ("--pair", ("llama.cpp Q8_0", "qharness nope"), "--pair 'qharness nope' is not a program of this run"),
+        ("--depth", "0", "--depth 0: qharness decodes after a prompt of at least one token"),
     ],
 )
 def test_a_bad_option_is_refused_before_llama_cpp_is_built(tiny_llama, tmp_path, monkeypatch, option, value, refusal):
@@ -105,3 +107,75 @@ def test_every_window_is_scored_unless_chunks_limits_them(tmp_path, monkeypatch)
     every, first40 = commands
     assert every[0].endswith("llama-perplexity") and "--chunks" not in every
     assert first40[first40.index("--chunks") + 1] == "40"
+
+
+@pytest.mark.fast
+def test_decode_at_depth_is_timed_after_that_many_cached_positions_on_both_sides(tmp_path, monkeypatch):
+    """``--depth D``: llama-bench decodes with ``-d D`` and qharness after a D-token prompt, in a process of its own
+    (its prefill stays the ``--prompt-len`` one); ``--no-repack`` adds ``--repack 0`` to llama.cpp's decode only."""
+    import subprocess
+
+    import qharness.runtime.bench as qbench
+    import qharness.runtime.measure as qmeasure
+
+    commands = []
+
+    def fake_run(cmd, **kwargs):
+        commands.append([str(c) for c in cmd])
+        return subprocess.CompletedProcess(cmd, 0, stdout='[{"avg_ts": 100.0}]', stderr="")
+
+    monkeypatch.setattr(bl, "run", fake_run)
+    assert bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2, depth=256, repack=False) == {
+        "decode_tok_s": 100.0,
+        "prefill_tok_s": 100.0,
+    }
+    decode, prefill = commands
+    assert decode[decode.index("-d") + 1] == "256" and decode[decode.index("--repack") + 1] == "0"
+    assert "-d" not in prefill and prefill[prefill.index("-p") + 1] == "64"
+    commands.clear()
+    bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2)
+    assert "-d" not in commands[0] and "--repack" not in commands[0]  # llama-bench -n's own figure: an empty cache
+
+    prompts = []
+
+    def fake_measure(**kw):
+        prompts.append(kw["prompt_len"])
+        return fake_measurement(kw["prompt_len"])  # decode tok/s = the prompt it decoded after, to tell them apart
+
+    monkeypatch.setattr(qmeasure, "measure_in_fresh_process", fake_measure)
+    monkeypatch.setattr(qbench, "pte_vocab", lambda *a: 384)
+    assert bl.pte_speed(tmp_path / "m.pte", 64, 32, 2, depth=256) == {"decode_tok_s": 256, "prefill_tok_s": 128}
+    assert prompts == [64, 256]
+    prompts.clear()
+    assert bl.pte_speed(tmp_path / "m.pte", 64, 32, 2) == {"decode_tok_s": 64, "prefill_tok_s": 128}
+    assert prompts == [64]
+
+
+@pytest.mark.fast
+def test_a_llama_bench_that_dies_is_one_line_naming_its_exit_code(tmp_path, monkeypatch):
+    import subprocess
+
+    def dies(cmd, **kwargs):
+        raise subprocess.CalledProcessError(132, cmd)
+
+    monkeypatch.setattr(bl, "run", dies)
+    with pytest.raises(SystemExit, match=r"llama-bench -p 0 -n 32 -d 128 failed with exit code 132 .*--no-repack"):
+        bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2, depth=128)
+    with pytest.raises(SystemExit) as e:
+        bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2, depth=128, repack=False)
+    assert "--no-repack" not in str(e.value)
+
+
+def test_a_depth_past_a_programs_cache_is_refused_before_llama_cpp_is_built(fitted, tmp_path, monkeypatch):
+    from qharness.sources.models import load_model_and_tokenizer
+
+    run, cfg, _ = fitted
+    model_dir = yaml.safe_load(cfg.read_text())["model"]["checkpoint"]
+    gguf = write_gguf(tmp_path / "tiny.gguf", *load_model_and_tokenizer(model_dir))
+    built = []
+    monkeypatch.setattr(bl, "llama_cpp", lambda *a: built.append(a))
+    argv = ["bench_llamacpp.py", "--gguf", str(gguf), "--runs", str(tmp_path / "none"), "--work", str(tmp_path / "w")]
+    monkeypatch.setattr("sys.argv", [*argv, "--pte", f"tiny={run / 'model.pte'}", "--depth", "100000"])
+    with pytest.raises(SystemExit, match=r"model.pte: .* = 100032 exceeds the .pte's KV cache .*--depth"):
+        bl.main()
+    assert built == []
