@@ -604,3 +604,58 @@ def test_a_nudged_zero_row_computes_as_the_converted_model_does():
     norm_linear = _wide_group_linear()
     got, want = _run_pte(_lower(norm_linear, x), x), norm_linear(x)
     assert (got[1] - want[1]).abs().max() < 1e-12 and want[1].abs().max() < 1e-6
+
+
+_SDPA_GEMM_THREADS = """
+import sys, torch
+from qharness.runtime.pte import PteModel, set_runtime_threads
+set_runtime_threads(2)
+model = PteModel(sys.argv[1])
+print("RUN", flush=True)
+model(torch.randint(0, 100, (1, 8)), 0)
+"""
+
+
+def _sdpa_gemm_threads(pte, env: dict) -> set[str]:
+    """The MKL thread counts (``NThr:k``) of the ``sgemm`` calls a ``.pte``'s prefill makes in a fresh process."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = dict(os.environ, MKL_VERBOSE="1", MKL_DYNAMIC="FALSE", **env)
+    r = subprocess.run([sys.executable, "-c", _SDPA_GEMM_THREADS, str(pte)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = r.stdout.split("RUN", 1)[1]
+    return set(re.findall(r"SGEMM\(.*NThr:(\d+)", run))
+
+
+def test_upstream_custom_sdpa_still_nests_mkl_threads(fitted):
+    """When this fails, ExecuTorch's custom_sdpa in the Python runtime stopped calling MKL with a thread team of its
+    own from inside its threadpool (pytorch/executorch#20267): drop process.pte_process_env."""
+    assert _sdpa_gemm_threads(fitted[0] / "model.pte", {"MKL_NUM_THREADS": "2"}) == {"2"}
+
+
+def test_a_pte_process_runs_the_attentions_gemms_single_threaded(fitted):
+    from qharness.upstream import process
+
+    assert _sdpa_gemm_threads(fitted[0] / "model.pte", process.pte_process_env()) == {"1"}
+
+
+@pytest.mark.fast
+def test_a_pte_benchmark_process_gets_that_environment_and_an_eager_one_does_not(monkeypatch):
+    import subprocess
+
+    from qharness.runtime import measure
+
+    envs = []
+
+    def fake_run(cmd, **kwargs):
+        envs.append(kwargs["env"])
+        return subprocess.CompletedProcess(cmd, 0, stdout="{}\n", stderr="")
+
+    monkeypatch.setattr(measure.subprocess, "run", fake_run)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    measure.measure_in_fresh_process(kind="pte", path="m.pte")
+    measure.measure_in_fresh_process(kind="eager", path="m")
+    assert envs[0]["MKL_NUM_THREADS"] == "1" and "MKL_NUM_THREADS" not in envs[1]

@@ -171,6 +171,8 @@ def measure_in_fresh_process(**kwargs) -> dict:
         *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)),
     ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    if kwargs.get("kind") == "pte":
+        env |= process.pte_process_env()
     r = subprocess.run(
         process.python_command("-m", "qharness.runtime.measure", json.dumps(kwargs)),
         capture_output=True,

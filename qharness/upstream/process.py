@@ -56,6 +56,24 @@ def die_with_parent() -> Callable[[], None] | None:
     return preexec
 
 
+def pte_process_env() -> dict[str, str]:
+    """Environment for a fresh process that runs ``.pte`` programs: MKL single-threaded (``MKL_NUM_THREADS=1``).
+
+    Workaround: ExecuTorch 1.5.1's ``llama::custom_sdpa``, run by the Python runtime, calls libtorch's MKL ``sgemm``
+    from inside its own threadpool's ``parallel_for`` over heads, and MKL starts a team of its own threads there
+    (``MKL_VERBOSE``: ``NThr:2`` on 2 cores), threads nested in threads. Upstream de-nested its SDPA from MKL in
+    pytorch/executorch#20267 (its GEMMs are already parallel by head); the 1.5.1 wheel's Python runtime still nests.
+    On SmolLM2-135M (2 cores) a 64-token prefill ran about twice as fast with MKL single-threaded, decode a tie
+    (docs/benchmarks/real-model.md). A deployed runtime has no MKL; the program's own kernels are untouched.
+    Only for processes that run nothing but ``.pte`` programs: torch also reads ``MKL_NUM_THREADS`` for its own
+    intra-op default, so an eager model in the same process would run single-threaded.
+    Test that tells when to retire it: tests/test_upstream_fixes.py::test_upstream_custom_sdpa_still_nests_mkl_threads.
+
+    Example: ``subprocess.run(cmd, env=dict(os.environ, **pte_process_env()))``
+    """
+    return {"MKL_NUM_THREADS": "1"}
+
+
 def python_command(*args: str) -> list[str]:
     """The command line of a child Python (``sys.executable``) that never puts the current directory (or a script's
     directory) first on ``sys.path`` (``-P``, Python 3.11+): a ``yaml.py`` or ``torch.py`` lying in the directory
