@@ -571,7 +571,8 @@ def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed
         head += f" loss recovered from {args.recovered_from}'s |"
     if speed:
         head += (
-            f" decode tok/s ({args.threads} threads, {decode_depth(args)}) | prefill tok/s ({args.prompt_len}) |"
+            f" decode tok/s ({args.threads} threads, {decode_depth(args)}) | prefill tok/s ({args.prompt_len} tokens;"
+            " llama.cpp without weight repacking) |"
             " decode / llama.cpp Q4_0 |"
         )
     print(head)
