@@ -36,8 +36,10 @@ What it prints, two tables:
   program's decode ratio to llama.cpp Q4_0 (median of per-round ratios, its range; "tie" when the range holds 1).
   Decode is timed where a chat decodes with ``--depth D``: both sides after D cached positions (``llama-bench -d D``;
   qharness after a D-token prompt); without it llama.cpp decodes from an empty cache (``llama-bench -n``'s figure)
-  and qharness after its ``--prompt-len`` prompt. ``--no-repack`` times llama.cpp without its weight repacking (on
-  CPUs where repacking dies once a cache is filled); the table's header says which.
+  and qharness after its ``--prompt-len`` prompt. llama.cpp runs with its weight repacking, its fastest, where a
+  one-repetition probe of each figure survives it, and without it (``--repack 0``) where repacking dies (it crashes
+  on prompt batches and filled caches on some AVX-512/AMX CPUs); ``--no-repack`` turns it off for both figures.
+  The table's header says which.
 
 The qharness programs are the finished runs of a sweep directory (default ``runs/sweep_smollm2``, written by
 ``qharness sweep configs/sweep_smollm2.yaml``; ``--sweep CONFIG`` runs that sweep first, skipping finished runs) and
@@ -313,23 +315,39 @@ def ratio_to(logp: np.ndarray, other: np.ndarray) -> dict:
 # --- speed -----------------------------------------------------------------------------------------------------------
 
 
-def llama_speed(
-    bindir: Path, gguf: Path, prompt_len: int, decode: int, threads: int, depth: int | None = None, repack: bool = True
-) -> dict:
-    """One fresh ``llama-bench`` per figure: decode (``-p 0 -n decode``, after ``-d depth`` cached positions when
-    given; ``--repack 0`` when not ``repack``) and prefill (``-p prompt_len -n 0``, weight repacking off: it crashes
-    on prompt batches on some CPUs)."""
+def llama_bench_args(prompt_len: int, decode: int, depth: int | None, repack: dict[str, bool]) -> dict[str, list]:
+    """``llama-bench`` arguments per figure: decode (``-p 0 -n decode``, after ``-d depth`` cached positions when
+    given) and prefill (``-p prompt_len -n 0``), each with ``--repack 0`` where ``repack[figure]`` is False."""
+    off = {k: [] if on else ["--repack", 0] for k, on in repack.items()}
+    return {
+        "decode_tok_s": ["-p", 0, "-n", decode, *(["-d", depth] if depth else []), *off["decode_tok_s"]],
+        "prefill_tok_s": ["-p", prompt_len, "-n", 0, *off["prefill_tok_s"]],
+    }
+
+
+def repack_survives(bindir: Path, gguf: Path, prompt_len: int, depth: int | None, threads: int) -> dict[str, bool]:
+    """Whether llama.cpp's weight repacking survives each figure's work on this CPU: one repetition of each with
+    repacking on (on some AVX-512/AMX CPUs it dies with an illegal instruction on prompt batches and filled caches)."""
     out = {}
-    decode_args = ["-p", 0, "-n", decode, *(["-d", depth] if depth else []), *([] if repack else ["--repack", 0])]
-    for key, args in (("decode_tok_s", decode_args), ("prefill_tok_s", ["-p", prompt_len, "-n", 0, "--repack", 0])):
+    for key, args in llama_bench_args(prompt_len, 4, depth, {"decode_tok_s": True, "prefill_tok_s": True}).items():
+        cmd = [bindir / "llama-bench", "-m", gguf, "-t", threads, "-r", 1, *args]
+        out[key] = subprocess.run([str(c) for c in cmd], capture_output=True).returncode == 0
+        if not out[key]:
+            log(f"llama-bench {' '.join(map(str, args))} died with weight repacking on: timed without it")
+    return out
+
+
+def llama_speed(
+    bindir: Path, gguf: Path, prompt_len: int, decode: int, threads: int, depth: int | None, repack: dict[str, bool]
+) -> dict:
+    """One fresh ``llama-bench`` per figure (``llama_bench_args``)."""
+    out = {}
+    for key, args in llama_bench_args(prompt_len, decode, depth, repack).items():
         cmd = [bindir / "llama-bench", "-m", gguf, "-t", threads, "-r", 3, "-o", "json", *args]
         try:
             res = run(cmd, capture_output=True, text=True)
         except subprocess.CalledProcessError as e:
-            hint = " (weight repacking dies on some CPUs once a cache is filled: try --no-repack)" if repack else ""
-            raise SystemExit(
-                f"llama-bench {' '.join(map(str, args))} failed with exit code {e.returncode}{hint}"
-            ) from None
+            raise SystemExit(f"llama-bench {' '.join(map(str, args))} failed with exit code {e.returncode}") from None
         out[key] = float(json.loads(res.stdout)[0]["avg_ts"])
     return out
 
@@ -367,7 +385,7 @@ def speed_rounds(programs: dict[str, tuple[str, Path]], bindir: Path, args) -> d
             if kind == "gguf":
                 rounds[name].append(
                     llama_speed(
-                        bindir, path, args.prompt_len, args.decode_tokens, args.threads, args.depth, not args.no_repack
+                        bindir, path, args.prompt_len, args.decode_tokens, args.threads, args.depth, args.repack
                     )
                 )
             else:
@@ -547,6 +565,13 @@ def recovered_cell(q: dict) -> str:
     return f"{q['recovered']:.0%} [{lo:.0%}, {hi:.0%}]"
 
 
+def repacking(args, key: str) -> str:
+    """How llama.cpp ran a figure, for the table's header."""
+    if args.repack[key]:
+        return "llama.cpp with weight repacking"
+    return "llama.cpp without weight repacking" + ("" if args.no_repack else " (it died on this CPU)")
+
+
 def decode_depth(args) -> str:
     """Where the table's decode was timed, for its header."""
     where = (
@@ -554,7 +579,7 @@ def decode_depth(args) -> str:
         if args.depth
         else f"llama.cpp from an empty cache, qharness after {args.prompt_len} prompt tokens"
     )
-    return where + ("; llama.cpp without weight repacking" if args.no_repack else "")
+    return f"{where}; {repacking(args, 'decode_tok_s')}"
 
 
 def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed) -> None:
@@ -571,9 +596,8 @@ def print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed
         head += f" loss recovered from {args.recovered_from}'s |"
     if speed:
         head += (
-            f" decode tok/s ({args.threads} threads, {decode_depth(args)}) | prefill tok/s ({args.prompt_len} tokens;"
-            " llama.cpp without weight repacking) |"
-            " decode / llama.cpp Q4_0 |"
+            f" decode tok/s ({args.threads} threads, {decode_depth(args)}) |"
+            f" prefill tok/s ({args.prompt_len} tokens; {repacking(args, 'prefill_tok_s')}) | decode / llama.cpp Q4_0 |"
         )
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
@@ -667,7 +691,7 @@ def main() -> None:
         "--no-repack",
         dest="no_repack",
         action="store_true",
-        help="time llama.cpp's decode without its weight repacking (--repack 0; for CPUs where repacking dies at depth)",
+        help="time llama.cpp without its weight repacking (--repack 0; default: with it, where a probe survives it)",
     )
     p.add_argument("--answers", type=int, default=32, help="held-out chat prompts answered (0: none)")
     p.add_argument("--answer-tokens", dest="answer_tokens", type=int, default=48, help="tokens per answer, at most")
@@ -735,7 +759,13 @@ def main() -> None:
     sizes = {f"llama.cpp {n}": p.stat().st_size for n, p in ggufs.items()}
     sizes |= {f"qharness {n}": program_bytes(p) for n, p in runs.items()}  # a .pte and its data file, if any
     speed: dict[str, list[dict]] = {}
+    args.repack = None  # how llama.cpp ran each speed figure (no speed: None)
     if args.rounds and not args.skip_speed:
+        args.repack = (
+            {"decode_tok_s": False, "prefill_tok_s": False}
+            if args.no_repack
+            else repack_survives(bindir, ggufs["Q4_0"], args.prompt_len, args.depth, args.threads)
+        )
         programs = {f"llama.cpp {q}": ("gguf", ggufs[q]) for q in ("Q4_0", "Q8_0")}
         programs |= {f"qharness {n}": ("pte", p) for n, p in runs.items()}
         speed = speed_rounds(programs, bindir, args)
@@ -757,7 +787,7 @@ def main() -> None:
             "clamped": clamped,
             "threads": args.threads,
             "decode_depth": args.depth,
-            "llama_repack": not args.no_repack,
+            "llama_repack": args.repack,
             "scoring_threads": int(os.environ["QHARNESS_THREADS"]),
             "load_avg_end": os.getloadavg()[0],
         }

@@ -112,7 +112,7 @@ def test_every_window_is_scored_unless_chunks_limits_them(tmp_path, monkeypatch)
 @pytest.mark.fast
 def test_decode_at_depth_is_timed_after_that_many_cached_positions_on_both_sides(tmp_path, monkeypatch):
     """``--depth D``: llama-bench decodes with ``-d D`` and qharness after a D-token prompt, in a process of its own
-    (its prefill stays the ``--prompt-len`` one); ``--no-repack`` adds ``--repack 0`` to llama.cpp's decode only."""
+    (its prefill stays the ``--prompt-len`` one); ``--repack 0`` goes to each figure whose repacking is off."""
     import subprocess
 
     import qharness.runtime.bench as qbench
@@ -125,16 +125,19 @@ def test_decode_at_depth_is_timed_after_that_many_cached_positions_on_both_sides
         return subprocess.CompletedProcess(cmd, 0, stdout='[{"avg_ts": 100.0}]', stderr="")
 
     monkeypatch.setattr(bl, "run", fake_run)
-    assert bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2, depth=256, repack=False) == {
+    repack = {"decode_tok_s": False, "prefill_tok_s": True}
+    assert bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2, 256, repack) == {
         "decode_tok_s": 100.0,
         "prefill_tok_s": 100.0,
     }
     decode, prefill = commands
     assert decode[decode.index("-d") + 1] == "256" and decode[decode.index("--repack") + 1] == "0"
-    assert "-d" not in prefill and prefill[prefill.index("-p") + 1] == "64"
+    assert "-d" not in prefill and prefill[prefill.index("-p") + 1] == "64" and "--repack" not in prefill
     commands.clear()
-    bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2)
-    assert "-d" not in commands[0] and "--repack" not in commands[0]  # llama-bench -n's own figure: an empty cache
+    bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2, None, {"decode_tok_s": True, "prefill_tok_s": False})
+    decode, prefill = commands
+    assert "-d" not in decode and "--repack" not in decode  # llama-bench -n's own figure: an empty cache
+    assert prefill[prefill.index("--repack") + 1] == "0"
 
     prompts = []
 
@@ -159,11 +162,36 @@ def test_a_llama_bench_that_dies_is_one_line_naming_its_exit_code(tmp_path, monk
         raise subprocess.CalledProcessError(132, cmd)
 
     monkeypatch.setattr(bl, "run", dies)
-    with pytest.raises(SystemExit, match=r"llama-bench -p 0 -n 32 -d 128 failed with exit code 132 .*--no-repack"):
-        bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2, depth=128)
-    with pytest.raises(SystemExit) as e:
-        bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2, depth=128, repack=False)
-    assert "--no-repack" not in str(e.value)
+    with pytest.raises(SystemExit, match=r"^llama-bench -p 0 -n 32 -d 128 failed with exit code 132$"):
+        bl.llama_speed(tmp_path, tmp_path / "m.gguf", 64, 32, 2, 128, {"decode_tok_s": True, "prefill_tok_s": True})
+
+
+@pytest.mark.fast
+def test_llama_cpp_repacks_where_a_probe_survives_it_and_the_header_says_where_it_did_not(tmp_path, monkeypatch):
+    """Each figure probed once with repacking on: the one that dies (here prefill, as on the AVX-512/AMX machine)
+    is timed with ``--repack 0``, the other with repacking, and the table's header names both."""
+    import argparse
+    import subprocess
+
+    probes = []
+
+    def fake_subprocess_run(cmd, **kwargs):
+        probes.append(cmd)
+        return subprocess.CompletedProcess(cmd, 132 if cmd[cmd.index("-p") + 1] == "64" else 0)
+
+    monkeypatch.setattr(bl.subprocess, "run", fake_subprocess_run)
+    repack = bl.repack_survives(tmp_path, tmp_path / "m.gguf", 64, 256, 2)
+    assert repack == {"decode_tok_s": True, "prefill_tok_s": False}
+    assert all("--repack" not in cmd and cmd[cmd.index("-r") + 1] == "1" for cmd in probes)
+    assert any(cmd[cmd.index("-d") + 1] == "256" for cmd in probes if "-d" in cmd)  # decode probed at its depth
+
+    args = argparse.Namespace(depth=256, prompt_len=64, no_repack=False, repack=repack)
+    assert bl.decode_depth(args) == "after 256 cached positions; llama.cpp with weight repacking"
+    assert bl.repacking(args, "prefill_tok_s") == "llama.cpp without weight repacking (it died on this CPU)"
+    args = argparse.Namespace(
+        depth=None, prompt_len=64, no_repack=True, repack={"decode_tok_s": False, "prefill_tok_s": False}
+    )
+    assert bl.decode_depth(args).endswith("qharness after 64 prompt tokens; llama.cpp without weight repacking")
 
 
 def test_a_depth_past_a_programs_cache_is_refused_before_llama_cpp_is_built(fitted, tmp_path, monkeypatch):
