@@ -352,18 +352,17 @@ def llama_speed(
     return out
 
 
-def pte_speed(pte: Path, prompt_len: int, decode: int, threads: int, depth: int | None = None) -> dict:
+def pte_speed(pte: Path, vocab: int, prompt_len: int, decode: int, threads: int, depth: int | None = None) -> dict:
     """Fresh processes of ``qharness bench``'s measurement (the same one ``qharness bench --pte`` runs): prefill of
     ``prompt_len`` tokens, and decode after it, or, with ``depth``, in a second process after a ``depth``-token
-    prompt."""
-    from qharness.runtime.bench import pte_vocab
+    prompt (``vocab``: the program's vocabulary size, its lengths already checked by ``pte_vocab``)."""
     from qharness.runtime.measure import measure_in_fresh_process
 
     def measured(prompt: int) -> dict:
         return measure_in_fresh_process(
             kind="pte",
             path=str(pte),
-            vocab_size=pte_vocab(pte, prompt, decode, 3),
+            vocab_size=vocab,
             prompt_len=prompt,
             decode_tokens=decode,
             reps=3,
@@ -375,7 +374,9 @@ def pte_speed(pte: Path, prompt_len: int, decode: int, threads: int, depth: int 
     return {"decode_tok_s": d["decode_tok_s"]["median"], "prefill_tok_s": m["prefill_tok_s"]["median"]}
 
 
-def speed_rounds(programs: dict[str, tuple[str, Path]], bindir: Path, args) -> dict[str, list[dict]]:
+def speed_rounds(
+    programs: dict[str, tuple[str, Path]], bindir: Path, args, vocabs: dict[Path, int]
+) -> dict[str, list[dict]]:
     names = list(programs)
     rounds: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.rounds):
@@ -389,7 +390,9 @@ def speed_rounds(programs: dict[str, tuple[str, Path]], bindir: Path, args) -> d
                     )
                 )
             else:
-                rounds[name].append(pte_speed(path, args.prompt_len, args.decode_tokens, args.threads, args.depth))
+                rounds[name].append(
+                    pte_speed(path, vocabs[path], args.prompt_len, args.decode_tokens, args.threads, args.depth)
+                )
         log(f"speed round {r + 1}/{args.rounds} done (load average before: {load:.2f})")
     return rounds
 
@@ -733,13 +736,15 @@ def main() -> None:
     from qharness.runtime.pte import program_bytes
     from qharness.sources.models import resolve_checkpoint
 
-    if args.rounds and not args.skip_speed:  # a depth past a program's KV cache is refused now, not after an hour
+    timed = bool(args.rounds and not args.skip_speed)
+    vocabs: dict[Path, int] = {}  # each program's vocabulary, its lengths checked now, not after an hour
+    if timed:
         from qharness.errors import UserError
         from qharness.runtime.bench import pte_vocab
 
         for path in runs.values():
             try:
-                pte_vocab(path, max(args.prompt_len, args.depth or 0), args.decode_tokens, 3)
+                vocabs[path] = pte_vocab(path, max(args.prompt_len, args.depth or 0), args.decode_tokens, 3)
             except UserError as e:
                 raise SystemExit(
                     f"{path}: {e.what} (here the larger of --prompt-len and --depth, + --decode-tokens)"
@@ -760,7 +765,7 @@ def main() -> None:
     sizes |= {f"qharness {n}": program_bytes(p) for n, p in runs.items()}  # a .pte and its data file, if any
     speed: dict[str, list[dict]] = {}
     args.repack = None  # how llama.cpp ran each speed figure (no speed: None)
-    if args.rounds and not args.skip_speed:
+    if timed:
         args.repack = (
             {"decode_tok_s": False, "prefill_tok_s": False}
             if args.no_repack
@@ -768,7 +773,7 @@ def main() -> None:
         )
         programs = {f"llama.cpp {q}": ("gguf", ggufs[q]) for q in ("Q4_0", "Q8_0")}
         programs |= {f"qharness {n}": ("pte", p) for n, p in runs.items()}
-        speed = speed_rounds(programs, bindir, args)
+        speed = speed_rounds(programs, bindir, args, vocabs)
 
     if quality or speed:
         print_table(title, gguf_src, args, quality, clamped, n_windows, sizes, speed)

@@ -115,7 +115,6 @@ def test_decode_at_depth_is_timed_after_that_many_cached_positions_on_both_sides
     (its prefill stays the ``--prompt-len`` one); ``--repack 0`` goes to each figure whose repacking is off."""
     import subprocess
 
-    import qharness.runtime.bench as qbench
     import qharness.runtime.measure as qmeasure
 
     commands = []
@@ -143,14 +142,14 @@ def test_decode_at_depth_is_timed_after_that_many_cached_positions_on_both_sides
 
     def fake_measure(**kw):
         prompts.append(kw["prompt_len"])
+        assert kw["vocab_size"] == 384  # the vocabulary main() read once, not re-read per measurement
         return fake_measurement(kw["prompt_len"])  # decode tok/s = the prompt it decoded after, to tell them apart
 
     monkeypatch.setattr(qmeasure, "measure_in_fresh_process", fake_measure)
-    monkeypatch.setattr(qbench, "pte_vocab", lambda *a: 384)
-    assert bl.pte_speed(tmp_path / "m.pte", 64, 32, 2, depth=256) == {"decode_tok_s": 256, "prefill_tok_s": 128}
+    assert bl.pte_speed(tmp_path / "m.pte", 384, 64, 32, 2, depth=256) == {"decode_tok_s": 256, "prefill_tok_s": 128}
     assert prompts == [64, 256]
     prompts.clear()
-    assert bl.pte_speed(tmp_path / "m.pte", 64, 32, 2) == {"decode_tok_s": 64, "prefill_tok_s": 128}
+    assert bl.pte_speed(tmp_path / "m.pte", 384, 64, 32, 2) == {"decode_tok_s": 64, "prefill_tok_s": 128}
     assert prompts == [64]
 
 
