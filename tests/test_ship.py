@@ -373,6 +373,28 @@ def test_prune_leaves_out_each_qat_entry_its_own_sibling_rules_out_and_the_ladde
     assert [e["recipe"] for e in rung.entries] == ["xnnpack_8da4w_lsq_gptq"]
 
 
+@pytest.mark.fast
+def test_a_skip_names_every_candidate_that_meets_so_the_one_the_tie_rule_chooses_is_among_them():
+    """SmolLM2's ship (real-model.md): zp (91.704 MB) and zp_split (91.708 MB, chosen by the tie rule) both met
+    everything, and the skipped rungs named zp alone."""
+    from qharness.shipping.ladder import ladder_for
+
+    zp, split, w4 = "xnnpack_8da4w_zp-ptq", "xnnpack_8da4w_zp_split-ptq", "xnnpack_8da4w-ptq"
+    rows = {
+        zp: row(zp, 0.0396, 91.704, shift=math.log1p(0.0214)),
+        split: row(split, 0.0395, 91.708, shift=math.log1p(0.0214)),
+        w4: row(w4, 0.30, 89.0),  # misses: named nowhere
+    }
+    goal = Goal(0.051, max_size_mb=92)
+    assert decide(list(rows.values()), goal, dict.fromkeys(rows, 1)).chosen["run"] == split  # the tie rule's pick
+    ladder = {r.name: r for r in ladder_for("xnnpack", 92)}
+    mixed = climb.skip_reason(ladder["mixed_ptq"], rows, dict.fromkeys(rows, 4), goal)
+    assert mixed.startswith(f"{zp} already meets everything (as does {split}); per-layer mixed"), mixed
+    left_out = climb.prune(ladder["int4_qat"], rows, goal)[1]  # zp's QAT sibling: no smaller than zp
+    assert any(f"(as does {split})" in line and w4 not in line for line in left_out), left_out
+    assert "(as do" not in climb.skip_reason(ladder["mixed_ptq"], {split: rows[split]}, {split: 4}, goal)
+
+
 def test_fewer_bits_are_not_tried_when_accuracy_not_the_budget_is_what_misses(tmp_path, no_bench):
     runner = FakeRunner()
     rec = climb.run_ship(ship_yaml(tmp_path), make_goal("0.3%", max_size_mb=2.0), runner=runner)

@@ -16,7 +16,7 @@ from qharness.errors import UserError
 from qharness.io.atomic import write_bytes_atomic
 from qharness.io.locks import hold_run_lock
 from qharness.reporting.rows import _number
-from qharness.shipping.decide import Goal, Reach, cannot_win, decide, fits_budgets, misses
+from qharness.shipping.decide import Goal, Reach, as_do, cannot_win, decide, fits_budgets, misses
 from qharness.shipping.ladder import Rung, ladder_for
 from qharness.shipping.record import CandidateRecord, RungRecord, ShipRecord
 from qharness.shipping.spec import load_ship
@@ -143,7 +143,10 @@ def skip_reason(rung: Rung, rows: dict[str, dict], bits: dict[str, int], goal: G
     ok = sorted((r for r in rows.values() if not misses(r, goal)), key=lambda r: (r["pte_size_mb"], r["run"]))
     if rung.on_demand:
         if ok:
-            return f"{ok[0]['run']} already meets everything; fewer bits are tried only when the budgets demand them"
+            return (
+                f"{ok[0]['run']} already meets everything{as_do(ok[0], ok)}; fewer bits are tried only when the "
+                "budgets demand them"
+            )
         fitting = sorted(n for n, r in rows.items() if bits.get(n, 0) > rung.bits and fits_budgets(r, goal))
         if fitting:
             return (
@@ -152,15 +155,15 @@ def skip_reason(rung: Rung, rows: dict[str, dict], bits: dict[str, int], goal: G
             )
     if rung.mixes and ok:
         return (
-            f"{ok[0]['run']} already meets everything; per-layer mixed precision spends the size budget on accuracy, "
-            "it does not look for a smaller program"
+            f"{ok[0]['run']} already meets everything{as_do(ok[0], ok)}; per-layer mixed precision spends the size "
+            "budget on accuracy, it does not look for a smaller program"
         )
     reach = reach_of(rung, rows)
     why = cannot_win(reach, list(rows.values()), goal)
     if why:
         return why
     if rung.trains and ok and reach.size_mb is None:  # its PTQ siblings unmeasured: nothing says training could win
-        return f"{ok[0]['run']} already meets everything without training"
+        return f"{ok[0]['run']} already meets everything without training{as_do(ok[0], ok)}"
     return None
 
 

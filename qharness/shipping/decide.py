@@ -185,6 +185,17 @@ class Reach:
     basis: str
 
 
+def as_do(best: dict, ok: list[dict]) -> str:
+    """`` (as do B, C)``: the other candidates besides ``best`` that meet everything (the tie rule may choose one of
+    them at the end), or "" when ``best`` is the only one.
+
+    >>> as_do({"run": "a"}, [{"run": "a"}, {"run": "b"}])
+    ' (as does b)'
+    """
+    others = sorted(r["run"] for r in ok if r["run"] != best["run"])
+    return f" (as do{'es' if len(others) == 1 else ''} {', '.join(others)})" if others else ""
+
+
 def cannot_win(reach: Reach, rows: list[dict], goal: Goal) -> str | None:
     """Why a rung whose programs are like ``reach`` cannot change the answer (None: it might): every program it can
     make is over a budget, or no smaller (no faster, ``prefer="latency"``) than a candidate that meets everything."""
@@ -204,8 +215,9 @@ def cannot_win(reach: Reach, rows: list[dict], goal: Goal) -> str | None:
         best = min(ok, key=lambda r: r["pte_size_mb"])
         if best["pte_size_mb"] <= reach.size_mb * (1 + SIZE_TIE):
             return (
-                f"{best['run']} already meets everything at {best['pte_size_mb']:.3f} MB; this rung's programs are "
-                f"at least {reach.size_mb:.3f} MB ({reach.basis}), so none can be smaller beyond a tie"
+                f"{best['run']} already meets everything at {best['pte_size_mb']:.3f} MB{as_do(best, ok)}; this "
+                f"rung's programs are at least {reach.size_mb:.3f} MB ({reach.basis}), so none can be smaller beyond "
+                "a tie"
             )
     if goal.prefer == "latency" and reach.latency_ms is not None:
         timed = [r for r in ok if _number(r.get("decode_ms_per_token"))]
@@ -213,7 +225,8 @@ def cannot_win(reach: Reach, rows: list[dict], goal: Goal) -> str | None:
             best = min(timed, key=lambda r: r["decode_ms_per_token"])
             if best["decode_ms_per_token"] <= reach.latency_ms:
                 return (
-                    f"{best['run']} already meets everything at {best['decode_ms_per_token']:.3g} ms/token; this rung's "
-                    f"programs run at {reach.latency_ms:.3g} ms/token ({reach.basis}), so none can be faster"
+                    f"{best['run']} already meets everything at {best['decode_ms_per_token']:.3g} ms/token"
+                    f"{as_do(best, ok)}; this rung's programs run at {reach.latency_ms:.3g} ms/token ({reach.basis}), "
+                    "so none can be faster"
                 )
     return None
