@@ -116,10 +116,11 @@ def time_program(path: str, hidden: int, threads: int, steps: int, repeats: int)
     return statistics.median(times)
 
 
-def _fresh(path: Path, hidden: int, args) -> float:
+def _fresh(path: Path, args) -> float:
+    """``time_program`` of ``path`` in a fresh process (``python -P``, as ``.pte`` benchmark processes run)."""
     from qharness.upstream.process import pte_process_env
 
-    cmd = [sys.executable, "-P", __file__, "--time", str(path), "--shape", f"{hidden},1,1"]
+    cmd = [sys.executable, "-P", __file__, "--time", str(path), "--shape", ",".join(map(str, args.shape))]
     cmd += ["--threads", str(args.threads), "--steps", str(args.steps), "--repeats", str(args.repeats)]
     out = subprocess.run(cmd, env=dict(os.environ, **pte_process_env()), capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -146,7 +147,7 @@ def parse(argv=None):
         p.error("--layers takes whole numbers (15,30,48) and --shape three (hidden,kv,mlp: 576,192,1536)")
     if min(args.layers) < 1 or min(hidden, kv, mlp) < 1 or args.rounds < 1 or args.steps < 1 or args.repeats < 1:
         p.error("--layers, --shape, --rounds, --steps and --repeats must be at least 1")
-    if args.time is None and (hidden % GROUP or mlp % GROUP):
+    if hidden % GROUP or mlp % GROUP:
         p.error(f"--shape: hidden and mlp widths must be multiples of the group size {GROUP}")
     args.shape = (hidden, kv, mlp)
     return args
@@ -173,7 +174,7 @@ def main(argv=None) -> dict:
     for k in range(args.rounds):
         load = os.getloadavg()[0]
         for n in round_order(args.layers, k):
-            times[n].append(_fresh(paths[n], hidden, args))
+            times[n].append(_fresh(paths[n], args))
         print(f"[bench_gemm_cache] round {k + 1}/{args.rounds} done (load average before: {load:.2f})", file=sys.stderr)
     rows = []
     for n in args.layers:
