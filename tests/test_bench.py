@@ -387,7 +387,8 @@ def test_a_program_from_another_tool_is_named_when_it_loads(tmp_path):
         PteModel(foreign)
     from qharness.upstream import imports
 
-    method = imports.executorch_runtime().load_program(foreign).load_method("forward")
+    program = imports.executorch_runtime().load_program(foreign)  # kept alive while its method is used
+    method = program.load_method("forward")
     with pytest.raises(UserError, match=r"its forward takes 1 input\(s\); qharness feeds tokens \[1, n\] int64"):
         _check_inputs(foreign, "forward", method.metadata)
     line = _one_error_line(run_cli("bench", "--pte", foreign))

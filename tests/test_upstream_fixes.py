@@ -365,7 +365,8 @@ def test_our_zero_groups_keep_the_values_and_pass_the_gradient_exactly(which):
 def _run_pte(buffer, x):
     from qharness.upstream import imports
 
-    return imports.executorch_runtime().load_program(buffer).load_method("forward").execute([x])[0]
+    program = imports.executorch_runtime().load_program(buffer)  # kept: a method outlived by its program segfaults
+    return program.load_method("forward").execute([x])[0]
 
 
 def _per_tensor_dynamic_int8_linear(x):
