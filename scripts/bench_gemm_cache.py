@@ -161,6 +161,7 @@ def main(argv=None) -> dict:
         return {}
     from qharness.io.atomic import write_bytes_atomic, write_text_atomic
     from qharness.runtime.joint import round_order
+    from qharness.runtime.spread import format_spread, median_range
 
     args.cache.mkdir(parents=True, exist_ok=True)
     paths = {}
@@ -176,21 +177,24 @@ def main(argv=None) -> dict:
         for n in round_order(args.layers, k):
             times[n].append(_fresh(paths[n], args))
         print(f"[bench_gemm_cache] round {k + 1}/{args.rounds} done (load average before: {load:.2f})", file=sys.stderr)
-    rows = []
+    rows, cells = [], []
     for n in args.layers:
         mb = weight_bytes(n, hidden, kv, mlp) / 1e6
-        ms = statistics.median(times[n])
-        rates = sorted(mb / t for t in times[n])  # MB/ms = GB/s
+        ms = median_range(times[n])
+        rate = {**median_range([mb / t for t in times[n]]), "median": mb / ms["median"]}  # MB/ms = GB/s
         rows.append(
             {
                 "layers": n,
                 "weights_mb": round(mb, 2),
-                "ms_per_step": round(ms, 3),
-                "ms_range": [round(min(times[n]), 3), round(max(times[n]), 3)],
-                "us_per_layer": round(ms * 1e3 / n, 1),
-                "gb_per_s": round(mb / ms, 1),
-                "gb_per_s_range": [round(rates[0], 1), round(rates[-1], 1)],
+                "ms_per_step": round(ms["median"], 3),
+                "ms_range": [round(ms["min"], 3), round(ms["max"], 3)],
+                "us_per_layer": round(ms["median"] * 1e3 / n, 1),
+                "gb_per_s": round(rate["median"], 1),
+                "gb_per_s_range": [round(rate["min"], 1), round(rate["max"], 1)],
             }
+        )
+        cells.append(
+            f"| {n} | {mb:.1f} | {format_spread(ms, '.3f')} | {rows[-1]['us_per_layer']:.1f} | {format_spread(rate, '.1f')} |"
         )
     print(
         f"\nXNNPACK 4-bit GEMMs at M=1 (xnnpack_8da4w numerics), shape hidden {hidden}, kv {kv}, mlp {mlp}; "
@@ -198,13 +202,7 @@ def main(argv=None) -> dict:
     )
     print("| layers | 4-bit weights MB | ms a step | µs a layer | weights GB/s |")
     print("|---|---|---|---|---|")
-    for r in rows:
-        lo, hi = r["ms_range"]
-        glo, ghi = r["gb_per_s_range"]
-        print(
-            f"| {r['layers']} | {r['weights_mb']:.1f} | {r['ms_per_step']:.3f} ({lo:.3f}-{hi:.3f}) | "
-            f"{r['us_per_layer']:.1f} | {r['gb_per_s']:.1f} ({glo:.1f}-{ghi:.1f}) |"
-        )
+    print("\n".join(cells))
     result = {"shape": list(args.shape), "threads": args.threads, "rounds": args.rounds, "rows": rows}
     if args.json:
         write_text_atomic(args.json, json.dumps(result, indent=1) + "\n")
