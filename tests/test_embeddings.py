@@ -38,6 +38,23 @@ def test_embedding_settings_are_checked_at_recipe_load(tmp_path, base, setting, 
 
 
 @pytest.mark.fast
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (
+            "untied_embedding_bits: 2",
+            r"untied_embedding_bits=2 is not supported. fix: use null \(FP embeddings\), 4 or 8",
+        ),
+        ("untied_embedding_group_size: 48", "untied_embedding_group_size=48 must be a power of two >= 2. fix: use 32"),
+    ],
+)
+def test_untied_table_settings_are_checked_at_recipe_load_by_their_own_names(tmp_path, setting, message):
+    with pytest.raises(UserError, match=message) as e:
+        _recipe(tmp_path, f"base: xnnpack_8da4w_tied8\nquantizer:\n  {setting}\n")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.fast
 def test_builtin_4bit_recipes_quantize_embeddings_by_default_and_null_keeps_them_float(tmp_path):
     from qharness.recipes.embedding import EmbeddingQuant
     from qharness.recipes.registry import known_recipes, load_recipe
@@ -52,6 +69,9 @@ def test_builtin_4bit_recipes_quantize_embeddings_by_default_and_null_keeps_them
             else EmbeddingQuant(4, 32)
         )
         assert load_recipe(name).embedding == want, name
+        # a table the 8-bit head does not share (an untied model's): 4-bit groups of 32, the head's scale rule
+        untied = EmbeddingQuant(4, 32, want.mapping) if want.bits == 8 else want
+        assert load_recipe(name).untied_embedding == untied, name
     for name in ("xnnpack_fp32", "xnnpack_int8_dynamic", "xnnpack_int8_static", "vulkan_int8w"):
         assert load_recipe(name).embedding is None, name
     assert _recipe(tmp_path, "base: xnnpack_8da4w\nquantizer: {embedding_bits: null}\n").embedding is None
@@ -72,6 +92,28 @@ def test_the_recipe_table_shows_each_recipes_embedding():
     assert rows["recipe"][:4] == ["recipe", "backend", "modes", "embedding"]
     assert rows["xnnpack_8da4w"][3] == "w4-g32" and rows["xnnpack_int4w_dynamic"][3] == "w4-g32"
     assert rows["xnnpack_int8_dynamic"][3] == "fp32"
+    assert rows["xnnpack_8da4w_tied8"][3:6] == ["w8-pc,", "untied", "w4-g32"]
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("tied, scheme", [(True, "w8-pc"), (False, "w4-g32")])
+def test_tied8_keeps_the_heads_table_at_8_bits_and_an_untied_table_at_4(tied, scheme):
+    """``xnnpack_8da4w_tied8`` (and the zero-point recipes on it): the table the 8-bit head shares at 8 bits per row
+    (stored once: test_shared_table.py); an untied model's table, which nothing shares, at 4 bits in groups of 32, as
+    llama.cpp's Q4_0 keeps ``token_embd``. The assignment names it and deployment stores those values."""
+    import torch
+
+    from qharness.recipes.embedding import EmbeddingQuant
+    from qharness.recipes.registry import load_recipe
+
+    recipe = load_recipe("xnnpack_8da4w_tied8")
+    model = _tiny(tied=tied)
+    table = model.get_input_embeddings().weight.detach().clone()
+    layers = recipe.make_quantizer(is_qat=False).convert(model)
+    assert layers["model.embed_tokens"] == scheme and layers["lm_head"] == "8da8w-pc"
+    quant = EmbeddingQuant.from_scheme(scheme)
+    expected = _deployed_table(table, EmbeddingQuant(quant.bits, quant.group_size, "symmetric_no_clipping_err"))
+    assert torch.equal(model.get_input_embeddings().weight.dequantize(), expected)
 
 
 def _tiny(tied: bool = True):
@@ -100,7 +142,7 @@ def _deployed_table(weight, quant):
     return emb.weight.dequantize()
 
 
-@pytest.mark.parametrize(  # PT2E (exported), torchao (eager), torchao with the head's no-clipping scales (8-bit rows)
+@pytest.mark.parametrize(  # PT2E (exported), torchao (eager), torchao's untied table (4-bit, no-clipping scales)
     "recipe_name", ["xnnpack_int4w_dynamic", "xnnpack_8da4w", "xnnpack_8da4w_tied8"]
 )
 def test_qat_trains_the_deployed_table_fake_quantized_and_gradients_reach_it(recipe_name):
@@ -114,7 +156,7 @@ def test_qat_trains_the_deployed_table_fake_quantized_and_gradients_reach_it(rec
     recipe = load_recipe(recipe_name)
     model = _tiny(tied=False)  # the table's gradient then comes from its lookups alone
     table = model.get_input_embeddings().weight
-    expected_table = _deployed_table(table.detach(), recipe.embedding)
+    expected_table = _deployed_table(table.detach(), recipe.table_quant(tied=False))
     assert not torch.equal(expected_table, table.detach())  # the fake quantization changes the table
     prepared = prepare_for_training(model, recipe, batch_size=2, seq_len=8, is_qat=True)
     x = torch.randint(0, 128, (2, 8))
@@ -204,6 +246,26 @@ def test_calibrate_records_the_quantized_table_and_passes_parity(tmp_path, tiny_
     tables = summary["coverage"]["embeddings"]
     assert list(tables) == ["model.embed_tokens"]
     assert (tables["model.embed_tokens"]["bits"], tables["model.embed_tokens"]["group_size"]) == (8, None)
+
+
+def test_tied8_calibrates_an_untied_model_with_its_table_at_4_bits(tmp_path, corpus):
+    """Through the CLI, an untied model (its lm_head a weight of its own) with ``xnnpack_8da4w_tied8``: the table at
+    4 bits in groups of 32 in the program (coverage, the summary's layers), the head at 8, the gate passed, one
+    self-contained ``.pte`` (nothing shared, no data file)."""
+    from conftest import make_tiny_hf
+
+    model = make_tiny_hf(tmp_path / "untied", "llama", corpus.read_text()[:200_000], tie=False)
+    cfg = tiny_run_config(tmp_path, model, corpus, {"recipe": "xnnpack_8da4w_tied8", "mode": "ptq"})
+    r = run_cli("calibrate", cfg)
+    assert r.returncode == 0, r.stderr[-3000:]
+    run = tmp_path / "run"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["parity"]["passed"] is True
+    table = summary["coverage"]["embeddings"]["model.embed_tokens"]
+    assert (table["bits"], table["group_size"], table["tied_to"], table["shared"]) == (4, 32, None, False)
+    schemes = summary["layers"]["schemes"]
+    assert schemes["model.embed_tokens"] == "w4-g32" and schemes["lm_head"] == "8da8w-pc"
+    assert not (run / "model.ptd").exists()
 
 
 @pytest.mark.fast

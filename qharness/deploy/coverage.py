@@ -240,10 +240,10 @@ def embedding_tables(
         rows, width = layers.embeddings[name]
         size = rows * width * 4
         scheme = (assignment or {}).get(name)
-        quant = EmbeddingQuant.from_scheme(scheme) if scheme else recipe.embedding
+        head = layers.tied.get(name)
+        quant = EmbeddingQuant.from_scheme(scheme) if scheme else recipe.table_quant(tied=head is not None)
         quantized = status == "quantized" and quant is not None
         stored = quant.stored_bytes(rows, width) if quantized else size
-        head = layers.tied.get(name)
         note = f"{SHARED_TABLE_MISSING}; the copy costs {stored} bytes" if head and quantized else None
         tables[name] = EmbeddingTable(
             bits=quant.bits if quantized else None,
@@ -390,17 +390,19 @@ def settings_note(coverage: Coverage, recipe: str) -> str | None:
 
 
 def check_embeddings(coverage: Coverage, recipe, model) -> None:
-    """``UserError`` when the recipe quantizes embeddings (``embedding_bits``) and a table it takes is looked up in
-    floating point in the program (a quantized table that did not reach the program must not ship as quantized)."""
-    quant = recipe.embedding
-    if quant is None:
-        return
+    """``UserError`` when the recipe quantizes embeddings (``embedding_bits``, ``untied_embedding_bits``) and a table it
+    takes is looked up in floating point in the program (a quantized table that did not reach the program must not
+    ship as quantized)."""
     modules = dict(model.named_modules())
-    left = [n for n, t in coverage.embeddings.items() if t.bits is None and n in modules and quant.takes(modules[n])]
+    left = {}
+    for n, t in coverage.embeddings.items():
+        quant = recipe.table_quant(tied=t.tied_to is not None)
+        if quant is not None and t.bits is None and n in modules and quant.takes(modules[n]):
+            left[n] = quant.bits
     if left:
         raise UserError(
-            f"recipe {recipe.name!r} quantizes embeddings to {quant.bits} bits but the program looks up "
-            f"{', '.join(left)} in floating point",
+            f"recipe {recipe.name!r} quantizes embeddings to {'/'.join(map(str, sorted(set(left.values()))))} bits "
+            f"but the program looks up {', '.join(left)} in floating point",
             fix="set embedding_bits: null in the recipe to keep them float, or report the model (its embedding is "
             "not an nn.Embedding lookup the quantizer sees)",
         )

@@ -321,13 +321,14 @@ def rules(plan: Plan, candidates: dict[str, dict]) -> list[dict]:
     return out
 
 
-def rest_bytes(
-    model, table: dict, max_seq_len: int, embedding_bits: int | None = None, group_size: int | None = None
-) -> int:
+def rest_bytes(model, table: dict, max_seq_len: int, recipe=None) -> int:
     """Predicted bytes of the ``.pte`` outside the table's units: every parameter and persistent buffer of modules
-    that are not units' layers (fp32; the embedding at ``embedding_bits`` when set), the rotary cos/sin tables of
-    ``max_seq_len`` positions the static-cache export bakes in, and the program overhead."""
+    that are not units' layers (fp32; an embedding table as ``recipe`` quantizes it, ``Recipe.table_quant``, when
+    given), the rotary cos/sin tables of ``max_seq_len`` positions the static-cache export bakes in, and the program
+    overhead."""
     import torch
+
+    from qharness.recipes.embedding import tied_tables
 
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -335,6 +336,7 @@ def rest_bytes(
     n_layers = sum(len(u["layers"]) for u in table["units"])
 
     taken = {n for u in table["units"] for n in u["layers"]}
+    tied = tied_tables(model)
     seen, total = set(), 0
     for name, module in model.named_modules():
         if name in taken:  # a tied embedding is stored on its own too (the head's copy is the unit's)
@@ -342,14 +344,15 @@ def rest_bytes(
         tensors = list(module.parameters(recurse=False)) + [
             b for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set
         ]
+        quant = recipe.table_quant(name in tied) if recipe and isinstance(module, torch.nn.Embedding) else None
         for t in tensors:
             if t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
-            if isinstance(module, torch.nn.Embedding) and embedding_bits is not None:
+            if quant is not None:
                 rows = t.shape[0]
-                scales = 4 * rows if group_size is None else 2 * (t.numel() // group_size)
-                total += t.numel() * embedding_bits // 8 + scales
+                scales = 4 * rows if quant.group_size is None else 2 * (t.numel() // quant.group_size)
+                total += t.numel() * quant.bits // 8 + scales
             else:
                 total += t.numel() * t.element_size()
     total += 2 * max_seq_len * head_dim * 4 if rotary else 0

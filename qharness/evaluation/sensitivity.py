@@ -104,7 +104,9 @@ def _settings(recipe, name: str):
         return None
     from qharness.recipes.registration import parse_settings
 
-    merged = {**dataclasses.asdict(recipe.settings), **rule, "embedding_bits": None, "learn_scales": False}
+    own = dataclasses.asdict(recipe.settings)
+    tables = {k: None for k in ("embedding_bits", "untied_embedding_bits") if k in own}  # a unit's layers only
+    merged = {**own, **rule, **tables, "learn_scales": False}
     try:
         return parse_settings(type(recipe.settings), merged, f"--candidates {name}")
     except UserError as e:  # the settings' own range checks: name the option

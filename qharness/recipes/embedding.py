@@ -17,7 +17,8 @@ copy costs). One shared 4-bit table for both is what ExecuTorch's ``export_llm``
 pip ``executorch`` 1.5.1 runtime has ``quantized_decomposed::embedding_{2,4}bit`` and ``embedding_byte`` only
 (``tests/test_embeddings.py`` fails once it has the shared op). Where both copies hold the same int8 values (an 8-bit
 per-row table quantized by the 8-bit head's rule: ``embedding_mapping``, recipe ``xnnpack_8da4w_tied8``) the lowering
-stores them once, in the program's data file (``deploy/shared_table.py``).
+stores them once, in the program's data file (``deploy/shared_table.py``). A table the head does not share (an untied
+model's) may take other settings (``untied_embedding_bits``, ``tied_tables``): ``xnnpack_8da4w_tied8`` keeps it at 4 bits.
 
 Example (a recipe YAML)::
 
@@ -112,39 +113,62 @@ SCALE_MAPPINGS = ("symmetric", "symmetric_no_clipping_err")  # torchao MappingTy
 
 
 def embedding_quant(
-    where: str, bits: int | None, group_size: int | None, mapping: str = "symmetric"
+    where: str, bits: int | None, group_size: int | None, mapping: str = "symmetric", field: str = "embedding"
 ) -> EmbeddingQuant | None:
-    """The checked settings (``UserError`` naming ``where`` and the field otherwise), None for float embeddings."""
+    """The checked settings (``UserError`` naming ``where`` and the field otherwise: ``{field}_bits``,
+    ``{field}_group_size``), None for float embeddings."""
     if mapping not in SCALE_MAPPINGS:
         raise UserError(f"{where}: embedding_mapping {mapping!r} is unknown", fix=f"use {' or '.join(SCALE_MAPPINGS)}")
     if bits is not None and bits not in EMBEDDING_BITS:
-        raise UserError(f"{where}: embedding_bits={bits} is not supported", fix="use null (FP embeddings), 4 or 8")
+        raise UserError(f"{where}: {field}_bits={bits} is not supported", fix="use null (FP embeddings), 4 or 8")
     if group_size is not None and (group_size < 2 or group_size & (group_size - 1)):
         raise UserError(
-            f"{where}: embedding_group_size={group_size} must be a power of two >= 2",
+            f"{where}: {field}_group_size={group_size} must be a power of two >= 2",
             fix="use 32 (or 64, 128, ...), or null for one scale per row",
         )
     return None if bits is None else EmbeddingQuant(bits, group_size, mapping)
 
 
-def check_fields(where: str, bits: int | None, group_size: int | None, mapping: str = "symmetric") -> None:
+def check_fields(
+    where: str, bits: int | None, group_size: int | None, mapping: str = "symmetric", field: str = "embedding"
+) -> None:
     """A settings dataclass's ``__post_init__`` check of its ``embedding_bits`` / ``embedding_group_size`` (and
-    ``embedding_mapping``, where the quantizer has one)."""
-    embedding_quant(where, bits, group_size, mapping)
+    ``embedding_mapping``, where the quantizer has one; ``field="untied_embedding"``: those of an untied table)."""
+    embedding_quant(where, bits, group_size, mapping, field)
 
 
-def source_config(quant: EmbeddingQuant):
-    """The ``SourceConfig`` step of a torchao recipe that quantizes the embedding tables (``recipes/registration.py``)."""
+def source_config(quant: EmbeddingQuant, tied: bool | None = None):
+    """The ``SourceConfig`` step of a torchao recipe that quantizes the embedding tables (``recipes/registration.py``);
+    ``tied``: True, only a table the output projection shares; False, only one it does not; None, every table."""
     from qharness.recipes.registration import SourceConfig
 
+    what = {None: "", True: " (tied to the output projection)", False: " (not tied to the output projection)"}[tied]
     return SourceConfig(
         quant.torchao_config(),
         lambda m, fqn: quant.takes(m),
-        quant.what,
+        quant.what + what,
         scheme=quant.scheme,
         required=False,  # a model without embedding tables has none to quantize
         check_model=quant.check,
+        tied=tied,
     )
+
+
+def tied_tables(model) -> frozenset[str]:
+    """Names of ``model``'s embedding tables whose weight is its output projection's (``get_output_embeddings()``);
+    empty for a model without one (``qharness sensitivity``'s copies of single layers).
+
+    Example::
+
+        tied_tables(smollm2)  # frozenset({'model.embed_tokens'}); Qwen2.5-0.5B (untied): frozenset()
+    """
+    import torch
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is None:
+        return frozenset()
+    return frozenset(n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m.weight is weight)
 
 
 def quantizer(quant: EmbeddingQuant):

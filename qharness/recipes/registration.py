@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from qharness.errors import UserError
+from qharness.recipes.embedding import tied_tables
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +76,9 @@ class SourceConfig:
     learning) for deployment to use as trained, the name of the scheme it gives a module (``summary.json``'s
     ``layers``, e.g. ``8da4w-g32``), whether selecting no module is an error (per-layer recipes check their
     rules instead, ``recipes/layers.py``), whether its linears are rounded by GPTQ (``recipes/gptq.py``) or by
-    ``recipes/rounding.py`` (weighted scales, zero points: ``rounded``), and the glob patterns of the linears whose
-    groups take a zero point (``recipes/zero_points.py``)."""
+    ``recipes/rounding.py`` (weighted scales, zero points: ``rounded``), the glob patterns of the linears whose
+    groups take a zero point (``recipes/zero_points.py``), and for an embedding step which tables it takes (``tied``:
+    True, only a table the output projection shares; False, only one it does not; None, either)."""
 
     config: Any
     select: Callable[[Any, str], bool]
@@ -90,6 +92,12 @@ class SourceConfig:
     check_model: Callable[[Any], None] | None = (
         None  # more checks of the model (a ``UserError`` when it cannot take it)
     )
+    tied: bool | None = None
+
+    def takes(self, m, name: str, tied_tables: frozenset[str]) -> bool:
+        """Whether this step quantizes module ``m`` called ``name``, given the model's tied tables (``tied_tables``,
+        ``recipes/embedding.tied_tables``: taken before any step swaps a weight)."""
+        return self.select(m, name) and (self.tied is None or (name in tied_tables) == self.tied)
 
     @property
     def scales_given(self) -> bool:
@@ -117,9 +125,9 @@ class SourceQuantizer:
     def assignment(self, model) -> dict[str, str]:
         """``{module name: scheme}`` of every module of ``model`` (not yet quantized) that a step quantizes; a head
         that ``split_head_input`` splits is labelled as such (``8da8w-pc+split-input``: what the summary shows)."""
-        out = {}
+        out, tables = {}, tied_tables(model)
         for name, m in model.named_modules():
-            step = next((s for s in self.configs if s.select(m, name)), None)
+            step = next((s for s in self.configs if s.takes(m, name, tables)), None)
             if step is not None:
                 out[name] = step.scheme
         if self._splits(model):
@@ -133,8 +141,9 @@ class SourceQuantizer:
     def check(self, model) -> dict[str, str]:
         """``assignment(model)``, after checking that every required step selects a module of ``model`` (a recipe that
         quantizes nothing must not ship as quantized): a ``UserError`` before anything is trained or changed."""
+        tables = tied_tables(model)
         for step in self.configs:
-            if step.required and not any(step.select(m, name) for name, m in model.named_modules()):
+            if step.required and not any(step.takes(m, name, tables) for name, m in model.named_modules()):
                 raise UserError(
                     f"the recipe's {type(step.config).__name__} selects no layer of {type(model).__name__} ({step.what})",
                     fix="choose settings that fit the model (e.g. a group_size that divides its hidden sizes)",
@@ -148,9 +157,10 @@ class SourceQuantizer:
     def _apply(self, model, wrap) -> None:
         from torchao.quantization import quantize_
 
+        tables = tied_tables(model)  # before the head's step gives the head a weight of its own
         for step in self.configs:
-            if any(step.select(m, name) for name, m in model.named_modules()):
-                quantize_(model, wrap(step), filter_fn=step.select)
+            if any(step.takes(m, name, tables) for name, m in model.named_modules()):
+                quantize_(model, wrap(step), filter_fn=lambda m, name, step=step: step.takes(m, name, tables))
 
     def prepare_qat(self, model) -> dict[str, str]:
         """Swap in torchao's fake-quantized modules (learned-scale steps: scales set by ``init_source_scales``);

@@ -68,7 +68,8 @@ class Recipe:
     @property
     def embedding(self):
         """The embedding tables' quantization (``recipes/embedding.EmbeddingQuant``: bits, group size), or None: they
-        stay float. Source-level recipes quantize them among their steps; PT2E recipes before export."""
+        stay float. Source-level recipes quantize them among their steps; PT2E recipes before export. A table the
+        output projection does not share takes ``untied_embedding`` instead."""
         bits = getattr(self.settings, "embedding_bits", None)
         if bits is None:
             return None
@@ -78,9 +79,27 @@ class Recipe:
         return EmbeddingQuant(bits, self.settings.embedding_group_size, mapping)
 
     @property
+    def untied_embedding(self):
+        """The quantization of a table the output projection does not share (an untied model's input embedding):
+        the recipe's ``untied_embedding_bits`` where it sets them, else ``embedding``'s."""
+        bits = getattr(self.settings, "untied_embedding_bits", None)
+        if bits is None:
+            return self.embedding
+        from qharness.recipes.embedding import EmbeddingQuant
+
+        mapping = getattr(self.settings, "embedding_mapping", "symmetric")
+        return EmbeddingQuant(bits, self.settings.untied_embedding_group_size, mapping)
+
+    def table_quant(self, tied: bool):
+        """``embedding`` for a table the output projection shares (``tied``), else ``untied_embedding``."""
+        return self.embedding if tied else self.untied_embedding
+
+    @property
     def embedding_scheme(self) -> str:
-        """The embedding tables as ``qharness recipes`` and the recipe tables name them: ``w4-g32``, ``w8-pc``, ``fp32``."""
-        return self.embedding.scheme if self.embedding else "fp32"
+        """The embedding tables as ``qharness recipes`` and the recipe tables name them: ``w4-g32``, ``w8-pc``, ``fp32``;
+        ``w8-pc, untied w4-g32`` where an untied table takes other settings."""
+        tied, untied = (q.scheme if q else "fp32" for q in (self.embedding, self.untied_embedding))
+        return tied if tied == untied else f"{tied}, untied {untied}"
 
     @property
     def rounds_with_gptq(self) -> bool:

@@ -43,6 +43,12 @@ class Torchao8da4wSettings:
         (``embedding_bits: 8, embedding_group_size: null``) with the ``lm_head``'s rule (an 8-bit per-channel
         ``layers:`` rule, ``embedding_mapping`` equal to ``weight_mapping``) holds the same int8 values in both
         copies: the program stores them once, in a data file beside the ``.pte`` (``deploy/shared_table.py``).
+    untied_embedding_bits: null (every table at ``embedding_bits``), 4 or 8: a table the output projection does not
+        share (an untied model's input embedding) at these bits instead, with ``untied_embedding_group_size`` weights
+        per scale and ``embedding_mapping``'s rule. A table stored once at 8 bits because it is the head's gains
+        nothing at 8 bits where it is not (``xnnpack_8da4w_tied8`` keeps an untied table at 4 bits, as llama.cpp's
+        Q4_0 keeps ``token_embd``).
+    untied_embedding_group_size: the untied table's weights per scale (a power of two); null: one scale per row.
     choose_qparams: ``affine`` (min-max scales, what QAT's fake quantization trains against) or ``hqq_scale_only``
         (HQQ-optimised scales, export_llm's default for 8da4w PTQ; PTQ-only recipes).
     rounding: ``nearest`` (each weight to its nearest level), ``gptq``: the linear weights are rounded by GPTQ on the
@@ -82,6 +88,8 @@ class Torchao8da4wSettings:
     embedding_bits: int | None = None
     embedding_group_size: int | None = 32
     embedding_mapping: str = "symmetric"
+    untied_embedding_bits: int | None = None
+    untied_embedding_group_size: int | None = 32
     choose_qparams: str = "affine"
     rounding: str = "nearest"
     learn_scales: bool = False
@@ -110,6 +118,12 @@ class Torchao8da4wSettings:
             )
         embedding.check_fields(
             "torchao_8da4w quantizer", self.embedding_bits, self.embedding_group_size, self.embedding_mapping
+        )
+        embedding.check_fields(
+            "torchao_8da4w quantizer",
+            self.untied_embedding_bits,
+            self.untied_embedding_group_size,
+            field="untied_embedding",
         )
         if self.weight_bits == 8 and self.group_size is not None:
             raise UserError(
@@ -238,11 +252,22 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
             scheme=scheme_name(settings.weight_bits, group, dynamic_activations=True),
         )
     )
+    where = "torchao_8da4w quantizer"
     quant = embedding.embedding_quant(
-        "torchao_8da4w quantizer", settings.embedding_bits, settings.embedding_group_size, settings.embedding_mapping
+        where, settings.embedding_bits, settings.embedding_group_size, settings.embedding_mapping
     )
-    if quant is not None:  # min-max scales, learned or not
-        configs.append(embedding.source_config(quant))
+    untied = embedding.embedding_quant(
+        where,
+        settings.untied_embedding_bits,
+        settings.untied_embedding_group_size,
+        settings.embedding_mapping,
+        field="untied_embedding",
+    )
+    if untied is None:  # min-max scales, learned or not
+        configs += [embedding.source_config(quant)] if quant is not None else []
+    else:  # a table the head shares at embedding_bits, any other at untied_embedding_bits
+        configs += [embedding.source_config(quant, tied=True)] if quant is not None else []
+        configs.append(embedding.source_config(untied, tied=False))
     return SourceQuantizer(configs, split_head_input=settings.split_head_input)
 
 

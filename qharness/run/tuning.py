@@ -95,9 +95,8 @@ def autotune(
     datamodule.setup("fit")
     data = held_out(datamodule, settings.parity, settings.calibration)
     fp_model, _ = model.load_fp()
-    s = scheme.settings
     sizes = {"units": unit_sizes(fp_model, model.recipe, names, unit)}
-    rest = at.rest_bytes(fp_model, sizes, settings.deploy.max_seq_len, s.embedding_bits, s.embedding_group_size)
+    rest = at.rest_bytes(fp_model, sizes, settings.deploy.max_seq_len, scheme)
     if budget is not None:
         at.check_fits(sizes, budget, rest)  # before any measuring: a budget nothing fits fails now
     path = Path(sensitivity) if sensitivity else run_dir / "sensitivity.json"
