@@ -3,6 +3,7 @@ setting. No timing is asserted: the tests check what was run, in which order, an
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -257,6 +258,7 @@ def test_profile_shows_where_two_programs_spend_their_time_through_the_cli(tiny_
     shutil.copy(tiny_pte, other)
     r = run_cli("profile", "--pte", tiny_pte, "--pte", other, "--prompt_len", "8", "--decode_tokens", "3")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert re.match(r"threads: \d+ \(free cores now\)\n", r.stdout)  # what the times ran on, first
     prefill, decode = r.stdout.split("event (decode step)")
     head = prefill[prefill.index("event (prefill)") :].splitlines()[0]
     assert f"{tiny_pte.parent} calls" in head and f"{other.parent} calls" in head  # same file names: their folders
@@ -267,6 +269,12 @@ def test_profile_shows_where_two_programs_spend_their_time_through_the_cli(tiny_
         assert float(rows["Method::execute"][-1]) > 0
     bad = run_cli("profile", "--pte", tiny_pte, "--decode_tokens", "0")
     assert bad.returncode == 2 and "profile --decode_tokens must be >= 1 (got 0)" in bad.stderr
+    one = run_cli(
+        "profile", "--pte", tiny_pte, "--prompt_len", "4", "--decode_tokens", "2", "--reps", "1", "--threads", "1"
+    )
+    assert one.returncode == 0 and one.stdout.startswith("threads: 1 (--threads)\n"), one.stderr[-2000:]
+    bad = run_cli("profile", "--pte", tiny_pte, "--threads", "0")
+    assert bad.returncode == 2 and "profile --threads must be >= 1 (got 0)" in bad.stderr
 
 
 @pytest.mark.fast

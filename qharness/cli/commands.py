@@ -9,6 +9,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -281,11 +282,19 @@ def _check_eager_model(model_dir: str, summary_path: Path) -> None:
         )
 
 
-def profile(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 16, reps: int = 3, top: int = 25) -> None:
+def profile(
+    *,
+    pte: list[str],
+    prompt_len: int = 128,
+    decode_tokens: int = 16,
+    reps: int = 3,
+    top: int = 25,
+    threads: int | None = None,
+) -> None:
     """Where each .pte's time goes, operator by operator: one prefill and decode steps under ExecuTorch's event tracer
     (ETDump), summed by event name, every --pte side by side (prefill, then per decode step). XNNPACK kernels are
     marked [xnnpack]; the rest run outside the delegate. Traced times run slower than bench's: compare programs with
-    each other here, and time them with bench.
+    each other here, and time them with bench. The first line says how many threads ran them.
 
     Args:
         pte: a .pte file (repeat --pte to compare programs).
@@ -293,19 +302,26 @@ def profile(*, pte: list[str], prompt_len: int = 128, decode_tokens: int = 16, r
         decode_tokens: tokens decoded one at a time after the prefill (the decode table is per step: the median).
         reps: prefill + decode sequences profiled (medians over them), after a warm-up.
         top: rows per table, the costliest first.
+        threads: ExecuTorch/torch threads (default: $QHARNESS_THREADS, else the cores free now).
     """
     from qharness.runtime.bench import pte_vocab
     from qharness.runtime.profile import format_profiles, profile_pte
 
-    for name, value in (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("reps", reps), ("top", top)):
+    counts = (("prompt_len", prompt_len), ("decode_tokens", decode_tokens), ("reps", reps), ("top", top))
+    for name, value in (*counts, ("threads", 1 if threads is None else threads)):
         if value < 1:
-            raise UserError(f"profile --{name} must be >= 1 (got {value})", fix=f"e.g. --{name} 16")
-    from qharness.runtime.pte import check_pte_file
+            example = 2 if name == "threads" else 16
+            raise UserError(f"profile --{name} must be >= 1 (got {value})", fix=f"e.g. --{name} {example}")
+    from qharness.runtime.pte import check_pte_file, runtime_threads, set_runtime_threads
 
     for path in pte:
         check_pte_file(path)
     names = [Path(path).name for path in pte]
     labels = names if len(set(names)) == len(names) else [str(Path(path).parent) for path in pte]  # a/model.pte, b/...
+    if threads is not None:
+        set_runtime_threads(threads)
+    chosen = "--threads" if threads else "QHARNESS_THREADS" if os.environ.get("QHARNESS_THREADS") else "free cores now"
+    print(f"threads: {runtime_threads()} ({chosen})")
     profiles = {}
     for label, path in zip(labels, pte):
         vocab = pte_vocab(path, prompt_len, decode_tokens, 1)
