@@ -287,6 +287,30 @@ def test_a_table_the_group_cannot_split_is_refused_before_any_work(recipe_name):
 
 
 @pytest.mark.fast
+def test_an_untied_table_the_group_cannot_split_is_refused_by_its_own_setting_and_a_tied_one_is_not_checked_by_it():
+    """``xnnpack_8da4w_tied8`` on 48-wide tables: a tied one (8 bits per row) is taken; an untied one (groups of 32)
+    is refused before any work, the message naming ``untied_embedding_group_size``."""
+    import torch
+
+    from qharness.recipes.registry import load_recipe
+    from qharness.sources.embedded import EmbeddedSpec, new_llama
+    from qharness.training.prepare import prepare_for_training
+
+    spec = EmbeddedSpec(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    recipe = load_recipe("xnnpack_8da4w_tied8")
+    prepare_for_training(new_llama(spec, 128), recipe, 2, 8, is_qat=False)  # tied: the per-row table fits
+    untied = new_llama(spec, 128)
+    untied.config.tie_word_embeddings = False
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    with pytest.raises(
+        UserError,
+        match="untied_embedding_group_size=32 does not divide the 48-wide rows of the embedding table "
+        "model.embed_tokens. fix: set the recipe's untied_embedding_group_size",
+    ):
+        prepare_for_training(untied, recipe, 2, 8, is_qat=False)
+
+
+@pytest.mark.fast
 def test_the_summary_keeps_the_tables_and_the_run_table_names_the_quantized_ones():
     from qharness.deploy.coverage import format_coverage
     from qharness.deploy.coverage_record import Coverage, EmbeddingTable

@@ -102,6 +102,15 @@ def test_zero_points_and_weighted_scales_are_refused_where_they_cannot_work(tmp_
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     with pytest.raises(UserError, match=r"zero_points \['\*.qkv'\] match no linear"):
         load_recipe(str(tmp_path / "none.yaml")).make_quantizer(is_qat=False).check(model)
+    # a recipe with layers: rules (the zero-point built-ins keep an 8-bit lm_head by one) checks them too
+    from qharness.sources.embedded import EmbeddedSpec, new_llama
+
+    (tmp_path / "rules.yaml").write_text("base: xnnpack_8da4w_zp\nquantizer: {zero_points: ['*.qkv']}\n")
+    llama = new_llama(
+        EmbeddedSpec(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2), 128
+    )
+    with pytest.raises(UserError, match=r"zero_points \['\*.qkv'\] match no linear of LlamaForCausalLM"):
+        load_recipe(str(tmp_path / "rules.yaml")).make_quantizer(is_qat=False).check(llama)
 
 
 @pytest.mark.parametrize(

@@ -71,19 +71,17 @@ class EmbeddingQuant:
             self.group_size is None or module.embedding_dim % self.group_size == 0
         )
 
-    def check(self, model) -> None:
-        """``UserError`` when an embedding table of ``model`` cannot take this quantization (its rows do not split into
-        whole groups): a table the recipe means to quantize must not stay float unnoticed."""
-        import torch
-
-        for name, m in model.named_modules():
-            if isinstance(m, torch.nn.Embedding) and not self.takes(m):
-                raise UserError(
-                    f"embedding_group_size={self.group_size} does not divide the {m.embedding_dim}-wide rows of the "
-                    f"embedding table {name}",
-                    fix="set the recipe's embedding_group_size to a power of two that divides it, null (one scale per "
-                    "row), or embedding_bits: null (float embeddings)",
-                )
+    def refuse(self, module, name: str, field: str = "embedding") -> None:
+        """``UserError`` when ``module`` (a table the recipe means to quantize so) cannot take this quantization (its
+        rows do not split into whole groups): a table must not stay float unnoticed. ``field``: the settings' name in
+        the message (``untied_embedding``: ``untied_embedding_group_size``)."""
+        if not self.takes(module):
+            raise UserError(
+                f"{field}_group_size={self.group_size} does not divide the {module.embedding_dim}-wide rows of the "
+                f"embedding table {name}",
+                fix=f"set the recipe's {field}_group_size to a power of two that divides it, null (one scale per "
+                f"row), or {field}_bits: null (float embeddings)",
+            )
 
     @property
     def what(self) -> str:
@@ -137,19 +135,22 @@ def check_fields(
     embedding_quant(where, bits, group_size, mapping, field)
 
 
-def source_config(quant: EmbeddingQuant, tied: bool | None = None):
+def source_config(quant: EmbeddingQuant, tied: bool | None = None, field: str = "embedding"):
     """The ``SourceConfig`` step of a torchao recipe that quantizes the embedding tables (``recipes/registration.py``);
-    ``tied``: True, only a table the output projection shares; False, only one it does not; None, every table."""
+    ``tied``: True, only a table the output projection shares; False, only one it does not; None, every table;
+    ``field``: the settings it comes from (``embedding``, ``untied_embedding``), for its messages."""
+    import torch
+
     from qharness.recipes.registration import SourceConfig
 
     what = {None: "", True: " (tied to the output projection)", False: " (not tied to the output projection)"}[tied]
     return SourceConfig(
         quant.torchao_config(),
-        lambda m, fqn: quant.takes(m),
+        lambda m, fqn: isinstance(m, torch.nn.Embedding),  # every table; one its groups cannot split is refused
         quant.what + what,
         scheme=quant.scheme,
         required=False,  # a model without embedding tables has none to quantize
-        check_model=quant.check,
+        refuse=lambda m, name: quant.refuse(m, name, field),
         tied=tied,
     )
 

@@ -143,6 +143,10 @@ class PerLayerQuantizer(SourceQuantizer):
         """Every rule must take a module it can quantize (``UserError`` naming the rule and some layer names
         otherwise) and something must be quantized; matched modules a rule's settings cannot quantize (e.g. a
         group that does not divide their input size) stay FP, with a warning. Returns the assignment."""
+        for step in self.configs:  # the default's and every rule's own checks (zero_points patterns)
+            if step.check_model is not None:
+                step.check_model(model)
+        self.refuse_unfit(model)  # a table the step that owns it cannot split
         candidates = self._candidates(model)
         layers = self.assignment(model)
         for i, (pattern, quantizer, what) in enumerate(self.rules):

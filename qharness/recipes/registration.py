@@ -93,6 +93,8 @@ class SourceConfig:
         None  # more checks of the model (a ``UserError`` when it cannot take it)
     )
     tied: bool | None = None
+    # a ``UserError`` for a module the step selects but cannot quantize (a table its groups do not split)
+    refuse: Callable[[Any, str], None] | None = None
 
     def takes(self, m, name: str, tied_tables: frozenset[str]) -> bool:
         """Whether this step quantizes module ``m`` called ``name``, given the model's tied tables (``tied_tables``,
@@ -150,9 +152,19 @@ class SourceQuantizer:
                 )
             if step.check_model is not None:
                 step.check_model(model)
+        self.refuse_unfit(model)
         layers = self.assignment(model)
         self.check_split(model, layers)
         return layers
+
+    def refuse_unfit(self, model) -> None:
+        """A ``UserError`` for a module that the step taking it cannot quantize (``SourceConfig.refuse``: a table
+        whose rows its groups do not split), before anything is trained or changed."""
+        tables = tied_tables(model)
+        for name, m in model.named_modules():
+            step = next((s for s in self.configs if s.takes(m, name, tables)), None)
+            if step is not None and step.refuse is not None:
+                step.refuse(m, name)
 
     def _apply(self, model, wrap) -> None:
         from torchao.quantization import quantize_

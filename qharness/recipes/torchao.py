@@ -267,7 +267,7 @@ def torchao_8da4w(settings: Torchao8da4wSettings, is_qat: bool) -> SourceQuantiz
         configs += [embedding.source_config(quant)] if quant is not None else []
     else:  # a table the head shares at embedding_bits, any other at untied_embedding_bits
         configs += [embedding.source_config(quant, tied=True)] if quant is not None else []
-        configs.append(embedding.source_config(untied, tied=False))
+        configs.append(embedding.source_config(untied, tied=False, field="untied_embedding"))
     return SourceQuantizer(configs, split_head_input=settings.split_head_input)
 
 

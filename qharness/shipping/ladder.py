@@ -7,7 +7,7 @@ XNNPACK (``LADDERS["xnnpack"]``), in order:
 1. ``int8_ptq``: int8 dynamic PTQ: a calibration pass, the least accuracy lost.
 2. ``int4_ptq``: 4-bit weights, PTQ: rounding to nearest, HQQ scales, GPTQ, rotation + GPTQ (each seconds more than
    nearest; smaller than int8), the 8-bit output tensor stored once with a tied table (``xnnpack_8da4w_tied8``:
-   SmolLM2-135M's 89 MB against 94; docs/benchmarks/real-model.md), and that layout with zero points and weighted
+   SmolLM2-135M's 89 MB against 94; docs/benchmarks/real-model.md; an untied table at 4 bits), and that layout with zero points and weighted
    scales (``xnnpack_8da4w_zp``), and that program with the output projection's input rounded as two int8 rows
    (``xnnpack_8da4w_zp_split``: on SmolLM2 the 4-bit PTQ program that loses least, at Q4_0's size, its decode a few
    percent slower than ``_zp``'s, which a latency goal can prefer).
