@@ -328,7 +328,7 @@ def rest_bytes(model, table: dict, max_seq_len: int, recipe=None) -> int:
     overhead."""
     import torch
 
-    from qharness.recipes.embedding import tied_tables
+    from qharness.sources.models import tied_tables
 
     config = model.config.get_text_config()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

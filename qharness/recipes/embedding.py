@@ -18,7 +18,7 @@ pip ``executorch`` 1.5.1 runtime has ``quantized_decomposed::embedding_{2,4}bit`
 (``tests/test_embeddings.py`` fails once it has the shared op). Where both copies hold the same int8 values (an 8-bit
 per-row table quantized by the 8-bit head's rule: ``embedding_mapping``, recipe ``xnnpack_8da4w_tied8``) the lowering
 stores them once, in the program's data file (``deploy/shared_table.py``). A table the head does not share (an untied
-model's) may take other settings (``untied_embedding_bits``, ``tied_tables``): ``xnnpack_8da4w_tied8`` keeps it at 4 bits.
+model's) may take other settings (``untied_embedding_bits``; ``sources.models.tied_tables``): ``xnnpack_8da4w_tied8`` keeps it at 4 bits.
 
 Example (a recipe YAML)::
 
@@ -153,23 +153,6 @@ def source_config(quant: EmbeddingQuant, tied: bool | None = None, field: str = 
         refuse=lambda m, name: quant.refuse(m, name, field),
         tied=tied,
     )
-
-
-def tied_tables(model) -> frozenset[str]:
-    """Names of ``model``'s embedding tables whose weight is its output projection's (``get_output_embeddings()``);
-    empty for a model without one (``qharness sensitivity``'s copies of single layers).
-
-    Example::
-
-        tied_tables(smollm2)  # frozenset({'model.embed_tokens'}); Qwen2.5-0.5B (untied): frozenset()
-    """
-    import torch
-
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    weight = getattr(head, "weight", None)
-    if weight is None:
-        return frozenset()
-    return frozenset(n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m.weight is weight)
 
 
 def quantizer(quant: EmbeddingQuant):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from qharness.errors import UserError
-from qharness.recipes.embedding import tied_tables
+from qharness.sources.models import tied_tables
 
 log = logging.getLogger(__name__)
 

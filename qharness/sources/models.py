@@ -289,6 +289,23 @@ def tied(model) -> set[str]:
     return {n for group in parameter_names(model) if len(group) > 1 for n in group}
 
 
+def tied_tables(model) -> frozenset[str]:
+    """Names of ``model``'s embedding tables whose weight is its output projection's (``get_output_embeddings()``);
+    empty for a model without one (``qharness sensitivity``'s copies of single layers).
+
+    Example::
+
+        tied_tables(smollm2)  # frozenset({'model.embed_tokens'}); a model whose lm_head has its own weight: frozenset()
+    """
+    import torch
+
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    if weight is None:
+        return frozenset()
+    return frozenset(n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m.weight is weight)
+
+
 def put_weights(model, weights: dict) -> None:
     """Give ``model`` the ``weights`` (by name), each as a parameter of its own: a tied weight gets untied (and the
     config says so, so nothing ties it again)."""

@@ -6,7 +6,9 @@ XNNPACK quantizes a row of equal values (an all-zero row) with scale 1 and zero 
 4-bit weights, ``xnnpack_bf16_scales.py``) then correct for that zero point in float, and for such a row the
 correction does not cancel to 0. One 8da4w linear (groups of 32) lowered alone by ExecuTorch 1.5.1 gives an all-zero
 input row outputs of 0 up to 512 inputs wide, 3.05e-5 at 1024 and 6.1e-5 at 2048 (per-channel 4-bit: 1.5e-5 at
-2048; 8-bit weights: 0 at every width). The converted graph computes exact zeros.
+2048; 8-bit weights: 0 at every width). The converted graph computes exact zeros. Which kernel runs depends on the
+CPU: the AVX-512 ones do this (Intel Xeon with AVX-512 VNNI and AMX, and the machines before it); the AVX2 one (AMD
+EPYC Zen 2, no AVX-512) computes the row as 0, and the workaround changes nothing there that matters.
 
 Where it matters: a token whose embedding row is all zero (the padding row transformers' initialisation zeroes; with
 a config's ``pad_token_id`` of 0 and a GPT-2 tokenizer that is ``!``) keeps the hidden state all zero through the
