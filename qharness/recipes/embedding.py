@@ -18,7 +18,8 @@ pip ``executorch`` 1.5.1 runtime has ``quantized_decomposed::embedding_{2,4}bit`
 (``tests/test_embeddings.py`` fails once it has the shared op). Where both copies hold the same int8 values (an 8-bit
 per-row table quantized by the 8-bit head's rule: ``embedding_mapping``, recipe ``xnnpack_8da4w_tied8``) the lowering
 stores them once, in the program's data file (``deploy/shared_table.py``). A table the head does not share (an untied
-model's) may take other settings (``untied_embedding_bits``; ``sources.models.tied_tables``): ``xnnpack_8da4w_tied8`` keeps it at 4 bits.
+model's; ``sources.models.tied_tables``) may take other settings (``untied_embedding_bits``): ``xnnpack_8da4w_tied8``
+keeps it at 4 bits.
 
 Example (a recipe YAML)::
 

@@ -98,7 +98,7 @@ class SourceConfig:
 
     def takes(self, m, name: str, tied_tables: frozenset[str]) -> bool:
         """Whether this step quantizes module ``m`` called ``name``, given the model's tied tables (``tied_tables``,
-        ``recipes/embedding.tied_tables``: taken before any step swaps a weight)."""
+        ``sources.models.tied_tables``: taken before any step swaps a weight)."""
         return self.select(m, name) and (self.tied is None or (name in tied_tables) == self.tied)
 
     @property
