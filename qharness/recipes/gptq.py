@@ -131,12 +131,11 @@ def hessians(model: torch.nn.Module, layers: dict[str, torch.nn.Linear], blocks:
 
 def gptq_layers(model: torch.nn.Module, quantizer) -> dict[str, tuple[torch.nn.Linear, object]]:
     """``{module name: (linear, torchao config)}`` of the linears a ``SourceQuantizer``'s GPTQ steps quantize."""
-    out = {}
-    for name, m in model.named_modules():
-        step = next((s for s in quantizer.configs if s.select(m, name)), None)
-        if step is not None and step.gptq and isinstance(m, torch.nn.Linear):
-            out[name] = (m, step.config)
-    return out
+    return {
+        name: (m, step.config)
+        for name, m, step in quantizer.owners(model)
+        if step.gptq and isinstance(m, torch.nn.Linear)
+    }
 
 
 def untie_layers(model: torch.nn.Module, quantizer) -> list[str]:

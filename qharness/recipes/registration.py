@@ -127,11 +127,7 @@ class SourceQuantizer:
     def assignment(self, model) -> dict[str, str]:
         """``{module name: scheme}`` of every module of ``model`` (not yet quantized) that a step quantizes; a head
         that ``split_head_input`` splits is labelled as such (``8da8w-pc+split-input``: what the summary shows)."""
-        out, tables = {}, tied_tables(model)
-        for name, m in model.named_modules():
-            step = next((s for s in self.configs if s.takes(m, name, tables)), None)
-            if step is not None:
-                out[name] = step.scheme
+        out = {name: step.scheme for name, _, step in self.owners(model)}
         if self._splits(model):
             from qharness.recipes.split_input import SPLIT, head_name
 
@@ -139,6 +135,15 @@ class SourceQuantizer:
             if head in out:
                 out[head] += SPLIT
         return out
+
+    def owners(self, model):
+        """``(name, module, step)`` for each module of ``model`` that a step quantizes: the first step that takes it
+        (tied tables read once, before any step swaps a weight)."""
+        tables = tied_tables(model)
+        for name, m in model.named_modules():
+            step = next((s for s in self.configs if s.takes(m, name, tables)), None)
+            if step is not None:
+                yield name, m, step
 
     def check(self, model) -> dict[str, str]:
         """``assignment(model)``, after checking that every required step selects a module of ``model`` (a recipe that
@@ -158,12 +163,10 @@ class SourceQuantizer:
         return layers
 
     def refuse_unfit(self, model) -> None:
-        """A ``UserError`` for a module that the step taking it cannot quantize (``SourceConfig.refuse``: a table
+        """A ``UserError`` for a module that the step owning it cannot quantize (``SourceConfig.refuse``: a table
         whose rows its groups do not split), before anything is trained or changed."""
-        tables = tied_tables(model)
-        for name, m in model.named_modules():
-            step = next((s for s in self.configs if s.takes(m, name, tables)), None)
-            if step is not None and step.refuse is not None:
+        for name, m, step in self.owners(model):
+            if step.refuse is not None:
                 step.refuse(m, name)
 
     def _apply(self, model, wrap) -> None:

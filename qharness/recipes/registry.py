@@ -70,25 +70,24 @@ class Recipe:
         """The embedding tables' quantization (``recipes/embedding.EmbeddingQuant``: bits, group size), or None: they
         stay float. Source-level recipes quantize them among their steps; PT2E recipes before export. A table the
         output projection does not share takes ``untied_embedding`` instead."""
-        bits = getattr(self.settings, "embedding_bits", None)
-        if bits is None:
-            return None
-        from qharness.recipes.embedding import EmbeddingQuant
-
-        mapping = getattr(self.settings, "embedding_mapping", "symmetric")
-        return EmbeddingQuant(bits, self.settings.embedding_group_size, mapping)
+        return self._table("embedding")
 
     @property
     def untied_embedding(self):
         """The quantization of a table the output projection does not share (an untied model's input embedding):
         the recipe's ``untied_embedding_bits`` where it sets them, else ``embedding``'s."""
-        bits = getattr(self.settings, "untied_embedding_bits", None)
+        return self._table("untied_embedding") or self.embedding
+
+    def _table(self, field: str):
+        """The ``EmbeddingQuant`` of the settings' ``{field}_bits`` / ``{field}_group_size`` (with
+        ``embedding_mapping``), None where the bits are unset."""
+        bits = getattr(self.settings, f"{field}_bits", None)
         if bits is None:
-            return self.embedding
+            return None
         from qharness.recipes.embedding import EmbeddingQuant
 
         mapping = getattr(self.settings, "embedding_mapping", "symmetric")
-        return EmbeddingQuant(bits, self.settings.untied_embedding_group_size, mapping)
+        return EmbeddingQuant(bits, getattr(self.settings, f"{field}_group_size"), mapping)
 
     def table_quant(self, tied: bool):
         """``embedding`` for a table the output projection shares (``tied``), else ``untied_embedding``."""

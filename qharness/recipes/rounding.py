@@ -48,12 +48,9 @@ class Rounded:
 
 def rounded_layers(model: torch.nn.Module, quantizer) -> dict[str, tuple[torch.nn.Linear, object]]:
     """``{name: (linear, step)}`` of the linears a ``rounded`` step of ``quantizer`` quantizes."""
-    out = {}
-    for name, m in model.named_modules():
-        step = next((s for s in quantizer.configs if s.select(m, name)), None)
-        if step is not None and step.rounded and isinstance(m, torch.nn.Linear):
-            out[name] = (m, step)
-    return out
+    return {
+        name: (m, step) for name, m, step in quantizer.owners(model) if step.rounded and isinstance(m, torch.nn.Linear)
+    }
 
 
 def rounds_itself(quantizer) -> bool:
