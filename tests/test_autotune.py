@@ -8,12 +8,12 @@ import math
 
 import pytest
 import yaml
-from conftest import run_cli, write_config
+from conftest import make_tiny_hf, run_cli, write_config
 from test_mixed_precision import _recipe, _tiny_model
 
 from qharness.errors import UserError
 from qharness.evaluation import autotune as at
-from qharness.evaluation.sensitivity import unit_sizes
+from qharness.evaluation.sensitivity import shared_table_bytes, unit_sizes
 from qharness.sweep.plan import plan
 from qharness.sweep.spec import load_sweep
 
@@ -224,6 +224,89 @@ def test_autotune_cli_writes_a_recipe_that_fits_and_runs_it(tmp_path, tiny_llama
     assert recipe["base"] == "xnnpack_8da4w" and len(recipe["layers"]) == 3
     assert "predicted .pte" in r.stdout and "[autotune] .pte size: predicted" in r.stdout
     assert (run / "sensitivity.json").is_file()
+
+
+@pytest.fixture(scope="module")
+def tied_model(tmp_path_factory, corpus):
+    """A tied 1-layer Llama whose table (2048 x 64) is a third of an 8-bit program: a size off by it shows."""
+    return make_tiny_hf(tmp_path_factory.mktemp("tied"), "llama", corpus.read_text(), tie=True, vocab_size=2048)
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "recipe_name, tie, shared",
+    [
+        ("xnnpack_8da4w_tied8", True, {"lm_head": {"8da8w-pc": 2048 * 64}}),  # the table's int8 values, once
+        ("xnnpack_8da4w_zp_split", True, {"lm_head": {"8da8w-pc": 2048 * 64}}),  # the shipped recipe, on tied8
+        ("xnnpack_8da4w_tied8", False, {}),  # untied: the head's values are its own
+        ("xnnpack_8da4w", True, {}),  # a 4-bit table in groups: nothing the head shares
+    ],
+)
+def test_a_tied_head_at_its_tables_int8_values_is_counted_once(tied_model, recipe_name, tie, shared):
+    """The head's bytes at the scheme that gives it the table's int8 values are its scales alone (``rest_bytes``
+    counts the table): the lowering stores those values once (tests/test_shared_table.py)."""
+    from transformers import AutoModelForCausalLM
+
+    from qharness.recipes.registry import load_recipe
+
+    model = AutoModelForCausalLM.from_pretrained(tied_model)
+    if not tie:
+        model.lm_head.weight = type(model.lm_head.weight)(model.lm_head.weight.detach().clone() * 0.5)
+    recipe = load_recipe(recipe_name)
+    names = ["8da8w-pc", "8da4w-pc", "8da4w-g32"]
+    assert shared_table_bytes(model, recipe, names) == shared
+    sizes = at.share_tables({"unit": "layer", "units": unit_sizes(model, recipe, names)}, shared)
+    head = next(u for u in sizes["units"] if u["name"] == "lm_head")
+    full = unit_sizes(model, recipe, names)[-1]["weight_bytes"]
+    cut = shared.get("lm_head", {})
+    assert head["weight_bytes"] == {s: b - cut.get(s, 0) for s, b in full.items()}
+    assert head.get("shared_bytes", {}) == cut
+
+
+@pytest.mark.fast
+def test_zero_point_recipes_are_measured_and_sized_with_their_offsets(tied_model, corpus):
+    """A recipe with ``zero_points`` (the shipped ``xnnpack_8da4w_zp_split``): each unit's candidates are measured
+    (their copies are quantized without the calibration-chosen weights; the globs matched no copy and stopped the
+    table), and a zero-point layer's group-wise bytes hold its 8-bit GEMM of the group means."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qharness.evaluation.sensitivity import measure
+    from qharness.recipes.registry import load_recipe
+
+    model = AutoModelForCausalLM.from_pretrained(tied_model).eval()
+    recipe = load_recipe("xnnpack_8da4w_zp_split")
+    x = torch.randint(0, 2048, (2, 16))
+    result = measure(model, recipe, x, x.roll(-1, 1), 2, ["8da4w-g32"], progress=False)
+    cells = {u["name"]: u["results"]["8da4w-g32"] for u in result["units"]}
+    assert all(c["applicable"] and math.isfinite(c["ppl_ratio"]) for c in cells.values()), cells
+    sizes = {u["name"]: u["weight_bytes"]["8da4w-g32"] for u in unit_sizes(model, recipe, ["8da4w-g32"])}
+    k, q = "model.layers.0.self_attn.k_proj", "model.layers.0.self_attn.q_proj"  # k takes a zero point, q does not
+    assert sizes[q] == 64 * 64 // 2 + 64 * 64 // 32 * 2  # int4 values, bf16 group scales ([64, 64])
+    assert sizes[k] == 32 * 64 // 2 + 32 * 64 // 32 * 2 + 32 * 64 // 32 + 4 * 32  # + int8 [32, 64 / 32], fp32 scales
+    assert {u["name"]: u["weight_bytes"]["8da4w-g32"] for u in result["units"]} == sizes
+
+
+def test_autotune_predicts_a_tied_tables_one_copy(tmp_path, tied_model, corpus):
+    """Through the CLI, a tied model on ``xnnpack_8da4w_tied8``: the 8-bit head keeps the table's values once, so it
+    costs its scales (at the budget only that fits: a 4-bit head is a copy apart); the predicted size is the measured
+    one (it was 54% over) and the plan's line says why."""
+    cfg = write_config(
+        tmp_path / "run.yaml",
+        tied_model,
+        corpus,
+        tmp_path / "run",
+        model={"recipe": "xnnpack_8da4w_tied8", "mode": "ptq"},
+        bench={"enabled": False},
+    )
+    r = run_cli("autotune", cfg, "--max_size_mb", "0.25", "--unit", "block", "--candidates", "8da8w-pc,8da4w-g32")
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads((tmp_path / "run" / "autotune.json").read_text())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert record["schemes"]["lm_head"] == "8da8w-pc"
+    assert summary["coverage"]["embeddings"]["model.embed_tokens"]["shared"]
+    assert abs(record["measured_size_bytes"] - record["predicted_size_bytes"]) / record["measured_size_bytes"] < 0.03
+    assert f"(+{2048 * 64:,} kept once with the tied table)" in r.stdout
 
 
 @pytest.mark.slow

@@ -116,6 +116,25 @@ def test_tied8_keeps_the_heads_table_at_8_bits_and_an_untied_table_at_4(tied, sc
     assert torch.equal(model.get_input_embeddings().weight.dequantize(), expected)
 
 
+@pytest.mark.fast
+def test_a_table_untied_by_a_step_that_chose_the_heads_weights_is_still_the_tied_one():
+    """GPTQ, weighted scales and zero points give a group-wise head weights of its own (``put_weights`` unties it):
+    the table stays the model's tied one, so it keeps the tied settings (``xnnpack_8da4w_tied8``: 8 bits per row, a
+    copy apart when the head is at 4 bits) and the summary's ``tied_to``; it took the untied 4-bit settings and was
+    reported as untied."""
+
+    from qharness.deploy.coverage import inventory
+    from qharness.recipes.registry import load_recipe
+    from qharness.sources.models import put_weights, tied_tables
+
+    model = _tiny(tied=True)
+    put_weights(model, {"lm_head.weight": model.lm_head.weight * 1.01})  # what rounding.py does to a rounded head
+    assert model.lm_head.weight is not model.get_input_embeddings().weight
+    assert tied_tables(model) == {"model.embed_tokens"} and inventory(model).tied == {"model.embed_tokens": "lm_head"}
+    layers = load_recipe("xnnpack_8da4w_tied8").make_quantizer(is_qat=False).convert(model)
+    assert layers["model.embed_tokens"] == "w8-pc"
+
+
 def _tiny(tied: bool = True):
     import torch
 

@@ -101,6 +101,7 @@ class Inventory:
 
 
 def inventory(model: torch.nn.Module) -> Inventory:
+    from qharness.sources.models import tied_tables
     from qharness.sources.normalize import is_projection
 
     linears, plain = {}, set()
@@ -121,10 +122,7 @@ def inventory(model: torch.nn.Module) -> Inventory:
     }
     names = {id(m): name for name, m in model.named_modules()}
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    tied = {}
-    if head is not None and emb is not None and getattr(head, "weight", None) is emb.weight:
-        tied[names[id(emb)]] = names[id(head)]
+    tied = {} if head is None else {t: names[id(head)] for t in tied_tables(model)}
     convs = {
         name: m.weight.numel() * m.weight.element_size()
         for name, m in model.named_modules()

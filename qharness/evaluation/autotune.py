@@ -339,7 +339,8 @@ def rest_bytes(model, table: dict, max_seq_len: int, recipe=None) -> int:
     tied = tied_tables(model)
     seen, total = set(), 0
     for name, module in model.named_modules():
-        if name in taken:  # a tied embedding is stored on its own too (the head's copy is the unit's)
+        # a tied table is counted here; a head that keeps its values once with it costs its scales (share_tables)
+        if name in taken:
             continue
         tensors = list(module.parameters(recurse=False)) + [
             b for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set
@@ -359,6 +360,22 @@ def rest_bytes(model, table: dict, max_seq_len: int, recipe=None) -> int:
     return total + OVERHEAD_BYTES + OVERHEAD_PER_LAYER_BYTES * n_layers
 
 
+def share_tables(table: dict, shared: dict[str, dict[str, int]]) -> dict:
+    """``table`` with each tied output projection's bytes less what it keeps once with its lookup table
+    (``sensitivity.shared_table_bytes``: ``{layer: {scheme: bytes}}``): the unit holding that layer costs only its
+    scales at such a scheme, since ``rest_bytes`` counts the table. The units' ``shared_bytes`` say by how much."""
+    units = []
+    for u in table["units"]:
+        cut = {}
+        for layer in u["layers"]:
+            for scheme, n in shared.get(layer, {}).items():
+                cut[scheme] = cut.get(scheme, 0) + n
+        if cut:
+            u = {**u, "weight_bytes": {s: b - cut.get(s, 0) for s, b in u["weight_bytes"].items()}, "shared_bytes": cut}
+        units.append(u)
+    return {**table, "units": units}
+
+
 def format_plan(plan: Plan, table: dict, latency: dict | None = None) -> str:
     """The chosen scheme per unit with its bytes, predicted cost (and decode ms/token), then the predicted totals."""
     by = {u["name"]: u for u in table["units"]}
@@ -367,7 +384,11 @@ def format_plan(plan: Plan, table: dict, latency: dict | None = None) -> str:
     for name, scheme in plan.schemes.items():
         r = by[name]["results"].get(scheme)
         cost = "0 (fp)" if scheme == FP else f"{r['ppl_ratio'] - 1:+.2%}"
-        row = (name, scheme, f"{by[name]['weight_bytes'][scheme]:,}", cost)
+        shared = by[name].get("shared_bytes", {}).get(scheme)
+        nbytes = f"{by[name]['weight_bytes'][scheme]:,}" + (
+            "" if shared is None else f" (+{shared:,} kept once with the tied table)"
+        )
+        row = (name, scheme, nbytes, cost)
         rows.append((*row, f"{ms[name][scheme]:.4f}") if ms else row)
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     counts: dict[str, int] = {}

@@ -38,6 +38,8 @@ UNITS = ("layer", "block")
 AGAINST = ("fp", "recipe")
 SCHEMA_VERSION = 1
 _SCHEME = re.compile(r"8da([2348])w-(pc|g(\d+))")
+# settings that choose the deployed weights on calibration blocks, and their plain values (a unit's copy has none)
+CHOSEN_ON_DATA = {"learn_scales": False, "rounding": "nearest", "zero_points": None, "smoothing": None}
 _BLOCK = re.compile(r"^(.*\.layers\.\d+)\.")  # decoder block of a module name (HF: model.layers.N.)
 
 
@@ -98,7 +100,9 @@ def check_options(recipe, candidates: str | None, unit: str, against: str) -> li
 
 
 def _settings(recipe, name: str):
-    """The quantizer settings of candidate ``name`` (None for fp): the recipe's, with the candidate's bits and group."""
+    """The quantizer settings of candidate ``name`` (None for fp): the recipe's, with the candidate's bits and group,
+    min-max scales and nearest rounding: what chooses the weights on calibration blocks (``rounding``, ``zero_points``,
+    ``smoothing``, ``learn_scales``) works on a whole model in the run, not on a unit's copy here."""
     rule = candidate_rule(name)
     if rule.get("quant") == FP:
         return None
@@ -106,7 +110,8 @@ def _settings(recipe, name: str):
 
     own = dataclasses.asdict(recipe.settings)
     tables = {k: None for k in ("embedding_bits", "untied_embedding_bits") if k in own}  # a unit's layers only
-    merged = {**own, **rule, **tables, "learn_scales": False}
+    chosen = {k: v for k, v in CHOSEN_ON_DATA.items() if k in own}
+    merged = {**own, **rule, **tables, **chosen}
     try:
         return parse_settings(type(recipe.settings), merged, f"--candidates {name}")
     except UserError as e:  # the settings' own range checks: name the option
@@ -118,8 +123,22 @@ def _unit_of(name: str, unit: str) -> str:
     return m.group(1) if m else name
 
 
-def weight_bytes(module, scheme: str) -> int:
-    """Estimated bytes of a linear's weight (+ bias) in an XNNPACK ``.pte`` under ``scheme``."""
+def zero_point_layers(recipe, names: list[str]) -> frozenset[str]:
+    """The layers among ``names`` that ``recipe``'s ``zero_points`` globs take (at a group-wise scheme the run gives
+    each an 8-bit GEMM of its group means, ``recipes/zero_points.py``; the candidates here are measured without)."""
+    from qharness.recipes.zero_points import chosen
+
+    return frozenset(chosen(names, getattr(recipe.settings, "zero_points", None) or ()))
+
+
+def unit_bytes(linears: dict, members: list[str], schemes, zero_points: frozenset[str]) -> dict[str, int]:
+    """``{scheme: bytes}`` of a unit's layers ``members`` (``weight_bytes``; ``zero_points``: ``zero_point_layers``)."""
+    return {c: sum(weight_bytes(linears[n], c, n in zero_points) for n in members) for c in schemes}
+
+
+def weight_bytes(module, scheme: str, zero_point: bool = False) -> int:
+    """Estimated bytes of a linear's weight (+ bias) in an XNNPACK ``.pte`` under ``scheme``; ``zero_point``: with
+    the 8-bit GEMM of its group means at a group-wise scheme (int8 ``[out, in / group]``, an fp32 scale a row)."""
     out, numel = module.weight.shape[0], module.weight.numel()
     bias = 4 * module.bias.numel() if getattr(module, "bias", None) is not None else 0
     if scheme == FP:
@@ -129,7 +148,8 @@ def weight_bytes(module, scheme: str) -> int:
         numel * max(rule["weight_bits"], 4) // 8
     )  # 2/3-bit values are stored as int4 (upstream/fixes/xnnpack_subbyte)
     scales = 4 * out if rule["group_size"] is None else 2 * (numel // rule["group_size"])  # fp32 / bf16 scales
-    return values + scales + bias
+    offsets = numel // rule["group_size"] + 4 * out if zero_point and rule["group_size"] is not None else 0
+    return values + scales + bias + offsets
 
 
 class _Swapper:
@@ -188,7 +208,9 @@ def unit_sizes(fp_model, recipe, candidates: list[str], unit: str = "layer") -> 
     that quantizes all its layers (what ``measure`` reports as applicable); for a size check before measuring."""
     import torch
 
-    quantizers, linears, units = _units(fp_model, scheme_recipe(recipe, "fp"), candidates, unit)
+    recipe = scheme_recipe(recipe, "fp")
+    quantizers, linears, units = _units(fp_model, recipe, candidates, unit)
+    zero_points = zero_point_layers(recipe, list(linears))
     out = []
     for u, members in units.items():
         ok = [
@@ -201,11 +223,49 @@ def unit_sizes(fp_model, recipe, candidates: list[str], unit: str = "layer") -> 
             {
                 "name": u,
                 "layers": members,
-                "weight_bytes": {c: sum(weight_bytes(linears[n], c) for n in members) for c in [*ok, FP]},
+                "weight_bytes": unit_bytes(linears, members, [*ok, FP], zero_points),
                 "results": {c: {"applicable": True, "ppl_ratio": 1.0} for c in ok},
             }
         )
     return out
+
+
+def shared_table_bytes(fp_model, recipe, candidates: list[str]) -> dict[str, dict[str, int]]:
+    """``{output projection: {candidate: bytes}}``: the int8 values a tied output projection keeps once with its
+    lookup table when the candidate gives it the table's values (``recipe``'s 8-bit per-row table, e.g.
+    ``xnnpack_8da4w_tied8``: the lowering stores them once, ``deploy/shared_table.py``); empty when nothing is shared.
+    ``autotune`` takes these bytes off that unit's size, as the program does.
+
+    Example::
+
+        shared_table_bytes(smollm2, load_recipe("xnnpack_8da4w_tied8"), ["8da8w-pc", "8da4w-g32"])
+        # {"lm_head": {"8da8w-pc": 28311552}}
+    """
+    import torch
+    from torchao.quantization import quantize_
+
+    from qharness.recipes.registration import QUANTIZERS
+    from qharness.sources.models import tied_tables
+
+    recipe = scheme_recipe(recipe, "fp")
+    quant = recipe.table_quant(True)
+    tables = tied_tables(fp_model)
+    if quant is None or quant.bits != 8 or quant.group_size is not None or not tables:
+        return {}
+    head = fp_model.get_output_embeddings()
+    name = next(n for n, m in fp_model.named_modules() if m is head)
+    table = torch.nn.ModuleDict({"t": copy.deepcopy(fp_model.get_submodule(next(iter(tables))))})
+    quantize_(table, quant.torchao_config(), filter_fn=lambda m, _: isinstance(m, torch.nn.Embedding))
+    values = table["t"].weight.qdata
+    build = QUANTIZERS[recipe.quantizer].build
+    shared = {}
+    for c in candidates:
+        settings = _settings(recipe, c)
+        copies = None if settings is None else _quantized_copies({name: head}, build(settings, False))
+        weight = None if copies is None else getattr(copies[name].weight, "qdata", None)
+        if weight is not None and weight.dtype == values.dtype and torch.equal(weight, values):
+            shared[c] = values.numel() * values.element_size()
+    return {name: shared} if shared else {}
 
 
 def measure(
@@ -230,6 +290,7 @@ def measure(
     t0 = time.perf_counter()
     recipe = scheme_recipe(recipe, against)
     quantizers, linears, units = _units(fp_model, recipe, candidates, unit)
+    zero_points = zero_point_layers(recipe, list(linears))
     model, schemes = _baseline(fp_model, recipe, [n for members in units.values() for n in members], against)
     swap = _Swapper(model)
 
@@ -256,7 +317,9 @@ def measure(
             **loss_interval(base["block_losses"]),
             "schemes": schemes,
         },
-        "units": [_unit_record(u, members, linears, candidates, results[u], base) for u, members in units.items()],
+        "units": [
+            _unit_record(u, members, linears, candidates, results[u], base, zero_points) for u, members in units.items()
+        ],
         "eval_blocks": len(x),
         "seq_len": int(x.shape[1]),
         "evaluations": len(jobs) + 1,
@@ -306,16 +369,16 @@ def _unchanged(base: dict) -> dict:
     }
 
 
-def _unit_record(u: str, members: list[str], linears: dict, candidates: list[str], results: dict, base: dict) -> dict:
-    """A unit's entry of the result: its layers, parameters, weight bytes per scheme and a cell per candidate (the
-    baseline's own scheme: no change, ratio 1)."""
+def _unit_record(
+    u: str, members: list[str], linears: dict, candidates: list[str], results: dict, base: dict, zero_points: frozenset
+) -> dict:
+    """A unit's entry of the result: its layers, parameters, weight bytes per scheme (``unit_bytes``) and a cell per
+    candidate (the baseline's own scheme: no change, ratio 1)."""
     return {
         "name": u,
         "layers": members,
         "params": sum(linears[n].weight.numel() for n in members),
-        "weight_bytes": {
-            c: sum(weight_bytes(linears[n], c) for n in members) for c in dict.fromkeys([*candidates, FP])
-        },
+        "weight_bytes": unit_bytes(linears, members, dict.fromkeys([*candidates, FP]), zero_points),
         "results": {c: results[c] if c in results else _unchanged(base) for c in candidates},
     }
 

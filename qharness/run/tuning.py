@@ -85,7 +85,7 @@ def autotune(
     size and latency; ``command`` recorded); returns that record."""
     from qharness.evaluation import autotune as at
     from qharness.evaluation.latency import check_latency_budget
-    from qharness.evaluation.sensitivity import check_options, scheme_recipe, unit_sizes
+    from qharness.evaluation.sensitivity import check_options, scheme_recipe, shared_table_bytes, unit_sizes
 
     budget = at.check_budget(max_size_mb, max_latency_ms)
     max_latency_ms = check_latency_budget(max_latency_ms)
@@ -95,7 +95,9 @@ def autotune(
     datamodule.setup("fit")
     data = held_out(datamodule, settings.parity, settings.calibration)
     fp_model, _ = model.load_fp()
-    sizes = {"units": unit_sizes(fp_model, model.recipe, names, unit)}
+    sizes = at.share_tables(
+        {"units": unit_sizes(fp_model, model.recipe, names, unit)}, shared_table_bytes(fp_model, model.recipe, names)
+    )
     rest = at.rest_bytes(fp_model, sizes, settings.deploy.max_seq_len, scheme)
     if budget is not None:
         at.check_fits(sizes, budget, rest)  # before any measuring: a budget nothing fits fails now
@@ -103,6 +105,7 @@ def autotune(
     table = reusable_table(path, bool(sensitivity), model, data, unit)
     if table is None:
         table = sensitivity_table(model, fp_model, data, names, unit, "fp", run_dir)
+    table = at.share_tables(table, shared_table_bytes(fp_model, model.recipe, list(table["candidates"])))
     del fp_model
     base = model.hparams.recipe if scheme is model.recipe else scheme.name
     base = str(Path(base).resolve()) if Path(base).suffix in (".yaml", ".yml") else base

@@ -289,9 +289,15 @@ def tied(model) -> set[str]:
     return {n for group in parameter_names(model) if len(group) > 1 for n in group}
 
 
+UNTIED_TABLES = "_qharness_untied_tables"  # the model attribute where put_weights keeps the tables it untied
+
+
 def tied_tables(model) -> frozenset[str]:
     """Names of ``model``'s embedding tables whose weight is its output projection's (``get_output_embeddings()``);
-    empty for a model without one (``qharness sensitivity``'s copies of single layers).
+    empty for a model without one (``qharness sensitivity``'s copies of single layers). A table that ``put_weights``
+    untied (a step that chose the head's weights itself: GPTQ, weighted scales, zero points) still counts: tiedness
+    is the loaded model's, so a recipe's tied-table settings and the summary's ``tied_to`` do not depend on the head's
+    scheme.
 
     Example::
 
@@ -301,9 +307,10 @@ def tied_tables(model) -> frozenset[str]:
 
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
+    untied = getattr(model, UNTIED_TABLES, frozenset())
     if weight is None:
-        return frozenset()
-    return frozenset(n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m.weight is weight)
+        return untied
+    return untied | {n for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m.weight is weight}
 
 
 def put_weights(model, weights: dict) -> None:
@@ -311,12 +318,13 @@ def put_weights(model, weights: dict) -> None:
     config says so, so nothing ties it again)."""
     import torch
 
-    shared = tied(model)
+    shared, tables = tied(model), tied_tables(model)
     for name, w in weights.items():
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         old = getattr(module, attr)
         setattr(module, attr, torch.nn.Parameter(w.detach().clone().to(old.device), requires_grad=old.requires_grad))
     if shared & set(weights):
+        setattr(model, UNTIED_TABLES, tables)  # still tied for the recipe's table settings (tied_tables)
         for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
             config.tie_word_embeddings = False
