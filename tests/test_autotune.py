@@ -13,7 +13,7 @@ from test_mixed_precision import _recipe, _tiny_model
 
 from qharness.errors import UserError
 from qharness.evaluation import autotune as at
-from qharness.evaluation.sensitivity import shared_table_bytes, unit_sizes
+from qharness.evaluation.sensitivity import format_table, shared_table_bytes, unit_sizes
 from qharness.sweep.plan import plan
 from qharness.sweep.spec import load_sweep
 
@@ -98,6 +98,40 @@ def test_a_scheme_never_costs_less_than_one_storing_more_bytes():
     assert opts["fp"] == (4000, 0.0)
     assert opts["8da4w-g32"][1] == pytest.approx(math.log(1.004)) == opts["8da8w-pc"][1]
     assert opts["8da4w-pc"][1] == pytest.approx(math.log(1.010))
+
+
+@pytest.mark.fast
+def test_a_reused_table_must_be_of_the_same_recipe_and_gives_only_the_asked_candidates():
+    """A run directory's ``sensitivity.json`` measured with another base recipe (other numerics) is measured again,
+    and one that lacks a column for an asked candidate too; one with more columns gives the plan the asked ones
+    alone (``--candidates 8da8w-pc,8da4w-g32`` was ignored where the table also had ``8da4w-pc``)."""
+    table = {**_table(COSTS, {u: SIZES for u in COSTS}), "recipe": "xnnpack_8da4w_zp_split"}
+    table.update(model="m", eval_blocks=8, seq_len=256, val_blocks="v")
+    same = ("m", 8, 256, "v", "layer")
+    assert at.table_matches(table, *same, "xnnpack_8da4w_zp_split", ["8da8w-pc", "8da4w-g32"]) is None
+    assert "its recipe is 'xnnpack_8da4w_zp_split'" in at.table_matches(table, *same, "xnnpack_8da4w", [])
+    assert at.table_matches(table, *same, "xnnpack_8da4w_zp_split", ["8da4w-g64"]) == "it has no column for 8da4w-g64"
+    asked = at.only_candidates(table, ["8da8w-pc", "8da4w-g32"])
+    assert list(asked["candidates"]) == ["8da8w-pc", "8da4w-g32"]
+    assert all(set(u["results"]) == {"8da8w-pc", "8da4w-g32"} for u in asked["units"])
+    assert "8da4w-pc" in at.choose(table, 3100, 1000, resolution=1).schemes.values()  # only per-channel 4-bit fits
+    with pytest.raises(UserError, match="below the smallest .pte these candidates allow"):
+        at.choose(asked, 3100, 1000, resolution=1)
+
+
+@pytest.mark.fast
+def test_a_tied_head_kept_once_with_its_table_is_still_read_at_its_precision():
+    """A tied head at 8 bits costs its scales alone (``share_tables``), fewer bytes than at 4: the isotonic floor
+    still orders the schemes by the bytes they store of their own (else the 8-bit head took the 4-bit cost, +30%,
+    and the plan's predicted perplexity summed it: SmolLM2's read +57% for a program that scored +3%)."""
+    costs = {"lm_head": {"8da8w-pc": 0.006, "8da4w-g32": 0.05, "8da4w-pc": 0.30}}
+    table = at.share_tables(_table(costs, {"lm_head": SIZES}), {"lm_head": {"8da8w-pc": 900}})
+    opts = at.options(table["units"][0])
+    assert opts["8da8w-pc"] == (SIZES["8da8w-pc"] - 900, pytest.approx(math.log(1.006)))
+    assert opts["8da4w-pc"][1] == pytest.approx(math.log(1.30))
+    plan = at.choose(table, 3000, 1000, resolution=1)  # fp does not fit
+    assert plan.schemes == {"lm_head": "8da8w-pc"} and plan.predicted_ppl == pytest.approx(50.0 * 1.006)
+    assert "(+900 kept once with the tied table)" in at.format_plan(plan, table)
 
 
 @pytest.mark.fast
@@ -285,6 +319,11 @@ def test_zero_point_recipes_are_measured_and_sized_with_their_offsets(tied_model
     assert sizes[q] == 64 * 64 // 2 + 64 * 64 // 32 * 2  # int4 values, bf16 group scales ([64, 64])
     assert sizes[k] == 32 * 64 // 2 + 32 * 64 // 32 * 2 + 32 * 64 // 32 + 4 * 32  # + int8 [32, 64 / 32], fp32 scales
     assert {u["name"]: u["weight_bytes"]["8da4w-g32"] for u in result["units"]} == sizes
+    assert result["measured_without"] == ["rounding: weighted", "zero_points", "smoothing: 0.5"]
+    assert (
+        "; min-max weights: the recipe's rounding: weighted, zero_points, smoothing: 0.5 choose them in the run"
+        in (format_table(result).splitlines()[0])
+    )
 
 
 def test_autotune_predicts_a_tied_tables_one_copy(tmp_path, tied_model, corpus):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qharness.errors import UserError
+from qharness.evaluation.sensitivity import without_note
 from qharness.recipes.layers import FP  # the scheme of a layer kept in floating point
 
 RECIPE_FILE = "autotuned.yaml"
@@ -84,13 +85,15 @@ class Plan:
 
 def options(unit: dict) -> dict[str, tuple[int, float]]:
     """``{scheme: (bytes, cost)}`` of one ``sensitivity.json`` unit: its applicable candidates and fp (cost 0), each
-    cost the log perplexity ratio made isotonic (never below that of a scheme storing more bytes)."""
+    cost the log perplexity ratio made isotonic (never below that of a scheme storing more bytes of its own: a tied
+    head's values kept once with its table, ``share_tables``, still count for its precision)."""
     raw = {FP: (unit["weight_bytes"][FP], 0.0)} if FP in unit["weight_bytes"] else {}
     for c, r in unit["results"].items():
         if c != FP and r.get("applicable", True) and r.get("ppl_ratio"):
             raw[c] = (unit["weight_bytes"][c], math.log(r["ppl_ratio"]))
+    shared = unit.get("shared_bytes", {})
     out, floor = {}, 0.0
-    for c, (b, cost) in sorted(raw.items(), key=lambda kv: -kv[1][0]):  # most bytes first
+    for c, (b, cost) in sorted(raw.items(), key=lambda kv: -(kv[1][0] + shared.get(kv[0], 0))):  # most bytes first
         floor = max(floor, cost)
         out[c] = (b, floor)
     return out
@@ -401,7 +404,8 @@ def format_plan(plan: Plan, table: dict, latency: dict | None = None) -> str:
             f"predicted .pte {plan.predicted_bytes / 1e6:.3f} MB ("
             + ("" if plan.budget_bytes is None else f"budget {plan.budget_bytes / 1e6:g} MB; ")
             + f"{plan.rest_bytes / 1e6:.3f} MB of it outside the tuned layers), predicted ppl {plan.predicted_ppl:.3f} "
-            f"({plan.predicted_ppl_ratio - 1:+.2%} vs FP {plan.baseline_ppl:.3f}, summing the units' measured costs)",
+            f"({plan.predicted_ppl_ratio - 1:+.2%} vs FP {plan.baseline_ppl:.3f}, summing the units' measured costs"
+            f"{without_note(table)})",
         ]
         + (
             []
@@ -439,8 +443,18 @@ def write_recipe(plan: Plan, path: Path, base: str, command: str) -> Path:
     return write_bytes_atomic(path, ("\n".join(head) + "\n" + text).encode())
 
 
-def table_matches(table: dict, model: str, eval_blocks: int, seq_len: int, val_blocks: str, unit: str) -> str | None:
-    """Why an existing ``sensitivity.json`` cannot be reused for this config (None: it can)."""
+def table_matches(
+    table: dict,
+    model: str,
+    eval_blocks: int,
+    seq_len: int,
+    val_blocks: str,
+    unit: str,
+    recipe: str | None = None,
+    candidates: list[str] = (),
+) -> str | None:
+    """Why an existing ``sensitivity.json`` cannot be reused for this config (None: it can): another model, blocks,
+    unit, scheme ``recipe`` (whose settings made the candidates), or no column for one of ``candidates``."""
     wanted = {
         "model": model,
         "eval_blocks": eval_blocks,
@@ -449,9 +463,22 @@ def table_matches(table: dict, model: str, eval_blocks: int, seq_len: int, val_b
         "unit": unit,
         "against": "fp",
     }
+    if recipe is not None:
+        wanted["recipe"] = recipe
     for key, value in wanted.items():
         if table.get(key) != value:
             return f"its {key} is {table.get(key)!r}, this config's {value!r}"
     if any(FP not in u.get("weight_bytes", {}) for u in table.get("units", [])):
         return "it has no fp weight_bytes (older qharness)"
-    return None
+    missing = [c for c in candidates if c not in table.get("candidates", {})]
+    return f"it has no column for {', '.join(missing)}" if missing else None
+
+
+def only_candidates(table: dict, candidates: list[str]) -> dict:
+    """``table`` with the columns of ``candidates`` alone (a reused table may hold more than this run asks for)."""
+    keep = [c for c in table["candidates"] if c in candidates]
+    return {
+        **table,
+        "candidates": {c: table["candidates"][c] for c in keep},
+        "units": [{**u, "results": {c: r for c, r in u["results"].items() if c in keep}} for u in table["units"]],
+    }

@@ -118,6 +118,15 @@ def _settings(recipe, name: str):
         raise UserError(f"--candidates {name}: {e.what}", fix=e.fix) from None
 
 
+def measured_without(recipe) -> list[str]:
+    """The recipe's settings that ``_settings`` leaves out of the candidates (``CHOSEN_ON_DATA``), as ``setting:
+    value`` (a list or flag by its name): the table's costs are those of min-max, nearest-rounded weights, not of
+    what those settings choose."""
+    own = dataclasses.asdict(recipe.settings) if dataclasses.is_dataclass(recipe.settings) else {}
+    set_ = [k for k, plain in CHOSEN_ON_DATA.items() if k in own and own[k] not in (plain, (), [])]
+    return [k if isinstance(own[k], (list, tuple, bool)) else f"{k}: {own[k]}" for k in set_]
+
+
 def _unit_of(name: str, unit: str) -> str:
     m = _BLOCK.match(name) if unit == "block" else None
     return m.group(1) if m else name
@@ -308,6 +317,7 @@ def measure(
     return {
         "schema_version": SCHEMA_VERSION,
         "recipe": recipe.name,
+        "measured_without": measured_without(recipe),
         "against": against,
         "unit": unit,
         "candidates": {c: candidate_rule(c) for c in candidates},
@@ -406,12 +416,20 @@ def format_table(result: dict) -> str:
     lines = [
         f"sensitivity: validation perplexity change per {result['unit']} ({what}), converted model, "
         f"{result['eval_blocks']} blocks of {result['seq_len']} tokens; baseline ppl {b['ppl']:.3f}"
-        + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else ""),
+        + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci else "")
+        + without_note(result),
         *("  ".join(c.ljust(w) for c, w in zip(r, width)) for r in rows),
         f"[lo, hi]: 95% interval of the paired per-block differences; *: no change lies outside it (by chance alone "
         f"about 1 cell in 20 is starred); {result['evaluations']} models scored in {result['wall_s']:.1f}s",
     ]
     return "\n".join(lines)
+
+
+def without_note(result: dict) -> str:
+    """``; min-max weights: the recipe's rounding: weighted, ... choose them in the run`` when the table was measured
+    without some of the recipe's settings (``measured_without``), else empty."""
+    without = result.get("measured_without") or []
+    return f"; min-max weights: the recipe's {', '.join(without)} choose them in the run" if without else ""
 
 
 def plot(result: dict, path: Path) -> Path:

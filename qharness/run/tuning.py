@@ -102,10 +102,10 @@ def autotune(
     if budget is not None:
         at.check_fits(sizes, budget, rest)  # before any measuring: a budget nothing fits fails now
     path = Path(sensitivity) if sensitivity else run_dir / "sensitivity.json"
-    table = reusable_table(path, bool(sensitivity), model, data, unit)
+    table = reusable_table(path, bool(sensitivity), model, data, unit, scheme.name, names)
     if table is None:
         table = sensitivity_table(model, fp_model, data, names, unit, "fp", run_dir)
-    table = at.share_tables(table, shared_table_bytes(fp_model, model.recipe, list(table["candidates"])))
+    table = at.share_tables(at.only_candidates(table, names), shared_table_bytes(fp_model, model.recipe, names))
     del fp_model
     base = model.hparams.recipe if scheme is model.recipe else scheme.name
     base = str(Path(base).resolve()) if Path(base).suffix in (".yaml", ".yml") else base
@@ -176,9 +176,12 @@ def timed_against_budget(pte: Path, plan, latency: dict, settings: RunSettings, 
     }
 
 
-def reusable_table(path: Path, given: bool, model: QuantLM, data: HeldOut, unit: str) -> dict | None:
-    """The sensitivity table at ``path`` when it was measured on this model, these validation blocks and ``unit``
-    against FP; else None (measure again), or, when the user ``given`` it, a ``UserError``."""
+def reusable_table(
+    path: Path, given: bool, model: QuantLM, data: HeldOut, unit: str, recipe: str, candidates: list[str]
+) -> dict | None:
+    """The sensitivity table at ``path`` when it was measured on this model, these validation blocks, ``unit`` and
+    scheme ``recipe`` against FP, with a column for each of ``candidates``; else None (measure again), or, when the
+    user ``given`` it, a ``UserError``."""
     from qharness.evaluation import autotune as at
 
     if not path.is_file():
@@ -187,7 +190,7 @@ def reusable_table(path: Path, given: bool, model: QuantLM, data: HeldOut, unit:
         return None
     table = json.loads(path.read_text())
     val = validation_blocks_id(data.x, data.y)
-    why = at.table_matches(table, model.hparams.checkpoint, len(data.x), data.seq_len, val, unit)
+    why = at.table_matches(table, model.hparams.checkpoint, len(data.x), data.seq_len, val, unit, recipe, candidates)
     if why and given:
         raise UserError(
             f"--sensitivity {path} does not fit this config: {why}",
