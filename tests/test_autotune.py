@@ -326,6 +326,20 @@ def test_zero_point_recipes_are_measured_and_sized_with_their_offsets(tied_model
     )
 
 
+@pytest.mark.fast
+def test_the_rest_counts_a_quantized_table_as_the_program_stores_it(tied_model):
+    """Packed rows and one fp32 scale a group (``EmbeddingQuant.stored_bytes``, which test_embeddings.py checks
+    against a program's table); the rest had bf16 scales, 1.8 MB short at SmolLM2's 4-bit table."""
+    from transformers import AutoModelForCausalLM
+
+    from qharness.recipes.registry import load_recipe
+
+    model = AutoModelForCausalLM.from_pretrained(tied_model)
+    units = {"units": [{"layers": ["lm_head"]}]}
+    quantized = at.rest_bytes(model, units, 64, load_recipe("xnnpack_8da4w")) - at.rest_bytes(model, units, 64)
+    assert quantized == 2048 * (64 // 2 + 4 * (64 // 32)) - 2048 * 64 * 4
+
+
 def test_autotune_predicts_a_tied_tables_one_copy(tmp_path, tied_model, corpus):
     """Through the CLI, a tied model on ``xnnpack_8da4w_tied8``: the 8-bit head keeps the table's values once, so it
     costs its scales (at the budget only that fits: a 4-bit head is a copy apart); the predicted size is the measured

@@ -354,9 +354,7 @@ def rest_bytes(model, table: dict, max_seq_len: int, recipe=None) -> int:
                 continue
             seen.add(t.data_ptr())
             if quant is not None:
-                rows = t.shape[0]
-                scales = 4 * rows if quant.group_size is None else 2 * (t.numel() // quant.group_size)
-                total += t.numel() * quant.bits // 8 + scales
+                total += quant.stored_bytes(*t.shape)
             else:
                 total += t.numel() * t.element_size()
     total += 2 * max_seq_len * head_dim * 4 if rotary else 0
