@@ -95,9 +95,8 @@ def autotune(
     datamodule.setup("fit")
     data = held_out(datamodule, settings.parity, settings.calibration)
     fp_model, _ = model.load_fp()
-    sizes = at.share_tables(
-        {"units": unit_sizes(fp_model, model.recipe, names, unit)}, shared_table_bytes(fp_model, model.recipe, names)
-    )
+    shared = shared_table_bytes(fp_model, model.recipe, names)  # a tied head's values kept once with its table
+    sizes = at.share_tables({"units": unit_sizes(fp_model, model.recipe, names, unit)}, shared)
     rest = at.rest_bytes(fp_model, sizes, settings.deploy.max_seq_len, scheme)
     if budget is not None:
         at.check_fits(sizes, budget, rest)  # before any measuring: a budget nothing fits fails now
@@ -105,7 +104,7 @@ def autotune(
     table = reusable_table(path, bool(sensitivity), model, data, unit, scheme.name, names)
     if table is None:
         table = sensitivity_table(model, fp_model, data, names, unit, "fp", run_dir)
-    table = at.share_tables(at.only_candidates(table, names), shared_table_bytes(fp_model, model.recipe, names))
+    table = at.share_tables(at.only_candidates(table, names), shared)
     del fp_model
     base = model.hparams.recipe if scheme is model.recipe else scheme.name
     base = str(Path(base).resolve()) if Path(base).suffix in (".yaml", ".yml") else base
