@@ -89,8 +89,18 @@ def _gate(setup, tmp_path, plant=None, recipe=None):
     return check_parity(t, Lowered(reference, b"", path), data, parity, {}, Timings()).parity
 
 
-def test_the_program_itself_passes(setup, tmp_path):
-    p = _gate(setup, tmp_path)
+@pytest.fixture(scope="module")
+def clean_pte(setup, tmp_path_factory):
+    """The ``.pte`` of the setup's program, no fault planted: lowered once for the tests that gate it."""
+    t, data, reference, parity, meta = setup
+    path = tmp_path_factory.mktemp("clean") / "model.pending.pte"
+    path.write_bytes(lower_to_pte(deploy_graph(t, data.calibration, MAX_SEQ_LEN), t.recipe, MAX_SEQ_LEN, meta))
+    return path
+
+
+def test_the_program_itself_passes(setup, clean_pte):
+    t, data, reference, parity, meta = setup
+    p = check_parity(t, Lowered(reference, b"", clean_pte), data, parity, {}, Timings()).parity
     assert p.passed, p.reasons
     assert p.near_ties < p.positions // 4  # decisive logits: the argmax check compares most positions
     assert p.noise is not None and p.kl <= ParityConfig().max_noise_ratio * p.noise.kl or p.kl <= 1e-6
@@ -134,7 +144,7 @@ def _as_trained(graph):
     return lambda x: torch.cat([every(row[None], torch.tensor([0])) for row in x])
 
 
-def test_a_qat_program_is_held_to_the_model_it_trained(setup, tmp_path):
+def test_a_qat_program_is_held_to_the_model_it_trained(setup, clean_pte):
     """QAT, whatever the recipe (here one without learned scales): the ``.pte`` is gated against the trained
     fake-quant model too. A program that computes it passes; the same program against a "trained" model that has
     one projection's weights doubled (what a deployment that lost the trained weights would ship) fails."""
@@ -142,8 +152,7 @@ def test_a_qat_program_is_held_to_the_model_it_trained(setup, tmp_path):
 
     t, data, reference, parity, meta = setup
     assert not t.recipe.learns_scales
-    path = tmp_path / "model.pending.pte"
-    path.write_bytes(lower_to_pte(deploy_graph(t, data.calibration, MAX_SEQ_LEN), t.recipe, MAX_SEQ_LEN, meta))
+    path = clean_pte
     other = deploy_graph(dataclasses.replace(t, load_trained=_wrong_scale), data.calibration, MAX_SEQ_LEN)
     verdicts = {}
     for name, graph in (("itself", reference), ("another model", other)):

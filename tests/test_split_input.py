@@ -2,11 +2,10 @@
 input at about 16 bits, the quantized head computes it with one GEMM of twice the rows, QAT's fake quantizer computes
 the same function, and the recipes deploy through the CLI within the parity gate."""
 
-import json
-
 import pytest
 import torch
 from conftest import run_cli, write_config
+from test_zero_points import check_zero_point_program
 
 from qharness.errors import UserError
 from qharness.recipes.registry import load_recipe
@@ -133,13 +132,12 @@ def test_a_split_head_the_recipe_keeps_in_float_is_refused_and_single_layers_are
 def test_split_head_programs_through_the_cli_pass_the_gate(tmp_path, tiny_llama, corpus, command, recipe, mode):
     """``qharness calibrate --model.recipe xnnpack_8da4w_zp_split`` on the tiny Llama: the ``.pte`` (its head's
     GEMM of two rows inside the delegate: no projection outside it) passes the gate against the converted model,
-    which computes the same split, and is the size of the ``zp`` program's (the same weights)."""
+    which computes the same split, with everything its base ``xnnpack_8da4w_zp`` shows (zero points, smoothing,
+    scales bit for bit: ``test_zero_points.check_zero_point_program``)."""
     run = tmp_path / "run"
     cfg = write_config(tmp_path / "c.yaml", tiny_llama, corpus, run, model={"recipe": recipe, "mode": mode})
     r = run_cli(command, "--config", cfg)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "parity PASSED" in r.stdout, r.stdout[-3000:]
-    summary = json.loads((run / "summary.json").read_text())
+    summary = check_zero_point_program(r, run, mode)
     assert summary["layers"]["schemes"]["lm_head"] == "8da8w-pc+split-input", summary["layers"]["schemes"]
     assert "1 x 8da8w-pc+split-input" in r.stdout, r.stdout[-3000:]  # the run's table labels the split head
     assert summary["coverage"]["float"] == {} and summary["coverage"]["fraction"] == 1.0, summary["coverage"]

@@ -113,20 +113,12 @@ def test_zero_points_and_weighted_scales_are_refused_where_they_cannot_work(tmp_
         load_recipe(str(tmp_path / "rules.yaml")).make_quantizer(is_qat=False).check(llama)
 
 
-@pytest.mark.parametrize(
-    "command, recipe, mode", [("calibrate", "xnnpack_8da4w_zp", "ptq"), ("fit", "xnnpack_8da4w_zp_lsq", "qat")]
-)
-def test_zero_point_programs_through_the_cli_pass_the_gate_with_their_scales_exact(
-    tmp_path, tiny_llama, corpus, command, recipe, mode
-):
-    """``qharness calibrate --model.recipe xnnpack_8da4w_zp`` on the tiny Llama: the four zero-point layers of each
-    block (key, value, up, down) are split, the MLPs' inputs smoothed, every 4-bit weight deploys with the scale
-    rounding chose (bit for bit), the offsets are 8-bit layers of the program, and the ``.pte`` passes the gate.
-    ``qharness fit --model.recipe xnnpack_8da4w_zp_lsq``: QAT starts from that program, learns its 4-bit scales, and
-    the ``.pte`` quantizes with the trained ones, bit for bit (the 8-bit head and its table keep min-max scales)."""
-    run = tmp_path / "run"
-    cfg = write_config(tmp_path / "c.yaml", tiny_llama, corpus, run, model={"recipe": recipe, "mode": mode})
-    r = run_cli(command, "--config", cfg)
+def check_zero_point_program(r, run, mode: str) -> dict:
+    """What every zero-point program shows after ``qharness calibrate`` or ``fit`` on the tiny Llama: the four
+    zero-point layers of each block (key, value, up, down) split, the MLPs' inputs smoothed, every 4-bit weight
+    deployed with the scale rounding (or training) chose, bit for bit, the offsets 8-bit layers of the program, the
+    gate passed; PTQ times its rounding, QAT its steps. Returns the run's summary (``test_split_input.py`` calls it for
+    ``xnnpack_8da4w_zp_split``, whose base is ``xnnpack_8da4w_zp``: one calibration checks both)."""
     out = r.stdout + r.stderr
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "parity PASSED" in r.stdout and "(8 with zero points)" in out, out[-3000:]
@@ -142,6 +134,27 @@ def test_zero_point_programs_through_the_cli_pass_the_gate_with_their_scales_exa
         assert t["train_steps"] == 6 and t["train_device"].startswith("cpu (") and t["train_step_s"] > 0, t
         assert t["train_step_s_range"][0] <= t["train_step_s"] <= t["train_step_s_range"][1], t
         assert "training: 6 steps on cpu (" in r.stdout, r.stdout[-2000:]
+    return summary
+
+
+@pytest.mark.parametrize(
+    "command, recipe, mode",
+    [
+        pytest.param("calibrate", "xnnpack_8da4w_zp", "ptq", marks=pytest.mark.slow),
+        ("fit", "xnnpack_8da4w_zp_lsq", "qat"),
+    ],
+)
+def test_zero_point_programs_through_the_cli_pass_the_gate_with_their_scales_exact(
+    tmp_path, tiny_llama, corpus, command, recipe, mode
+):
+    """``qharness calibrate --model.recipe xnnpack_8da4w_zp`` on the tiny Llama (slow tier: the default tier checks
+    the same on ``xnnpack_8da4w_zp_split``, this recipe with the split head input, test_split_input.py):
+    ``check_zero_point_program``. ``qharness fit --model.recipe xnnpack_8da4w_zp_lsq``: QAT starts from that
+    program, learns its 4-bit scales, and the ``.pte`` quantizes with the trained ones, bit for bit (the 8-bit head
+    and its table keep min-max scales)."""
+    run = tmp_path / "run"
+    cfg = write_config(tmp_path / "c.yaml", tiny_llama, corpus, run, model={"recipe": recipe, "mode": mode})
+    check_zero_point_program(run_cli(command, "--config", cfg), run, mode)
 
 
 @pytest.mark.fast
