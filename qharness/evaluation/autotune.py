@@ -28,16 +28,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from qharness.errors import UserError
-from qharness.evaluation.sensitivity import without_note
+from qharness.evaluation.sensitivity import OVERHEAD_PER_LAYER_BYTES, without_note
 from qharness.recipes.layers import FP  # the scheme of a layer kept in floating point
 
 RECIPE_FILE = "autotuned.yaml"
 PLAN_FILE = "autotune.json"
-# Program bytes besides the tensors (flatbuffer, delegate headers, per-op metadata, runner methods), fitted to two
-# measured XNNPACK .pte files (docs/benchmarks/tools.md, autotune): 45.8 KB over 15 linears (tiny test Llama), 84.6 KB
-# over 29; since a decoder layer lowers as a few partitions, not one per linear (deploy/whole_layers.py), the tiny
-# test Llama's program is 36.9 KB over its tensors: 2,184 bytes per linear above the fixed 4 KB.
-OVERHEAD_BYTES, OVERHEAD_PER_LAYER_BYTES = 4096, 2184
+# Program bytes besides the tensors: a fixed 4 KB, and OVERHEAD_PER_LAYER_BYTES per linear (sensitivity.py); a
+# recipe with split_head_input adds the split's graph (recipes/split_input.py), 4,224 bytes: xnnpack_8da4w_zp_split's
+# program over xnnpack_8da4w_zp's of the same weights, on SmolLM2-135M and on a 1-layer test Llama alike
+OVERHEAD_BYTES, SPLIT_HEAD_BYTES = 4096, 4224
 
 
 @dataclass
@@ -328,7 +327,7 @@ def rest_bytes(model, table: dict, max_seq_len: int, recipe=None) -> int:
     """Predicted bytes of the ``.pte`` outside the table's units: every parameter and persistent buffer of modules
     that are not units' layers (fp32; an embedding table as ``recipe`` quantizes it, ``Recipe.table_quant``, when
     given), the rotary cos/sin tables of ``max_seq_len`` positions the static-cache export bakes in, and the program
-    overhead."""
+    overhead (with the split head input's graph when ``recipe`` has it)."""
     import torch
 
     from qharness.sources.models import tied_tables
@@ -358,7 +357,8 @@ def rest_bytes(model, table: dict, max_seq_len: int, recipe=None) -> int:
             else:
                 total += t.numel() * t.element_size()
     total += 2 * max_seq_len * head_dim * 4 if rotary else 0
-    return total + OVERHEAD_BYTES + OVERHEAD_PER_LAYER_BYTES * n_layers
+    split = SPLIT_HEAD_BYTES if getattr(getattr(recipe, "settings", None), "split_head_input", False) else 0
+    return total + OVERHEAD_BYTES + OVERHEAD_PER_LAYER_BYTES * n_layers + split
 
 
 def share_tables(table: dict, shared: dict[str, dict[str, int]]) -> dict:

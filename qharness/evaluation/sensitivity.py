@@ -40,6 +40,12 @@ SCHEMA_VERSION = 1
 _SCHEME = re.compile(r"8da([2348])w-(pc|g(\d+))")
 # settings that choose the deployed weights on calibration blocks, and their plain values (a unit's copy has none)
 CHOSEN_ON_DATA = {"learn_scales": False, "rounding": "nearest", "zero_points": None, "smoothing": None}
+# Program bytes a linear's GEMM adds besides its tensors (flatbuffer, delegate headers, per-op metadata), fitted to two
+# measured XNNPACK .pte files (docs/benchmarks/tools.md, autotune): 45.8 KB over 15 linears (tiny test Llama), 84.6 KB
+# over 29; since a decoder layer lowers as a few partitions, not one per linear (deploy/whole_layers.py), the tiny
+# test Llama's program is 36.9 KB over its tensors: 2,184 bytes per linear above a fixed 4 KB. A zero-point layer's
+# second GEMM adds as much (SmolLM2's 120 of them: 250 KB, the uniform zp_split program 0.27% over the prediction).
+OVERHEAD_PER_LAYER_BYTES = 2184
 _BLOCK = re.compile(r"^(.*\.layers\.\d+)\.")  # decoder block of a module name (HF: model.layers.N.)
 
 
@@ -147,7 +153,8 @@ def unit_bytes(linears: dict, members: list[str], schemes, zero_points: frozense
 
 def weight_bytes(module, scheme: str, zero_point: bool = False) -> int:
     """Estimated bytes of a linear's weight (+ bias) in an XNNPACK ``.pte`` under ``scheme``; ``zero_point``: with
-    the 8-bit GEMM of its group means at a group-wise scheme (int8 ``[out, in / group]``, an fp32 scale a row)."""
+    the 8-bit GEMM of its group means at a group-wise scheme (int8 ``[out, in / group]``, an fp32 scale a row, and
+    that GEMM's program bytes, ``OVERHEAD_PER_LAYER_BYTES``; the layer's own are ``autotune.rest_bytes``')."""
     out, numel = module.weight.shape[0], module.weight.numel()
     bias = 4 * module.bias.numel() if getattr(module, "bias", None) is not None else 0
     if scheme == FP:
@@ -157,7 +164,8 @@ def weight_bytes(module, scheme: str, zero_point: bool = False) -> int:
         numel * max(rule["weight_bits"], 4) // 8
     )  # 2/3-bit values are stored as int4 (upstream/fixes/xnnpack_subbyte)
     scales = 4 * out if rule["group_size"] is None else 2 * (numel // rule["group_size"])  # fp32 / bf16 scales
-    offsets = numel // rule["group_size"] + 4 * out if zero_point and rule["group_size"] is not None else 0
+    grouped = zero_point and rule["group_size"] is not None
+    offsets = numel // rule["group_size"] + 4 * out + OVERHEAD_PER_LAYER_BYTES if grouped else 0
     return values + scales + bias + offsets
 
 
