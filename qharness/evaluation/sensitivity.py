@@ -44,7 +44,8 @@ CHOSEN_ON_DATA = {"learn_scales": False, "rounding": "nearest", "zero_points": N
 # measured XNNPACK .pte files (docs/benchmarks/tools.md, autotune): 45.8 KB over 15 linears (tiny test Llama), 84.6 KB
 # over 29; since a decoder layer lowers as a few partitions, not one per linear (deploy/whole_layers.py), the tiny
 # test Llama's program is 36.9 KB over its tensors: 2,184 bytes per linear above a fixed 4 KB. A zero-point layer's
-# second GEMM adds as much (SmolLM2's 120 of them: 250 KB, the uniform zp_split program 0.27% over the prediction).
+# second GEMM adds as much (SmolLM2's 120 of them: 262 KB; without them the uniform zp_split program was 250 KB, 0.27%,
+# over the prediction).
 OVERHEAD_PER_LAYER_BYTES = 2184
 _BLOCK = re.compile(r"^(.*\.layers\.\d+)\.")  # decoder block of a module name (HF: model.layers.N.)
 
