@@ -320,11 +320,50 @@ def test_zero_point_recipes_are_measured_and_sized_with_their_offsets(tied_model
     # + int8 [32, 64 / 32], fp32 scales, and that second GEMM's program bytes
     assert sizes[k] == 32 * 64 // 2 + 32 * 64 // 32 * 2 + 32 * 64 // 32 + 4 * 32 + OVERHEAD_PER_LAYER_BYTES
     assert {u["name"]: u["weight_bytes"]["8da4w-g32"] for u in result["units"]} == sizes
-    assert result["measured_without"] == ["rounding: weighted", "zero_points", "smoothing: 0.5"]
+    assert result["measured_without"] == ["rounding: weighted", "smoothing: 0.5"]
     assert (
-        "; min-max weights: the recipe's rounding: weighted, zero_points, smoothing: 0.5 choose them in the run"
+        "; min-max weights: the recipe's rounding: weighted, smoothing: 0.5 choose them in the run"
         in (format_table(result).splitlines()[0])
     )
+
+
+@pytest.mark.fast
+def test_a_zero_point_unit_is_measured_as_the_run_deploys_it(tied_model):
+    """Zero points need no data (min-max per group): a block of the shipped ``zp_split`` at ``8da4w-g32`` is measured
+    with its key, value, up and down projections split as the run splits them, each copy computing what the run's
+    deployed layer computes (weighted rounding and smoothing, which need calibration blocks, stay the run's). Before,
+    the table measured them without zero points: per-channel 4-bit blocks, which have none in the run, looked as
+    good as grouped ones, and autotune on SmolLM2 chose six of them."""
+    import copy
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from qharness.evaluation import sensitivity as sens
+    from qharness.recipes.registry import load_recipe
+    from qharness.recipes.rounding import round_weights
+    from qharness.recipes.zero_points import ZeroPointLinear
+
+    model = AutoModelForCausalLM.from_pretrained(tied_model).eval()
+    quantizer = sens._zero_point_quantizers(load_recipe("xnnpack_8da4w_zp_split"), ["8da4w-pc", "8da4w-g32"])
+    assert list(quantizer) == ["8da4w-g32"]  # a per-channel layer has no zero point in the run either
+    block = {
+        n: m for n, m in model.named_modules() if n.startswith("model.layers.0.") and isinstance(m, torch.nn.Linear)
+    }
+    copies = sens._zero_point_copies(block, quantizer["8da4w-g32"])
+    deployed = copy.deepcopy(model)
+    rounded = round_weights(model, quantizer["8da4w-g32"], None, weighted=False)
+    rounded.load(deployed)
+    quantizer["8da4w-g32"].convert(deployed, rounded.qparams)
+    split = {n for n, m in copies.items() if isinstance(m, ZeroPointLinear)}
+    assert split == {
+        f"model.layers.0.{n}" for n in ("self_attn.k_proj", "self_attn.v_proj", "mlp.up_proj", "mlp.down_proj")
+    }
+    x = torch.randn(3, 5, 64, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, m in copies.items():
+            inp = x if m.in_features == 64 else torch.randn(3, 5, m.in_features)
+            assert torch.equal(m(inp), deployed.get_submodule(name)(inp)), name
 
 
 @pytest.mark.fast
@@ -355,11 +394,11 @@ def test_autotune_predicts_a_tied_tables_one_copy(tmp_path, tied_model, corpus):
         model={"recipe": "xnnpack_8da4w_zp_split", "mode": "ptq"},
         bench={"enabled": False},
     )
-    r = run_cli("autotune", cfg, "--max_size_mb", "0.25", "--unit", "block", "--candidates", "8da8w-pc,8da4w-g32")
+    r = run_cli("autotune", cfg, "--max_size_mb", "0.216", "--unit", "block", "--candidates", "8da8w-pc,8da4w-g32")
     assert r.returncode == 0, r.stderr[-3000:]
     record = json.loads((tmp_path / "run" / "autotune.json").read_text())
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert record["schemes"]["lm_head"] == "8da8w-pc"
+    assert record["schemes"] == {"model.layers.0": "8da4w-g32", "lm_head": "8da8w-pc"}  # the block's zero points
     assert summary["coverage"]["embeddings"]["model.embed_tokens"]["shared"]
     error = record["predicted_size_bytes"] / record["measured_size_bytes"] - 1
     assert abs(error) < 0.02, (record["predicted_size_bytes"], record["measured_size_bytes"])

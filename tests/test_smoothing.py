@@ -124,3 +124,25 @@ def test_smoothing_is_refused_where_it_cannot_work(tmp_path):
     with pytest.raises(UserError, match="mlp .*NotGated.* is not a gated MLP"):
         gated_mlps(holder, {"mlp.up_proj", "mlp.down_proj"})
     assert gated_mlps(holder, {"mlp.up_proj"}) == []  # not rounded: not smoothed, not checked
+
+
+@pytest.mark.fast
+def test_a_recipe_whose_rules_keep_every_mlp_out_of_the_rounded_layers_smooths_none(tmp_path):
+    """``layers:`` rules (autotune's plan) that put every gated MLP at 8 bits per channel leave smoothing nothing to
+    smooth: rounding goes on without it (it stopped the run, after autotune's measurements, with "has no gated
+    MLP"); a model without a gated MLP is still refused."""
+    model = _model_with_outliers()
+    blocks = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    rules = _recipe(
+        tmp_path,
+        "base: xnnpack_8da4w_zp_split\nlayers:\n  - {match: '*.mlp.*', weight_bits: 8, group_size: null}\n",
+    )
+    rounded = round_weights(model, rules.make_quantizer(is_qat=False), blocks, weighted=False, smoothing=0.5)
+    assert set(rounded.parts) == {f"model.layers.{i}.self_attn.{p}" for i in (0, 1) for p in ("k_proj", "v_proj")}
+    assert not any(".mlp." in n for n in [*rounded.weights, *rounded.parts])
+
+    holder = torch.nn.Module()
+    holder.add_module("fc", torch.nn.Linear(64, 64))
+    quantizer = load_recipe("xnnpack_8da4w_zp_split").make_quantizer(is_qat=False)
+    with pytest.raises(UserError, match="has no gated MLP"):
+        round_weights(holder, quantizer, blocks, weighted=False, smoothing=0.5)

@@ -38,8 +38,9 @@ UNITS = ("layer", "block")
 AGAINST = ("fp", "recipe")
 SCHEMA_VERSION = 1
 _SCHEME = re.compile(r"8da([2348])w-(pc|g(\d+))")
-# settings that choose the deployed weights on calibration blocks, and their plain values (a unit's copy has none)
-CHOSEN_ON_DATA = {"learn_scales": False, "rounding": "nearest", "zero_points": None, "smoothing": None}
+# settings that choose the deployed weights on calibration blocks, and their plain values (a unit's copy has none);
+# zero points need no data (min-max per group): a unit holding zero-point layers is measured with them
+CHOSEN_ON_DATA = {"learn_scales": False, "rounding": "nearest", "smoothing": None}
 # Program bytes a linear's GEMM adds besides its tensors (flatbuffer, delegate headers, per-op metadata), fitted to two
 # measured XNNPACK .pte files (docs/benchmarks/tools.md, autotune): 45.8 KB over 15 linears (tiny test Llama), 84.6 KB
 # over 29; since a decoder layer lowers as a few partitions, not one per linear (deploy/whole_layers.py), the tiny
@@ -106,10 +107,11 @@ def check_options(recipe, candidates: str | None, unit: str, against: str) -> li
     return names
 
 
-def _settings(recipe, name: str):
+def _settings(recipe, name: str, zero_points: bool = False):
     """The quantizer settings of candidate ``name`` (None for fp): the recipe's, with the candidate's bits and group,
-    min-max scales and nearest rounding: what chooses the weights on calibration blocks (``rounding``, ``zero_points``,
-    ``smoothing``, ``learn_scales``) works on a whole model in the run, not on a unit's copy here."""
+    min-max scales and nearest rounding: what chooses the weights on calibration blocks (``rounding``, ``smoothing``,
+    ``learn_scales``) works on a whole model in the run, not on a unit's copy here. ``zero_points``: with the recipe's
+    zero-point globs (for ``_zero_point_copies``; else none)."""
     rule = candidate_rule(name)
     if rule.get("quant") == FP:
         return None
@@ -118,6 +120,8 @@ def _settings(recipe, name: str):
     own = dataclasses.asdict(recipe.settings)
     tables = {k: None for k in ("embedding_bits", "untied_embedding_bits") if k in own}  # a unit's layers only
     chosen = {k: v for k, v in CHOSEN_ON_DATA.items() if k in own}
+    if "zero_points" in own and not zero_points:
+        chosen["zero_points"] = None
     merged = {**own, **rule, **tables, **chosen}
     try:
         return parse_settings(type(recipe.settings), merged, f"--candidates {name}")
@@ -141,7 +145,8 @@ def _unit_of(name: str, unit: str) -> str:
 
 def zero_point_layers(recipe, names: list[str]) -> frozenset[str]:
     """The layers among ``names`` that ``recipe``'s ``zero_points`` globs take (at a group-wise scheme the run gives
-    each an 8-bit GEMM of its group means, ``recipes/zero_points.py``; the candidates here are measured without)."""
+    each an 8-bit GEMM of its group means, ``recipes/zero_points.py``; ``measure`` measures them so,
+    ``_zero_point_copies``)."""
     from qharness.recipes.zero_points import chosen
 
     return frozenset(chosen(names, getattr(recipe.settings, "zero_points", None) or ()))
@@ -196,6 +201,32 @@ def _quantized_copies(fp_modules: dict, quantizer) -> dict | None:
         return None
     quantizer.convert(holder)
     return {name: holder[str(i)] for i, name in enumerate(fp_modules)}
+
+
+def _zero_point_copies(fp_modules: dict, quantizer) -> dict | None:
+    """Copies of ``fp_modules`` (a unit holding zero-point layers) as the run deploys them at min-max: under their
+    own names, so that the recipe's ``zero_points`` globs take them, split into a symmetric 4-bit part and 8-bit
+    offsets, the other layers rounded, all quantized with those scales (``recipes/rounding.py``, ``weighted`` off);
+    None when ``quantizer`` (``_settings(..., zero_points=True)``) cannot quantize every one."""
+    import torch
+
+    from qharness.recipes.rounding import round_weights
+
+    holder = torch.nn.Module()
+    for name, m in fp_modules.items():
+        *path, leaf = name.split(".")
+        parent = holder
+        for part in path:
+            if part not in parent._modules:
+                parent.add_module(part, torch.nn.Module())
+            parent = parent._modules[part]
+        parent.add_module(leaf, copy.deepcopy(m))
+    if len(quantizer.assignment(holder)) != len(fp_modules):
+        return None
+    rounded = round_weights(holder, quantizer, None, weighted=False)
+    rounded.load(holder)
+    quantizer.convert(holder, rounded.qparams)
+    return {name: holder.get_submodule(name) for name in fp_modules}
 
 
 def _units(fp_model, recipe, candidates: list[str], unit: str):
@@ -309,6 +340,7 @@ def measure(
     recipe = scheme_recipe(recipe, against)
     quantizers, linears, units = _units(fp_model, recipe, candidates, unit)
     zero_points = zero_point_layers(recipe, list(linears))
+    with_zero_points = _zero_point_quantizers(recipe, candidates) if zero_points else {}
     model, schemes = _baseline(fp_model, recipe, [n for members in units.values() for n in members], against)
     swap = _Swapper(model)
 
@@ -321,7 +353,12 @@ def measure(
     results: dict[str, dict] = {u: {} for u in units}
     for u, c in bar(jobs, f"sensitivity ({unit} x precision)", unit="model") if progress else jobs:
         members = {n: linears[n] for n in units[u]}
-        new = dict(members) if quantizers[c] is None else _quantized_copies(members, quantizers[c])
+        if quantizers[c] is None:
+            new = dict(members)
+        elif c in with_zero_points and zero_points & set(members):
+            new = _zero_point_copies(members, with_zero_points[c])
+        else:
+            new = _quantized_copies(members, quantizers[c])
         results[u][c] = {"applicable": False} if new is None else _changed(swap, new, score, base)
     return {
         "schema_version": SCHEMA_VERSION,
@@ -344,6 +381,16 @@ def measure(
         "evaluations": len(jobs) + 1,
         "wall_s": time.perf_counter() - t0,
     }
+
+
+def _zero_point_quantizers(recipe, candidates: list[str]) -> dict:
+    """``{candidate: quantizer}`` with the recipe's zero points, for the group-wise candidates (a per-channel layer
+    has none in the run either)."""
+    from qharness.recipes.registration import QUANTIZERS
+
+    build = QUANTIZERS[recipe.quantizer].build
+    grouped = [c for c in candidates if candidate_rule(c).get("group_size") is not None]
+    return {c: build(_settings(recipe, c, zero_points=True), False) for c in grouped}
 
 
 def _baseline(fp_model, recipe, names: list[str], against: str):

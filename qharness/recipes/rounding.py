@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,8 @@ from qharness.recipes import smoothing as smoothing_
 from qharness.recipes.gptq import grid, symmetric_scale
 from qharness.recipes.registration import SourceQuantizer
 from qharness.sources.models import put_weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -64,7 +67,8 @@ def round_weights(
     """The rounded weights of ``model`` (an FP HF causal LM, left unchanged) for ``quantizer``'s rounded steps;
     ``weighted``: the symmetric layers' scales searched for their inputs on ``blocks`` (one pass of the model);
     ``smoothing``: the gated MLPs' ``down_proj`` inputs smoothed with that migration strength first
-    (``recipes/smoothing.py``: their ``up_proj`` and ``down_proj`` are rounded smoothed)."""
+    (``recipes/smoothing.py``: their ``up_proj`` and ``down_proj`` are rounded smoothed); a model whose gated MLPs
+    the recipe's ``layers:`` rules all keep out of the rounded layers (e.g. at 8 bits, autotune's plan) smooths none."""
     from torchao.quantization.quant_primitives import MappingType
 
     layers = rounded_layers(model, quantizer)
@@ -73,20 +77,23 @@ def round_weights(
     mlps, group = [], None
     if smoothing is not None:
         mlps = smoothing_.gated_mlps(model, set(layers))
-        if not mlps:
+        linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        if not mlps and smoothing_.gated_mlps(model, linears):
+            log.info("smoothing: no gated MLP is rounded (the recipe's layers: rules keep them all at other schemes)")
+        elif not mlps:
             raise UserError(
                 f"quantizer smoothing: {type(model).__name__} has no gated MLP (gate_proj, up_proj, down_proj) whose "
                 "up and down projections the recipe rounds",
                 fix="drop smoothing from the recipe for this model",
             )
         groups = {grid(layers[f"{m}.down_proj"][1].config, layers[f"{m}.down_proj"][0].in_features)[2] for m in mlps}
-        if len(groups) != 1:
+        if len(groups) > 1:
             raise UserError(
                 f"quantizer smoothing: the down projections are rounded in groups of {sorted(groups)}; smoothing takes "
                 "one group size",
                 fix="give every down_proj the same group_size, or drop smoothing",
             )
-        group = groups.pop()
+        group = groups.pop() if groups else None
     names = [n for n in layers if n not in zero] if weighted else []
     seen = list(dict.fromkeys([*names, *(f"{m}.down_proj" for m in mlps)]))  # one pass serves both
     stats = {}
