@@ -129,6 +129,14 @@ def _settings(recipe, name: str, zero_points: bool = False):
         raise UserError(f"--candidates {name}: {e.what}", fix=e.fix) from None
 
 
+def _quantizer(recipe, name: str, zero_points: bool = False):
+    """The (PTQ) quantizer of candidate ``name`` built from ``_settings`` (None for fp)."""
+    from qharness.recipes.registration import QUANTIZERS
+
+    settings = _settings(recipe, name, zero_points)
+    return None if settings is None else QUANTIZERS[recipe.quantizer].build(settings, False)
+
+
 def measured_without(recipe) -> list[str]:
     """The recipe's settings that ``_settings`` leaves out of the candidates (``CHOSEN_ON_DATA``), as ``setting:
     value`` (a list or flag by its name): the table's costs are those of min-max, nearest-rounded weights, not of
@@ -234,10 +242,7 @@ def _units(fp_model, recipe, candidates: list[str], unit: str):
     candidate quantizes (``recipe``: the scheme recipe)."""
     import torch
 
-    from qharness.recipes.registration import QUANTIZERS
-
-    build = QUANTIZERS[recipe.quantizer].build
-    quantizers = {c: None if _settings(recipe, c) is None else build(_settings(recipe, c), False) for c in candidates}
+    quantizers = {c: _quantizer(recipe, c) for c in candidates}
     linears = {n: m for n, m in fp_model.named_modules() if isinstance(m, torch.nn.Linear)}
     names = [
         n
@@ -293,7 +298,6 @@ def shared_table_bytes(fp_model, recipe, candidates: list[str]) -> dict[str, dic
     import torch
     from torchao.quantization import quantize_
 
-    from qharness.recipes.registration import QUANTIZERS
     from qharness.sources.models import tied_tables
 
     recipe = scheme_recipe(recipe, "fp")
@@ -306,11 +310,10 @@ def shared_table_bytes(fp_model, recipe, candidates: list[str]) -> dict[str, dic
     table = torch.nn.ModuleDict({"t": copy.deepcopy(fp_model.get_submodule(next(iter(tables))))})
     quantize_(table, quant.torchao_config(), filter_fn=lambda m, _: isinstance(m, torch.nn.Embedding))
     values = table["t"].weight.qdata
-    build = QUANTIZERS[recipe.quantizer].build
     shared = {}
     for c in candidates:
-        settings = _settings(recipe, c)
-        copies = None if settings is None else _quantized_copies({name: head}, build(settings, False))
+        quantizer = _quantizer(recipe, c)
+        copies = None if quantizer is None else _quantized_copies({name: head}, quantizer)
         weight = None if copies is None else getattr(copies[name].weight, "qdata", None)
         if weight is not None and weight.dtype == values.dtype and torch.equal(weight, values):
             shared[c] = values.numel() * values.element_size()
@@ -386,11 +389,8 @@ def measure(
 def _zero_point_quantizers(recipe, candidates: list[str]) -> dict:
     """``{candidate: quantizer}`` with the recipe's zero points, for the group-wise candidates (a per-channel layer
     has none in the run either)."""
-    from qharness.recipes.registration import QUANTIZERS
-
-    build = QUANTIZERS[recipe.quantizer].build
     grouped = [c for c in candidates if candidate_rule(c).get("group_size") is not None]
-    return {c: build(_settings(recipe, c, zero_points=True), False) for c in grouped}
+    return {c: _quantizer(recipe, c, zero_points=True) for c in grouped}
 
 
 def _baseline(fp_model, recipe, names: list[str], against: str):

@@ -77,15 +77,15 @@ def round_weights(
     mlps, group = [], None
     if smoothing is not None:
         mlps = smoothing_.gated_mlps(model, set(layers))
-        linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        if not mlps and smoothing_.gated_mlps(model, linears):
+        if not mlps:  # a model with gated MLPs whose layers: rules keep them all at other schemes smooths none
+            linears = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+            if not smoothing_.gated_mlps(model, linears):
+                raise UserError(
+                    f"quantizer smoothing: {type(model).__name__} has no gated MLP (gate_proj, up_proj, down_proj) "
+                    "whose up and down projections the recipe rounds",
+                    fix="drop smoothing from the recipe for this model",
+                )
             log.info("smoothing: no gated MLP is rounded (the recipe's layers: rules keep them all at other schemes)")
-        elif not mlps:
-            raise UserError(
-                f"quantizer smoothing: {type(model).__name__} has no gated MLP (gate_proj, up_proj, down_proj) whose "
-                "up and down projections the recipe rounds",
-                fix="drop smoothing from the recipe for this model",
-            )
         groups = {grid(layers[f"{m}.down_proj"][1].config, layers[f"{m}.down_proj"][0].in_features)[2] for m in mlps}
         if len(groups) > 1:
             raise UserError(
